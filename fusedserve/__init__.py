@@ -1,0 +1,1 @@
+"""fusedserve: planned, fused-communication LLM serving on Kubernetes."""

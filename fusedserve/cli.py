@@ -1,0 +1,56 @@
+"""The `fusedserve` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from fusedserve.worker.verify import VerifyError, VerifyOptions, load_prompts_file, run_verify
+
+    try:
+        opts = VerifyOptions(
+            model=args.model, tp=args.tp, dp=args.dp, ep=args.ep, fusion=args.fusion, oracle=args.oracle,
+            dtype=args.dtype, prompts=load_prompts_file(args.prompts) if args.prompts else None,
+            tolerance=args.tolerance,
+        )
+        report = run_verify(opts)
+    except VerifyError as e:
+        print(f"fusedserve verify: error: {e}", file=sys.stderr)
+        return 2
+    print(report.to_json() if args.json else report.to_text())
+    return 0 if report.ok else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fusedserve", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+    v = sub.add_parser("verify", help="run a checkpoint on N ranks and compare logits and collectives with an oracle")
+    v.add_argument("--model", required=True, help="HuggingFace checkpoint directory")
+    v.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
+    v.add_argument("--dp", type=int, default=1, help="attention data-parallel groups (default 1)")
+    v.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (default 1)")
+    v.add_argument("--fusion", default="off", choices=["off", "reference", "flashinfer"],
+                   help="all-reduce + add + RMSNorm fusion (default off)")
+    v.add_argument("--oracle", default="hf", choices=["hf", "tp1"],
+                   help="compare with HF transformers or with our own tp=1 run (default hf)")
+    v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    v.add_argument("--prompts", help="JSON file: a list of token-id lists")
+    v.add_argument("--tolerance", type=float, help="max abs logit difference (default 1e-4 fp32, 1e-1 bf16)")
+    v.add_argument("--json", action="store_true", help="print the report as JSON")
+    v.set_defaults(func=_verify)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

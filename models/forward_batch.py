@@ -1,0 +1,84 @@
+"""What one forward needs besides the weights: tokens, positions, and where their KV goes.
+
+Sequences are packed one after another (``query_lens`` tokens each). Each sequence's KV lives
+in fixed-size blocks of a paged cache; ``block_tables[i]`` lists sequence i's blocks and
+``slot_mapping`` says where each new token's K/V is written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class KVCache:
+    """Paged K/V storage of every attention layer: [num_blocks * block_size, kv_heads, head_dim]."""
+
+    k: dict[int, torch.Tensor]
+    v: dict[int, torch.Tensor]
+    block_size: int
+    num_blocks: int
+
+    @staticmethod
+    def allocate(layer_shapes: dict[int, tuple[int, int]], num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device | str | None = None) -> KVCache:
+        """layer_shapes: layer id -> (kv_heads, head_dim) on this rank."""
+        slots = num_blocks * block_size
+        k = {i: torch.zeros(slots, h, d, dtype=dtype, device=device) for i, (h, d) in layer_shapes.items()}
+        v = {i: torch.zeros(slots, h, d, dtype=dtype, device=device) for i, (h, d) in layer_shapes.items()}
+        return KVCache(k=k, v=v, block_size=block_size, num_blocks=num_blocks)
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    query_lens: list[int]  # new tokens per sequence
+    context_lens: list[int]  # tokens in the cache per sequence after this step (incl. the new ones)
+    slot_mapping: torch.Tensor  # [T] cache slot of each new token
+    block_tables: list[list[int]]
+    kv_cache: KVCache | None
+    logits_indices: torch.Tensor | None = None  # rows that get logits; None = every row
+    # Optional per-sequence [query_len, context_len] boolean masks (True = may attend), e.g. a
+    # speculative tree; None = causal.
+    attn_masks: list[torch.Tensor | None] | None = None
+    extras: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @staticmethod
+    def prefill(prompts: list[list[int]], kv_cache: KVCache, device: torch.device | str | None = None,
+                all_logits: bool = True) -> ForwardBatch:
+        """Fresh sequences laid out in consecutive blocks of ``kv_cache``."""
+        bs = kv_cache.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        tables: list[list[int]] = []
+        next_block = 0
+        for p in prompts:
+            nblocks = -(-len(p) // bs)
+            table = list(range(next_block, next_block + nblocks))
+            next_block += nblocks
+            if next_block > kv_cache.num_blocks:
+                raise ValueError(f"KV cache of {kv_cache.num_blocks} blocks is too small for these prompts")
+            ids += p
+            positions += range(len(p))
+            slots += [table[i // bs] * bs + i % bs for i in range(len(p))]
+            tables.append(table)
+        lens = [len(p) for p in prompts]
+        last = torch.tensor([sum(lens[: i + 1]) - 1 for i in range(len(lens))], device=device)
+        return ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            query_lens=lens,
+            context_lens=list(lens),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            block_tables=tables,
+            kv_cache=kv_cache,
+            logits_indices=None if all_logits else last,
+        )

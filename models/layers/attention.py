@@ -1,0 +1,51 @@
+"""Attention over the paged KV cache: the plain torch reference (GPU kernels come later)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..forward_batch import ForwardBatch
+
+
+def paged_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer_id: int,
+    batch: ForwardBatch,
+    scale: float,
+) -> torch.Tensor:
+    """Write the new K/V into the cache, then attend each sequence to its whole context.
+
+    q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] -> [T, heads, v_head_dim]
+    """
+    cache = batch.kv_cache
+    if cache is None:
+        raise ValueError("attention needs a KV cache in the forward batch")
+    kc, vc = cache.k[layer_id], cache.v[layer_id]
+    kc[batch.slot_mapping] = k.to(kc.dtype)
+    vc[batch.slot_mapping] = v.to(vc.dtype)
+    bs = cache.block_size
+    heads, kv_heads = q.shape[1], k.shape[1]
+    group = heads // kv_heads
+    out = torch.empty((q.shape[0], heads, vc.shape[-1]), dtype=q.dtype, device=q.device)
+    start = 0
+    for i, (qlen, clen) in enumerate(zip(batch.query_lens, batch.context_lens)):
+        if qlen == 0:
+            continue
+        table = torch.tensor(batch.block_tables[i], dtype=torch.long, device=q.device)
+        pos = torch.arange(clen, device=q.device)
+        slots = table[pos // bs] * bs + pos % bs
+        keys = kc[slots].repeat_interleave(group, dim=1)  # [clen, heads, hd]
+        values = vc[slots].repeat_interleave(group, dim=1)
+        qi = q[start : start + qlen]
+        scores = torch.einsum("qhd,khd->hqk", qi.float(), keys.float()) * scale
+        mask = None if batch.attn_masks is None else batch.attn_masks[i]
+        if mask is None:
+            qpos = torch.arange(clen - qlen, clen, device=q.device)
+            mask = pos[None, :] <= qpos[:, None]
+        scores = scores.masked_fill(~mask[None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[start : start + qlen] = torch.einsum("hqk,khd->qhd", probs, values.float()).to(q.dtype)
+        start += qlen
+    return out

@@ -1,0 +1,43 @@
+"""Feed-forward blocks split over a group; the down projection leaves a sum owed to it."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..parallel.groups import Group
+from ..parallel.layouts import Unreduced
+from .linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int, group: Group, bias: bool = False,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.group = group
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate], group, bias,
+                                                       dtype, device)
+        self.down_proj = RowParallelLinear(intermediate, hidden, group, bias, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> Unreduced:
+        # x: [n, hidden] -> owed [n, hidden]
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return Unreduced(self.down_proj(F.silu(gate) * up), self.group.name)
+
+
+class Relu2MLP(nn.Module):
+    """Non-gated squared-ReLU MLP (Nemotron-H): down(relu(up(x))**2)."""
+
+    def __init__(self, hidden: int, intermediate: int, group: Group, bias: bool = False,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.group = group
+        self.up_proj = ColumnParallelLinear(hidden, intermediate, group, bias, dtype, device)
+        self.down_proj = RowParallelLinear(intermediate, hidden, group, bias, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> Unreduced:
+        # x: [n, hidden] -> owed [n, hidden]
+        return Unreduced(self.down_proj(torch.relu(self.up_proj(x)).square()), self.group.name)

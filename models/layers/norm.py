@@ -1,0 +1,21 @@
+"""RMSNorm. The math (and the fused all-reduce variant's reference) is in
+``parallel/fused_allreduce_norm.py``; the communicator applies input norms at boundaries."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..parallel.fused_allreduce_norm import rms_norm
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [n, hidden]
+        return rms_norm(x, self.weight, self.eps)

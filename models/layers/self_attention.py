@@ -1,0 +1,48 @@
+"""GQA self-attention block: qkv projection, optional RoPE, paged attention, output projection.
+
+Heads are split over the attention-TP group; the output projection leaves a sum owed to it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..forward_batch import ForwardBatch
+from ..parallel.groups import Group
+from ..parallel.layouts import Unreduced
+from .attention import paged_attention_reference
+from .linear import QKVParallelLinear, RowParallelLinear
+from .rotary import RotaryEmbedding
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, layer_id: int, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 group: Group, rotary: RotaryEmbedding | None, qkv_bias: bool = False, o_bias: bool = False,
+                 input_size: int | None = None, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.group = group
+        self.head_dim = head_dim
+        self.qkv_proj = QKVParallelLinear(input_size or hidden, head_dim, num_heads, num_kv_heads, group,
+                                          bias=qkv_bias, dtype=dtype, device=device)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, group, bias=o_bias, dtype=dtype, device=device)
+        self.rotary = rotary
+        self.scale = head_dim ** -0.5
+
+    def kv_shape(self) -> tuple[int, int]:
+        """(kv_heads, head_dim) this rank caches."""
+        return self.qkv_proj.kv_heads, self.head_dim
+
+    def forward(self, h: torch.Tensor, batch: ForwardBatch) -> Unreduced:
+        # h: [n, hidden] (or [n, input_size]) -> owed [n, hidden]
+        n = h.shape[0]
+        q, k, v = self.qkv_proj(h)
+        q = q.view(n, -1, self.head_dim)
+        k = k.view(n, -1, self.head_dim)
+        v = v.view(n, -1, self.head_dim)
+        if self.rotary is not None:
+            q, k = self.rotary(batch.positions, q, k)
+        o = paged_attention_reference(q, k, v, self.layer_id, batch, self.scale)
+        return Unreduced(self.o_proj(o.reshape(n, -1)), self.group.name)

@@ -1,0 +1,120 @@
+"""Llama-style dense model (GQA, RoPE, SwiGLU): composition of layers only.
+
+Each decoder layer is two blocks, attention and MLP; the communicator completes every owed
+sum at the boundaries in front of them (see ``parallel/comm_plan.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .forward_batch import ForwardBatch
+from .layers.mlp import GatedMLP
+from .layers.norm import RMSNorm
+from .layers.rotary import RotaryEmbedding, rope_parameters
+from .layers.self_attention import SelfAttention
+from .layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from .parallel.collectives import Collectives
+from .parallel.comm_plan import BlockSpec, plan_communication, vocab_group
+from .parallel.communicator import Communicator
+from .parallel.groups import ParallelGroups
+from .parallel.layouts import Layout, Unreduced
+
+
+def head_dim_of(config: Any) -> int:
+    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_id: int, groups: ParallelGroups, rotary: RotaryEmbedding,
+                 dtype: torch.dtype, device: torch.device | str | None) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.layer_id = layer_id
+        self.input_layernorm = RMSNorm(h, config.rms_norm_eps, dtype, device)
+        self.self_attn = SelfAttention(
+            layer_id, h, config.num_attention_heads, config.num_key_value_heads, head_dim_of(config),
+            groups.attn_tp, rotary, qkv_bias=getattr(config, "attention_bias", False),
+            o_bias=getattr(config, "attention_bias", False), dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps, dtype, device)
+        self.mlp = GatedMLP(h, config.intermediate_size, groups.tp, getattr(config, "mlp_bias", False),
+                            dtype, device)
+
+    def forward(self, incoming: Unreduced, residual: torch.Tensor | None, batch: ForwardBatch,
+                comm: Communicator) -> tuple[Unreduced, torch.Tensor]:
+        i = self.layer_id
+        h, residual = comm.boundary(2 * i, incoming, residual, self.input_layernorm)
+        comm.after_input_boundary(i, residual)
+        h, residual = comm.boundary(2 * i + 1, self.self_attn(h, batch), residual, self.post_attention_layernorm)
+        return self.mlp(h), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: Any, groups: ParallelGroups, collectives: Collectives, fusion: bool,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.config = config
+        theta, scaling = rope_parameters(config)
+        rotary = RotaryEmbedding(head_dim_of(config), theta, scaling).to(device)
+        vgroup = groups.by_name(vocab_group(groups.config))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, vgroup, dtype, device)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, groups, rotary, dtype, device) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, vgroup, dtype, device)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.tie_to(self.embed_tokens)
+        plan = plan_communication(groups.config, self.blocks(config), fusion)
+        self.comm = Communicator(plan, groups, collectives)
+
+    @staticmethod
+    def blocks(config: Any) -> list[BlockSpec]:
+        out: list[BlockSpec] = []
+        for i in range(config.num_hidden_layers):
+            out.append(BlockSpec(f"layers.{i}.attn", Layout.ATTN_TP_FULL, "attn_tp"))
+            out.append(BlockSpec(f"layers.{i}.mlp", Layout.FULL, "tp"))
+        return out
+
+    def kv_shapes(self) -> dict[int, tuple[int, int]]:
+        return {layer.layer_id: layer.self_attn.kv_shape() for layer in self.layers}
+
+    # HF checkpoint names -> (our parameter, shard id) for stacked parameters.
+    stacked_params = (
+        (".qkv_proj.", ".q_proj.", "q"),
+        (".qkv_proj.", ".k_proj.", "k"),
+        (".qkv_proj.", ".v_proj.", "v"),
+        (".gate_up_proj.", ".gate_proj.", 0),
+        (".gate_up_proj.", ".up_proj.", 1),
+    )
+
+    def checkpoint_name_to_param(self, name: str) -> tuple[str, object] | None:
+        """Our parameter name and shard id for an HF tensor name; None = not ours to load."""
+        if name.startswith("model."):
+            name = name[len("model."):]
+        if "rotary_emb.inv_freq" in name:
+            return None
+        if name == "lm_head.weight" and getattr(self.config, "tie_word_embeddings", False):
+            return None
+        for ours, theirs, shard in self.stacked_params:
+            if theirs in name:
+                return name.replace(theirs, ours), shard
+        return name, None
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits for ``batch.logits_indices`` rows (all rows if None): [n, vocab_size]."""
+        comm = self.comm
+        comm.begin_forward(batch.num_tokens)
+        x: Unreduced = self.embed_tokens(batch.input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, batch, comm)
+        h, _ = comm.boundary(len(self.layers) * 2, x, residual, self.norm)
+        if batch.logits_indices is not None:
+            h = h[batch.logits_indices]
+        logits = comm.gather_vocab(self.lm_head.logits_shard(h))
+        return logits[:, : self.config.vocab_size]

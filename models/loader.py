@@ -1,0 +1,164 @@
+"""HF checkpoint (config.json + *.safetensors, sharded index too) -> our model, sharded per rank.
+
+Tensors are read lazily through safetensors slices: each parallel layer's ``weight_loader``
+reads only this rank's shard, so no rank materialises the full weights. Every failure names
+what is wrong: a missing file, a corrupt file, a missing tensor, a shape mismatch, an
+unsupported architecture.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .layers.linear import default_weight_loader
+from .layers.weight_source import WeightShapeError
+from .parallel.collectives import Collectives
+from .parallel.groups import ParallelGroups
+from .registry import model_class
+
+log = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointError(RuntimeError):
+    """The checkpoint directory cannot be loaded into the model; the message says why."""
+
+
+class SafetensorsSource:
+    """A lazily read tensor of an open safetensors file."""
+
+    def __init__(self, name: str, handle: Any, file: Path) -> None:
+        self.name = name
+        self._slice = handle.get_slice(name)
+        self._file = file
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._slice.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = tuple([slice(None)] * dim + [slice(start, start + length)])
+        return self._read(index)
+
+    def full(self) -> torch.Tensor:
+        return self._read((slice(None),) * len(self.shape) if self.shape else ())
+
+    def _read(self, index: tuple[slice, ...]) -> torch.Tensor:
+        try:
+            return self._slice[index] if index else self._slice[:]
+        except Exception as e:  # safetensors raises its own error types
+            raise CheckpointError(f"{self._file.name}: cannot read tensor {self.name}: {e}") from e
+
+
+def load_config(model_dir: str | Path) -> Any:
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path}: no config.json (is this a HuggingFace checkpoint directory?)")
+    try:
+        json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path / 'config.json'}: not valid JSON: {e}") from e
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(path))
+
+
+def architecture_of(config: Any) -> str:
+    archs = getattr(config, "architectures", None) or []
+    if not archs:
+        raise CheckpointError("config.json names no architecture ('architectures' is empty)")
+    return str(archs[0])
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    path = Path(model_dir)
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index: {e}") from e
+        files = sorted({path / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{path}: files named in {INDEX_FILE} are missing: {', '.join(missing)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors files")
+    return files
+
+
+def iter_checkpoint(files: list[Path]) -> Iterator[SafetensorsSource]:
+    from safetensors import safe_open
+
+    for file in files:
+        try:
+            handle_cm = safe_open(str(file), framework="pt", device="cpu")
+            handle = handle_cm.__enter__()
+        except Exception as e:
+            raise CheckpointError(f"{file}: not a readable safetensors file: {e}") from e
+        try:
+            for name in handle.keys():
+                yield SafetensorsSource(name, handle, file)
+        finally:
+            handle_cm.__exit__(None, None, None)
+
+
+def load_weights(model: nn.Module, sources: Iterator[Any]) -> None:
+    """Load every tensor into its parameter; fail on any parameter left unloaded."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    expected = _expected_loads(model, params)
+    loaded: set[tuple[str, object]] = set()
+    for source in sources:
+        target = model.checkpoint_name_to_param(source.name)  # type: ignore[operator]
+        if target is None:
+            continue
+        pname, shard = target
+        if pname not in params:
+            raise CheckpointError(f"checkpoint tensor {source.name} has no place in the model (as {pname})")
+        owner = model.get_submodule(pname.rsplit(".", 1)[0]) if "." in pname else model
+        loader = getattr(owner, "weight_loader", default_weight_loader)
+        try:
+            loader(params[pname], source, shard)
+        except WeightShapeError as e:
+            raise CheckpointError(str(e)) from e
+        loaded.add((pname, shard))
+    missing = sorted(f"{p}" + (f"[{s}]" if s is not None else "") for p, s in expected - loaded)
+    if missing:
+        raise CheckpointError(f"checkpoint lacks {len(missing)} tensor(s): {', '.join(missing[:8])}"
+                              + (" ..." if len(missing) > 8 else ""))
+
+
+def _expected_loads(model: nn.Module, params: dict[str, nn.Parameter]) -> set[tuple[str, object]]:
+    shards: dict[str, list[object]] = {}
+    for ours, _theirs, shard in getattr(model, "stacked_params", ()):
+        shards.setdefault(ours, []).append(shard)
+    tied = {name for name, p in params.items() if any(p is q for n, q in params.items() if n < name)}
+    out: set[tuple[str, object]] = set()
+    for name in params:
+        if name in tied:
+            continue
+        stacked = next((ids for key, ids in shards.items() if key in f".{name}"), None)
+        out |= {(name, s) for s in stacked} if stacked else {(name, None)}
+    return out
+
+
+def load_model(model_dir: str | Path, groups: ParallelGroups, collectives: Collectives, fusion: bool,
+               dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> nn.Module:
+    config = load_config(model_dir)
+    cls = model_class(architecture_of(config))
+    files = checkpoint_files(model_dir)
+    model = cls(config, groups, collectives, fusion, dtype=dtype, device=device)
+    load_weights(model, iter_checkpoint(files))
+    log.info("loaded %s from %s (%d files) on rank %d", type(model).__name__, model_dir, len(files),
+             groups.coords.rank)
+    return model

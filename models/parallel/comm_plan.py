@@ -1,0 +1,147 @@
+"""The communication plan: which collectives run where, decided once, as a pure value.
+
+A model is a sequence of *blocks* (attention, MLP, MoE, Mamba mixer), each of which
+returns an ``Unreduced`` sum owed to one group. Between two blocks sits a *boundary*: it
+completes what the previous block owes, adds the residual, applies the next block's input
+norm and moves the tokens into the next block's layout. The plan lists, for each boundary,
+its kind and the collectives it runs; the communicator executes exactly that and the
+ledger records it, so plan and execution can be compared.
+
+Deferral is a plan decision: with fusion, the MLP's sum is not all-reduced at the end of
+layer i but completed by the fused all-reduce + add + RMSNorm at layer i+1's input.
+
+Fusion is gated as in sglang: tp > 1, no DP attention, 0 < tokens <= 2048, and never at
+the final norm. Because the token gate depends on the batch, the plan holds one variant
+per gate outcome; ``CommPlan.select`` picks one per forward.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from .groups import ParallelConfig
+from .layouts import Layout
+
+FUSION_MAX_TOKENS = 2048
+
+
+class BoundaryKind(enum.Enum):
+    # Model input: complete the embedding's sum; residual := h; h := norm(h).
+    FIRST = "first"
+    # Complete the owed sum with an all-reduce (none on a size-1 group), then add + norm.
+    ALL_REDUCE_ADD_NORM = "all_reduce_add_norm"
+    # Complete the owed sum inside the fused all-reduce + add + RMSNorm.
+    FUSED_AR_ADD_NORM = "fused_ar_add_norm"
+
+
+@dataclass(frozen=True)
+class Step:
+    op: str  # ledger op name
+    group: str
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """What the communicator must know about one block of a model."""
+
+    name: str  # e.g. "layers.3.mlp"
+    layout: Layout  # where the block wants its tokens
+    owes: str  # group its output owes a sum to, e.g. "attn_tp", "tp"
+
+
+@dataclass(frozen=True)
+class Boundary:
+    site: str  # "<next block>.in" or "final.in"
+    kind: BoundaryKind
+    owed: str  # group the incoming value owes its sum to
+    steps: tuple[Step, ...]
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    fused: bool
+    boundaries: tuple[Boundary, ...]  # one before each block, then the final norm
+    lm_head: tuple[Step, ...]
+
+    def expected(self) -> list[tuple[str, str, str]]:
+        """(site, op, group) of every collective of one forward, in order."""
+        rows = [(b.site, s.op, s.group) for b in self.boundaries for s in b.steps]
+        rows += [("lm_head", s.op, s.group) for s in self.lm_head]
+        return rows
+
+    def table(self) -> list[str]:
+        """Human-readable rows, one per boundary with collectives."""
+        return [
+            f"{b.site}: " + ", ".join(f"{s.op}({s.group})" for s in b.steps)
+            for b in self.boundaries
+            if b.steps
+        ] + [f"lm_head: " + ", ".join(f"{s.op}({s.group})" for s in self.lm_head)] * bool(self.lm_head)
+
+
+@dataclass(frozen=True)
+class CommPlan:
+    config: ParallelConfig
+    fusion: bool
+    unfused: ForwardPlan
+    fused: ForwardPlan | None  # None when fusion can never apply
+
+    def select(self, num_tokens: int) -> ForwardPlan:
+        if self.fused is not None and 0 < num_tokens <= FUSION_MAX_TOKENS:
+            return self.fused
+        return self.unfused
+
+
+def vocab_group(config: ParallelConfig) -> str:
+    """The group a vocab-parallel embedding / LM head is split over."""
+    return "tp" if config.dp == 1 else "attn_tp"
+
+
+def _group_size(config: ParallelConfig, name: str) -> int:
+    sizes = {"tp": config.tp, "attn_tp": config.attn_tp, "dp": config.dp,
+             "moe_ep": config.ep, "moe_tp": config.moe_tp}
+    return sizes[name]
+
+
+def _forward_plan(config: ParallelConfig, blocks: list[BlockSpec], fused: bool) -> ForwardPlan:
+    def size(name: str) -> int:
+        return _group_size(config, name)
+
+    embed_group = vocab_group(config)
+    boundaries: list[Boundary] = [
+        Boundary(
+            site=f"{blocks[0].name}.in",
+            kind=BoundaryKind.FIRST,
+            owed=embed_group,
+            steps=(Step("all_reduce", embed_group),) if size(embed_group) > 1 else (),
+        )
+    ]
+    for prev, nxt in zip(blocks, blocks[1:]):
+        boundaries.append(_between(config, prev.owes, f"{nxt.name}.in", fused))
+    # The final norm never takes the fused kernel (as in sglang: not the last layer).
+    boundaries.append(_between(config, blocks[-1].owes, "final.in", fused=False))
+    lm_head = (Step("all_gather", embed_group),) if size(embed_group) > 1 else ()
+    return ForwardPlan(fused=fused, boundaries=tuple(boundaries), lm_head=lm_head)
+
+
+def _between(config: ParallelConfig, owed: str, site: str, fused: bool) -> Boundary:
+    if _group_size(config, owed) == 1:
+        return Boundary(site, BoundaryKind.ALL_REDUCE_ADD_NORM, owed, ())
+    if fused:
+        return Boundary(site, BoundaryKind.FUSED_AR_ADD_NORM, owed, (Step("fused_ar_add_rmsnorm", owed),))
+    return Boundary(site, BoundaryKind.ALL_REDUCE_ADD_NORM, owed, (Step("all_reduce", owed),))
+
+
+def plan_communication(config: ParallelConfig, blocks: list[BlockSpec], fusion: bool) -> CommPlan:
+    """The plan for a model's blocks under (tp, dp, ep) with fusion available or not."""
+    if not blocks:
+        raise ValueError("a model needs at least one block")
+    if config.dp > 1:
+        raise NotImplementedError("DP attention plans are not built yet")
+    can_fuse = fusion and config.tp > 1 and not config.dp_attention
+    return CommPlan(
+        config=config,
+        fusion=fusion,
+        unfused=_forward_plan(config, blocks, fused=False),
+        fused=_forward_plan(config, blocks, fused=True) if can_fuse else None,
+    )

@@ -1,0 +1,70 @@
+"""All-reduce + residual add + RMSNorm: the plain reference and the kernel choice.
+
+``residual_out = all_reduce(x) + residual``; ``normed = rms_norm(residual_out) * weight``.
+The reference runs exactly that: a real all-reduce, then the add, then the norm — never a
+norm without the all-reduce. The FlashInfer kernel (GPU) lives in ``flashinfer_fusion.py``
+and falls back to this reference; which one a rank uses is decided once, at construction.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from .groups import Group
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # x: [num_tokens, hidden]; statistics in fp32, output in x's dtype (as HF Llama does).
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (rms_norm(x + residual), x + residual); the sum is a fresh tensor."""
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
+class FusedAllReduceNorm(Protocol):
+    """One all-reduce + add + RMSNorm over a group. ``path`` labels it in the ledger."""
+
+    path: str
+
+    def __call__(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, group: Group
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class ReferenceFusedAllReduceNorm:
+    """all_reduce(x) on the group's device group, then add, then RMSNorm."""
+
+    path = "reference_fused"
+
+    def __call__(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, group: Group
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # x, residual: [num_tokens, hidden]
+        if not group.is_trivial:
+            dist.all_reduce(x, group=group.device_group)
+        return add_rms_norm(x, residual, weight, eps)
+
+
+def make_fused_allreduce_norm(mode: str, groups: object) -> FusedAllReduceNorm:
+    """The fused kernel for this rank, decided once: "off"/"reference" -> the reference,
+    "flashinfer" -> FlashInfer's kernel (GPU only; imported lazily)."""
+    if mode in ("off", "reference"):
+        return ReferenceFusedAllReduceNorm()
+    if mode == "flashinfer":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--fusion flashinfer needs CUDA GPUs; use --fusion reference on CPU")
+        from .flashinfer_fusion import FlashInferFusedAllReduceNorm  # type: ignore[import-not-found]
+
+        return FlashInferFusedAllReduceNorm.create(groups)  # type: ignore[no-any-return]
+    raise ValueError(f"unknown fusion mode {mode!r}")

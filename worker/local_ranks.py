@@ -1,0 +1,62 @@
+"""Run one function on N local ranks (processes) with torch.distributed initialised.
+
+gloo on CPU, NCCL on CUDA (one GPU per rank); rendezvous over TCP on 127.0.0.1. A rank that
+raises ends the whole run (the other ranks are terminated) and the error comes back to the
+caller with the rank's traceback. Results travel by value through files in a temp directory.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class RankFailed(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry(rank: int, world: int, port: int, backend: str, fn: Callable[..., Any], args: tuple[Any, ...],
+           out_dir: str, timeout_s: float) -> None:
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+    try:
+        out = fn(rank, world, backend, *args)
+        torch.save(out, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_ranks(fn: Callable[..., Any], world: int, *args: Any, backend: str | None = None,
+                 timeout_s: float = 120.0) -> list[Any]:
+    """fn(rank, world, backend, *args) on every rank; returns the values in rank order."""
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory(prefix="fusedserve-ranks-") as out_dir:
+        try:
+            mp.start_processes(_entry, args=(world, free_port(), backend, fn, args, out_dir, timeout_s),
+                               nprocs=world, join=True, start_method="spawn")
+        except mp.ProcessRaisedException as e:
+            text = str(e).strip()
+            raise RankFailed(text.splitlines()[-1] if text else "a rank failed") from e
+        except mp.ProcessExitedException as e:
+            raise RankFailed(f"a rank exited unexpectedly: {e}") from e
+        return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
