@@ -8,6 +8,7 @@ in fixed-size blocks of a paged cache; ``block_tables[i]`` lists sequence i's bl
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -22,12 +23,16 @@ class KVCache:
     num_blocks: int
 
     @staticmethod
-    def allocate(layer_shapes: dict[int, tuple[int, int]], num_blocks: int, block_size: int,
+    def allocate(layer_shapes: dict[int, tuple[int, ...]], num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device | str | None = None) -> KVCache:
-        """layer_shapes: layer id -> (kv_heads, head_dim) on this rank."""
+        """layer_shapes: layer id -> (kv_heads, head_dim) or (kv_heads, k_dim, v_dim) on this rank."""
         slots = num_blocks * block_size
-        k = {i: torch.zeros(slots, h, d, dtype=dtype, device=device) for i, (h, d) in layer_shapes.items()}
-        v = {i: torch.zeros(slots, h, d, dtype=dtype, device=device) for i, (h, d) in layer_shapes.items()}
+        k: dict[int, torch.Tensor] = {}
+        v: dict[int, torch.Tensor] = {}
+        for i, shape in layer_shapes.items():
+            heads, k_dim, v_dim = (shape[0], shape[1], shape[1]) if len(shape) == 2 else shape
+            k[i] = torch.zeros(slots, heads, k_dim, dtype=dtype, device=device)
+            v[i] = torch.zeros(slots, heads, v_dim, dtype=dtype, device=device)
         return KVCache(k=k, v=v, block_size=block_size, num_blocks=num_blocks)
 
 
@@ -44,6 +49,11 @@ class ForwardBatch:
     # Optional per-sequence [query_len, context_len] boolean masks (True = may attend), e.g. a
     # speculative tree; None = causal.
     attn_masks: list[torch.Tensor | None] | None = None
+    # Per-sequence recurrent-state slots (Mamba layers) and their storage; None without such layers.
+    state_slots: list[int] | None = None
+    state_cache: Any = None
+    # DP attention: tokens of every DP group this forward (this batch is this rank's DP group's).
+    dp_num_tokens: list[int] | None = None
     extras: dict[str, object] = field(default_factory=dict)
 
     @property

@@ -36,6 +36,9 @@ class Communicator:
         self.collectives = collectives
         self.active: ForwardPlan = plan.unfused
         self._vocab_group = groups.by_name(plan.unfused.lm_head[0].group) if plan.unfused.lm_head else None
+        # Rows of a FULL-layout tensor that are real tokens (DP padding excluded); None = all.
+        # MoE blocks read it so that padding rows never route to experts.
+        self.valid_rows: torch.Tensor | None = None
         self._capture: frozenset[int] = frozenset()
         self.captured: list[torch.Tensor] = []
 
