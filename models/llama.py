@@ -108,7 +108,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits for ``batch.logits_indices`` rows (all rows if None): [n, vocab_size]."""
         comm = self.comm
-        comm.begin_forward(batch.num_tokens)
+        comm.begin_forward(batch.num_tokens, batch.dp_num_tokens)
         x: Unreduced = self.embed_tokens(batch.input_ids)
         residual: torch.Tensor | None = None
         for layer in self.layers:

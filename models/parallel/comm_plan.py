@@ -13,6 +13,14 @@ layer i but completed by the fused all-reduce + add + RMSNorm at layer i+1's inp
 Fusion is gated as in sglang: tp > 1, no DP attention, 0 < tokens <= 2048, and never at
 the final norm. Because the token gate depends on the batch, the plan holds one variant
 per gate outcome; ``CommPlan.select`` picks one per forward.
+
+DP attention (dp > 1): the residual stream stays SCATTERED (see ``dp_geometry.py``). A
+boundary completes the owed sum straight into this rank's chunk with ONE reduce-scatter
+over the owing group (attn_tp after attention/Mamba, tp after an MLP/MoE that ran on all
+DP groups' tokens), adds the residual and norms the chunk, then gathers the normed chunk
+into the next block's layout (all-gather over attn_tp for ATTN_TP_FULL; all-gather over tp
+for FULL with MAX_LEN padding, or all-reduce of a zero-filled buffer with SUM_LEN). So an
+MoE layer's sum is completed by exactly one reduce-scatter and never all-reduced.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from .dp_geometry import Padding
 from .groups import ParallelConfig
 from .layouts import Layout
 
@@ -33,6 +42,11 @@ class BoundaryKind(enum.Enum):
     ALL_REDUCE_ADD_NORM = "all_reduce_add_norm"
     # Complete the owed sum inside the fused all-reduce + add + RMSNorm.
     FUSED_AR_ADD_NORM = "fused_ar_add_norm"
+    # DP attention, model input: the embedding's sum is completed into this rank's chunk
+    # (reduce-scatter over attn_tp); residual := chunk; norm; gather to the next layout.
+    DP_FIRST = "dp_first"
+    # DP attention: reduce-scatter the owed sum into this rank's chunk, add + norm, gather.
+    DP_SCATTER_ADD_NORM_GATHER = "dp_scatter_add_norm_gather"
 
 
 @dataclass(frozen=True)
@@ -56,11 +70,13 @@ class Boundary:
     kind: BoundaryKind
     owed: str  # group the incoming value owes its sum to
     steps: tuple[Step, ...]
+    gather_to: Layout = Layout.ATTN_TP_FULL  # DP attention: the layout the next block wants
 
 
 @dataclass(frozen=True)
 class ForwardPlan:
     fused: bool
+    padding: Padding | None  # DP attention only
     boundaries: tuple[Boundary, ...]  # one before each block, then the final norm
     lm_head: tuple[Step, ...]
 
@@ -83,13 +99,22 @@ class ForwardPlan:
 class CommPlan:
     config: ParallelConfig
     fusion: bool
-    unfused: ForwardPlan
+    unfused: ForwardPlan  # without DP attention; with it, the MAX_LEN variant
     fused: ForwardPlan | None  # None when fusion can never apply
+    sum_len: ForwardPlan | None = None  # DP attention, SUM_LEN padding
 
-    def select(self, num_tokens: int) -> ForwardPlan:
+    def select(self, num_tokens: int, padding: Padding | None = None) -> ForwardPlan:
+        if self.config.dp_attention:
+            if padding is None:
+                raise ValueError("DP attention needs the forward's padding mode")
+            assert self.sum_len is not None
+            return self.sum_len if padding is Padding.SUM_LEN else self.unfused
         if self.fused is not None and 0 < num_tokens <= FUSION_MAX_TOKENS:
             return self.fused
         return self.unfused
+
+    def variants(self) -> list[ForwardPlan]:
+        return [p for p in (self.unfused, self.fused, self.sum_len) if p is not None]
 
 
 def vocab_group(config: ParallelConfig) -> str:
@@ -121,7 +146,28 @@ def _forward_plan(config: ParallelConfig, blocks: list[BlockSpec], fused: bool) 
     # The final norm never takes the fused kernel (as in sglang: not the last layer).
     boundaries.append(_between(config, blocks[-1].owes, "final.in", fused=False))
     lm_head = (Step("all_gather", embed_group),) if size(embed_group) > 1 else ()
-    return ForwardPlan(fused=fused, boundaries=tuple(boundaries), lm_head=lm_head)
+    return ForwardPlan(fused=fused, padding=None, boundaries=tuple(boundaries), lm_head=lm_head)
+
+
+def _dp_forward_plan(config: ParallelConfig, blocks: list[BlockSpec], padding: Padding) -> ForwardPlan:
+    def scatter(owed: str) -> tuple[Step, ...]:
+        if owed not in ("attn_tp", "tp"):
+            raise NotImplementedError(f"DP attention: a block owing its sum to {owed!r} is not supported")
+        return (Step("reduce_scatter", owed),) if _group_size(config, owed) > 1 else ()
+
+    def gather(layout: Layout) -> tuple[Step, ...]:
+        if layout is Layout.FULL:
+            return (Step("all_gather" if padding is Padding.MAX_LEN else "all_reduce", "tp"),)
+        return (Step("all_gather", "attn_tp"),) if config.attn_tp > 1 else ()
+
+    targets = [(f"{b.name}.in", b.layout) for b in blocks] + [("final.in", Layout.ATTN_TP_FULL)]
+    owed = ["attn_tp"] + [b.owes for b in blocks]
+    boundaries = []
+    for i, ((site, layout), debt) in enumerate(zip(targets, owed)):
+        kind = BoundaryKind.DP_FIRST if i == 0 else BoundaryKind.DP_SCATTER_ADD_NORM_GATHER
+        boundaries.append(Boundary(site, kind, debt, scatter(debt) + gather(layout), gather_to=layout))
+    lm_head = (Step("all_gather", "attn_tp"),) if config.attn_tp > 1 else ()
+    return ForwardPlan(fused=False, padding=padding, boundaries=tuple(boundaries), lm_head=lm_head)
 
 
 def _between(config: ParallelConfig, owed: str, site: str, fused: bool) -> Boundary:
@@ -136,8 +182,14 @@ def plan_communication(config: ParallelConfig, blocks: list[BlockSpec], fusion: 
     """The plan for a model's blocks under (tp, dp, ep) with fusion available or not."""
     if not blocks:
         raise ValueError("a model needs at least one block")
-    if config.dp > 1:
-        raise NotImplementedError("DP attention plans are not built yet")
+    if config.dp_attention:
+        return CommPlan(
+            config=config,
+            fusion=fusion,
+            unfused=_dp_forward_plan(config, blocks, Padding.MAX_LEN),
+            fused=None,
+            sum_len=_dp_forward_plan(config, blocks, Padding.SUM_LEN),
+        )
     can_fuse = fusion and config.tp > 1 and not config.dp_attention
     return CommPlan(
         config=config,

@@ -15,9 +15,10 @@ import torch
 
 from .collectives import Collectives
 from .comm_plan import Boundary, BoundaryKind, CommPlan, ForwardPlan
+from .dp_geometry import DPGeometry, Padding, dp_geometry
 from .fused_allreduce_norm import add_rms_norm, rms_norm
 from .groups import ParallelGroups
-from .layouts import Unreduced
+from .layouts import Layout, Unreduced
 
 
 class NormWeights(Protocol):
@@ -39,6 +40,9 @@ class Communicator:
         # Rows of a FULL-layout tensor that are real tokens (DP padding excluded); None = all.
         # MoE blocks read it so that padding rows never route to experts.
         self.valid_rows: torch.Tensor | None = None
+        self.geometry: DPGeometry | None = None
+        # Tests and benchmarks may pin the DP padding mode; None = sglang's automatic choice.
+        self.force_padding: Padding | None = None
         self._capture: frozenset[int] = frozenset()
         self.captured: list[torch.Tensor] = []
 
@@ -50,8 +54,23 @@ class Communicator:
     def ledger(self):  # type: ignore[no-untyped-def]
         return self.collectives.ledger
 
-    def begin_forward(self, num_tokens: int) -> ForwardPlan:
-        self.active = self.plan.select(num_tokens)
+    def begin_forward(self, num_tokens: int, dp_num_tokens: list[int] | None = None,
+                      padding: Padding | None = None) -> ForwardPlan:
+        """Pick the plan variant for this forward. Under DP attention every rank passes the
+        token counts of all DP groups (the same list on every rank); ``padding`` overrides
+        the automatic MAX_LEN / SUM_LEN choice."""
+        if self.plan.config.dp_attention:
+            if dp_num_tokens is None:
+                raise ValueError("DP attention: the forward batch must carry dp_num_tokens")
+            geo = dp_geometry(self.plan.config, dp_num_tokens, padding or self.force_padding)
+            if dp_num_tokens[self.groups.coords.dp_rank] != num_tokens:
+                raise ValueError(f"dp_num_tokens {dp_num_tokens} disagrees with this DP group's {num_tokens} tokens")
+            self.geometry = geo
+            valid = geo.valid_full_rows()
+            self.valid_rows = None if valid is None else torch.tensor(valid, device=self._device())
+            self.active = self.plan.select(num_tokens, geo.padding)
+        else:
+            self.active = self.plan.select(num_tokens)
         self.collectives.ledger.begin_forward()
         self.captured = []
         return self.active
@@ -122,6 +141,81 @@ class Communicator:
         group = self.groups.by_name(b.owed)
         return self.collectives.fused_allreduce_add_rmsnorm(h, residual, norm.weight, norm.eps, group, b.site)
 
+    # --- DP attention (see comm_plan.py and dp_geometry.py) ----------------------------
+
+    def _dp_first(
+        self, b: Boundary, h: torch.Tensor, residual: torch.Tensor | None, norm: NormWeights
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            raise PlanViolation(f"{b.site}: the first boundary takes no residual")
+        chunk = self._scatter_local(b, h)
+        return self._gather(b, rms_norm(chunk, norm.weight, norm.eps)), chunk
+
+    def _dp_scatter_add_norm_gather(
+        self, b: Boundary, h: torch.Tensor, residual: torch.Tensor | None, norm: NormWeights
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            raise PlanViolation(f"{b.site}: missing residual")
+        chunk = self._scatter_local(b, h) if b.owed == "attn_tp" else self._scatter_full(b, h)
+        normed, residual = add_rms_norm(chunk, residual, norm.weight, norm.eps)
+        return self._gather(b, normed), residual
+
+    def _geo(self) -> DPGeometry:
+        assert self.geometry is not None, "begin_forward was not called with DP token counts"
+        return self.geometry
+
+    def _scatter_local(self, b: Boundary, h: torch.Tensor) -> torch.Tensor:
+        """This DP group's tokens, owed over attn_tp -> this rank's complete chunk.
+        h: [n_d, H] -> [chunk_rows[rank], H]"""
+        geo, me, group = self._geo(), self.groups.coords, self.groups.attn_tp
+        sizes = geo.local_sizes(me.dp_rank)
+        rows = geo.chunk_rows[me.rank]
+        if group.is_trivial:
+            return _pad_rows(h, rows)
+        width = max(geo.chunk_rows[me.dp_rank * group.size : (me.dp_rank + 1) * group.size])
+        buf = h.new_zeros((group.size * width, h.shape[1]))
+        start = 0
+        for j, n in enumerate(sizes):
+            buf[j * width : j * width + n] = h[start : start + n]
+            start += n
+        return self.collectives.reduce_scatter(buf, group, b.site)[:rows]
+
+    def _scatter_full(self, b: Boundary, h: torch.Tensor) -> torch.Tensor:
+        """All DP groups' tokens, owed over tp -> this rank's complete chunk (one reduce-scatter).
+        h: [full_rows, H] -> [chunk_rows[rank], H]"""
+        geo, me, group = self._geo(), self.groups.coords, self.groups.tp
+        if geo.padding is Padding.MAX_LEN:
+            return self.collectives.reduce_scatter(h, group, b.site)
+        width = geo.max_chunk
+        buf = h.new_zeros((group.size * width, h.shape[1]))
+        for r, n in enumerate(geo.chunk_rows):
+            off = geo.chunk_offset(r)
+            buf[r * width : r * width + n] = h[off : off + n]
+        return self.collectives.reduce_scatter(buf, group, b.site)[: geo.chunk_rows[me.rank]]
+
+    def _gather(self, b: Boundary, chunk: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk -> the layout of the next block. chunk: [chunk_rows[rank], H]"""
+        geo, me = self._geo(), self.groups.coords
+        if b.gather_to is Layout.FULL:
+            if geo.padding is Padding.MAX_LEN:
+                return self.collectives.all_gather(chunk, self.groups.tp, b.site)
+            buf = chunk.new_zeros((geo.full_rows, chunk.shape[1]))
+            off = geo.chunk_offset(me.rank)
+            buf[off : off + chunk.shape[0]] = chunk
+            return self.collectives.all_reduce(buf, self.groups.tp, b.site)
+        group = self.groups.attn_tp
+        n_local = geo.dp_num_tokens[me.dp_rank]
+        if group.is_trivial:
+            return chunk[:n_local]
+        sizes = geo.local_sizes(me.dp_rank)
+        width = max(geo.chunk_rows[me.dp_rank * group.size : (me.dp_rank + 1) * group.size])
+        gathered = self.collectives.all_gather(_pad_rows(chunk, width), group, b.site)
+        return torch.cat([gathered[j * width : j * width + n] for j, n in enumerate(sizes)])
+
+    def _device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if self.collectives.device_path == "nccl" \
+            else torch.device("cpu")
+
     def _all_reduce_steps(self, b: Boundary, h: torch.Tensor) -> torch.Tensor:
         for step in b.steps:
             h = self.collectives.all_reduce(h, self.groups.by_name(step.group), b.site)
@@ -132,4 +226,14 @@ _RUNNERS = {
     BoundaryKind.FIRST: Communicator._first,
     BoundaryKind.ALL_REDUCE_ADD_NORM: Communicator._all_reduce_add_norm,
     BoundaryKind.FUSED_AR_ADD_NORM: Communicator._fused,
+    BoundaryKind.DP_FIRST: Communicator._dp_first,
+    BoundaryKind.DP_SCATTER_ADD_NORM_GATHER: Communicator._dp_scatter_add_norm_gather,
 }
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    if x.shape[0] == rows:
+        return x
+    if x.shape[0] > rows:
+        raise PlanViolation(f"{x.shape[0]} rows do not fit a chunk of {rows}")
+    return torch.cat([x, x.new_zeros((rows - x.shape[0], *x.shape[1:]))])
