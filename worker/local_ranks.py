@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -40,6 +41,9 @@ def _entry(rank: int, world: int, port: int, backend: str, fn: Callable[..., Any
     try:
         out = fn(rank, world, backend, *args)
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
+    except BaseException as e:
+        (Path(out_dir) / f"rank{rank}.err").write_text(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+        raise
     finally:
         dist.destroy_process_group()
 
@@ -55,8 +59,21 @@ def run_on_ranks(fn: Callable[..., Any], world: int, *args: Any, backend: str | 
             mp.start_processes(_entry, args=(world, free_port(), backend, fn, args, out_dir, timeout_s),
                                nprocs=world, join=True, start_method="spawn")
         except mp.ProcessRaisedException as e:
-            text = str(e).strip()
-            raise RankFailed(text.splitlines()[-1] if text else "a rank failed") from e
+            raise RankFailed(_root_cause(Path(out_dir)) or str(e).strip().splitlines()[-1]) from e
         except mp.ProcessExitedException as e:
             raise RankFailed(f"a rank exited unexpectedly: {e}") from e
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+# A rank that fails makes its peers fail too, with transport errors; report the rank whose
+# error is not one of those.
+_PEER_FAILURE = ("Connection closed by peer", "Connection reset", "Broken pipe", "Timed out", "timed out")
+
+
+def _root_cause(out_dir: Path) -> str | None:
+    errors = sorted(out_dir.glob("rank*.err"))
+    firsts = [(f.stem, f.read_text().splitlines()[0]) for f in errors]
+    for rank, line in firsts:
+        if not any(marker in line for marker in _PEER_FAILURE):
+            return f"{rank}: {line}"
+    return f"{firsts[0][0]}: {firsts[0][1]}" if firsts else None

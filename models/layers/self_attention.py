@@ -39,10 +39,10 @@ class SelfAttention(nn.Module):
         # h: [n, hidden] (or [n, input_size]) -> owed [n, hidden]
         n = h.shape[0]
         q, k, v = self.qkv_proj(h)
-        q = q.view(n, -1, self.head_dim)
-        k = k.view(n, -1, self.head_dim)
-        v = v.view(n, -1, self.head_dim)
+        q = q.view(n, self.qkv_proj.q_heads, self.head_dim)
+        k = k.view(n, self.qkv_proj.kv_heads, self.head_dim)
+        v = v.view(n, self.qkv_proj.kv_heads, self.head_dim)
         if self.rotary is not None:
             q, k = self.rotary(batch.positions, q, k)
         o = paged_attention_reference(q, k, v, self.layer_id, batch, self.scale)
-        return Unreduced(self.o_proj(o.reshape(n, -1)), self.group.name)
+        return Unreduced(self.o_proj(o.reshape(n, self.qkv_proj.q_size)), self.group.name)
