@@ -21,6 +21,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEFAULT_TOLERANCE = {"float32": 1e-4, "bfloat16": 1e-1}
 FUSION_MODES = ("off", "reference", "flashinfer")
 ORACLES = ("hf", "tp1")
+DP_PADDINGS = ("auto", "max_len", "sum_len")
 
 
 class VerifyError(RuntimeError):
@@ -38,12 +39,15 @@ class VerifyOptions:
     dtype: str = "float32"
     prompts: tuple[tuple[int, ...], ...] | None = None
     tolerance: float | None = None
+    dp_padding: str = "auto"
 
     def __post_init__(self) -> None:
         if self.fusion not in FUSION_MODES:
             raise VerifyError(f"--fusion must be one of {', '.join(FUSION_MODES)}, not {self.fusion!r}")
         if self.oracle not in ORACLES:
             raise VerifyError(f"--oracle must be one of {', '.join(ORACLES)}, not {self.oracle!r}")
+        if self.dp_padding not in DP_PADDINGS:
+            raise VerifyError(f"--dp-padding must be one of {', '.join(DP_PADDINGS)}, not {self.dp_padding!r}")
         if self.dtype not in DTYPES:
             raise VerifyError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
 
@@ -121,6 +125,12 @@ def default_prompts(vocab_size: int) -> list[list[int]]:
     return [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in (1, 7, 19, 40)]
 
 
+def _paddings() -> dict[str, Any]:
+    from fusedserve.models.parallel.dp_geometry import Padding
+
+    return {"auto": None, "max_len": Padding.MAX_LEN, "sum_len": Padding.SUM_LEN}
+
+
 def _rank_main(rank: int, world: int, backend: str, opts: VerifyOptions,
                prompts: list[list[int]]) -> dict[str, Any]:
     from fusedserve.models.forward_batch import ForwardBatch, KVCache
@@ -135,9 +145,16 @@ def _rank_main(rank: int, world: int, backend: str, opts: VerifyOptions,
     collectives = Collectives("nccl" if backend == "nccl" else "gloo", fused=fused)
     model = load_model(opts.model, groups, collectives, fusion=opts.fusion != "off",
                        dtype=DTYPES[opts.dtype], device=device)
-    logits = _run_prompts(model, prompts, device, DTYPES[opts.dtype], ForwardBatch, KVCache)
+    # Under DP attention each DP group serves its own prompts: prompt i goes to group i % dp.
+    mine = prompts[groups.coords.dp_rank :: opts.dp]
+    if opts.dp > 1:
+        model.comm.force_padding = _paddings()[opts.dp_padding]
+    logits = _run_prompts(model, mine, device, DTYPES[opts.dtype], ForwardBatch, KVCache,
+                          dp_num_tokens=[sum(map(len, prompts[d :: opts.dp])) for d in range(opts.dp)]
+                          if opts.dp > 1 else None)
     return {
-        "logits": logits.float().cpu() if rank == 0 else None,
+        "dp_rank": groups.coords.dp_rank,
+        "logits": logits.float().cpu() if groups.coords.attn_tp_rank == 0 else None,
         "planned": model.comm.active.expected(),
         "executed": [r.key for r in collectives.ledger.forward_records()],
         "paths": dict(collectives.ledger.calls),
@@ -145,11 +162,13 @@ def _rank_main(rank: int, world: int, backend: str, opts: VerifyOptions,
 
 
 def _run_prompts(model: Any, prompts: list[list[int]], device: torch.device, dtype: torch.dtype,
-                 batch_cls: Any, cache_cls: Any) -> torch.Tensor:
+                 batch_cls: Any, cache_cls: Any, dp_num_tokens: list[int] | None = None) -> torch.Tensor:
     block_size = 16
     blocks = sum(-(-len(p) // block_size) for p in prompts)
-    kv = cache_cls.allocate(model.kv_shapes(), blocks, block_size, dtype, device)
-    return model(batch_cls.prefill(prompts, kv, device))  # type: ignore[no-any-return]
+    kv = cache_cls.allocate(model.kv_shapes(), max(blocks, 1), block_size, dtype, device)
+    batch = batch_cls.prefill(prompts, kv, device)
+    batch.dp_num_tokens = dp_num_tokens
+    return model(batch)  # type: ignore[no-any-return]
 
 
 def _oracle_logits(opts: VerifyOptions, prompts: list[list[int]]) -> torch.Tensor:
@@ -168,6 +187,18 @@ def _oracle_logits(opts: VerifyOptions, prompts: list[list[int]]) -> torch.Tenso
 
     model = load_model(opts.model, ParallelGroups.single_rank(), Collectives("gloo"), fusion=False, dtype=dtype)
     return _run_prompts(model, prompts, torch.device("cpu"), dtype, ForwardBatch, KVCache).float()
+
+
+def _assemble_logits(results: list[dict[str, Any]], prompts: list[list[int]], dp: int) -> torch.Tensor:
+    """Every prompt's logits, in prompt order, from the first rank of each DP group."""
+    per_group = {r["dp_rank"]: r["logits"] for r in results if r["logits"] is not None}
+    rows: list[torch.Tensor] = []
+    offsets = [0] * dp
+    for i, p in enumerate(prompts):
+        d = i % dp
+        rows.append(per_group[d][offsets[d] : offsets[d] + len(p)])
+        offsets[d] += len(p)
+    return torch.cat(rows)
 
 
 def _label(key: tuple[str, str, str]) -> str:
@@ -217,7 +248,7 @@ def run_verify(opts: VerifyOptions) -> VerifyReport:
         results = run_on_ranks(_rank_main, opts.tp, opts, prompts)
     except RankFailed as e:
         raise VerifyError(f"a rank failed: {e}") from e
-    ours = results[0]["logits"]
+    ours = _assemble_logits(results, prompts, opts.dp)
     oracle = _oracle_logits(opts, prompts)
     diff = (ours - oracle).abs()
     max_diff = float(diff.max())
