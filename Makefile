@@ -17,7 +17,7 @@ $(BIN)/.installed: pyproject.toml Makefile
 setup: $(BIN)/.installed
 
 run: setup
-	$(BIN)/python -m fusedserve.cli verify --model examples/checkpoints/tiny-llama --tp 2 --fusion reference --oracle hf
+	$(BIN)/fusedserve verify --model examples/checkpoints/tiny-llama-random --tp 2 --fusion reference --oracle hf
 
 test: setup
 	bash scripts/run-tests.sh
