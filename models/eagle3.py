@@ -1,0 +1,152 @@
+"""EAGLE3 draft model (`LlamaForCausalLMEagle3`), HF-style checkpoint layout.
+
+Checkpoint tensors: ``fc.weight`` [H, 3*H_target], ``midlayer.{input_layernorm, hidden_norm,
+post_attention_layernorm}.weight``, ``midlayer.self_attn.{q,k,v,o}_proj.weight`` (q/k/v take
+2H: normed token embedding ++ normed hidden), ``midlayer.mlp.{gate,up,down}_proj.weight``,
+``norm.weight``, ``lm_head.weight`` [draft_vocab, H], ``d2t`` [draft_vocab] (draft id + d2t =
+target id), optional ``embed_tokens.weight`` (else shared from the target).
+
+One draft step, per token t:  hidden_in = fc(aux_t) on the first step (3H wide), else the
+draft's own previous pre-norm output (H wide); residual = hidden_in;
+x = cat(input_norm(embed(token)), hidden_norm(hidden_in)); h = attn(x); (h, residual) =
+post_norm(h + residual); h = mlp(h); (out, residual) = norm(h + residual);
+logits = lm_head(out) over the draft vocab; the next step's hidden is ``residual``.
+
+The draft is small and runs replicated on every rank (no collectives); its KV cache is its
+own. Aux states come from the target's communicator (``capture_inputs_of``), which records
+the complete residual stream entering layers ``aux_layers(...)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .forward_batch import ForwardBatch
+from .layers.mlp import GatedMLP
+from .layers.norm import RMSNorm
+from .layers.rotary import RotaryEmbedding, rope_parameters
+from .layers.self_attention import SelfAttention
+from .parallel.fused_allreduce_norm import add_rms_norm
+from .parallel.groups import Group
+
+
+def aux_layers(num_target_layers: int, draft_config: Any = None) -> list[int]:
+    """Target layers whose *input* (complete residual stream) feeds the draft.
+
+    Default ``[2, N//2, N-3]``. A draft config's ``eagle_aux_hidden_state_layer_ids`` name the
+    layers whose *output* is wanted, so their input index is id + 1 — sglang's rule adds the
+    1 only when the first id is 1 (two conventions exist in published drafts).
+    """
+    eagle = getattr(draft_config, "eagle_config", None) or {}
+    ids = eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None
+    if not ids:
+        n = num_target_layers
+        return [2, n // 2, n - 3]
+    return [i + 1 for i in ids] if ids[0] == 1 else list(ids)
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, config: Any, target_hidden: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        one = Group.single("tp")
+        head_dim = int(getattr(config, "head_dim", None) or h // config.num_attention_heads)
+        theta, scaling = rope_parameters(config)
+        self.draft_vocab = int(getattr(config, "draft_vocab_size", None) or config.vocab_size)
+        self.fc = nn.Linear(3 * target_hidden, h, bias=False, dtype=dtype, device=device).requires_grad_(False)
+        self.embed_tokens = nn.Embedding(config.vocab_size, h, dtype=dtype, device=device).requires_grad_(False)
+        self.input_layernorm = RMSNorm(h, config.rms_norm_eps, dtype, device)
+        self.hidden_norm = RMSNorm(h, config.rms_norm_eps, dtype, device)
+        self.self_attn = SelfAttention(0, h, config.num_attention_heads, config.num_key_value_heads, head_dim,
+                                       one, RotaryEmbedding(head_dim, theta, scaling).to(device),
+                                       input_size=2 * h, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps, dtype, device)
+        self.mlp = GatedMLP(h, config.intermediate_size, one, dtype=dtype, device=device)
+        self.norm = RMSNorm(h, config.rms_norm_eps, dtype, device)
+        self.lm_head = nn.Linear(h, self.draft_vocab, bias=False, dtype=dtype, device=device).requires_grad_(False)
+        self.register_buffer("d2t", torch.zeros(self.draft_vocab, dtype=torch.long, device=device))
+        self.d2t: torch.Tensor
+        self.has_own_embedding = False
+
+    def share_embedding(self, weight: torch.Tensor) -> None:
+        """Use the target's (full, unsharded) embedding table when the draft has none."""
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(weight[: self.embed_tokens.weight.shape[0]])
+
+    def kv_shapes(self) -> dict[int, tuple[int, int]]:
+        return {0: self.self_attn.kv_shape()}
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft step for every token of ``batch``.
+
+        hidden: [n, 3*H_target] (aux states, first step) or [n, H] (previous draft output).
+        Returns (draft-vocab logits [n, draft_vocab], next hidden [n, H]); logits only for
+        ``batch.logits_indices`` rows when set (the hidden is returned for every row).
+        """
+        if hidden.shape[-1] != self.embed_tokens.weight.shape[1]:
+            hidden = self.fc(hidden)
+        residual = hidden
+        x = torch.cat([self.input_layernorm(self.embed_tokens(batch.input_ids)), self.hidden_norm(hidden)], dim=-1)
+        attn = self.self_attn(x, batch).partial  # size-1 group: already complete
+        h, residual = add_rms_norm(attn, residual, self.post_attention_layernorm.weight,
+                                   self.post_attention_layernorm.eps)
+        h = self.mlp(h).partial
+        out, residual = add_rms_norm(h, residual, self.norm.weight, self.norm.eps)
+        if batch.logits_indices is not None:
+            out = out[batch.logits_indices]
+        return self.lm_head(out), residual
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    # --- loading ----------------------------------------------------------------------
+
+    checkpoint_buffers = ("d2t",)
+    optional_params = ("embed_tokens.weight",)  # shared from the target when absent
+
+    stacked_params = (
+        (".qkv_proj.", ".q_proj.", "q"),
+        (".qkv_proj.", ".k_proj.", "k"),
+        (".qkv_proj.", ".v_proj.", "v"),
+        (".gate_up_proj.", ".gate_proj.", 0),
+        (".gate_up_proj.", ".up_proj.", 1),
+    )
+
+    def checkpoint_name_to_param(self, name: str) -> tuple[str, object] | None:
+        if name.startswith("model."):
+            name = name[len("model."):]
+        if name == "t2d":
+            return None
+        if name.startswith("midlayer."):
+            name = name[len("midlayer."):]
+        if name == "embed_tokens.weight":
+            self.has_own_embedding = True
+        for ours, theirs, shard in self.stacked_params:
+            if theirs in name:
+                return name.replace(theirs, ours), shard
+        return name, None
+
+
+def load_eagle3_draft(model_dir: str, target_hidden: int, target_embedding: torch.Tensor | None,
+                      dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> Eagle3Draft:
+    """Load an EAGLE3 draft checkpoint; ``target_embedding`` ([vocab, H], unsharded) is used
+    when the draft ships no embedding of its own."""
+    from .loader import CheckpointError, architecture_of, checkpoint_files, iter_checkpoint, load_config, load_weights
+
+    config = load_config(model_dir)
+    arch = architecture_of(config)
+    if "Eagle3" not in arch:
+        raise CheckpointError(f"{model_dir}: architecture {arch!r} is not an EAGLE3 draft (LlamaForCausalLMEagle3)")
+    draft = Eagle3Draft(config, target_hidden, dtype, device)
+    load_weights(draft, iter_checkpoint(checkpoint_files(model_dir)))
+    if not draft.has_own_embedding:
+        if target_embedding is None:
+            raise CheckpointError(f"{model_dir}: the draft has no embed_tokens and no target embedding was given")
+        draft.share_embedding(target_embedding)
+    return draft
