@@ -80,7 +80,8 @@ class LlamaForCausalLM(nn.Module):
         return out
 
     def kv_shapes(self) -> dict[int, tuple[int, int]]:
-        return {layer.layer_id: layer.self_attn.kv_shape() for layer in self.layers}
+        layers: list[LlamaDecoderLayer] = list(self.layers)  # type: ignore[arg-type]
+        return {layer.layer_id: layer.self_attn.kv_shape() for layer in layers}
 
     # HF checkpoint names -> (our parameter, shard id) for stacked parameters.
     stacked_params = (

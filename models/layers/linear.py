@@ -159,5 +159,5 @@ class RowParallelLinear(nn.Module):
         return F.linear(x, self.weight, bias)
 
 
-def default_weight_loader(param: nn.Parameter, source: WeightSource, shard_id: object = None) -> None:
+def default_weight_loader(param: torch.Tensor, source: WeightSource, shard_id: object = None) -> None:
     copy_checked(param, source.full(), source.name)

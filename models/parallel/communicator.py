@@ -22,8 +22,11 @@ from .layouts import Layout, Unreduced
 
 
 class NormWeights(Protocol):
-    weight: torch.Tensor
-    eps: float
+    @property
+    def weight(self) -> torch.Tensor: ...
+
+    @property
+    def eps(self) -> float: ...
 
 
 class PlanViolation(RuntimeError):

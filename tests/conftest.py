@@ -1,0 +1,104 @@
+"""Shared fixtures: tiny random HF Llama checkpoints and HF transformers' logits for them (the oracle).
+
+Checkpoints are made once per session with ``fusedserve.tiny.make_tiny_llama`` (transformers' own
+classes + ``save_pretrained``), so the oracle is nobody's code but HuggingFace's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# Prompts of different lengths. The first holds ids at the vocab shard edges (vocab 250 is padded to
+# 256; at tp=4 every rank holds 64 rows, so 63/64, 127/128, 191/192 and 249 sit on shard boundaries).
+PROMPTS: list[list[int]] = [
+    [0, 63, 64, 127, 128, 191, 192, 249, 5],
+    [17],
+    [3, 141, 59, 26, 53, 58, 97, 93, 238, 46, 2, 64, 33, 83, 27, 95, 0, 28, 84, 197, 169, 39, 93, 75, 105],
+    [11, 249, 7, 100, 37],
+]
+
+# Tiny Llama variants for the HF parity tests (LLAMA_DEFAULTS: vocab 250, hidden 64, 4 layers,
+# 4 heads, 2 KV heads, head_dim 16).
+LLAMA_VARIANTS: dict[str, dict[str, Any]] = {
+    "base": {},
+    "tied": {"tie_word_embeddings": True},
+    "bias": {"attention_bias": True, "mlp_bias": True},
+    # One KV head (replicated on every rank at tp=2 and 4); head_dim 8 != hidden / heads.
+    "kv1": {"num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 8},
+    # Llama-3 RoPE scaling; with head_dim 16 and original_max_position_embeddings 64 the
+    # frequencies fall in all three bands (high: kept, medium: smoothed, low: divided by factor).
+    "llama3": {
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        "rope_theta": 500000.0,
+    },
+}
+
+
+@dataclass(frozen=True)
+class Oracle:
+    """HF transformers' fp32 outputs for ``PROMPTS`` (each prompt run alone, then concatenated)."""
+
+    logits: Any  # [sum(len(p)), vocab]
+    hidden_states: Any  # layer index i -> [sum(len(p)), hidden], the input of layer i (pre-norm)
+
+
+def hf_oracle(model_dir: Path, prompts: list[list[int]]) -> Oracle:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    hf.eval()
+    logits, hidden = [], []
+    with torch.no_grad():
+        for p in prompts:
+            out = hf(torch.tensor([p]), output_hidden_states=True)
+            logits.append(out.logits[0].float())
+            hidden.append([h[0].float() for h in out.hidden_states])
+    layers = len(hidden[0])
+    return Oracle(
+        logits=torch.cat(logits),
+        # hidden_states[i] for 0 < i < num_layers is the output of layer i-1 (= input of layer i).
+        hidden_states={i: torch.cat([h[i] for h in hidden]) for i in range(layers)},
+    )
+
+
+@pytest.fixture(scope="session")
+def llama_prompts() -> list[list[int]]:
+    return [list(p) for p in PROMPTS]
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random HF Llama checkpoint (LLAMA_DEFAULTS); do not modify it: copy it first."""
+    from fusedserve.tiny import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama") / "model")
+
+
+@pytest.fixture(scope="session")
+def llama_variants(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> dict[str, Path]:
+    from fusedserve.tiny import make_tiny_llama
+
+    root = tmp_path_factory.mktemp("llama-variants")
+    out = {"base": tiny_llama}
+    for i, (name, overrides) in enumerate(LLAMA_VARIANTS.items()):
+        if name != "base":
+            out[name] = make_tiny_llama(root / name, seed=i, **overrides)
+    return out
+
+
+@pytest.fixture(scope="session")
+def oracles(llama_variants: dict[str, Path]) -> dict[str, Oracle]:
+    return {name: hf_oracle(path, PROMPTS) for name, path in llama_variants.items()}
