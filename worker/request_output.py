@@ -1,0 +1,37 @@
+"""What the engine hands back: per-step deltas for streaming, and whole completions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .sequence import FinishReason
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One request's progress in one engine step (a streaming chunk).
+
+    ``text_delta`` is "" when the engine runs without a tokenizer, or while a character or a
+    possible stop string is incomplete. A finished request's last output has ``finished`` set
+    and a ``finish_reason`` ("stop", "length" or "abort"); an aborted request gets one such
+    output with no new tokens.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int  # generated so far, including new_token_ids
+
+
+@dataclass
+class Completion:
+    """A whole request's result (``Engine.generate``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None

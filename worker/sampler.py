@@ -1,0 +1,105 @@
+"""Next tokens from logits: greedy, temperature, top-k, top-p, with a random stream per request.
+
+Each row has its own parameters. A seeded request draws from its own ``torch.Generator``,
+exactly one uniform number per sampled token, so its tokens depend on its seed and its own
+logits only, never on which other requests share the batch. Unseeded rows draw from the
+sampler's shared generator. Greedy rows draw nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import torch
+
+from .sequence import SamplingParams
+
+
+def apply_temperature(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """logits: [n, vocab]; temperatures: [n] (> 0) -> [n, vocab] float32"""
+    return logits.float() / temperatures[:, None]
+
+
+def top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """True where a token survives top-k then top-p. logits: [n, vocab]; top_k: [n] int (vocab =
+    keep all); top_p: [n] in (0, 1] -> [n, vocab] bool
+
+    Top-p keeps the smallest set of most likely tokens whose probability reaches ``top_p``
+    (renormalised after top-k), and always the most likely token. Ties at the top-k boundary
+    are broken by the sort order (lower token id first), so exactly k tokens survive.
+    """
+    vocab = logits.shape[-1]
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+    rank = torch.arange(vocab, device=logits.device)[None, :]
+    keep_sorted = rank < top_k[:, None]
+    probs = torch.softmax(sorted_logits.masked_fill(~keep_sorted, float("-inf")), dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs  # probability of the better tokens
+    keep_sorted &= mass_before < top_p[:, None]
+    keep_sorted[:, 0] = True
+    keep = torch.zeros_like(keep_sorted)
+    keep.scatter_(1, order, keep_sorted)
+    return keep
+
+
+def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw, one uniform number per row. probs: [n, vocab]; uniforms: [n] in [0, 1) -> [n]"""
+    cdf = torch.cumsum(probs.double(), dim=-1)
+    target = (uniforms.double() * cdf[:, -1])[:, None]
+    index = torch.searchsorted(cdf, target, right=True)[:, 0]
+    # Rounding at the top end must not land past the last token of non-zero probability.
+    vocab = probs.shape[-1]
+    last_positive = vocab - 1 - torch.argmax((probs.flip(-1) > 0).to(torch.int8), dim=-1)
+    return torch.minimum(index, last_positive)
+
+
+class Sampler:
+    def __init__(self, seed: int | None = None, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=device)
+        if seed is not None:
+            self.generator.manual_seed(seed)
+        else:
+            self.generator.seed()
+
+    @staticmethod
+    def request_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
+        """A request's own random stream (None for unseeded requests)."""
+        if params.seed is None:
+            return None
+        g = torch.Generator(device=device)
+        g.manual_seed(params.seed)
+        return g
+
+    def probs(self, logits: torch.Tensor, params: Seq[SamplingParams]) -> torch.Tensor:
+        """The distribution each row samples from, after temperature, top-k and top-p.
+        logits: [n, vocab] -> [n, vocab] float32; greedy rows are one-hot on the argmax."""
+        vocab = logits.shape[-1]
+        device = logits.device
+        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+        top_k = torch.tensor([min(p.top_k_or_none or vocab, vocab) for p in params], device=device)
+        top_p = torch.tensor([float(p.top_p) for p in params], device=device)
+        scaled = apply_temperature(logits, temps)
+        scaled = scaled.masked_fill(~top_k_top_p_mask(scaled, top_k, top_p), float("-inf"))
+        out = torch.softmax(scaled, dim=-1)
+        greedy = torch.tensor([p.greedy for p in params], device=device)
+        if bool(greedy.any()):
+            one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), vocab).float()
+            out = torch.where(greedy[:, None], one_hot, out)
+        return out
+
+    def __call__(self, logits: torch.Tensor, params: Seq[SamplingParams],
+                 generators: Seq[torch.Generator | None]) -> list[int]:
+        """One token per row. logits: [n, vocab]; params, generators: n each -> n token ids"""
+        if logits.shape[0] != len(params) or len(params) != len(generators):
+            raise ValueError(f"{logits.shape[0]} logit rows for {len(params)} params / {len(generators)} generators")
+        if not params:
+            return []
+        if all(p.greedy for p in params):
+            return [int(t) for t in logits.argmax(dim=-1).tolist()]
+        probs = self.probs(logits, params)
+        # One uniform per random row from its own stream; greedy rows (one-hot) draw nothing.
+        uniforms = [torch.rand((), generator=g or self.generator, dtype=torch.float64, device=self.device)
+                    if not p.greedy else torch.zeros((), dtype=torch.float64, device=self.device)
+                    for p, g in zip(params, generators)]
+        tokens = sample_from_probs(probs, torch.stack(uniforms).to(probs.device))
+        return [int(t) for t in tokens.tolist()]
