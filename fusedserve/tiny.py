@@ -37,3 +37,117 @@ def make_tiny_llama(out_dir: str | Path, seed: int = 0, **overrides: Any) -> Pat
     out = Path(out_dir)
     model.save_pretrained(str(out), safe_serialization=True)
     return out
+
+
+DEEPSEEK_V3_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 250,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 48,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 24,  # != qk_head_dim: K and V cache dims differ
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "n_group": 4,
+    "topk_group": 2,  # < n_group: group selection matters
+    "first_k_dense_replace": 1,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+}
+
+
+def make_tiny_deepseek_v3(out_dir: str | Path, seed: int = 0, save_original_format: bool = True,
+                          **overrides: Any) -> Path:
+    """Tiny random DeepseekV3ForCausalLM (MLA, grouped sigmoid routing, shared expert).
+
+    ``e_score_correction_bias`` and the router are randomised (HF inits the bias to zeros,
+    which would hide routing bugs), norms too. ``save_original_format=False`` writes
+    transformers' fused expert tensors instead of per-expert ones.
+    """
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = DeepseekV3Config(**{**DEEPSEEK_V3_DEFAULTS, **overrides})
+    model = DeepseekV3ForCausalLM(config)  # fp32: torch's default dtype
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)  # spread router logits so choices are clear-cut
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.uniform_(-0.3, 0.3)
+    out = Path(out_dir)
+    extra = {} if save_original_format else {"save_original_format": False}  # transformers >= 5 only
+    model.save_pretrained(str(out), safe_serialization=True, **extra)
+    return out
+
+
+NEMOTRON_H_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=250,
+    hidden_size=64,
+    hybrid_override_pattern="M*-EME",  # two Mamba, attention, dense MLP, two MoE layers
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=96,
+    mamba_num_heads=8,
+    mamba_head_dim=8,
+    n_groups=4,  # divides tp <= 4: the gated norm's groups stay on one rank
+    ssm_state_size=16,
+    conv_kernel=4,
+    chunk_size=8,  # prompts of ~20 tokens cross chunks
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    moe_shared_expert_intermediate_size=48,
+    moe_latent_size=32,
+    n_group=4,
+    topk_group=2,  # < n_group: group selection matters
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    layer_norm_epsilon=1e-5,
+    initializer_range=0.05,
+    tie_word_embeddings=False,
+)
+
+
+def make_tiny_nemotron_h(out_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Tiny random NemotronHForCausalLM (Mamba2, NoPE attention, relu² MLP, latent MoE).
+
+    Norms (the Mamba gated norms too), A_log, D, the router and ``e_score_correction_bias`` are
+    randomised: HF's initial values (ones, log(1..heads), zeros) would hide slicing and
+    routing bugs.
+    """
+    import torch
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    torch.manual_seed(seed)
+    config = NemotronHConfig(**{**NEMOTRON_H_DEFAULTS, **overrides})
+    model = NemotronHForCausalLM(config).to(torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "norm_f.weight", ".D")):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(".A_log"):
+                p.copy_(torch.log(torch.empty_like(p).uniform_(0.5, 8.0)))
+            elif name.endswith("mixer.gate.weight"):
+                p.normal_(0.0, 0.5)  # spread router logits so choices are clear-cut
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.uniform_(-0.3, 0.3)
+    out = Path(out_dir)
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out

@@ -7,6 +7,8 @@ from typing import Any
 
 ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "fusedserve.models.llama:LlamaForCausalLM",
+    "NemotronHForCausalLM": "fusedserve.models.nemotron_h:NemotronHForCausalLM",
+    "DeepseekV3ForCausalLM": "fusedserve.models.deepseek_v3:DeepseekV3ForCausalLM",  # also Kimi-K2
 }
 
 

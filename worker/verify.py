@@ -168,6 +168,11 @@ def _run_prompts(model: Any, prompts: list[list[int]], device: torch.device, dty
     kv = cache_cls.allocate(model.kv_shapes(), max(blocks, 1), block_size, dtype, device)
     batch = batch_cls.prefill(prompts, kv, device)
     batch.dp_num_tokens = dp_num_tokens
+    if hasattr(model, "state_shapes"):  # recurrent (Mamba) layers: a fresh state slot per prompt
+        from fusedserve.models.layers.mamba_state import MambaStateCache
+
+        batch.state_cache = MambaStateCache.allocate(model.state_shapes(), max(len(prompts), 1), dtype, device)
+        batch.state_slots = list(range(len(prompts)))
     return model(batch)  # type: ignore[no-any-return]
 
 

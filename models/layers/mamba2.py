@@ -11,13 +11,16 @@
 Sequences are packed (``batch.query_lens``); each has its own conv and SSM state in the
 batch's ``MambaStateCache`` at ``batch.state_slots[i]``. A sequence with ``context_len ==
 query_len`` starts from zero state; otherwise it continues from its slot (decode, chunked
-prefill). Each rank's heads cover whole norm groups, so the gated norm needs no collective:
-that holds when the group size divides n_groups (checked at construction).
+prefill). dt is clamped in decode as in prefill (HF's torch decode step skips the clamp), so a
+decode step equals the same token in a longer prefill. Each rank's heads cover whole norm
+groups, so the gated norm needs no collective: that holds when the group size divides
+n_groups (checked at construction).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -73,11 +76,11 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         # x, gate: [n, channels] -> [n, channels] in x's dtype
-        n = x.shape[0]
+        n, channels = x.shape
         h = x.float() * F.silu(gate.float())
-        h = h.view(n, -1, self.group_size)
+        h = h.view(n, channels // self.group_size, self.group_size)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.view(n, -1).to(x.dtype)
+        return self.weight * h.view(n, channels).to(x.dtype)
 
 
 class Mamba2Mixer(nn.Module):
@@ -134,7 +137,7 @@ class Mamba2Mixer(nn.Module):
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.cfg.time_step_limit)
         y = torch.empty((h.shape[0], s.heads, self.cfg.head_dim), dtype=torch.float32, device=h.device)
         x_all = torch.empty((h.shape[0], s.heads, self.cfg.head_dim), dtype=torch.float32, device=h.device)
-        starts = [sum(batch.query_lens[:i]) for i in range(len(batch.query_lens))]
+        starts = [0, *accumulate(batch.query_lens)][:-1]
         steps = [(start, slot) for start, slot, q in zip(starts, slots, batch.query_lens) if q == 1]
         if steps:
             self._decode(xbc, dt, A, steps, conv_state, ssm_state, y, x_all)
@@ -151,7 +154,8 @@ class Mamba2Mixer(nn.Module):
         s, n = self.sharding, xbc.shape[0]
         gn = s.groups * self.cfg.state_size
         x, B, C = xbc.split([s.inner, gn, gn], dim=-1)
-        return (x.reshape(n, s.heads, self.cfg.head_dim), B.reshape(n, s.groups, -1), C.reshape(n, s.groups, -1))
+        N = self.cfg.state_size
+        return x.reshape(n, s.heads, self.cfg.head_dim), B.reshape(n, s.groups, N), C.reshape(n, s.groups, N)
 
     def _prefill(self, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, slot: int, conv_state: torch.Tensor,
                  ssm_state: torch.Tensor, y_out: torch.Tensor, x_out: torch.Tensor) -> None:
