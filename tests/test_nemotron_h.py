@@ -40,7 +40,8 @@ SCHEDULE: list[dict[int, int]] = [{0: 17, 1: 1, 2: 9}, {0: 5, 1: 1, 2: 1}, {0: 1
 # (tp, dp, ep, fusion) per world size; one spawn each.
 CASES: dict[int, list[tuple[int, int, int, str]]] = {
     2: [(2, 1, 1, "off"), (2, 1, 1, "reference"), (2, 1, 2, "off"), (2, 1, 2, "reference")],
-    4: [(4, 1, 1, "off"), (4, 1, 1, "reference")],
+    4: [(4, 1, 1, "off"), (4, 1, 1, "reference"), (4, 2, 1, "off"), (4, 4, 4, "off"), (4, 4, 4, "reference"),
+        (4, 2, 2, "off"), (4, 2, 2, "reference")],
 }
 
 
