@@ -90,7 +90,7 @@ def make_tiny_deepseek_v3(out_dir: str | Path, seed: int = 0, save_original_form
             if name.endswith("e_score_correction_bias"):
                 b.uniform_(-0.3, 0.3)
     out = Path(out_dir)
-    extra = {} if save_original_format else {"save_original_format": False}  # transformers >= 5 only
+    extra: dict[str, Any] = {} if save_original_format else {"save_original_format": False}  # transformers >= 5
     model.save_pretrained(str(out), safe_serialization=True, **extra)
     return out
 

@@ -26,6 +26,9 @@ from .registry import model_class
 log = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
+# config.json model types that ship remote code but are transformers configs under another name
+# (transformers' Kimi-K2.5 config does the same for its kimi_k2 text config).
+MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
 
 
 class CheckpointError(RuntimeError):
@@ -63,11 +66,15 @@ def load_config(model_dir: str | Path) -> Any:
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path}: no config.json (is this a HuggingFace checkpoint directory?)")
     try:
-        json.loads((path / "config.json").read_text())
+        data = json.loads((path / "config.json").read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path / 'config.json'}: not valid JSON: {e}") from e
     from transformers import AutoConfig
 
+    alias = MODEL_TYPE_ALIASES.get(data.get("model_type", "")) if isinstance(data, dict) else None
+    if alias is not None:  # a remote-code config that is a transformers config under another name
+        fields = {k: v for k, v in data.items() if k not in ("model_type", "auto_map")}
+        return AutoConfig.for_model(alias, **fields)
     return AutoConfig.from_pretrained(str(path))
 
 
@@ -115,8 +122,10 @@ def iter_checkpoint(files: list[Path]) -> Iterator[SafetensorsSource]:
 
 def load_weights(model: nn.Module, sources: Iterator[Any]) -> None:
     """Load every tensor into its parameter; fail on any parameter left unloaded."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    expected = _expected_loads(model, params)
+    params: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+    # Buffers a checkpoint fills (e.g. EAGLE3's d2t map) load like parameters.
+    params.update({n: b for n, b in model.named_buffers() if n in getattr(model, "checkpoint_buffers", ())})
+    expected = _expected_loads(model, params) - {(n, None) for n in getattr(model, "optional_params", ())}
     loaded: set[tuple[str, object]] = set()
     for source in sources:
         target = model.checkpoint_name_to_param(source.name)  # type: ignore[operator]
@@ -128,17 +137,29 @@ def load_weights(model: nn.Module, sources: Iterator[Any]) -> None:
         owner = model.get_submodule(pname.rsplit(".", 1)[0]) if "." in pname else model
         loader = getattr(owner, "weight_loader", default_weight_loader)
         try:
-            loader(params[pname], source, shard)
+            # A loader may fill several shards from one tensor (e.g. fused experts): it
+            # returns their ids; None means just ``shard``.
+            filled = loader(params[pname], source, shard)
         except WeightShapeError as e:
             raise CheckpointError(str(e)) from e
-        loaded.add((pname, shard))
-    missing = sorted(f"{p}" + (f"[{s}]" if s is not None else "") for p, s in expected - loaded)
+        loaded.update((pname, s) for s in (filled if filled is not None else [shard]))
+    missing = sorted(_checkpoint_name(model, p, s) for p, s in expected - loaded)
     if missing:
         raise CheckpointError(f"checkpoint lacks {len(missing)} tensor(s): {', '.join(missing[:8])}"
                               + (" ..." if len(missing) > 8 else ""))
 
 
-def _expected_loads(model: nn.Module, params: dict[str, nn.Parameter]) -> set[tuple[str, object]]:
+def _checkpoint_name(model: nn.Module, pname: str, shard: object) -> str:
+    """Name one part of a parameter as the checkpoint does, for messages: ("layers.1.mlp.gate_up_proj.weight",
+    1) -> "layers.1.mlp.up_proj.weight (part 1 of layers.1.mlp.gate_up_proj.weight)"."""
+    for ours, theirs, sid in getattr(model, "stacked_params", ()):
+        if sid == shard and ours in f".{pname}":
+            theirs_name = f".{pname}".replace(ours, theirs)[1:]
+            return f"{theirs_name} (part {shard!r} of {pname})"
+    return pname if shard is None else f"{pname}[{shard!r}]"
+
+
+def _expected_loads(model: nn.Module, params: dict[str, torch.Tensor]) -> set[tuple[str, object]]:
     shards: dict[str, list[object]] = {}
     for ours, _theirs, shard in getattr(model, "stacked_params", ()):
         shards.setdefault(ours, []).append(shard)

@@ -95,7 +95,7 @@ def _moe(config: Any, groups: ParallelGroups, dtype: torch.dtype, device: torch.
     # n_shared_experts), latent projections with mlp_bias.
     return MoE(config.hidden_size, config.moe_intermediate_size, RouterConfig.from_hf(config), groups,
                gated=False, activation="relu2", shared_intermediate=config.moe_shared_expert_intermediate_size,
-               latent_size=getattr(config, "moe_latent_size", None), latent_bias=bool(config.mlp_bias),
+               latent_size=getattr(config, "moe_latent_size", None), latent_bias=bool(config.mlp_bias), shared_bias=bool(config.mlp_bias),
                dtype=dtype, device=device)
 
 

@@ -1,0 +1,156 @@
+"""DeepSeek-V3 / Kimi-K2 (``DeepseekV3ForCausalLM``): composition of layers only.
+
+Each decoder layer is two blocks: MLA attention (heads over attn_tp, owes attn_tp) and an MLP
+block (owes tp): a dense SwiGLU MLP for layers < ``first_k_dense_replace`` (and layers off the
+``moe_layer_freq`` stride), else the MoE (sigmoid router with ``e_score_correction_bias`` and
+grouped top-k, routed experts over moe_ep x moe_tp, shared experts over tp). The communicator
+completes every owed sum at the boundaries in front of the blocks (``parallel/comm_plan.py``).
+
+Config variants: ``q_lora_rank`` None (plain q_proj, V2-Lite style), ``n_group`` 1 (Kimi-K2),
+YaRN rope with ``mscale_all_dim`` (DeepSeek-V3, Kimi-K2), ``rope_interleave``. Tensors of
+layers >= ``num_hidden_layers`` (the MTP module) are ignored, as transformers does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .forward_batch import ForwardBatch
+from .layers.experts import parse_expert_name
+from .layers.mla import MLADims, MLAttention
+from .layers.mla_rotary import MLARotary, mla_softmax_scale
+from .layers.mlp import GatedMLP
+from .layers.moe import MoE, expert_stacked_params
+from .layers.norm import RMSNorm
+from .layers.rotary import rope_parameters
+from .layers.router import RouterConfig
+from .layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from .layers.weight_source import WeightShapeError
+from .parallel.collectives import Collectives
+from .parallel.comm_plan import BlockSpec, plan_communication, vocab_group
+from .parallel.communicator import Communicator
+from .parallel.groups import ParallelGroups
+from .parallel.layouts import Layout, Unreduced
+
+
+def is_moe_layer(config: Any, layer_id: int) -> bool:
+    freq = int(getattr(config, "moe_layer_freq", None) or 1)
+    return (bool(getattr(config, "n_routed_experts", None)) and layer_id >= int(config.first_k_dense_replace or 0)
+            and layer_id % freq == 0)
+
+
+class DeepseekV3DecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_id: int, groups: ParallelGroups, rotary: MLARotary, scale: float,
+                 dtype: torch.dtype, device: torch.device | str | None) -> None:
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.layer_id = layer_id
+        self.input_layernorm = RMSNorm(h, eps, dtype, device)
+        self.self_attn = MLAttention(layer_id, MLADims.from_hf(config), groups.attn_tp, rotary, scale, dtype, device)
+        self.post_attention_layernorm = RMSNorm(h, eps, dtype, device)
+        self.mlp: MoE | GatedMLP
+        if is_moe_layer(config, layer_id):
+            self.mlp = MoE(h, config.moe_intermediate_size, RouterConfig.from_hf(config), groups,
+                           shared_intermediate=config.moe_intermediate_size * (config.n_shared_experts or 0),
+                           dtype=dtype, device=device)
+        else:
+            self.mlp = GatedMLP(h, config.intermediate_size, groups.tp, dtype=dtype, device=device)
+
+    def forward(self, incoming: Unreduced, residual: torch.Tensor | None, batch: ForwardBatch,
+                comm: Communicator) -> tuple[Unreduced, torch.Tensor]:
+        i = self.layer_id
+        h, residual = comm.boundary(2 * i, incoming, residual, self.input_layernorm)
+        comm.after_input_boundary(i, residual)
+        h, residual = comm.boundary(2 * i + 1, self.self_attn(h, batch), residual, self.post_attention_layernorm)
+        out = self.mlp(h, comm.valid_rows) if isinstance(self.mlp, MoE) else self.mlp(h)
+        return out, residual
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    def __init__(self, config: Any, groups: ParallelGroups, collectives: Collectives, fusion: bool,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.config = config
+        theta, rope = rope_parameters(config)
+        qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+        rotary = MLARotary(config.qk_rope_head_dim, theta, rope, config.max_position_embeddings,
+                           bool(getattr(config, "rope_interleave", True))).to(device)
+        scale = mla_softmax_scale(qk_head_dim, rope)
+        vgroup = groups.by_name(vocab_group(groups.config))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, vgroup, dtype, device)
+        self.layers = nn.ModuleList(
+            DeepseekV3DecoderLayer(config, i, groups, rotary, scale, dtype, device)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, vgroup, dtype, device)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.tie_to(self.embed_tokens)
+        moe = next((layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)), None)
+        # Instance attribute: the routed-expert shard ids depend on this rank's EP slice.
+        self.stacked_params = self.dense_stacked_params + tuple(
+            expert_stacked_params(moe.experts) if moe is not None else ())
+        plan = plan_communication(groups.config, self.blocks(config), fusion)
+        self.comm = Communicator(plan, groups, collectives)
+
+    @staticmethod
+    def blocks(config: Any) -> list[BlockSpec]:
+        out: list[BlockSpec] = []
+        for i in range(config.num_hidden_layers):
+            out.append(BlockSpec(f"layers.{i}.attn", Layout.ATTN_TP_FULL, "attn_tp"))
+            out.append(BlockSpec(f"layers.{i}.mlp", Layout.FULL, "tp"))
+        return out
+
+    def kv_shapes(self) -> dict[int, tuple[int, ...]]:
+        return {layer.layer_id: layer.self_attn.kv_shape() for layer in self.decoder_layers()}
+
+    def decoder_layers(self) -> list[DeepseekV3DecoderLayer]:
+        return [layer for layer in self.layers if isinstance(layer, DeepseekV3DecoderLayer)]
+
+    # HF checkpoint names -> (our parameter, shard id): dense MLPs and shared experts.
+    dense_stacked_params: tuple[tuple[str, str, object], ...] = (
+        (".gate_up_proj.", ".gate_proj.", 0),
+        (".gate_up_proj.", ".up_proj.", 1),
+    )
+
+    def checkpoint_name_to_param(self, name: str) -> tuple[str, object] | None:
+        """Our parameter name and shard id for an HF tensor name; None = not ours to load
+        (rotary buffers, tied LM head, MTP layers, other EP ranks' experts)."""
+        name = name.removeprefix("model.")
+        if "rotary_emb." in name:
+            return None
+        if name == "lm_head.weight" and getattr(self.config, "tie_word_embeddings", False):
+            return None
+        parts = name.split(".")
+        if parts[0] == "layers" and int(parts[1]) >= self.config.num_hidden_layers:
+            return None  # MTP (next-token prediction) module
+        expert = parse_expert_name(name)
+        if expert is not None:
+            moe = self.get_submodule(expert.module.rsplit(".", 1)[0])
+            if not isinstance(moe, MoE):
+                raise WeightShapeError(f"{name}: routed-expert tensor in a dense layer (first_k_dense_replace="
+                                       f"{self.config.first_k_dense_replace} in config.json)")
+            target = moe.experts.checkpoint_target(expert)
+            return None if target is None else (f"{expert.module}.{target[0]}", target[1])
+        for ours, theirs, shard in self.dense_stacked_params:
+            if theirs in name:
+                return name.replace(theirs, ours), shard
+        return name, None
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits for ``batch.logits_indices`` rows (all rows if None): [n, vocab_size]."""
+        comm = self.comm
+        comm.begin_forward(batch.num_tokens, batch.dp_num_tokens)
+        x: Unreduced = self.embed_tokens(batch.input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, batch, comm)
+        h, _ = comm.boundary(len(self.layers) * 2, x, residual, self.norm)
+        if batch.logits_indices is not None:
+            h = h[batch.logits_indices]
+        logits = comm.gather_vocab(self.lm_head.logits_shard(h))
+        return logits[:, : self.config.vocab_size]
