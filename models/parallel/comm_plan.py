@@ -53,6 +53,9 @@ class BoundaryKind(enum.Enum):
 class Step:
     op: str  # ledger op name
     group: str
+    # "complete": finishes a sum owed by the previous block; "gather": moves complete (normed)
+    # tokens into the next block's layout (e.g. SUM_LEN's all-reduce of a zero-filled buffer).
+    purpose: str = "complete"
 
 
 @dataclass(frozen=True)
@@ -145,7 +148,7 @@ def _forward_plan(config: ParallelConfig, blocks: list[BlockSpec], fused: bool) 
         boundaries.append(_between(config, prev.owes, f"{nxt.name}.in", fused))
     # The final norm never takes the fused kernel (as in sglang: not the last layer).
     boundaries.append(_between(config, blocks[-1].owes, "final.in", fused=False))
-    lm_head = (Step("all_gather", embed_group),) if size(embed_group) > 1 else ()
+    lm_head = (Step("all_gather", embed_group, "gather"),) if size(embed_group) > 1 else ()
     return ForwardPlan(fused=fused, padding=None, boundaries=tuple(boundaries), lm_head=lm_head)
 
 
@@ -157,8 +160,8 @@ def _dp_forward_plan(config: ParallelConfig, blocks: list[BlockSpec], padding: P
 
     def gather(layout: Layout) -> tuple[Step, ...]:
         if layout is Layout.FULL:
-            return (Step("all_gather" if padding is Padding.MAX_LEN else "all_reduce", "tp"),)
-        return (Step("all_gather", "attn_tp"),) if config.attn_tp > 1 else ()
+            return (Step("all_gather" if padding is Padding.MAX_LEN else "all_reduce", "tp", "gather"),)
+        return (Step("all_gather", "attn_tp", "gather"),) if config.attn_tp > 1 else ()
 
     targets = [(f"{b.name}.in", b.layout) for b in blocks] + [("final.in", Layout.ATTN_TP_FULL)]
     owed = ["attn_tp"] + [b.owes for b in blocks]
@@ -166,7 +169,7 @@ def _dp_forward_plan(config: ParallelConfig, blocks: list[BlockSpec], padding: P
     for i, ((site, layout), debt) in enumerate(zip(targets, owed)):
         kind = BoundaryKind.DP_FIRST if i == 0 else BoundaryKind.DP_SCATTER_ADD_NORM_GATHER
         boundaries.append(Boundary(site, kind, debt, scatter(debt) + gather(layout), gather_to=layout))
-    lm_head = (Step("all_gather", "attn_tp"),) if config.attn_tp > 1 else ()
+    lm_head = (Step("all_gather", "attn_tp", "gather"),) if config.attn_tp > 1 else ()
     return ForwardPlan(fused=False, padding=padding, boundaries=tuple(boundaries), lm_head=lm_head)
 
 
