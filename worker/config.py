@@ -1,0 +1,164 @@
+"""The InferenceDeployment spec (runtime part) and the frozen config the runtime uses.
+
+One manifest is the input both locally (`fusedserve run file.yaml`) and on Kubernetes (the
+operator extends ``DeploymentSpec`` with placement, image, rollout...). No torch or ray import
+here: the operator imports this module.
+
+    apiVersion: fusedserve.io/v1alpha1
+    kind: InferenceDeployment
+    metadata: {name: tiny-code, namespace: default}
+    spec:
+      model: {path: examples/checkpoints/tiny-code, dtype: float32}
+      replicas: 1
+      parallelism: {tensor: 2, data: 1, expert: 1, dataParallelAttention: false}
+      communication: {allReduceFusion: auto, reduceScatter: auto}
+      speculative: {method: eagle3, draftModel: examples/checkpoints/tiny-code-eagle3, numSteps: 3}
+      serving: {port: 8000, maxBatchTokens: 2048, maxSequences: 64, kvCacheFraction: 0.9}
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+
+API_VERSION = "fusedserve.io/v1alpha1"
+KIND = "InferenceDeployment"
+
+
+class SpecError(ValueError):
+    """An invalid manifest; the message names every offending field."""
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
+
+
+class ModelSpec(_Spec):
+    path: str = Field(min_length=1, max_length=1024, description="checkpoint directory (HF layout) in the worker")
+    name: str | None = Field(default=None, max_length=253, description="served model name (default: deployment name)")
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+
+
+class ParallelismSpec(_Spec):
+    tensor: int = Field(default=1, ge=1, le=64, description="ranks (GPUs) per engine group")
+    data: int = Field(default=1, ge=1, le=64, description="attention data-parallel groups inside an engine group")
+    expert: int = Field(default=1, ge=1, le=64, description="expert-parallel ranks")
+    data_parallel_attention: bool = False
+
+    @model_validator(mode="after")
+    def _divides(self) -> ParallelismSpec:
+        if self.tensor % self.data:
+            raise ValueError(f"data={self.data} must divide tensor={self.tensor}")
+        if self.tensor % self.expert:
+            raise ValueError(f"expert={self.expert} must divide tensor={self.tensor}")
+        if self.data_parallel_attention and self.data < 2:
+            raise ValueError("dataParallelAttention needs data > 1")
+        if self.data > 1 and not self.data_parallel_attention:
+            raise ValueError("data > 1 means attention data parallelism: set dataParallelAttention: true "
+                             "(independent engine copies are spec.replicas)")
+        return self
+
+
+class Fusion(str, Enum):
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+
+class CommunicationSpec(_Spec):
+    all_reduce_fusion: Fusion = Fusion.AUTO
+    reduce_scatter: Literal["auto", "off"] = "auto"
+
+
+class SpeculativeSpec(_Spec):
+    method: Literal["eagle3"] = "eagle3"
+    draft_model: str = Field(min_length=1, max_length=1024)
+    num_steps: int = Field(default=3, ge=1, le=16)
+    top_k: int = Field(default=1, ge=1, le=16)
+    num_draft_tokens: int | None = Field(default=None, ge=2, le=256)
+
+    @model_validator(mode="after")
+    def _tree(self) -> SpeculativeSpec:
+        if self.top_k == 1 and self.num_draft_tokens is not None and self.num_draft_tokens < self.num_steps + 1:
+            raise ValueError(f"numDraftTokens={self.num_draft_tokens} must be >= numSteps + 1 = "
+                             f"{self.num_steps + 1} when topK = 1")
+        return self
+
+    @property
+    def draft_tokens(self) -> int:
+        return self.num_draft_tokens or (self.num_steps + 1 if self.top_k == 1 else 2 * self.num_steps)
+
+
+class ServingSpec(_Spec):
+    port: int = Field(default=8000, ge=1024, le=65535)
+    max_batch_tokens: int = Field(default=2048, ge=16, le=1 << 20)
+    max_sequences: int = Field(default=64, ge=1, le=4096)
+    kv_cache_fraction: float = Field(default=0.9, gt=0.0, le=0.98)
+    block_size: int = Field(default=16, ge=1, le=1024)
+    max_model_len: int | None = Field(default=None, ge=16)
+    metrics_port: int | None = Field(default=None, ge=1024, le=65535)
+
+
+class ResourcesSpec(_Spec):
+    gpus_per_rank: int = Field(default=1, ge=0, le=1)
+    cpu: str | None = None
+    memory: str | None = None
+
+
+class DeploymentSpec(_Spec):
+    model: ModelSpec
+    replicas: int = Field(default=1, ge=0, le=128)
+    parallelism: ParallelismSpec = ParallelismSpec()
+    communication: CommunicationSpec = CommunicationSpec()
+    speculative: SpeculativeSpec | None = None
+    serving: ServingSpec = ServingSpec()
+    resources: ResourcesSpec = ResourcesSpec()
+
+
+class Metadata(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+    name: str = Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    namespace: str = "default"
+
+
+class Manifest(BaseModel):
+    model_config = ConfigDict(populate_by_name=True, extra="forbid", frozen=True)
+    api_version: Literal["fusedserve.io/v1alpha1"] = Field(alias="apiVersion")
+    kind: Literal["InferenceDeployment"]
+    metadata: Metadata
+    spec: DeploymentSpec
+    status: dict[str, Any] | None = None
+
+
+def _format(e: ValidationError, root: str) -> str:
+    parts = []
+    for err in e.errors():
+        where = ".".join(str(x) for x in (root, *err["loc"]) if x != "__root__")
+        parts.append(f"{where}: {err['msg'].removeprefix('Value error, ')}")
+    return "; ".join(parts)
+
+
+def parse_manifest(doc: dict[str, Any]) -> Manifest:
+    if not isinstance(doc, dict):
+        raise SpecError("a manifest must be a mapping (apiVersion, kind, metadata, spec)")
+    try:
+        return Manifest.model_validate(doc)
+    except ValidationError as e:
+        raise SpecError(_format(e, "")[1:] if _format(e, "").startswith(".") else _format(e, "")) from e
+
+
+def load_manifest(path: str) -> Manifest:
+    import yaml
+
+    try:
+        with open(path) as f:
+            docs = [d for d in yaml.safe_load_all(f) if d is not None]
+    except (OSError, yaml.YAMLError) as e:
+        raise SpecError(f"{path}: {e}") from e
+    found = [d for d in docs if isinstance(d, dict) and d.get("kind") == KIND]
+    if len(found) != 1:
+        raise SpecError(f"{path}: expected exactly one {KIND}, found {len(found)}")
+    return parse_manifest(found[0])
