@@ -54,6 +54,9 @@ def run_on_ranks(fn: Callable[..., Any], world: int, *args: Any, backend: str | 
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if backend == "nccl":  # no NVLink multicast: FlashInfer takes its multicast-free IPC workspace
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     with tempfile.TemporaryDirectory(prefix="fusedserve-ranks-") as out_dir:
         try:
             mp.start_processes(_entry, args=(world, free_port(), backend, fn, args, out_dir, timeout_s),

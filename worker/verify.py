@@ -141,7 +141,9 @@ def _rank_main(rank: int, world: int, backend: str, opts: VerifyOptions,
 
     device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
     groups = build_groups(ParallelConfig(opts.tp, opts.dp, opts.ep), rank, backend)
-    fused = make_fused_allreduce_norm(opts.fusion, groups)
+    from fusedserve.models.loader import load_config
+
+    fused = make_fused_allreduce_norm(opts.fusion, groups, load_config(opts.model).hidden_size, DTYPES[opts.dtype])
     collectives = Collectives("nccl" if backend == "nccl" else "gloo", fused=fused)
     model = load_model(opts.model, groups, collectives, fusion=opts.fusion != "off",
                        dtype=DTYPES[opts.dtype], device=device)

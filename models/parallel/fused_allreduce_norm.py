@@ -56,15 +56,19 @@ class ReferenceFusedAllReduceNorm:
         return add_rms_norm(x, residual, weight, eps)
 
 
-def make_fused_allreduce_norm(mode: str, groups: object) -> FusedAllReduceNorm:
+def make_fused_allreduce_norm(mode: str, groups: object, hidden: int | None = None,
+                              dtype: torch.dtype | None = None, max_tokens: int = 2048) -> FusedAllReduceNorm:
     """The fused kernel for this rank, decided once: "off"/"reference" -> the reference,
-    "flashinfer" -> FlashInfer's kernel (GPU only; imported lazily)."""
+    "flashinfer" -> FlashInfer's kernel (GPU only; imported lazily; falls back to the
+    reference on every rank when any rank cannot use it)."""
     if mode in ("off", "reference"):
         return ReferenceFusedAllReduceNorm()
     if mode == "flashinfer":
         if not torch.cuda.is_available():
             raise RuntimeError("--fusion flashinfer needs CUDA GPUs; use --fusion reference on CPU")
-        from .flashinfer_fusion import FlashInferFusedAllReduceNorm  # type: ignore[import-not-found]
+        if hidden is None or dtype is None:
+            raise ValueError("the FlashInfer workspace needs the hidden size and dtype")
+        from .flashinfer_fusion import FlashInferFusedAllReduceNorm
 
-        return FlashInferFusedAllReduceNorm.create(groups)  # type: ignore[no-any-return]
+        return FlashInferFusedAllReduceNorm.create(groups, hidden, dtype, max_tokens)  # type: ignore[arg-type]
     raise ValueError(f"unknown fusion mode {mode!r}")
