@@ -55,7 +55,7 @@ def test_verify_flashinfer_tp2_matches_tp1(tmp_path) -> None:
                             num_key_value_heads=2, num_hidden_layers=4)
     proc = subprocess.run([sys.executable, "-m", "fusedserve.cli", "verify", "--model", str(model), "--tp", "2",
                            "--fusion", "flashinfer", "--oracle", "tp1", "--dtype", "bfloat16", "--json"],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
     report = json.loads(proc.stdout)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert report["ok"] and report["collectives_ok"]

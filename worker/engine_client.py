@@ -14,7 +14,6 @@ from typing import Any, Protocol
 from .request_output import RequestOutput
 from .sequence import SamplingParams
 
-
 # The labels every exported series carries (values may be ""); nothing per request.
 SNAPSHOT_LABELS = ("deployment", "namespace", "group", "rank", "tp_rank", "dp_rank", "ep_rank")
 
