@@ -17,7 +17,7 @@ $(BIN)/.installed: pyproject.toml Makefile
 setup: $(BIN)/.installed
 
 run: setup
-	$(BIN)/fusedserve verify --model examples/checkpoints/tiny-llama-random --tp 2 --fusion reference --oracle hf
+	bash scripts/run-main.sh examples/01-tiny-code.yaml
 
 test: setup
 	bash scripts/run-tests.sh

@@ -24,6 +24,17 @@ def _verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _run(args: argparse.Namespace) -> int:
+    from fusedserve.worker.config import SpecError
+    from fusedserve.worker.launcher import run
+
+    try:
+        return run(args.manifest, smoke=args.smoke, port=args.port)
+    except SpecError as e:
+        print(f"fusedserve run: invalid manifest: {e}", file=sys.stderr)
+        return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fusedserve", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -44,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DP attention token padding (default: chosen per forward as sglang does)")
     v.add_argument("--json", action="store_true", help="print the report as JSON")
     v.set_defaults(func=_verify)
+    r = sub.add_parser("run", help="serve an InferenceDeployment manifest on an embedded local Ray")
+    r.add_argument("manifest", help="InferenceDeployment YAML, e.g. examples/01-tiny-code.yaml")
+    r.add_argument("--port", type=int, help="HTTP port on 127.0.0.1 (default: spec.serving.port)")
+    r.add_argument("--smoke", action="store_true",
+                   help="send one completion and one chat request, print them and the metrics, then exit")
+    r.set_defaults(func=_run)
     return parser
 
 

@@ -43,7 +43,7 @@ class Served:
 def served() -> Iterator[Served]:
     engine = Engine(MODEL_DIR, EngineConfig(num_blocks=64, max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
                                             max_batch_tokens=512, dtype="float32", seed=0))
-    client = LocalEngineClient(engine, {"deployment": "test", "group": "0", "rank": "0"}, model_name=MODEL)
+    client = LocalEngineClient(engine, {"deployment": "test", "engine_group": "0", "rank": "0"}, model_name=MODEL)
     server = HttpServer(build_app(client, MetricsRegistry(client.labels, MODEL))).start()
     oai = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
     try:

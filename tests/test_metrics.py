@@ -27,7 +27,7 @@ from prometheus_client.samples import Sample
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "examples" / "checkpoints" / "tiny-code"
 MODEL = "tiny-code"
-LABELS = {"deployment": "demo", "namespace": "ml", "group": "g0", "rank": "0", "tp_rank": "0", "dp_rank": "0",
+LABELS = {"deployment": "demo", "namespace": "ml", "engine_group": "g0", "rank": "0", "tp_rank": "0", "dp_rank": "0",
           "ep_rank": "0"}
 
 

@@ -15,7 +15,9 @@ from .request_output import RequestOutput
 from .sequence import SamplingParams
 
 # The labels every exported series carries (values may be ""); nothing per request.
-SNAPSHOT_LABELS = ("deployment", "namespace", "group", "rank", "tp_rank", "dp_rank", "ep_rank")
+# "engine_group" is the engine group index; "group" is reserved for the parallel group of a
+# collective (tp, attn_tp, dp, moe_ep, moe_tp), as the communication metrics name it.
+SNAPSHOT_LABELS = ("deployment", "namespace", "engine_group", "rank", "tp_rank", "dp_rank", "ep_rank")
 
 
 @dataclass(frozen=True)

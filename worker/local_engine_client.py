@@ -9,7 +9,7 @@ consumer that stops iterating (a client that went away) aborts its request.
 If a step raises, the engine is dead: every request in flight gets ``EngineDead`` and so does
 every later call. The same class runs inside a Ray group-leader actor, so it knows no HTTP.
 
-    client = LocalEngineClient(Engine(model_dir), {"deployment": "demo", "group": "0"})
+    client = LocalEngineClient(Engine(model_dir), {"deployment": "demo", "engine_group": "0"})
     async for out in client.generate("def fib(n):", SamplingParams(max_tokens=8), "req-1"):
         ...
     client.close()

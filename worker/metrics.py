@@ -5,7 +5,7 @@ Two sources:
 - Engine counters and gauges come from ``EngineClient.metrics()`` snapshots, exported by a
   custom collector at scrape time: the exported value *is* the engine's counter (never
   re-accumulated here), one series per rank/group with the labels deployment, namespace,
-  group, rank, tp_rank, dp_rank, ep_rank.
+  engine_group, rank, tp_rank, dp_rank, ep_rank ("group" is the collective's parallel group).
 - Request latencies (time to first token, inter-token latency, end-to-end) are measured where
   the API sees the request (``MetricsRegistry.track``) and carry the server's labels.
 
