@@ -151,3 +151,77 @@ def make_tiny_nemotron_h(out_dir: str | Path, seed: int = 0, **overrides: Any) -
     out = Path(out_dir)
     model.save_pretrained(str(out), safe_serialization=True)
     return out
+
+
+EAGLE3_DRAFT_DEFAULTS: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+}
+
+
+def make_tiny_eagle3_draft(out_dir: str | Path, target_dir: str | Path, seed: int = 0,
+                           draft_vocab_size: int | None = None, own_embedding: bool = True,
+                           **overrides: Any) -> Path:
+    """Tiny random EAGLE3 draft (`LlamaForCausalLMEagle3`, the HF layout SpecForge writes) for the
+    target checkpoint at ``target_dir``: ``fc`` [H, 3*H_target], ``midlayer.*`` (q/k/v take 2H),
+    ``norm``, ``lm_head`` and ``d2t``/``t2d`` over a draft vocabulary of ``draft_vocab_size`` target
+    ids (a random hot subset; default: all), ``embed_tokens`` unless ``own_embedding=False`` (then
+    the target's is shared). Aux layers: the default [2, N//2, N-3].
+    """
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    target = json.loads((Path(target_dir) / "config.json").read_text())
+    cfg = {**EAGLE3_DRAFT_DEFAULTS, **overrides}
+    vocab, target_hidden = int(target["vocab_size"]), int(target["hidden_size"])
+    draft_vocab = draft_vocab_size or vocab
+    h, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
+    heads, kv_heads = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"])
+    head_dim = int(cfg.get("head_dim") or h // heads)
+    g = torch.Generator().manual_seed(seed)
+
+    def dense(rows: int, cols: int) -> torch.Tensor:
+        return torch.randn(rows, cols, generator=g) * cols ** -0.5
+
+    def norm(size: int) -> torch.Tensor:
+        return torch.rand(size, generator=g) + 0.5
+
+    hot = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[hot] = True
+    tensors = {
+        "fc.weight": dense(h, 3 * target_hidden),
+        "midlayer.input_layernorm.weight": norm(h),
+        "midlayer.hidden_norm.weight": norm(h),
+        "midlayer.post_attention_layernorm.weight": norm(h),
+        "midlayer.self_attn.q_proj.weight": dense(heads * head_dim, 2 * h),
+        "midlayer.self_attn.k_proj.weight": dense(kv_heads * head_dim, 2 * h),
+        "midlayer.self_attn.v_proj.weight": dense(kv_heads * head_dim, 2 * h),
+        "midlayer.self_attn.o_proj.weight": dense(h, heads * head_dim),
+        "midlayer.mlp.gate_proj.weight": dense(inter, h),
+        "midlayer.mlp.up_proj.weight": dense(inter, h),
+        "midlayer.mlp.down_proj.weight": dense(h, inter),
+        "norm.weight": norm(h),
+        "lm_head.weight": dense(draft_vocab, h),
+        "d2t": hot - torch.arange(draft_vocab),
+        "t2d": t2d,
+    }
+    if own_embedding:
+        tensors["embed_tokens.weight"] = torch.randn(vocab, h, generator=g)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "vocab_size": vocab,
+        "draft_vocab_size": draft_vocab, "num_hidden_layers": 1, "tie_word_embeddings": False,
+        "max_position_embeddings": int(target.get("max_position_embeddings", 256)),
+        "target_hidden_size": target_hidden, "torch_dtype": "float32", **cfg,
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out

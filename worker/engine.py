@@ -5,6 +5,11 @@ it (``ModelRunner``), samples the sequences that reached their last known token 
 applies token-level stops, detokenizes and applies stop strings, then records the step and
 frees finished sequences. The outputs of a step are streaming deltas (``RequestOutput``).
 
+With ``EngineConfig.speculative`` the step's forward also verifies EAGLE3 drafts
+(``SpecDecoder``): a decoding sequence may gain several tokens per step. On a parallel engine
+this loop runs on rank 0, whose runner announces each forward to the other ranks
+(``distributed_runner``).
+
     engine = Engine("examples/checkpoints/tiny-llama", EngineConfig(num_blocks=64))
     [c] = engine.generate(["def fib(n):"], SamplingParams(temperature=0, max_tokens=32))
 """
@@ -14,7 +19,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -27,6 +32,8 @@ from .request_output import Completion, RequestOutput
 from .sampler import Sampler
 from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig, SchedulerStats
 from .sequence import FinishReason, InvalidRequest, SamplingParams, Sequence, truncate_at_stop
+from .spec_stats import SpecDecodeStats
+from .speculative import SpecDecoder, SpeculativeConfig
 from .tokenizer import Tokenizer, generation_eos_ids
 
 log = logging.getLogger(__name__)
@@ -53,6 +60,7 @@ class EngineConfig:
     device: str = "cpu"
     skip_tokenizer: bool = False  # token ids in, token ids out (no text)
     seed: int | None = None  # random stream of unseeded requests
+    speculative: SpeculativeConfig | None = None  # EAGLE3 drafting; None = off
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -71,15 +79,21 @@ class EngineConfig:
         except ValueError as e:
             raise EngineConfigError(str(e)) from e
 
+    @property
+    def lookahead_tokens(self) -> int:
+        """K/V slots reserved beyond each sampling sequence's last token (at least what drafting needs)."""
+        spec = self.speculative.lookahead_tokens if self.speculative is not None else 0
+        return max(self.num_lookahead_tokens, spec)
+
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(self.max_num_seqs, self.max_batch_tokens, self.enable_chunked_prefill,
-                               self.num_lookahead_tokens)
+                               self.lookahead_tokens)
 
 
 def resolve_max_model_len(config: EngineConfig, model_max_len: int | None, blocks: BlockManager) -> int:
     """The longest sequence (prompt + output) the engine accepts: what the model allows, what one
     sequence alone can hold in the cache, and, without chunked prefill, what one step can prefill."""
-    limit = (blocks.num_blocks - blocks.watermark_blocks) * blocks.block_size - config.num_lookahead_tokens
+    limit = (blocks.num_blocks - blocks.watermark_blocks) * blocks.block_size - config.lookahead_tokens
     if not config.enable_chunked_prefill:
         limit = min(limit, config.max_batch_tokens)
     if limit < 2:
@@ -93,6 +107,11 @@ def resolve_max_model_len(config: EngineConfig, model_max_len: int | None, block
     return min(model_max_len or limit, limit)
 
 
+@dataclass(frozen=True)
+class EngineStats(SchedulerStats):
+    spec: SpecDecodeStats | None = None  # speculative-decoding counters; None without speculation
+
+
 @dataclass
 class _Request:
     seq_id: int
@@ -102,15 +121,24 @@ class _Request:
 
 
 class Engine:
-    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
+    """``runner``: a model runner built by the caller (e.g. rank 0 of a parallel engine, whose
+    runner announces each forward to the other ranks); default: the checkpoint on one rank."""
+
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None,
+                 runner: ModelRunner | None = None) -> None:
         self.config = config = config or EngineConfig()
         self.tokenizer = None if config.skip_tokenizer else Tokenizer.from_dir(model_dir)
         model_config = load_config(model_dir)
-        self.runner = ModelRunner.load(model_dir, config.block_size, config.num_blocks, config.kv_memory_fraction,
-                                       config.max_num_seqs, DTYPES[config.dtype], config.device)
+        self.runner = runner or ModelRunner.load(model_dir, config.block_size, config.num_blocks,
+                                                 config.kv_memory_fraction, config.max_num_seqs,
+                                                 DTYPES[config.dtype], config.device)
         self.blocks = BlockManager(self.runner.kv_cache.num_blocks, config.block_size, config.watermark)
         self.scheduler = Scheduler(config.scheduler_config(), self.blocks)
         self.sampler = Sampler(config.seed, self.runner.device)
+        self.speculator: SpecDecoder | None = None
+        if config.speculative is not None:
+            self.speculator = SpecDecoder.load(config.speculative, model_dir, self.runner, self.sampler,
+                                               DTYPES[config.dtype])
         self.max_model_len = resolve_max_model_len(
             config, getattr(model_config, "max_position_embeddings", None), self.blocks)
         eos = set(generation_eos_ids(model_dir))
@@ -178,8 +206,10 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
 
-    def stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+    def stats(self) -> EngineStats:
+        s = self.scheduler.stats()
+        spec = self.speculator.stats() if self.speculator is not None else None
+        return EngineStats(**{f.name: getattr(s, f.name) for f in fields(s)}, spec=spec)
 
     # --- the loop -------------------------------------------------------------------------------
 
@@ -189,6 +219,9 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return outputs
+        if self.speculator is not None:
+            spec = self.speculator.step(batch, self.scheduler, self._generator)
+            return outputs + self.commit_step(spec.batch, spec.seqs, spec.new_tokens)
         logits = self.runner.forward(batch)  # [sampling sequences, vocab]
         sampling = [s for s in batch.seqs if s.num_logits > 0]
         seqs = [self.scheduler.get(s.seq_id) for s in sampling]
@@ -196,6 +229,9 @@ class Engine:
         tokens = self.sampler(logits, [s.params for s in seqs], generators)
         outputs += self.commit_step(batch, seqs, [[t] for t in tokens])
         return outputs
+
+    def _generator(self, seq: Sequence) -> torch.Generator | None:
+        return self._requests[seq.request_id].generator
 
     def commit_step(self, batch: ScheduledBatch, seqs: list[Sequence],
                     new_tokens: list[list[int]]) -> list[RequestOutput]:

@@ -4,7 +4,8 @@
 tokens packed one sequence after another, their positions, the cache slot of every new token
 (from the block tables), and ``logits_indices`` = the last ``num_logits`` rows of each sequence
 (the last token when it samples, none for a prefill chunk, more for a speculative verify).
-Masks for non-causal attention (a draft tree) come in beside the batch.
+A sequence that verifies a speculative draft tree names its tree (``ScheduledSeq.tree_parents``)
+and gets the tree's attention mask; other masks may come in beside the batch.
 
 Recurrent state (Mamba layers): a model whose ``state_shapes()`` is not empty gets a
 ``MambaStateCache`` with one slot per schedulable sequence (``max_num_seqs``); every forward
@@ -28,6 +29,7 @@ from ..models.layers.mamba_state import MambaStateCache, MambaStateShape
 from ..models.loader import load_model
 from ..models.parallel.collectives import Collectives
 from ..models.parallel.groups import ParallelGroups
+from .draft_tree import tree_attention_mask
 from .scheduler import ScheduledBatch
 
 log = logging.getLogger(__name__)
@@ -96,11 +98,13 @@ class ModelRunner:
     @staticmethod
     def load(model_dir: str | Path, block_size: int, num_blocks: int | None, memory_fraction: float,
              num_state_slots: int, dtype: torch.dtype = torch.float32,
-             device: torch.device | str = "cpu") -> ModelRunner:
-        """Load a checkpoint on one rank and allocate its KV cache (``num_blocks`` or a memory share)."""
+             device: torch.device | str = "cpu", groups: ParallelGroups | None = None,
+             collectives: Collectives | None = None, fusion: bool = False) -> ModelRunner:
+        """Load a checkpoint on one rank and allocate its KV cache (``num_blocks`` or a memory share).
+        ``groups``/``collectives``/``fusion``: this rank's share of a parallel engine (default: one rank)."""
         dev = torch.device(device)
-        model = load_model(model_dir, ParallelGroups.single_rank(), Collectives("gloo"), fusion=False,
-                           dtype=dtype, device=dev)
+        model = load_model(model_dir, groups or ParallelGroups.single_rank(), collectives or Collectives("gloo"),
+                           fusion=fusion, dtype=dtype, device=dev)
         model.eval()
         shapes: dict[int, tuple[int, ...]] = model.kv_shapes()  # type: ignore[operator]
         if num_blocks is None:
@@ -124,7 +128,11 @@ class ModelRunner:
         return int(config.vocab_size)
 
     def prepare(self, batch: ScheduledBatch, attn_masks: list[torch.Tensor | None] | None = None) -> ForwardBatch:
-        """The forward batch of a scheduled step. attn_masks: per sequence [num_tokens, context_len] or None."""
+        """The forward batch of a scheduled step. attn_masks: per sequence [num_tokens, context_len] or None;
+        when not given, a sequence with ``tree_parents`` gets its draft tree's mask."""
+        if attn_masks is None and any(s.tree_parents is not None for s in batch.seqs):
+            attn_masks = [None if s.tree_parents is None else
+                          tree_attention_mask(s.tree_parents, s.start, self.device) for s in batch.seqs]
         bs = self.kv_cache.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -160,3 +168,17 @@ class ModelRunner:
         """Logits of every requested row, sequence by sequence: [sum(num_logits), vocab]."""
         logits: torch.Tensor = self.model(self.prepare(batch, attn_masks))
         return logits
+
+    @torch.inference_mode()
+    def copy_kv(self, src: list[int], dst: list[int]) -> None:
+        """Copy the K/V of cache slots ``src`` to ``dst`` in every layer (all read before any is
+        written), e.g. accepted draft-tree nodes to their sequence positions."""
+        if len(src) != len(dst):
+            raise ValueError(f"{len(src)} source slots for {len(dst)} destinations")
+        if not src:
+            return
+        s = torch.tensor(src, dtype=torch.long, device=self.device)
+        d = torch.tensor(dst, dtype=torch.long, device=self.device)
+        for cache in (self.kv_cache.k, self.kv_cache.v):
+            for layer in cache.values():
+                layer[d] = layer[s]

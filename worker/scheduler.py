@@ -61,6 +61,9 @@ class ScheduledSeq:
     state_slot: int | None = None
     # RoPE positions when not start.. (a draft tree: siblings share a depth); K/V slots stay start..
     position_ids: tuple[int, ...] | None = None
+    # A draft tree over token_ids: each token's parent index (-1 for the first); each token then
+    # attends to the cached tokens, its ancestors and itself instead of causally. None = causal.
+    tree_parents: tuple[int, ...] | None = None
 
     @property
     def num_tokens(self) -> int:
