@@ -3,6 +3,9 @@
 Sequences are packed one after another (``query_lens`` tokens each). Each sequence's KV lives
 in fixed-size blocks of a paged cache; ``block_tables[i]`` lists sequence i's blocks and
 ``slot_mapping`` says where each new token's K/V is written.
+
+``PagedAttentionMetadata`` is the same layout as device tensors of static shape, for attention
+that must not read Python lists (CUDA graphs replay without running Python).
 """
 
 from __future__ import annotations
@@ -37,6 +40,59 @@ class KVCache:
 
 
 @dataclass
+class PagedAttentionMetadata:
+    """The batch's paged layout as device tensors: read on the device only (CUDA-graph safe).
+
+    Example, block size 4: sequence 0 has 5 tokens cached in blocks [7, 2] and decodes one
+    more; sequence 1 prefills 3 tokens into block [5]::
+
+        block_tables = [[7, 2], [5, 0]]   # [B, max_blocks] int32, rows padded with block 0
+        context_lens = [6, 3]             # [B] int32, cached tokens after this step
+        token_seq    = [0, 1, 1, 1]       # [T] sequence of each new token
+        token_index  = [5, 0, 1, 2]       # [T] each new token's index in its context (causal limit)
+        max_query_len = 3                 # static: 1 means a decode batch (token i is sequence i)
+    """
+
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    token_seq: torch.Tensor
+    token_index: torch.Tensor
+    max_query_len: int
+
+    @staticmethod
+    def from_lists(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
+                   device: torch.device | str | None = None, max_blocks: int | None = None
+                   ) -> PagedAttentionMetadata:
+        width = max_blocks if max_blocks is not None else max((len(t) for t in block_tables), default=0)
+        width = max(width, 1)
+        tables = torch.zeros((len(block_tables), width), dtype=torch.int32)
+        for i, t in enumerate(block_tables):
+            tables[i, : len(t)] = torch.tensor(t[:width], dtype=torch.int32)
+        seq = [i for i, q in enumerate(query_lens) for _ in range(q)]
+        index = [c - q + j for q, c in zip(query_lens, context_lens) for j in range(q)]
+        return PagedAttentionMetadata(
+            block_tables=tables.to(device),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            token_seq=torch.tensor(seq, dtype=torch.long, device=device),
+            token_index=torch.tensor(index, dtype=torch.long, device=device),
+            max_query_len=max(query_lens, default=0),
+        )
+
+    @staticmethod
+    def decode(block_tables: torch.Tensor, context_lens: torch.Tensor) -> PagedAttentionMetadata:
+        """One new token per sequence, computed on the device (capturable).
+        block_tables: [B, max_blocks] int32; context_lens: [B] int32"""
+        b = block_tables.shape[0]
+        return PagedAttentionMetadata(
+            block_tables=block_tables,
+            context_lens=context_lens,
+            token_seq=torch.arange(b, device=block_tables.device),
+            token_index=context_lens.long() - 1,
+            max_query_len=1,
+        )
+
+
+@dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
@@ -55,6 +111,15 @@ class ForwardBatch:
     # DP attention: tokens of every DP group this forward (this batch is this rank's DP group's).
     dp_num_tokens: list[int] | None = None
     extras: dict[str, object] = field(default_factory=dict)
+    # The paged layout as device tensors; None = built from the lists above on first use.
+    paged: PagedAttentionMetadata | None = None
+
+    def paged_metadata(self) -> PagedAttentionMetadata:
+        """``paged``, built from the Python lists (one host-to-device copy) when not given."""
+        if self.paged is None:
+            self.paged = PagedAttentionMetadata.from_lists(self.query_lens, self.context_lens, self.block_tables,
+                                                           self.input_ids.device)
+        return self.paged
 
     @property
     def num_tokens(self) -> int:

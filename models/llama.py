@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .forward_batch import ForwardBatch
+from .layers.kernels import Kernels
 from .layers.mlp import GatedMLP
 from .layers.norm import RMSNorm
 from .layers.rotary import RotaryEmbedding, rope_parameters
@@ -30,18 +31,20 @@ def head_dim_of(config: Any) -> int:
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, layer_id: int, groups: ParallelGroups, rotary: RotaryEmbedding,
-                 dtype: torch.dtype, device: torch.device | str | None) -> None:
+                 dtype: torch.dtype, device: torch.device | str | None, kernels: Kernels | None = None) -> None:
         super().__init__()
+        kernels = kernels or Kernels.reference()
         h = config.hidden_size
         self.layer_id = layer_id
         self.input_layernorm = RMSNorm(h, config.rms_norm_eps, dtype, device)
         self.self_attn = SelfAttention(
             layer_id, h, config.num_attention_heads, config.num_key_value_heads, head_dim_of(config),
             groups.attn_tp, rotary, qkv_bias=getattr(config, "attention_bias", False),
-            o_bias=getattr(config, "attention_bias", False), dtype=dtype, device=device)
+            o_bias=getattr(config, "attention_bias", False), dtype=dtype, device=device,
+            attention_backend=kernels.attention)
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps, dtype, device)
         self.mlp = GatedMLP(h, config.intermediate_size, groups.tp, getattr(config, "mlp_bias", False),
-                            dtype, device)
+                            dtype, device, act=kernels.silu_and_mul)
 
     def forward(self, incoming: Unreduced, residual: torch.Tensor | None, batch: ForwardBatch,
                 comm: Communicator) -> tuple[Unreduced, torch.Tensor]:
@@ -53,23 +56,29 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    """``kernels``: the implementation of attention, norms, RoPE and activation (default: the torch
+    references); ``Kernels.triton()`` on a GPU, and any ``graph_safe`` set for CUDA graphs."""
+
     def __init__(self, config: Any, groups: ParallelGroups, collectives: Collectives, fusion: bool,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 kernels: Kernels | None = None) -> None:
         super().__init__()
         self.config = config
+        self.kernels = kernels or Kernels.reference()
         theta, scaling = rope_parameters(config)
-        rotary = RotaryEmbedding(head_dim_of(config), theta, scaling).to(device)
+        rotary = RotaryEmbedding(head_dim_of(config), theta, scaling, kernel=self.kernels.rope).to(device)
         vgroup = groups.by_name(vocab_group(groups.config))
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, vgroup, dtype, device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, groups, rotary, dtype, device) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, groups, rotary, dtype, device, self.kernels)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, vgroup, dtype, device)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.tie_to(self.embed_tokens)
         plan = plan_communication(groups.config, self.blocks(config), fusion)
-        self.comm = Communicator(plan, groups, collectives)
+        self.comm = Communicator(plan, groups, collectives, norms=self.kernels.norms)
 
     @staticmethod
     def blocks(config: Any) -> list[BlockSpec]:

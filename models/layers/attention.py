@@ -1,10 +1,20 @@
-"""Attention over the paged KV cache: the plain torch reference (GPU kernels come later)."""
+"""Attention over the paged KV cache: the plain torch reference.
+
+Faster backends with the same signature (``AttentionBackend``): ``paged_attention_torch.py``
+(CUDA-graph capturable torch ops) and ``decode_attention_triton.py`` (GPU decode kernel); a
+model picks one at construction (``kernels.py``).
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
 from ..forward_batch import ForwardBatch
+
+# (q [T, heads, d], k [T, kv_heads, d], v [T, kv_heads, dv], layer_id, batch, scale) -> [T, heads, dv]
+AttentionBackend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, ForwardBatch, float], torch.Tensor]
 
 
 def paged_attention_reference(

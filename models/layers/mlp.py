@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -11,21 +13,28 @@ from ..parallel.layouts import Unreduced
 from .linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 
 
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """The plain reference of the gated activation. x: [n, 2*I] (gate | up) -> [n, I]"""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class GatedMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)). ``act``: a fused ``silu_and_mul`` (chosen at construction)."""
 
     def __init__(self, hidden: int, intermediate: int, group: Group, bias: bool = False,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 act: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         super().__init__()
         self.group = group
+        self.act = act or silu_and_mul
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate], group, bias,
                                                        dtype, device)
         self.down_proj = RowParallelLinear(intermediate, hidden, group, bias, dtype, device)
 
     def forward(self, x: torch.Tensor) -> Unreduced:
         # x: [n, hidden] -> owed [n, hidden]
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return Unreduced(self.down_proj(F.silu(gate) * up), self.group.name)
+        return Unreduced(self.down_proj(self.act(self.gate_up_proj(x))), self.group.name)
 
 
 class Relu2MLP(nn.Module):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,19 +42,37 @@ def rope_parameters(config: Any) -> tuple[float, dict[str, Any] | None]:
     return float(getattr(config, "rope_theta", 10000.0)), getattr(config, "rope_scaling", None)
 
 
+# (positions [n], q [n, heads, d], k [n, kv_heads, d], inv_freq [rotary_dim/2]) -> (q, k) rotated
+RopeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
 class RotaryEmbedding(nn.Module):
-    def __init__(self, rotary_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> None:
+    """``kernel``: a fused implementation of ``forward`` (e.g. ``rope_triton.rope_triton``), chosen at
+    construction; None = the torch ops below (its reference)."""
+
+    def __init__(self, rotary_dim: int, theta: float, scaling: dict[str, Any] | None = None,
+                 kernel: RopeKernel | None = None) -> None:
         super().__init__()
         self.rotary_dim = rotary_dim
+        self.kernel = kernel
         self.register_buffer("inv_freq", rope_inv_freq(rotary_dim, theta, scaling), persistent=False)
         self.inv_freq: torch.Tensor
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [n]; q: [n, heads, head_dim]; k: [n, kv_heads, head_dim]
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if self.kernel is not None:
+            return self.kernel(positions, q, k, self.inv_freq)
+        return rope_reference(positions, q, k, self.inv_freq)
+
+
+def rope_reference(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                   inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE on the first 2*len(inv_freq) dims, fp32 math, output in the input dtype.
+    positions: [n]; q: [n, heads, head_dim]; k: [n, kv_heads, head_dim]"""
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,8 @@
 """GQA self-attention block: qkv projection, optional RoPE, paged attention, output projection.
 
 Heads are split over the attention-TP group; the output projection leaves a sum owed to it.
+The attention implementation is chosen at construction (``attention_backend``; default: the
+plain reference).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from torch import nn
 from ..forward_batch import ForwardBatch
 from ..parallel.groups import Group
 from ..parallel.layouts import Unreduced
-from .attention import paged_attention_reference
+from .attention import AttentionBackend, paged_attention_reference
 from .linear import QKVParallelLinear, RowParallelLinear
 from .rotary import RotaryEmbedding
 
@@ -20,9 +22,11 @@ class SelfAttention(nn.Module):
     def __init__(self, layer_id: int, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  group: Group, rotary: RotaryEmbedding | None, qkv_bias: bool = False, o_bias: bool = False,
                  input_size: int | None = None, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None,
+                 attention_backend: AttentionBackend | None = None) -> None:
         super().__init__()
         self.layer_id = layer_id
+        self.attention: AttentionBackend = attention_backend or paged_attention_reference
         self.group = group
         self.head_dim = head_dim
         self.qkv_proj = QKVParallelLinear(input_size or hidden, head_dim, num_heads, num_kv_heads, group,
@@ -44,5 +48,5 @@ class SelfAttention(nn.Module):
         v = v.view(n, self.qkv_proj.kv_heads, self.head_dim)
         if self.rotary is not None:
             q, k = self.rotary(batch.positions, q, k)
-        o = paged_attention_reference(q, k, v, self.layer_id, batch, self.scale)
+        o = self.attention(q, k, v, self.layer_id, batch, self.scale)
         return Unreduced(self.o_proj(o.reshape(n, self.qkv_proj.q_size)), self.group.name)

@@ -16,7 +16,7 @@ import torch
 from .collectives import Collectives
 from .comm_plan import Boundary, BoundaryKind, CommPlan, ForwardPlan
 from .dp_geometry import DPGeometry, Padding, dp_geometry
-from .fused_allreduce_norm import add_rms_norm, rms_norm
+from .fused_allreduce_norm import NormKernels
 from .groups import ParallelGroups
 from .layouts import Layout, Unreduced
 
@@ -34,8 +34,11 @@ class PlanViolation(RuntimeError):
 
 
 class Communicator:
-    def __init__(self, plan: CommPlan, groups: ParallelGroups, collectives: Collectives) -> None:
+    def __init__(self, plan: CommPlan, groups: ParallelGroups, collectives: Collectives,
+                 norms: NormKernels | None = None) -> None:
         self.plan = plan
+        # The (add +) RMSNorm of unfused boundaries; the fused one is the collectives' choice.
+        self.norms = norms if norms is not None else NormKernels()
         self.groups = groups
         self.collectives = collectives
         self.active: ForwardPlan = plan.unfused
@@ -126,7 +129,7 @@ class Communicator:
         if residual is not None:
             raise PlanViolation(f"{b.site}: the first boundary takes no residual")
         h = self._all_reduce_steps(b, h)
-        return rms_norm(h, norm.weight, norm.eps), h
+        return self.norms.rms_norm(h, norm.weight, norm.eps), h
 
     def _all_reduce_add_norm(
         self, b: Boundary, h: torch.Tensor, residual: torch.Tensor | None, norm: NormWeights
@@ -134,7 +137,7 @@ class Communicator:
         if residual is None:
             raise PlanViolation(f"{b.site}: missing residual")
         h = self._all_reduce_steps(b, h)
-        return add_rms_norm(h, residual, norm.weight, norm.eps)
+        return self.norms.add_rms_norm(h, residual, norm.weight, norm.eps)
 
     def _fused(
         self, b: Boundary, h: torch.Tensor, residual: torch.Tensor | None, norm: NormWeights
@@ -152,7 +155,7 @@ class Communicator:
         if residual is not None:
             raise PlanViolation(f"{b.site}: the first boundary takes no residual")
         chunk = self._scatter_local(b, h)
-        return self._gather(b, rms_norm(chunk, norm.weight, norm.eps)), chunk
+        return self._gather(b, self.norms.rms_norm(chunk, norm.weight, norm.eps)), chunk
 
     def _dp_scatter_add_norm_gather(
         self, b: Boundary, h: torch.Tensor, residual: torch.Tensor | None, norm: NormWeights
@@ -160,7 +163,7 @@ class Communicator:
         if residual is None:
             raise PlanViolation(f"{b.site}: missing residual")
         chunk = self._scatter_local(b, h) if b.owed == "attn_tp" else self._scatter_full(b, h)
-        normed, residual = add_rms_norm(chunk, residual, norm.weight, norm.eps)
+        normed, residual = self.norms.add_rms_norm(chunk, residual, norm.weight, norm.eps)
         return self._gather(b, normed), residual
 
     def _geo(self) -> DPGeometry:

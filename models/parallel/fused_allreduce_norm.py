@@ -8,6 +8,8 @@ and falls back to this reference; which one a rank uses is decided once, at cons
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -30,6 +32,16 @@ def add_rms_norm(
     """Returns (rms_norm(x + residual), x + residual); the sum is a fresh tensor."""
     summed = x + residual
     return rms_norm(summed, weight, eps), summed
+
+
+@dataclass(frozen=True)
+class NormKernels:
+    """The RMSNorm and add + RMSNorm a communicator runs where no all-reduce is fused in, chosen
+    once at construction (e.g. Triton kernels on a GPU); the defaults are the references above."""
+
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = rms_norm
+    add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float],
+                           tuple[torch.Tensor, torch.Tensor]] = add_rms_norm
 
 
 class FusedAllReduceNorm(Protocol):

@@ -8,6 +8,7 @@ with the plan.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "fused_ar_add_rmsnorm")
@@ -46,6 +47,13 @@ class CollectiveLedger:
     def begin_forward(self) -> None:
         self._forward = []
         self.forwards += 1
+
+    def replay(self, records: Iterable[CollectiveRecord]) -> None:
+        """Count one more forward whose collectives ran without Python: a CUDA-graph replay runs
+        exactly the collectives recorded while that forward was captured."""
+        self.begin_forward()
+        for r in records:
+            self.record(r.site, r.op, r.group, r.path, r.nbytes)
 
     def forward_records(self) -> list[CollectiveRecord]:
         """Collectives since the last ``begin_forward``, in execution order."""

@@ -1,0 +1,332 @@
+"""Benchmarks (b) and (d): decode of a Llama-3-8B-shaped random-weight model on one GPU vs the HBM roofline.
+
+    . bench/device_env.sh && python -P bench/decode_roofline.py --out $OUT/decode-roofline.json
+    python bench/decode_roofline.py --tiny          # a small model on CPU: checks the script only
+
+In one run: (1) the copy bandwidth (a 4 GiB device-to-device copy, read + write counted);
+(2) HF transformers' LlamaForCausalLM with random weights (bf16, its default attention, eager),
+prefill of a 128-token prompt, then greedy decode tokens timed one by one; (3) our
+LlamaForCausalLM loaded from the same weights through our loader, Triton kernels, its prefill
+logits compared with HF's; (4) CUDA graphs captured at batch 1..64 (worker/cuda_graph_runner.py);
+(b) batch-1 greedy decode: ms/token of the whole loop (replay + argmax + input update, no host
+sync), of the replay alone, and of our eager forward; % of roofline = (weight bytes / copy
+bandwidth) / ms per token; the same tokens as HF?; (d) tokens/s at batch 1, 2, 4, ..., 64 (each
+sequence at context 128+); a torch.profiler summary of one replayed batch-1 step (top kernels,
+time per kind of kernel). Progress lines go to stderr; the JSON record to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LLAMA3_8B: dict[str, Any] = {
+    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "vocab_size": 128256, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 8192, "tie_word_embeddings": False}
+TINY: dict[str, Any] = {
+    "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "vocab_size": 500, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 1024, "tie_word_embeddings": False}
+BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+BLOCK = 16
+MAX_BLOCKS = 32  # 512 tokens of context per sequence
+PROMPT_LEN = 128
+_T0 = time.perf_counter()
+
+
+def progress(msg: str) -> None:
+    print(f"[decode_roofline {time.perf_counter() - _T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], Any], reps: int, device: torch.device) -> float:
+    """Seconds for ``reps`` calls of fn back to back (device time on CUDA)."""
+    sync(device)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1000
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return time.perf_counter() - t
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Bytes/s of a large device-to-device copy, counting read + write (median of 20)."""
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = [timed(lambda: dst.copy_(src), 1, device) for _ in range(20)]
+    return 2 * nbytes / statistics.median(times)
+
+
+def build_hf(shape: dict[str, Any], device: torch.device) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**shape, architectures=["LlamaForCausalLM"])
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            hf = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    return hf.to(torch.bfloat16).eval()
+
+
+@torch.no_grad()
+def hf_decode(hf: Any, prompt: torch.Tensor, tokens: int, device: torch.device) -> dict[str, Any]:
+    """Prefill, then greedy decode; every decode step timed (synchronised), the first two as warm-up."""
+    out = hf(input_ids=prompt[None], use_cache=True)
+    last_logits = out.logits[0, -1].float()
+    tok = out.logits[0, -1].argmax()
+    cache = out.past_key_values
+    seq = [int(tok)]
+    step_s = []
+    for _ in range(tokens + 2):
+        sync(device)
+        t = time.perf_counter()
+        out = hf(input_ids=tok.view(1, 1), past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        tok = out.logits[0, -1].argmax()
+        sync(device)
+        step_s.append(time.perf_counter() - t)
+        seq.append(int(tok))
+    timed_steps = step_s[2:]
+    return {"tokens_timed": len(timed_steps), "ms_per_token": 1000 * statistics.mean(timed_steps),
+            "tok_per_s": len(timed_steps) / sum(timed_steps), "greedy_tokens": seq,
+            "attn_implementation": getattr(hf.config, "_attn_implementation", None), "prefill_logits": last_logits}
+
+
+class DecodeState:
+    """bs sequences decoding greedily on the device: sequence i owns blocks [i*MAX_BLOCKS, (i+1)*MAX_BLOCKS)."""
+
+    def __init__(self, bs: int, first_ids: torch.Tensor, start_pos: int, device: torch.device) -> None:
+        self.tables = torch.arange(bs * MAX_BLOCKS, dtype=torch.int32, device=device).view(bs, MAX_BLOCKS)
+        self.ids = first_ids.clone()
+        self.pos = torch.full((bs,), start_pos, dtype=torch.long, device=device)
+
+    def inputs(self) -> tuple[torch.Tensor, ...]:
+        slots = self.tables.long().gather(1, (self.pos // BLOCK)[:, None])[:, 0] * BLOCK + self.pos % BLOCK
+        return self.ids, self.pos, slots, self.tables, (self.pos + 1).to(torch.int32)
+
+    def advance(self, logits: torch.Tensor) -> None:
+        self.ids = logits.argmax(-1)
+        self.pos += 1
+
+
+def eager_step(model: Any, kv: Any, state: DecodeState) -> torch.Tensor:
+    from fusedserve.models.forward_batch import ForwardBatch, PagedAttentionMetadata
+
+    ids, pos, slots, tables, ctx = state.inputs()
+    n = ids.shape[0]
+    batch = ForwardBatch(ids, pos, [1] * n, [0] * n, slots, [[0]] * n, kv,
+                         paged=PagedAttentionMetadata.decode(tables, ctx))
+    logits: torch.Tensor = model(batch)
+    return logits
+
+
+def profile_step(fn: Callable[[], Any], device: torch.device, reps: int = 3) -> dict[str, Any]:
+    """Kernels of ``reps`` calls (per call): the top kernels and the time per kind of kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        sync(device)
+    rows = []
+    for evt in prof.key_averages():
+        us = float(getattr(evt, "self_device_time_total", 0.0) or getattr(evt, "self_cuda_time_total", 0.0))
+        if us > 0 and getattr(evt, "device_type", None) is not None and "CUDA" in str(evt.device_type):
+            rows.append({"name": evt.key[:120], "calls_per_step": evt.count / reps, "us_per_step": us / reps})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    kinds: dict[str, float] = {}
+    for r in rows:
+        kinds[_kind(r["name"])] = kinds.get(_kind(r["name"]), 0.0) + r["us_per_step"]
+    total = sum(r["us_per_step"] for r in rows)
+    return {"kernel_us_per_step": total, "kernels_per_step": sum(r["calls_per_step"] for r in rows),
+            "by_kind_us": dict(sorted(kinds.items(), key=lambda kv: -kv[1])), "top": rows[:20]}
+
+
+def _kind(name: str) -> str:
+    n = name.lower()
+    for kind, marks in (("attention", ("_decode_kernel",)), ("rms_norm", ("rms_norm",)), ("rope", ("rope",)),
+                        ("silu_mul", ("silu_mul",)),
+                        ("matmul", ("gemv", "gemm", "cutlass", "xmma", "nvjet", "sm90", "splitk", "cublas")),
+                        ("embedding", ("embedding", "index")), ("argmax", ("argmax", "reduce"))):
+        if any(m in n for m in marks):
+            return kind
+    return "other"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=f"bench/results/{datetime.date.today()}-decode-roofline-h200.json")
+    ap.add_argument("--steps", type=int, default=128, help="timed batch-1 decode steps")
+    ap.add_argument("--hf-tokens", type=int, default=8)
+    ap.add_argument("--tiny", action="store_true", help="small model (CPU if no GPU): checks the script")
+    args = ap.parse_args()
+
+    from fusedserve.models.forward_batch import ForwardBatch, KVCache
+    from fusedserve.models.layers.kernels import Kernels
+    from fusedserve.models.layers.weight_source import TensorSource
+    from fusedserve.models.llama import LlamaForCausalLM
+    from fusedserve.models.loader import load_weights
+    from fusedserve.models.parallel.collectives import Collectives
+    from fusedserve.models.parallel.groups import ParallelGroups
+    from fusedserve.worker.cuda_graph_runner import CudaGraphRunner
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    shape = TINY if args.tiny else LLAMA3_8B
+    record: dict[str, Any] = {
+        "date": str(datetime.date.today()), "machine": torch.cuda.get_device_name() if cuda else "cpu",
+        "command": " ".join(["python", *sys.argv]), "dtype": "bfloat16", "model_shape": shape,
+        "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__},
+    }
+    try:
+        import triton
+
+        record["versions"]["triton"] = triton.__version__
+    except ImportError:
+        pass
+
+    bw = copy_bandwidth(device, (4 << 30) if cuda and not args.tiny else (64 << 20))
+    record["copy_bandwidth_TBps"] = bw / 1e12
+    progress(f"copy bandwidth {bw / 1e12:.3f} TB/s (read + write)")
+
+    hf = build_hf(shape, device)
+    progress("HF model built (random weights)")
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, shape["vocab_size"], (PROMPT_LEN,), generator=g).to(device)
+    hf_res = hf_decode(hf, prompt, args.hf_tokens, device)
+    hf_prefill = hf_res.pop("prefill_logits")
+    record["hf_eager"] = hf_res
+    progress(f"HF eager decode: {hf_res['ms_per_token']:.1f} ms/token = {hf_res['tok_per_s']:.2f} tok/s "
+             f"(attention {hf_res['attn_implementation']})")
+
+    kernels = Kernels.triton() if cuda else Kernels.torch_native()
+    model = LlamaForCausalLM(hf.config, ParallelGroups.single_rank(), Collectives("nccl" if cuda else "gloo"),
+                             fusion=False, dtype=torch.bfloat16, device=device, kernels=kernels).eval()
+    load_weights(model, (TensorSource(n, t) for n, t in hf.state_dict().items()))
+    del hf
+    if cuda:
+        torch.cuda.empty_cache()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed_bytes = model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    progress(f"our model loaded from the HF weights: {weight_bytes / 1e9:.2f} GB of weights, kernels {kernels.name}")
+
+    num_blocks = max(BATCH_SIZES) * MAX_BLOCKS + 1  # the last block holds the padding rows' slot
+    kv = KVCache.allocate(model.kv_shapes(), num_blocks, BLOCK, torch.bfloat16, device)
+    kv_bytes_per_token = sum(t[0].numel() * t.element_size() for t in [*kv.k.values(), *kv.v.values()])
+    with torch.no_grad():
+        prefill = model(ForwardBatch.prefill([prompt.tolist()], kv, device=device, all_logits=False))[0].float()
+    cos = float(torch.nn.functional.cosine_similarity(prefill, hf_prefill, dim=0))
+    record["prefill_vs_hf"] = {"cosine": cos, "same_argmax": int(prefill.argmax()) == int(hf_prefill.argmax()),
+                               "max_abs_diff": float((prefill - hf_prefill).abs().max()),
+                               "max_abs_logit": float(hf_prefill.abs().max())}
+    progress(f"prefill logits vs HF: {record['prefill_vs_hf']}")
+
+    t = time.perf_counter()
+    runner = CudaGraphRunner(model, kv, max_blocks_per_seq=MAX_BLOCKS, batch_sizes=BATCH_SIZES)
+    sync(device)
+    record["capture_s"] = time.perf_counter() - t
+    progress(f"captured {len(runner.captured)} decode graphs in {record['capture_s']:.1f}s "
+             f"(graphs: {runner.use_graphs})")
+
+    # (b) batch 1: greedy tokens (compared with HF's), then the timed loop
+    state = DecodeState(1, prefill.argmax().view(1), PROMPT_LEN, device)
+    ours = [int(state.ids[0])]
+    for _ in range(args.hf_tokens + 2):
+        state.advance(runner.run(*state.inputs()))
+        ours.append(int(state.ids[0]))
+    hf_tokens = hf_res["greedy_tokens"]
+    agree = next((i for i, (a, b) in enumerate(zip(ours, hf_tokens)) if a != b), len(hf_tokens))
+    steps = args.steps if not args.tiny else 8
+
+    def loop_step() -> None:
+        state.advance(runner.run(*state.inputs()))
+
+    loop_s = timed(loop_step, steps, device) / steps
+    entry = runner.captured[1]
+    replay_s = timed(entry.graph.replay, steps, device) / steps if entry.graph is not None else None
+    eager_s = timed(lambda: state.advance(eager_step(model, kv, state)), 5, device) / 5
+    ctx_mean = PROMPT_LEN + args.hf_tokens + 3 + steps // 2
+    roofline_s = weight_bytes / bw
+    streamed = weight_bytes - embed_bytes + kv_bytes_per_token * ctx_mean
+    b: dict[str, Any] = {
+        "batch": 1, "context_tokens_mean": ctx_mean, "steps_timed": steps,
+        "ms_per_token": 1000 * loop_s, "tok_per_s": 1 / loop_s,
+        "ms_per_replay_only": None if replay_s is None else 1000 * replay_s,
+        "ms_per_token_eager_ours": 1000 * eager_s,
+        "weight_bytes": weight_bytes, "roofline_ms": 1000 * roofline_s, "roofline_tok_per_s": 1 / roofline_s,
+        "pct_of_roofline": 100 * roofline_s / loop_s,
+        "bytes_streamed_per_token": streamed,
+        "effective_bandwidth_TBps": streamed / loop_s / 1e12,
+        "speedup_vs_hf_eager": hf_res["ms_per_token"] / 1000 / loop_s,
+        "greedy_tokens_ours": ours, "greedy_tokens_agree_with_hf": agree, "greedy_tokens_compared": len(hf_tokens),
+    }
+    record["b_batch1"] = b
+    progress(f"batch 1: {b['ms_per_token']:.3f} ms/token ({b['tok_per_s']:.1f} tok/s), replay alone "
+             f"{b['ms_per_replay_only']} ms, eager {b['ms_per_token_eager_ours']:.1f} ms; "
+             f"{b['pct_of_roofline']:.1f}% of roofline ({b['roofline_ms']:.3f} ms); "
+             f"{b['speedup_vs_hf_eager']:.1f}x HF eager; first {agree}/{len(hf_tokens)} greedy tokens as HF")
+
+    # (d) throughput at batch 1..64
+    rows = []
+    for bs in BATCH_SIZES:
+        gen = torch.Generator().manual_seed(bs)
+        st = DecodeState(bs, torch.randint(0, shape["vocab_size"], (bs,), generator=gen).to(device), PROMPT_LEN, device)
+
+        def step(st: DecodeState = st) -> None:
+            st.advance(runner.run(*st.inputs()))
+
+        timed(step, 3, device)
+        n = 32 if not args.tiny else 4
+        s = timed(step, n, device) / n
+        rows.append({"batch": bs, "ms_per_step": 1000 * s, "tok_per_s": bs / s,
+                     "pct_of_roofline_weights": 100 * roofline_s / s})
+        progress(f"batch {bs:>2}: {1000 * s:.3f} ms/step, {bs / s:,.0f} tok/s")
+    record["d_throughput"] = rows
+
+    if runner.use_graphs and entry.graph is not None:
+        record["profile_batch1_replay"] = profile_step(entry.graph.replay, device)
+        prof = record["profile_batch1_replay"]
+        if not prof["top"]:  # the profiler saw no kernels inside the graph: profile the eager step instead
+            prof = record["profile_batch1_eager"] = profile_step(lambda: eager_step(model, kv, state), device)
+        progress(f"profile of one replay: {prof['kernels_per_step']:.0f} kernels, {prof['kernel_us_per_step']:.0f} us "
+                 f"of kernel time; by kind {json.dumps({k: round(v) for k, v in prof['by_kind_us'].items()})}")
+        for r in prof["top"][:12]:
+            progress(f"  {r['us_per_step']:8.1f} us  x{r['calls_per_step']:5.0f}  {r['name'][:90]}")
+    record["goals"] = {"pct_of_roofline_ge_85": b["pct_of_roofline"] >= 85,
+                       "speedup_vs_hf_ge_20": b["speedup_vs_hf_eager"] >= 20}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+    print(json.dumps({"b": {k: b[k] for k in ("ms_per_token", "tok_per_s", "pct_of_roofline", "speedup_vs_hf_eager")},
+                      "hf_tok_per_s": hf_res["tok_per_s"], "d": [(r["batch"], round(r["tok_per_s"])) for r in rows],
+                      "goals": record["goals"]}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Paged GQA decode attention as one Triton kernel that also stores the new token's K/V (GPU).
+
+Plain reference: ``paged_attention_torch.paged_attention_torch`` (itself checked against
+``attention.paged_attention_reference``); batches that are not decode-shaped (more than one
+new token per sequence) go to it. One program per (sequence, KV head) handles the head's
+query group (padded to 16 rows for ``tl.dot``) with an online softmax over the sequence's
+blocks. The new token (cache index context_len-1) is read from ``k``/``v`` directly and
+stored at its slot by the same program, so no program reads a slot written in this launch.
+Metadata is read on the device only (``ForwardBatch.paged_metadata()``): CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..forward_batch import ForwardBatch
+from .paged_attention_torch import paged_attention_torch
+
+BLOCK_N = 64
+# Triton's CPU interpreter (TRITON_INTERPRET=1, used by the CPU tests) multiplies bf16 matrices
+# wrongly; there the dots run on fp32 copies. Decided once, as Triton decides to interpret.
+_DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, ctx_ptr, slot_ptr,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                   stride_kcs, stride_kch, stride_vcs, stride_vch, stride_ot, stride_oh, stride_bt,
+                   scale, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, VDIM: tl.constexpr,
+                   PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr):
+    ctx = tl.load(ctx_ptr + tl.program_id(0))
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    last = ctx - 1
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, DIM)
+    dv = tl.arange(0, VDIM)
+    gmask = g < GROUP
+    heads = h * GROUP + g
+    q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
+    k_new = tl.load(k_ptr + b * stride_kt + h * stride_kh + d)
+    v_new = tl.load(v_ptr + b * stride_vt + h * stride_vh + dv)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    tl.store(kc_ptr + slot * stride_kcs + h * stride_kch + d, k_new.to(kc_ptr.dtype.element_ty))
+    tl.store(vc_ptr + slot * stride_vcs + h * stride_vch + dv, v_new.to(vc_ptr.dtype.element_ty))
+
+    m = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
+    l_sum = tl.zeros((GROUP_PAD,), tl.float32)
+    acc = tl.zeros((GROUP_PAD, VDIM), tl.float32)
+    for start in range(0, ctx, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        in_ctx = n < ctx
+        cached = n < last
+        is_new = n == last
+        block = tl.load(bt_ptr + b * stride_bt + n // PAGE, mask=in_ctx, other=0).to(tl.int64)
+        slots = block * PAGE + n % PAGE
+        kt = tl.load(kc_ptr + slots[:, None] * stride_kcs + h * stride_kch + d[None, :], mask=cached[:, None],
+                     other=0.0)
+        kt = tl.where(is_new[:, None], k_new[None, :].to(kt.dtype), kt)
+        if DOT_FP32:
+            s = tl.dot(q.to(tl.float32), tl.trans(kt.to(tl.float32)))
+        else:
+            s = tl.dot(q.to(kt.dtype), tl.trans(kt))
+        s = s * scale  # [GROUP_PAD, BLOCK_N] fp32
+        s = tl.where(in_ctx[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        vt = tl.load(vc_ptr + slots[:, None] * stride_vcs + h * stride_vch + dv[None, :], mask=cached[:, None],
+                     other=0.0)
+        vt = tl.where(is_new[:, None], v_new[None, :].to(vt.dtype), vt)
+        if DOT_FP32:
+            pv = tl.dot(p, vt.to(tl.float32))
+        else:
+            pv = tl.dot(p.to(vt.dtype), vt)
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+    out = acc / l_sum[:, None]
+    tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + dv[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=gmask[:, None])
+
+
+def paged_decode_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer_id: int,
+    batch: ForwardBatch,
+    scale: float,
+) -> torch.Tensor:
+    """Decode: store each sequence's new K/V and attend over its context; other batches: the torch path.
+
+    q: [B, heads, head_dim]; k, v: [B, kv_heads, head_dim] -> [B, heads, v_head_dim]
+    """
+    meta = batch.paged_metadata()
+    cache = batch.kv_cache
+    if meta.max_query_len != 1 or cache is None or (
+            batch.attn_masks is not None and any(m is not None for m in batch.attn_masks)):
+        return paged_attention_torch(q, k, v, layer_id, batch, scale)
+    kc, vc = cache.k[layer_id], cache.v[layer_id]
+    n, heads, dim = q.shape
+    kv_heads, vdim = k.shape[1], v.shape[2]
+    group = heads // kv_heads
+    if dim & (dim - 1) or vdim & (vdim - 1) or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError(f"decode attention kernel needs power-of-two head dims with unit stride (got {dim}, {vdim})")
+    out = torch.empty((n, heads, vdim), dtype=q.dtype, device=q.device)
+    if n:
+        _decode_kernel[(n, kv_heads)](
+            q, k, v, kc, vc, out, meta.block_tables, meta.context_lens, batch.slot_mapping,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), out.stride(0), out.stride(1),
+            meta.block_tables.stride(0), scale,
+            GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), DIM=dim, VDIM=vdim,
+            PAGE=cache.block_size, BLOCK_N=BLOCK_N, DOT_FP32=_DOT_FP32, num_warps=8)  # 221 regs, no spills
+    return out

@@ -1,0 +1,66 @@
+"""Which implementation of each per-token op a model runs, decided once at construction.
+
+Three sets, each op's fast version checked against its plain reference in tests:
+
+==========  =====================================  ==========================================
+name        attention                              norms, RoPE, SiLU-and-mul
+==========  =====================================  ==========================================
+reference   ``paged_attention_reference``          the torch references
+torch       ``paged_attention_torch`` (graphable)  the torch references
+triton      ``paged_decode_attention_triton``      Triton kernels (``*_triton.py``; GPU only)
+==========  =====================================  ==========================================
+
+``graph_safe`` says whether a forward reads its layout from device tensors only, so that
+``worker/cuda_graph_runner.py`` may capture it. Triton is imported only by ``Kernels.triton()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..parallel.fused_allreduce_norm import NormKernels
+from .attention import AttentionBackend, paged_attention_reference
+from .mlp import silu_and_mul
+from .paged_attention_torch import paged_attention_torch
+from .rotary import RopeKernel
+
+KERNEL_SETS = ("reference", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class Kernels:
+    name: str = "reference"
+    attention: AttentionBackend = paged_attention_reference
+    norms: NormKernels = field(default_factory=NormKernels)
+    rope: RopeKernel | None = None  # None = RotaryEmbedding's torch ops
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul
+    graph_safe: bool = False
+
+    @staticmethod
+    def reference() -> Kernels:
+        return Kernels()
+
+    @staticmethod
+    def torch_native() -> Kernels:
+        return Kernels(name="torch", attention=paged_attention_torch, graph_safe=True)
+
+    @staticmethod
+    def triton() -> Kernels:
+        """GPU kernels; raises ImportError without Triton."""
+        from .decode_attention_triton import paged_decode_attention_triton
+        from .rms_norm_triton import add_rms_norm_triton, rms_norm_triton
+        from .rope_triton import rope_triton
+        from .silu_mul_triton import silu_and_mul_triton
+
+        return Kernels(name="triton", attention=paged_decode_attention_triton,
+                       norms=NormKernels(rms_norm=rms_norm_triton, add_rms_norm=add_rms_norm_triton),
+                       rope=rope_triton, silu_and_mul=silu_and_mul_triton, graph_safe=True)
+
+    @staticmethod
+    def named(name: str) -> Kernels:
+        if name not in KERNEL_SETS:
+            raise ValueError(f"unknown kernel set {name!r}; choose one of {', '.join(KERNEL_SETS)}")
+        return {"reference": Kernels.reference, "torch": Kernels.torch_native, "triton": Kernels.triton}[name]()

@@ -1,0 +1,52 @@
+"""A model of any registered architecture with random weights, built where it will run (no checkpoint).
+
+For benchmarks and tests at real shapes (e.g. Llama-3-8B on one GPU in seconds): the model class
+from ``registry.py`` is constructed as the loader would, then every parameter is drawn on its
+device: matrices ~ N(0, std^2), norm weights ~ U(0.8, 1.2) (not ones, so a wrong norm shows),
+other vectors (biases) zero. The same seed gives the same weights on every rank, so replicated
+parameters agree across a tensor-parallel group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .parallel.collectives import Collectives
+from .parallel.groups import ParallelGroups
+from .registry import model_class
+
+
+@torch.no_grad()
+def init_random_(model: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Module:
+    """Draw every parameter in place, in name order."""
+    for name, p in sorted(model.named_parameters(), key=lambda item: item[0]):
+        gen = torch.Generator(device=p.device).manual_seed(seed + _stable_hash(name))
+        if p.dim() >= 2:
+            p.normal_(0.0, std, generator=gen)
+        elif "norm" in name:
+            p.uniform_(0.8, 1.2, generator=gen)
+        else:
+            p.zero_()
+    return model
+
+
+def random_model(config: Any, groups: ParallelGroups, collectives: Collectives, fusion: bool,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None, seed: int = 0,
+                 **model_kwargs: Any) -> nn.Module:
+    """config: an HF config with ``architectures`` set; model_kwargs go to the model class (e.g. kernels)."""
+    archs = getattr(config, "architectures", None) or []
+    if not archs:
+        raise ValueError("the config names no architecture ('architectures' is empty)")
+    cls = model_class(str(archs[0]))
+    model = cls(config, groups, collectives, fusion, dtype=dtype, device=device, **model_kwargs)
+    return init_random_(model, seed).eval()
+
+
+def _stable_hash(name: str) -> int:
+    h = 0
+    for ch in name.encode():
+        h = (h * 131 + ch) % 1_000_003
+    return h

@@ -1,0 +1,139 @@
+"""The Triton kernels equal their plain references, run on CPU by Triton's interpreter.
+
+Skipped where Triton is not installed (CI's CPU venv); on a GPU the real kernels are checked by
+tests/test_gpu_decode.py. The outer test re-runs this file in a subprocess with TRITON_INTERPRET=1
+(read when the kernels are defined); the inner tests run only there.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+inner = pytest.mark.skipif(not INTERPRETING, reason="runs inside the TRITON_INTERPRET=1 subprocess")
+
+if INTERPRETING:  # Triton's interpreter turns a loaded scalar into int() of a 1-element array (numpy 2 refuses)
+    import triton.runtime.interpreter as _interpreter
+
+    _patch = _interpreter._patch_lang_tensor
+
+    def _patch_lang_tensor(tensor, scope):  # type: ignore[no-untyped-def]
+        _patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    _interpreter._patch_lang_tensor = _patch_lang_tensor
+
+
+@pytest.mark.skipif(INTERPRETING or torch.cuda.is_available(), reason="outer runner; GPUs run the real kernels")
+def test_kernels_under_the_triton_interpreter() -> None:
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interp"],
+                          check=False, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype
+    err = (got.float() - want.float()).norm() / want.float().norm()
+    assert err < tol, f"relative error {err:.2e}"
+
+
+@inner
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_interp_rms_norm(dtype: torch.dtype) -> None:
+    from fusedserve.models.layers.rms_norm_triton import add_rms_norm_triton, rms_norm_triton
+    from fusedserve.models.parallel.fused_allreduce_norm import add_rms_norm, rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    x, r = (torch.randn(3, 96, generator=g).to(dtype) for _ in range(2))
+    w = (torch.rand(96, generator=g) + 0.5).to(dtype)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    _close(rms_norm_triton(x, w, 1e-5), rms_norm(x, w, 1e-5), tol)
+    (n1, s1), (n2, s2) = add_rms_norm_triton(x, r, w, 1e-5), add_rms_norm(x, r, w, 1e-5)
+    _close(s1, s2, tol)  # (the interpreter may round to bf16 differently from the GPU)
+    _close(n1, n2, tol)
+
+
+@inner
+def test_interp_rope_on_strided_views() -> None:
+    from fusedserve.models.layers.rope_triton import rope_triton
+    from fusedserve.models.layers.rotary import rope_inv_freq, rope_reference
+
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(5, (4 + 2 + 2) * 16, generator=g).to(torch.bfloat16)
+    q, k = qkv[:, :64].view(5, 4, 16), qkv[:, 64:96].view(5, 2, 16)
+    pos = torch.tensor([0, 3, 17, 200, 4095])
+    inv = rope_inv_freq(16, 500000.0, None)
+    (q1, k1), (q2, k2) = rope_triton(pos, q, k, inv), rope_reference(pos, q, k, inv)
+    _close(q1, q2, 1e-2)
+    _close(k1, k2, 1e-2)
+
+
+@inner
+def test_interp_silu_and_mul() -> None:
+    from fusedserve.models.layers.mlp import silu_and_mul
+    from fusedserve.models.layers.silu_mul_triton import silu_and_mul_triton
+
+    x = torch.randn(3, 2 * 1500, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    _close(silu_and_mul_triton(x), silu_and_mul(x), 1e-2)
+
+
+@inner
+@pytest.mark.parametrize("group", [1, 4])
+def test_interp_decode_attention_stores_kv_and_equals_torch(group: int) -> None:
+    from fusedserve.models.forward_batch import ForwardBatch, KVCache
+    from fusedserve.models.layers.decode_attention_triton import paged_decode_attention_triton
+    from fusedserve.models.layers.paged_attention_torch import paged_attention_torch
+
+    g = torch.Generator().manual_seed(group)
+    block, kv_heads, dim, ctx = 4, 2, 16, [1, 7, 70]
+    kv = KVCache.allocate({0: (kv_heads, dim)}, 40, block, torch.bfloat16)
+    kv.k[0].copy_(torch.randn(kv.k[0].shape, generator=g))
+    kv.v[0].copy_(torch.randn(kv.v[0].shape, generator=g))
+    perm = torch.randperm(40, generator=g).tolist()
+    tables = [perm[:1], perm[1:3], perm[3:21]]
+    slots = [t[(c - 1) // block] * block + (c - 1) % block for t, c in zip(tables, ctx)]
+    q = torch.randn(3, kv_heads * group, dim, generator=g).to(torch.bfloat16)
+    qkv_k = torch.randn(3, 2 * kv_heads * dim, generator=g).to(torch.bfloat16)  # strided k, v as in a layer
+    k, v = qkv_k[:, : kv_heads * dim].view(3, kv_heads, dim), qkv_k[:, kv_heads * dim:].view(3, kv_heads, dim)
+
+    def batch(cache: KVCache) -> ForwardBatch:
+        return ForwardBatch(torch.zeros(3, dtype=torch.long), torch.tensor(ctx) - 1, [1, 1, 1], ctx,
+                            torch.tensor(slots), tables, cache)
+
+    ref_kv = KVCache({0: kv.k[0].clone()}, {0: kv.v[0].clone()}, block, 40)
+    got = paged_decode_attention_triton(q, k, v, 0, batch(kv), dim**-0.5)
+    want = paged_attention_torch(q, k, v, 0, batch(ref_kv), dim**-0.5)
+    _close(got, want, 1e-2)
+    assert torch.equal(kv.k[0], ref_kv.k[0]) and torch.equal(kv.v[0], ref_kv.v[0])
+
+
+@inner
+def test_interp_llama_decode_with_triton_kernels_equals_reference() -> None:
+    """A whole tiny Llama: prefill then a decode step, Triton kernel set vs the references (fp32)."""
+    from fusedserve.models.forward_batch import ForwardBatch, KVCache
+    from fusedserve.models.layers.kernels import Kernels
+    from fusedserve.models.parallel.collectives import Collectives
+    from fusedserve.models.parallel.groups import ParallelGroups
+    from fusedserve.models.random_init import random_model
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, architectures=["LlamaForCausalLM"])
+    logits = {}
+    for name in ("reference", "triton"):
+        model = random_model(config, ParallelGroups.single_rank(), Collectives("gloo"), False, seed=5,
+                             kernels=Kernels.named(name))
+        kv = KVCache.allocate(model.kv_shapes(), 4, 4, torch.float32)
+        prompt = [3, 1, 4, 1, 5, 9]
+        model(ForwardBatch.prefill([prompt], kv))
+        step = ForwardBatch(torch.tensor([2]), torch.tensor([6]), [1], [7], torch.tensor([6]), [[0, 1]], kv)
+        logits[name] = model(step)
+    _close(logits["triton"], logits["reference"], 1e-4)
