@@ -13,6 +13,7 @@ from torch import nn
 
 from .forward_batch import ForwardBatch
 from .layers.kernels import Kernels
+from .layers.linear import use_matmul
 from .layers.mlp import GatedMLP
 from .layers.norm import RMSNorm
 from .layers.rotary import RotaryEmbedding, rope_parameters
@@ -77,6 +78,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, vgroup, dtype, device)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.tie_to(self.embed_tokens)
+        if self.kernels.matmul is not None:
+            use_matmul(self, self.kernels.matmul)
         plan = plan_communication(groups.config, self.blocks(config), fusion)
         self.comm = Communicator(plan, groups, collectives, norms=self.kernels.norms)
 

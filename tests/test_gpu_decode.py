@@ -28,6 +28,7 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 def test_triton_kernels_equal_references() -> None:
     from fusedserve.models.forward_batch import ForwardBatch, KVCache
     from fusedserve.models.layers.decode_attention_triton import paged_decode_attention_triton
+    from fusedserve.models.layers.linear_triton import linear_triton
     from fusedserve.models.layers.mlp import silu_and_mul
     from fusedserve.models.layers.paged_attention_torch import paged_attention_torch
     from fusedserve.models.layers.rms_norm_triton import add_rms_norm_triton, rms_norm_triton
@@ -52,6 +53,10 @@ def test_triton_kernels_equal_references() -> None:
         assert _rel(q1, q2) < 1e-2 and _rel(k1, k2) < 1e-2
         gu = torch.randn(n, 2 * 14336, device=dev, dtype=bf, generator=g)
         assert _rel(silu_and_mul_triton(gu), silu_and_mul(gu)) < 1e-2
+        for out_f, in_f in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)):
+            w = torch.randn(out_f, in_f, device=dev, dtype=bf, generator=g) * 0.02
+            xin = torch.randn(n, in_f, device=dev, dtype=bf, generator=g)
+            assert _rel(linear_triton(xin, w), torch.nn.functional.linear(xin, w)) < 1e-2, (n, out_f, in_f)
 
     # decode attention: GQA 32/8, head_dim 128, contexts across several kernel tiles, scattered blocks
     ctx = [1, 17, 64, 65, 300, 1000]

@@ -86,6 +86,20 @@ def test_interp_silu_and_mul() -> None:
 
 
 @inner
+def test_interp_skinny_matmul_equals_f_linear() -> None:
+    import torch.nn.functional as F
+    from fusedserve.models.layers.linear_triton import linear_triton
+
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(48, 512, generator=g).to(torch.bfloat16)
+    for m in (1, 5, 16):
+        x = torch.randn(m, 512, generator=g).to(torch.bfloat16)
+        _close(linear_triton(x, w), F.linear(x, w), 1e-2)
+    x = torch.randn(17, 512, generator=g).to(torch.bfloat16)  # more rows than the kernel takes: F.linear
+    assert torch.equal(linear_triton(x, w), F.linear(x, w))
+
+
+@inner
 @pytest.mark.parametrize("group", [1, 4])
 def test_interp_decode_attention_stores_kv_and_equals_torch(group: int) -> None:
     from fusedserve.models.forward_batch import ForwardBatch, KVCache

@@ -1,10 +1,12 @@
-"""Paged GQA decode attention as one Triton kernel that also stores the new token's K/V (GPU).
+"""Paged GQA decode attention in Triton that also stores the new token's K/V (GPU; split-KV).
 
 Plain reference: ``paged_attention_torch.paged_attention_torch`` (itself checked against
 ``attention.paged_attention_reference``); batches that are not decode-shaped (more than one
-new token per sequence) go to it. One program per (sequence, KV head) handles the head's
+new token per sequence) go to it. A program per (sequence, KV head, split) handles the head's
 query group (padded to 16 rows for ``tl.dot``) with an online softmax over the sequence's
-blocks. The new token (cache index context_len-1) is read from ``k``/``v`` directly and
+blocks; when there are few sequences, each context is split over several programs (split-KV:
+``num_splits``) whose partial softmax states a second small kernel combines. The new token
+(cache index context_len-1) is read from ``k``/``v`` directly and
 stored at its slot by the same program, so no program reads a slot written in this launch.
 Metadata is read on the device only (``ForwardBatch.paged_metadata()``): CUDA-graph safe.
 """
@@ -21,21 +23,27 @@ from ..forward_batch import ForwardBatch
 from .paged_attention_torch import paged_attention_torch
 
 BLOCK_N = 64
+TARGET_PROGRAMS = 256
 # Triton's CPU interpreter (TRITON_INTERPRET=1, used by the CPU tests) multiplies bf16 matrices
 # wrongly; there the dots run on fp32 copies. Decided once, as Triton decides to interpret.
 _DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, ctx_ptr, slot_ptr,
+def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+                   bt_ptr, ctx_ptr, slot_ptr,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                    stride_kcs, stride_kch, stride_vcs, stride_vch, stride_ot, stride_oh, stride_bt,
                    scale, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, VDIM: tl.constexpr,
-                   PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr):
+                   PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SPLIT_TOKENS: tl.constexpr,
+                   DOT_FP32: tl.constexpr):
     ctx = tl.load(ctx_ptr + tl.program_id(0))
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    split = tl.program_id(2)
     last = ctx - 1
+    first = split * SPLIT_TOKENS
+    end = tl.minimum(ctx, first + SPLIT_TOKENS)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, DIM)
     dv = tl.arange(0, VDIM)
@@ -44,19 +52,20 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, ctx_ptr
     q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
     k_new = tl.load(k_ptr + b * stride_kt + h * stride_kh + d)
     v_new = tl.load(v_ptr + b * stride_vt + h * stride_vh + dv)
-    slot = tl.load(slot_ptr + b).to(tl.int64)
-    tl.store(kc_ptr + slot * stride_kcs + h * stride_kch + d, k_new.to(kc_ptr.dtype.element_ty))
-    tl.store(vc_ptr + slot * stride_vcs + h * stride_vch + dv, v_new.to(vc_ptr.dtype.element_ty))
+    if split == 0:  # one writer per (sequence, head); nobody reads this slot in this launch
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        tl.store(kc_ptr + slot * stride_kcs + h * stride_kch + d, k_new.to(kc_ptr.dtype.element_ty))
+        tl.store(vc_ptr + slot * stride_vcs + h * stride_vch + dv, v_new.to(vc_ptr.dtype.element_ty))
 
     m = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
     l_sum = tl.zeros((GROUP_PAD,), tl.float32)
     acc = tl.zeros((GROUP_PAD, VDIM), tl.float32)
-    for start in range(0, ctx, BLOCK_N):
+    for start in range(first, end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        in_ctx = n < ctx
+        in_range = n < end
         cached = n < last
         is_new = n == last
-        block = tl.load(bt_ptr + b * stride_bt + n // PAGE, mask=in_ctx, other=0).to(tl.int64)
+        block = tl.load(bt_ptr + b * stride_bt + n // PAGE, mask=in_range, other=0).to(tl.int64)
         slots = block * PAGE + n % PAGE
         kt = tl.load(kc_ptr + slots[:, None] * stride_kcs + h * stride_kch + d[None, :], mask=cached[:, None],
                      other=0.0)
@@ -66,7 +75,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, ctx_ptr
         else:
             s = tl.dot(q.to(kt.dtype), tl.trans(kt))
         s = s * scale  # [GROUP_PAD, BLOCK_N] fp32
-        s = tl.where(in_ctx[None, :], s, float("-inf"))
+        s = tl.where(in_range[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
@@ -80,9 +89,40 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, ctx_ptr
             pv = tl.dot(p.to(vt.dtype), vt)
         acc = acc * alpha[:, None] + pv
         m = m_new
-    out = acc / l_sum[:, None]
-    tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + dv[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=gmask[:, None])
+    if SPLITS == 1:
+        out = acc / l_sum[:, None]
+        tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + dv[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+    else:  # partial results [B, heads, SPLITS, ...]; an empty split leaves m = -inf, l = 0
+        row = (b * (tl.num_programs(1) * GROUP) + heads) * SPLITS + split
+        tl.store(part_m_ptr + row, m, mask=gmask)
+        tl.store(part_l_ptr + row, l_sum, mask=gmask)
+        tl.store(part_acc_ptr + row[:, None] * VDIM + dv[None, :], acc, mask=gmask[:, None])
+
+
+@triton.jit
+def _combine_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_ot, stride_oh,
+                    SPLITS: tl.constexpr, VDIM: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    rows = (b * tl.num_programs(1) + head) * SPLITS + tl.arange(0, SPLITS)
+    m = tl.load(part_m_ptr + rows)
+    l_sum = tl.load(part_l_ptr + rows)
+    top = tl.max(m, axis=0)
+    w = tl.where(m > float("-inf"), tl.exp(m - top), 0.0)
+    acc = tl.load(part_acc_ptr + rows[:, None] * VDIM + tl.arange(0, VDIM)[None, :])
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_sum * w, axis=0)
+    tl.store(out_ptr + b * stride_ot + head * stride_oh + tl.arange(0, VDIM), out.to(out_ptr.dtype.element_ty))
+
+
+def num_splits(num_seqs: int, kv_heads: int, max_context: int) -> int:
+    """Splits of each sequence's context (a power of two): enough programs to fill the GPU's ~132
+    multiprocessors twice, never more than one BLOCK_N tile per split. Static for a captured batch."""
+    tiles = -(-max_context // BLOCK_N)
+    splits = 1
+    while splits * 2 <= tiles and num_seqs * kv_heads * splits < TARGET_PROGRAMS:
+        splits *= 2
+    return splits
 
 
 def paged_decode_attention_triton(
@@ -109,12 +149,25 @@ def paged_decode_attention_triton(
     if dim & (dim - 1) or vdim & (vdim - 1) or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError(f"decode attention kernel needs power-of-two head dims with unit stride (got {dim}, {vdim})")
     out = torch.empty((n, heads, vdim), dtype=q.dtype, device=q.device)
-    if n:
-        _decode_kernel[(n, kv_heads)](
-            q, k, v, kc, vc, out, meta.block_tables, meta.context_lens, batch.slot_mapping,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), out.stride(0), out.stride(1),
-            meta.block_tables.stride(0), scale,
-            GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), DIM=dim, VDIM=vdim,
-            PAGE=cache.block_size, BLOCK_N=BLOCK_N, DOT_FP32=_DOT_FP32, num_warps=8)  # 221 regs, no spills
+    if not n:
+        return out
+    splits = num_splits(n, kv_heads, meta.block_tables.shape[1] * cache.block_size)
+    split_tokens = -(-meta.block_tables.shape[1] * cache.block_size // (splits * BLOCK_N)) * BLOCK_N
+    if splits > 1:
+        part_acc = torch.empty((n, heads, splits, vdim), dtype=torch.float32, device=q.device)
+        part_m = torch.empty((n, heads, splits), dtype=torch.float32, device=q.device)
+        part_l = torch.empty((n, heads, splits), dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_m = part_l = out  # unused
+    _decode_kernel[(n, kv_heads, splits)](
+        q, k, v, kc, vc, out, part_acc, part_m, part_l, meta.block_tables, meta.context_lens, batch.slot_mapping,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), out.stride(0), out.stride(1),
+        meta.block_tables.stride(0), scale,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), DIM=dim, VDIM=vdim,
+        PAGE=cache.block_size, BLOCK_N=BLOCK_N, SPLITS=splits, SPLIT_TOKENS=split_tokens, DOT_FP32=_DOT_FP32,
+        num_warps=8)  # 221 registers, no spills (ptxas, sm_90a)
+    if splits > 1:
+        _combine_kernel[(n, heads)](part_acc, part_m, part_l, out, out.stride(0), out.stride(1), SPLITS=splits,
+                                    VDIM=vdim, num_warps=4)
     return out

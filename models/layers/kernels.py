@@ -7,7 +7,8 @@ name        attention                              norms, RoPE, SiLU-and-mul
 ==========  =====================================  ==========================================
 reference   ``paged_attention_reference``          the torch references
 torch       ``paged_attention_torch`` (graphable)  the torch references
-triton      ``paged_decode_attention_triton``      Triton kernels (``*_triton.py``; GPU only)
+triton      ``paged_decode_attention_triton``      Triton kernels (``*_triton.py``; GPU only);
+                                                   matmuls stay cuBLAS unless ``skinny_matmul``
 ==========  =====================================  ==========================================
 
 ``graph_safe`` says whether a forward reads its layout from device tensors only, so that
@@ -23,6 +24,7 @@ import torch
 
 from ..parallel.fused_allreduce_norm import NormKernels
 from .attention import AttentionBackend, paged_attention_reference
+from .linear import MatmulFn
 from .mlp import silu_and_mul
 from .paged_attention_torch import paged_attention_torch
 from .rotary import RopeKernel
@@ -37,6 +39,7 @@ class Kernels:
     norms: NormKernels = field(default_factory=NormKernels)
     rope: RopeKernel | None = None  # None = RotaryEmbedding's torch ops
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul
+    matmul: MatmulFn | None = None  # None = F.linear (cuBLAS)
     graph_safe: bool = False
 
     @staticmethod
@@ -48,16 +51,20 @@ class Kernels:
         return Kernels(name="torch", attention=paged_attention_torch, graph_safe=True)
 
     @staticmethod
-    def triton() -> Kernels:
-        """GPU kernels; raises ImportError without Triton."""
+    def triton(skinny_matmul: bool = False) -> Kernels:
+        """GPU kernels; raises ImportError without Triton. ``skinny_matmul``: decode-sized matmuls
+        (<= 16 rows) through ``linear_triton`` instead of cuBLAS (off: on an H200 it was 0.7 ms per
+        Llama-3-8B token slower, bench/results/2026-11-30-decode-roofline-h200.json)."""
         from .decode_attention_triton import paged_decode_attention_triton
+        from .linear_triton import linear_triton
         from .rms_norm_triton import add_rms_norm_triton, rms_norm_triton
         from .rope_triton import rope_triton
         from .silu_mul_triton import silu_and_mul_triton
 
         return Kernels(name="triton", attention=paged_decode_attention_triton,
                        norms=NormKernels(rms_norm=rms_norm_triton, add_rms_norm=add_rms_norm_triton),
-                       rope=rope_triton, silu_and_mul=silu_and_mul_triton, graph_safe=True)
+                       rope=rope_triton, silu_and_mul=silu_and_mul_triton,
+                       matmul=linear_triton if skinny_matmul else None, graph_safe=True)
 
     @staticmethod
     def named(name: str) -> Kernels:

@@ -2,9 +2,14 @@
 
 A row-parallel layer returns this rank's addend of the output; it never reduces. The block
 that uses it wraps the result in ``Unreduced`` and the communicator completes the sum.
+
+Every layer multiplies through ``self.matmul`` (``F.linear``, the reference, unless a model
+chose a kernel at construction with ``use_matmul``, e.g. ``linear_triton.linear_triton``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +17,16 @@ from torch import nn
 
 from ..parallel.groups import Group
 from .weight_source import WeightShapeError, WeightSource, copy_checked, expect_dim
+
+# (x [n, in], weight [out, in], bias [out] | None) -> [n, out]
+MatmulFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+def use_matmul(module: nn.Module, matmul: MatmulFn) -> None:
+    """Make every layer under ``module`` that multiplies through ``matmul`` use this one."""
+    for m in module.modules():
+        if hasattr(m, "matmul"):
+            m.matmul = matmul  # type: ignore[assignment]
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str | None) -> nn.Parameter:
@@ -30,13 +45,14 @@ class ReplicatedLinear(nn.Module):
         super().__init__()
         self.weight = _param((out_features, in_features), dtype, device)
         self.bias = _param((out_features,), dtype, device) if bias else None
+        self.matmul: MatmulFn = F.linear
 
     def weight_loader(self, param: nn.Parameter, source: WeightSource, shard_id: object = None) -> None:
         copy_checked(param, source.full(), source.name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [n, in] -> [n, out]
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -49,6 +65,7 @@ class ColumnParallelLinear(nn.Module):
         self.out_per_rank = _split(out_features, group.size, "output features")
         self.weight = _param((self.out_per_rank, in_features), dtype, device)
         self.bias = _param((self.out_per_rank,), dtype, device) if bias else None
+        self.matmul: MatmulFn = F.linear
 
     def weight_loader(self, param: nn.Parameter, source: WeightSource, shard_id: object = None) -> None:
         rows = param.shape[0]
@@ -57,7 +74,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [n, in] -> [n, out/size]
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -112,6 +129,7 @@ class QKVParallelLinear(nn.Module):
         out = self.q_size + 2 * self.kv_size
         self.weight = _param((out, hidden), dtype, device)
         self.bias = _param((out,), dtype, device) if bias else None
+        self.matmul: MatmulFn = F.linear
 
     def weight_loader(self, param: nn.Parameter, source: WeightSource, shard_id: object = None) -> None:
         hd = self.head_dim
@@ -129,7 +147,7 @@ class QKVParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # x: [n, hidden] -> q [n, q_heads*hd], k, v [n, kv_heads*hd]
-        qkv = F.linear(x, self.weight, self.bias)
+        qkv = self.matmul(x, self.weight, self.bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return q, k, v
 
@@ -144,6 +162,7 @@ class RowParallelLinear(nn.Module):
         self.in_per_rank = _split(in_features, group.size, "input features")
         self.weight = _param((out_features, self.in_per_rank), dtype, device)
         self.bias = _param((out_features,), dtype, device) if bias else None
+        self.matmul: MatmulFn = F.linear
 
     def weight_loader(self, param: nn.Parameter, source: WeightSource, shard_id: object = None) -> None:
         if param.dim() == 1:  # bias: replicated in the checkpoint
@@ -156,7 +175,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [n, in/size] -> partial [n, out]
         bias = self.bias if self.group.rank == 0 else None
-        return F.linear(x, self.weight, bias)
+        return self.matmul(x, self.weight, bias)
 
 
 def default_weight_loader(param: torch.Tensor, source: WeightSource, shard_id: object = None) -> None:

@@ -55,11 +55,17 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits for this rank's vocab rows. Shares the embedding's table when tied."""
+    """Logits for this rank's vocab rows. Shares the embedding's table when tied. Multiplies through
+    ``self.matmul`` (see ``linear.use_matmul``)."""
+
+    def __init__(self, vocab_size: int, hidden: int, group: Group, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__(vocab_size, hidden, group, dtype, device)
+        self.matmul = F.linear
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
     def logits_shard(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [n, hidden] -> [n, padded_vocab/size]
-        return F.linear(hidden, self.weight)
+        return self.matmul(hidden, self.weight, None)
