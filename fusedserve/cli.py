@@ -29,7 +29,7 @@ def _run(args: argparse.Namespace) -> int:
     from fusedserve.worker.launcher import run
 
     try:
-        return run(args.manifest, smoke=args.smoke, port=args.port)
+        return run(args.manifest, smoke=args.smoke, port=args.port, ray_address=args.ray_address)
     except SpecError as e:
         print(f"fusedserve run: invalid manifest: {e}", file=sys.stderr)
         return 2
@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--port", type=int, help="HTTP port on 127.0.0.1 (default: spec.serving.port)")
     r.add_argument("--smoke", action="store_true",
                    help="send one completion and one chat request, print them and the metrics, then exit")
+    r.add_argument("--ray-address", help="join this Ray cluster (default: $RAY_ADDRESS, else start an embedded one)")
     r.set_defaults(func=_run)
     return parser
 

@@ -1,27 +1,47 @@
-"""`fusedserve run` as a user starts it: embedded Ray, rank actors, group controller, HTTP API.
+"""`fusedserve run` on Ray as a user runs it: placement groups, rank actors, group controller, HTTP API.
 
-Runs the real CLI in a subprocess (inside the suite's private network namespace) and talks to
-it with the `openai` client, httpx and prometheus-client's parser.
+One Ray for the whole module (started here, inside the suite's private network namespace, with
+``fake_gpu`` standing in for GPUs); every server is the real CLI in a subprocess that joins it
+with ``--ray-address``. The tests talk to it with the `openai` client, httpx and
+prometheus-client's parser, and kill rank actors with ``ray.kill``.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
-from openai import OpenAI
+from openai import APIError, OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[1]
+FAKE_GPUS = 6
+NAMESPACE = "fusedserve"
+READY_MARK = "acceptance length:"
+
+
+@pytest.fixture(scope="module")
+def ray_address() -> Iterator[str]:
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(num_cpus=2, num_gpus=0, resources={"fake_gpu": FAKE_GPUS}, include_dashboard=False,
+             namespace=NAMESPACE, log_to_driver=False)
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
 
 
 def _port() -> int:
@@ -30,77 +50,113 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
+def _live_groups(deployment: str) -> list[str]:
+    from ray.util import placement_group_table
+
+    return sorted(e["name"] for e in placement_group_table().values()
+                  if e["name"].startswith(f"fusedserve/default/{deployment}/") and e["state"] != "REMOVED")
+
+
 class Server:
-    def __init__(self, example: str) -> None:
+    """`fusedserve run MANIFEST --ray-address ...`, ready once it printed its first acceptance figure."""
+
+    def __init__(self, manifest: str | Path, address: str, timeout: float = 120) -> None:
+        self.manifest, self.address = str(manifest), address
         self.port = _port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "fusedserve.cli", "run", example, "--port", str(self.port)],
-                                     cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        # Ready once the CLI has printed its first completion and acceptance figure.
-        assert self.proc.stdout is not None
         self.output: list[str] = []
+        self._ready = threading.Event()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "fusedserve.cli", "run", self.manifest, "--port", str(self.port),
+             "--ray-address", address],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"})
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self._ready.wait(timeout) or self.proc.poll() is not None:
+            self.stop()
+            raise RuntimeError("fusedserve run did not become ready:\n" + "".join(self.output[-40:]))
+        self.model = httpx.get(f"{self.url}/v1/models", timeout=30).json()["data"][0]["id"]
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.output.append(line)
-            if "acceptance length:" in line:
-                break
-        if self.proc.poll() is not None or not self.output or "acceptance length:" not in self.output[-1]:
-            self.stop()
-            raise RuntimeError("fusedserve run failed:\n" + "".join(self.output[-30:]))
-        assert httpx.get(f"{self.url}/health", timeout=5).status_code == 200
+            if READY_MARK in line:
+                self._ready.set()
+        self._ready.set()  # exited
 
     def client(self) -> OpenAI:
         return OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=120)
 
-    def metrics(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for fam in text_string_to_metric_families(httpx.get(f"{self.url}/metrics").text):
-            for s in fam.samples:
-                key = s.name + "".join(f",{k}={v}" for k, v in sorted(s.labels.items())
-                                       if k in ("op", "group", "position", "finished_reason", "path"))
-                out[key] = out.get(key, 0.0) + s.value
-        return out
+    def complete(self, prompt: str = "x = ", max_tokens: int = 4) -> str:
+        comp = self.client().completions.create(model=self.model, prompt=prompt, max_tokens=max_tokens,
+                                                temperature=0)
+        return comp.choices[0].text
 
-    def status(self) -> dict:  # type: ignore[type-arg]
-        return httpx.get(f"{self.url}/status", timeout=30).json()
+    def samples(self) -> list[Any]:
+        text = httpx.get(f"{self.url}/metrics", timeout=30).text
+        return [s for fam in text_string_to_metric_families(text) for s in fam.samples]
 
-    def stop(self) -> None:
+    def total(self, name: str, **labels: str) -> float:
+        return sum(s.value for s in self.samples()
+                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    def status(self) -> dict[str, Any]:
+        return httpx.get(f"{self.url}/status", timeout=30).json()  # type: ignore[no-any-return]
+
+    def wait_status(self, ok: Any, timeout: float = 120) -> dict[str, Any]:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            s = self.status()
+            if ok(s):
+                return s
+            time.sleep(0.5)
+        pytest.fail(f"status never satisfied the condition: {self.status()}")
+
+    def stop(self, sig: int = signal.SIGINT) -> int:
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
+            self.proc.send_signal(sig)
             try:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
 
 
 @pytest.fixture(scope="module")
-def tiny_code() -> Iterator[Server]:
-    server = Server("examples/01-tiny-code.yaml")
+def tiny_code(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """examples/01 (tp=1, EAGLE3), from a copy of the manifest that a test may change."""
+    manifest = tmp_path_factory.mktemp("manifest") / "01-tiny-code.yaml"
+    manifest.write_text((ROOT / "examples/01-tiny-code.yaml").read_text())
+    server = Server(manifest, ray_address)
     yield server
-    server.stop()
-    assert server.proc.returncode == 0
+    assert server.stop() == 0, "".join(server.output[-30:])
+    assert _live_groups("tiny-code") == []  # Ctrl-C removed the placement groups
 
 
 def test_completion_chat_and_stream_with_speculation(tiny_code: Server) -> None:
     client = tiny_code.client()
-    before = tiny_code.metrics()
+    before = {n: tiny_code.total(n) for n in ("fusedserve_generation_tokens_total", "fusedserve_spec_decode_drafts_total",
+                                              "fusedserve_spec_decode_accepted_tokens_total")}
     comp = client.completions.create(model="tiny-code", prompt="def add(a, b):", max_tokens=24, temperature=0)
     assert comp.choices[0].finish_reason in ("stop", "length") and comp.usage is not None
     chat = client.chat.completions.create(model="tiny-code", messages=[{"role": "user", "content": "import sys"}],
                                           max_tokens=16, temperature=0)
-    assert chat.choices[0].message.content
+    assert chat.choices[0].message.content and chat.usage is not None
     chunks = client.completions.create(model="tiny-code", prompt="def add(a, b):", max_tokens=24, temperature=0,
                                        stream=True)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == comp.choices[0].text
-    after = tiny_code.metrics()
-    generated = after["fusedserve_generation_tokens_total"] - before.get("fusedserve_generation_tokens_total", 0)
-    assert generated == comp.usage.completion_tokens * 2 + chat.usage.completion_tokens  # type: ignore[union-attr]
-    drafts = after["fusedserve_spec_decode_drafts_total"] - before.get("fusedserve_spec_decode_drafts_total", 0)
-    accepted = (after["fusedserve_spec_decode_accepted_tokens_total"]
-                - before.get("fusedserve_spec_decode_accepted_tokens_total", 0))
+    generated = tiny_code.total("fusedserve_generation_tokens_total") - before["fusedserve_generation_tokens_total"]
+    assert generated == 2 * comp.usage.completion_tokens + chat.usage.completion_tokens
+    drafts = tiny_code.total("fusedserve_spec_decode_drafts_total") - before["fusedserve_spec_decode_drafts_total"]
+    accepted = (tiny_code.total("fusedserve_spec_decode_accepted_tokens_total")
+                - before["fusedserve_spec_decode_accepted_tokens_total"])
     assert drafts > 0 and 0 <= accepted <= 3 * drafts
-    # every verify step yields its accepted drafts + 1 token (the last step may be cut by max_tokens)
-    assert generated <= accepted + drafts + 3 * 1
+    # each request's first token comes from its prefill, then every verify step yields its accepted
+    # drafts + 1 token (the last step of a request may be cut short by max_tokens)
+    assert generated <= accepted + drafts + 3
+    assert re.search(r"acceptance length: \d\.\d\d", "".join(tiny_code.output))
 
 
 def test_bad_request_gets_openai_style_4xx(tiny_code: Server) -> None:
@@ -108,38 +164,174 @@ def test_bad_request_gets_openai_style_4xx(tiny_code: Server) -> None:
     assert 400 <= r.status_code < 500 and "error" in r.json()
 
 
-def test_killed_rank_leads_to_a_recreated_group_that_serves_again(tiny_code: Server) -> None:
-    status = tiny_code.status()
-    pid = status["groups"][0]["ranks"][0]["pid"]
-    os.kill(pid, signal.SIGKILL)
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        s = tiny_code.status()
-        if s["restarts"] >= 1 and s["groups"] and s["groups"][0]["phase"] == "Ready" \
-                and s["groups"][0]["ranks"][0]["pid"] != pid:
-            break
-        time.sleep(1)
-    else:
-        pytest.fail(f"group was not recreated: {tiny_code.status()}")
-    assert s["failures"] and s["failures"][-1]["group"] == 0
-    comp = tiny_code.client().completions.create(model="tiny-code", prompt="x = ", max_tokens=4, temperature=0)
-    assert comp.choices[0].text is not None
+def test_status_shows_groups_ranks_placement_and_acceptance(tiny_code: Server) -> None:
+    s = tiny_code.status()
+    assert s["ready"] and s["ready_replicas"] == s["replicas"] == 1
+    [g] = s["groups"]
+    assert g["placement_group"] == "fusedserve/default/tiny-code/0" and g["strategy"] == "STRICT_PACK"
+    assert g["bundles"] == [{"CPU": 0.25, "fake_gpu": 1.0}] and g["phase"] == "Ready"
+    assert g["acceptance_length"] is not None and g["acceptance_length"] >= 1.0
+    [rank] = g["ranks"]
+    assert rank["role"] == "leader" and rank["node"] == "127.0.0.1" and rank["pid"] > 0
+    assert _live_groups("tiny-code") == ["fusedserve/default/tiny-code/0"]
 
 
-def test_tp2_group_executes_exactly_the_planned_collectives() -> None:
-    server = Server("examples/02-tiny-code-tp2.yaml")
+def _kill_mid_stream(server: Server, actor_name: str) -> None:
+    """Kill a rank actor while a streamed request is in flight: the stream must end with an error."""
+    import ray
+
+    stream = server.client().completions.create(model=server.model, prompt="def long(", max_tokens=400,
+                                                temperature=0, stream=True)
+    chunks = iter(stream)
+    next(chunks)  # the request is running
+    ray.kill(ray.get_actor(actor_name, namespace=NAMESPACE))
+    t0 = time.time()
+    with pytest.raises(APIError, match="engine is unavailable"):
+        for _ in chunks:
+            pass
+    assert time.time() - t0 < 30
+
+
+def test_killed_rank_fails_its_request_and_the_group_is_recreated(tiny_code: Server) -> None:
+    pid = tiny_code.status()["groups"][0]["ranks"][0]["pid"]
+    _kill_mid_stream(tiny_code, "fusedserve/default/tiny-code/0/rank0")
+    s = tiny_code.wait_status(lambda s: s["restarts"] >= 1 and s["ready"]
+                              and s["groups"][0]["ranks"][0]["pid"] != pid)
+    assert s["last_failure"]["group"] == 0 and s["last_failure"]["kind"] == "RankFailed"
+    assert "rank 0" in s["last_failure"]["reason"], s["last_failure"]
+    assert tiny_code.complete() is not None
+
+
+def test_spec_change_rolls_the_group_while_requests_keep_succeeding(tiny_code: Server) -> None:
+    before = tiny_code.status()
+    old_pid = before["groups"][0]["ranks"][0]["pid"]
+    manifest = Path(tiny_code.manifest)
+    manifest.write_text(manifest.read_text().replace("maxSequences: 16", "maxSequences: 8"))
+    errors: list[APIError] = []
+    done = threading.Event()
+
+    def traffic() -> None:
+        while not done.is_set():
+            try:
+                tiny_code.complete(max_tokens=2)
+            except APIError as e:
+                errors.append(e)
+
+    t = threading.Thread(target=traffic)
+    t.start()
+    try:
+        tiny_code.proc.send_signal(signal.SIGHUP)
+        s = tiny_code.wait_status(lambda s: s["revision"] != before["revision"] and s["updated_replicas"] == 1
+                                  and len(s["groups"]) == 1)
+    finally:
+        done.set()
+        t.join(timeout=60)
+    assert errors == []
+    [g] = s["groups"]
+    assert not g["outdated"] and g["ranks"][0]["pid"] != old_pid
+    assert g["placement_group"] == "fusedserve/default/tiny-code/1"  # the surge group took the next index
+    assert _live_groups("tiny-code") == ["fusedserve/default/tiny-code/1"]
+
+
+def test_a_restarted_controller_readopts_its_groups(tiny_code: Server, ray_address: str) -> None:
+    s = tiny_code.status()
+    pid = s["groups"][0]["ranks"][0]["pid"]
+    tiny_code.stop(signal.SIGKILL)  # no cleanup: the detached placement group and actors stay
+    assert _live_groups("tiny-code") == [s["groups"][0]["placement_group"]]
+    again = Server(tiny_code.manifest, ray_address)
+    tiny_code.proc, tiny_code.url, tiny_code.output = again.proc, again.url, again.output  # the fixture stops it
+    tiny_code.port = again.port
+    s = tiny_code.status()
+    [g] = s["groups"]
+    assert g["adopted"] and g["ranks"][0]["pid"] == pid and s["restarts"] == 0
+    assert tiny_code.complete() is not None
+
+
+def test_a_group_larger_than_the_cluster_is_reported_with_the_reason(ray_address: str) -> None:
+    """Ray itself says the group cannot be placed (INFEASIBLE): the reason names the resource."""
+    from fusedserve.worker.config import RuntimeConfig, load_manifest
+    from fusedserve.worker.engine_group import EngineGroup, GroupUnschedulable
+    from fusedserve.worker.placement import ClusterShape
+
+    manifest = load_manifest(str(ROOT / "examples/02-tiny-code-tp2.yaml"))
+    spec = manifest.spec.model_copy(update={"parallelism": manifest.spec.parallelism.model_copy(update={"tensor": 8})})
+    rc = RuntimeConfig.from_manifest(manifest.model_copy(update={"spec": spec}))
+    t0 = time.time()
+    with pytest.raises(GroupUnschedulable, match="needs 8 fake_gpu, cluster has 6"):
+        EngineGroup.create(rc, 0, ClusterShape("fake_gpu", 8))
+    assert time.time() - t0 < 10 and _live_groups("tiny-code-tp2") == []
+
+
+def test_tp2_executes_exactly_the_planned_collectives_on_every_rank(ray_address: str) -> None:
+    server = Server(ROOT / "examples/02-tiny-code-tp2.yaml", ray_address)
     try:
         server.client().completions.create(model="tiny-code-tp2", prompt="class A:", max_tokens=16, temperature=0)
-        m = server.metrics()
-        forwards = m["fusedserve_forwards_total"]
-        assert forwards > 0
-        planned = {k.split(",", 1)[1]: v for k, v in m.items()
-                   if k.startswith("fusedserve_collective_planned_calls_per_forward,")}
-        assert planned, m.keys()
-        for key, per_forward in planned.items():
-            executed = sum(v for k, v in m.items() if k.startswith("fusedserve_collective_calls_total,")
-                           and all(part in k for part in key.split(",")))
-            assert executed == per_forward * forwards, (key, executed, per_forward, forwards)
-        assert any("path=reference_fused" in k for k in m if k.startswith("fusedserve_collective_calls_total"))
+        samples = server.samples()
+        for rank in ("0", "1"):
+            mine = [s for s in samples if s.labels.get("rank") == rank]
+            forwards = sum(s.value for s in mine if s.name == "fusedserve_forwards_total")
+            planned = {(s.labels["op"], s.labels["group"]): s.value for s in mine
+                       if s.name == "fusedserve_collective_planned_calls_per_forward"}
+            assert forwards > 0 and planned, [s.name for s in mine]
+            for (op, group), per_forward in planned.items():
+                executed = sum(s.value for s in mine if s.name == "fusedserve_collective_calls_total"
+                               and s.labels["op"] == op and s.labels["group"] == group)
+                assert executed == per_forward * forwards, (rank, op, group, executed, per_forward, forwards)
+        paths = {s.labels["path"] for s in samples if s.name == "fusedserve_collective_calls_total"}
+        assert "reference_fused" in paths  # allReduceFusion: on -> the reference kernel on CPU
+        [g] = server.status()["groups"]
+        assert g["collectives_match_plan"] is True and [r["role"] for r in g["ranks"]] == ["leader", "follower"]
+        # a follower dies mid-request: the leader's collectives fail, the request errors, the group comes back
+        _kill_mid_stream(server, "fusedserve/default/tiny-code-tp2/0/rank1")
+        s = server.wait_status(lambda s: s["restarts"] >= 1 and s["ready"])
+        assert "rank 1" in s["last_failure"]["reason"], s["last_failure"]
+        assert server.complete() is not None
     finally:
-        server.stop()
+        assert server.stop() == 0
+
+
+def _single_rank_completions(model_dir: Path, prompts: list[str], max_tokens: int) -> dict[str, str]:
+    from fusedserve.worker.engine import Engine, EngineConfig
+    from fusedserve.worker.sequence import SamplingParams
+
+    engine = Engine(model_dir, EngineConfig(num_blocks=64))
+    done = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
+    return {p: c.text for p, c in zip(prompts, done)}
+
+
+@pytest.mark.parametrize("tensor", [2, 4], ids=["examples-03", "tp4-attn-tp2"])
+def test_moe_with_dp_attention_and_expert_parallelism_serves_on_both_dp_groups(
+        ray_address: str, tensor: int, tmp_path: Path) -> None:
+    """examples/03 (tp=2, dp=2: one rank per DP group) and a tp=4 variant whose DP groups have two
+    ranks each (the DP leaders broadcast their batches to an attention-TP follower)."""
+    manifest = ROOT / "examples/03-tiny-moe-dp-ep.yaml"
+    if tensor != 2:
+        text = manifest.read_text().replace("tensor: 2,", f"tensor: {tensor},")
+        manifest = tmp_path / "moe.yaml"
+        manifest.write_text(text)
+    server = Server(manifest, ray_address)
+    try:
+        prompts = ["def f(x):", "import os", "class B:", "for i in"]
+        results: dict[str, str] = {}
+        threads = [threading.Thread(target=lambda p=p: results.update({p: server.complete(p, max_tokens=8)}))
+                   for p in prompts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        # the same greedy tokens as one rank with no parallelism at all (both DP groups busy, batches
+        # of different sizes, padding, empty forwards)
+        assert results == _single_rank_completions(ROOT / "examples/checkpoints/tiny-moe", prompts, 8)
+        chat = server.client().chat.completions.create(model="tiny-moe", messages=[{"role": "user", "content": "hi"}],
+                                                       max_tokens=4, temperature=0)
+        assert chat.choices[0].finish_reason in ("stop", "length")
+        served = {dp: server.total("fusedserve_request_success_total", dp_rank=dp) for dp in ("0", "1")}
+        assert served["0"] >= 2 and served["1"] >= 2, served  # each DP group scheduled its own requests
+        # every rank ran the same number of forwards (idle DP groups run empty ones)
+        forwards = {server.total("fusedserve_forwards_total", rank=str(r)) for r in range(tensor)}
+        assert len(forwards) == 1 and forwards.pop() > 0
+        [g] = server.status()["groups"]
+        attn_tp = tensor // 2
+        assert [r["role"] for r in g["ranks"]] == ["leader" if r % attn_tp == 0 else "follower" for r in range(tensor)]
+    finally:
+        assert server.stop() == 0

@@ -14,10 +14,17 @@ here: the operator imports this module.
       communication: {allReduceFusion: auto, reduceScatter: auto}
       speculative: {method: eagle3, draftModel: examples/checkpoints/tiny-code-eagle3, numSteps: 3}
       serving: {port: 8000, maxBatchTokens: 2048, maxSequences: 64, kvCacheFraction: 0.9}
+
+``RuntimeConfig.from_manifest(manifest)`` is the frozen value the Ray runtime works from (rank
+actors, placement, the group controller); its ``revision`` changes exactly when running engine
+groups must be rebuilt (a new ``replicas`` count or HTTP port does not roll them).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Literal
 
@@ -147,7 +154,7 @@ def parse_manifest(doc: dict[str, Any]) -> Manifest:
     try:
         return Manifest.model_validate(doc)
     except ValidationError as e:
-        raise SpecError(_format(e, "")[1:] if _format(e, "").startswith(".") else _format(e, "")) from e
+        raise SpecError(_format(e, "").removeprefix(".")) from e
 
 
 def load_manifest(path: str) -> Manifest:
@@ -162,3 +169,104 @@ def load_manifest(path: str) -> Manifest:
     if len(found) != 1:
         raise SpecError(f"{path}: expected exactly one {KIND}, found {len(found)}")
     return parse_manifest(found[0])
+
+
+# --- the runtime's frozen view of a manifest -----------------------------------------------------
+
+FUSION_SM = (9, 10)  # FlashInfer's fused all-reduce + RMSNorm: Hopper (SM90) and Blackwell (SM100)
+
+
+@dataclass(frozen=True)
+class SpeculativeRuntime:
+    draft_model: str
+    num_steps: int
+    top_k: int
+    num_draft_tokens: int | None
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """What the Ray runtime needs from a manifest, as one frozen value (no pydantic, no torch)."""
+
+    name: str
+    namespace: str
+    model_name: str  # served name (``spec.model.name``, default the deployment's name)
+    model_path: str
+    dtype: str
+    replicas: int
+    tensor: int  # ranks per engine group
+    data: int
+    expert: int
+    dp_attention: bool
+    all_reduce_fusion: str  # "auto" | "on" | "off"
+    reduce_scatter: str
+    speculative: SpeculativeRuntime | None
+    port: int
+    metrics_port: int | None
+    max_batch_tokens: int
+    max_sequences: int
+    kv_cache_fraction: float
+    block_size: int
+    max_model_len: int | None
+    gpus_per_rank: int
+
+    @classmethod
+    def from_manifest(cls, manifest: Manifest) -> RuntimeConfig:
+        """Raises ``SpecError`` for specs the runtime cannot run although the schema allows them."""
+        spec = manifest.spec
+        par, s = spec.parallelism, spec.speculative
+        if s is not None and par.data_parallel_attention:
+            raise SpecError("spec.speculative: EAGLE3 with parallelism.dataParallelAttention is not supported yet; "
+                            "drop spec.speculative or dataParallelAttention")
+        return cls(
+            name=manifest.metadata.name, namespace=manifest.metadata.namespace,
+            model_name=spec.model.name or manifest.metadata.name, model_path=spec.model.path,
+            dtype=spec.model.dtype, replicas=spec.replicas, tensor=par.tensor, data=par.data,
+            expert=par.expert, dp_attention=par.data_parallel_attention,
+            all_reduce_fusion=spec.communication.all_reduce_fusion.value,
+            reduce_scatter=spec.communication.reduce_scatter,
+            speculative=None if s is None else SpeculativeRuntime(s.draft_model, s.num_steps, s.top_k,
+                                                                  s.num_draft_tokens),
+            port=spec.serving.port, metrics_port=spec.serving.metrics_port,
+            max_batch_tokens=spec.serving.max_batch_tokens, max_sequences=spec.serving.max_sequences,
+            kv_cache_fraction=spec.serving.kv_cache_fraction, block_size=spec.serving.block_size,
+            max_model_len=spec.serving.max_model_len, gpus_per_rank=spec.resources.gpus_per_rank,
+        )
+
+    @property
+    def ranks(self) -> int:
+        """Ranks (GPUs) per engine group."""
+        return self.tensor
+
+    @property
+    def attn_tp(self) -> int:
+        return self.tensor // self.data
+
+    @property
+    def revision(self) -> str:
+        """A short hash of everything an engine group is built from: groups of another revision
+        are rolled. Excludes ``replicas`` and the HTTP ports (they change no group)."""
+        fields = {k: v for k, v in self.__dict__.items() if k not in ("replicas", "port", "metrics_port")}
+        blob = json.dumps(fields, sort_keys=True, default=lambda o: o.__dict__)
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+    def dtype_on(self, cuda: bool) -> str:
+        """``auto`` is bfloat16 on GPUs and float32 on CPU."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if cuda else "float32"
+
+    def fusion_kernel(self, cuda_capability: tuple[int, int] | None, flashinfer: bool) -> str:
+        """The all-reduce + add + RMSNorm kernel of this rank: "off", "reference" or "flashinfer".
+
+        off -> none; on -> FlashInfer on CUDA SM90/SM100 when it imports, else the reference
+        (CPU, or a GPU FlashInfer cannot serve); auto -> FlashInfer where it can run, else none.
+        No fusion at tp=1 or under DP attention (the plan gates it off there, as sglang does).
+        ``cuda_capability``: the GPU's (major, minor), None on CPU.
+        """
+        if self.all_reduce_fusion == Fusion.OFF.value or self.tensor == 1 or self.dp_attention:
+            return "off"
+        fast = cuda_capability is not None and cuda_capability[0] in FUSION_SM and flashinfer
+        if fast:
+            return "flashinfer"
+        return "reference" if self.all_reduce_fusion == Fusion.ON.value else "off"

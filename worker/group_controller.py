@@ -1,11 +1,21 @@
-"""The group controller: a Ray driver that keeps ``spec.replicas`` engine groups alive and
-routes requests to them (it implements ``EngineClient`` for the HTTP server).
+"""The group controller: a Ray driver that keeps ``replicas`` engine groups serving, and the
+``EngineClient`` the HTTP API talks to (requests go round-robin to the groups' leaders).
 
-Each group is a named, detached placement group (``placement.py``) with one ``RankActor`` per
-rank. A monitor thread pings every rank; when one dies or reports a failure, the whole group is
-torn down (its requests in flight end with ``EngineDead``, never a hang) and recreated, and the
-failure stays visible in ``status()``. ``apply`` with a changed spec rolls the groups one at a
-time (a new group is ready before the old one goes).
+Reconciling (``reconcile_once``, every second on a background thread):
+
+- a Ready group whose rank died or failed is torn down and recreated at the same index (its
+  requests in flight already ended with ``EngineDead``: the HTTP layer answers 503, never hangs);
+  the failure stays in ``status()``;
+- missing groups are created at the lowest free index, extra ones removed;
+- groups of an older revision (``apply`` with a changed spec) are rolled one at a time: a new
+  group is made ready first, then one outdated group goes; when the surge cannot be placed, the
+  outdated group goes first;
+- a failed creation (unschedulable placement group, a rank that cannot start) is recorded with
+  its reason and retried after a delay.
+
+``start`` re-adopts the groups a previous controller left (named, detached placement groups and
+rank actors), then creates what is missing and returns once every group is ready; it raises
+``GroupError`` when none can be made ready.
 """
 
 from __future__ import annotations
@@ -15,289 +25,318 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import AsyncIterator
+from dataclasses import asdict
 from typing import Any
 
+import ray
+
+from .config import RuntimeConfig
 from .engine_client import EngineDead, MetricsSnapshot
-from .placement import PlacementError, PlacementPlan, explain_unschedulable, plan_group
+from .engine_group import (
+    EngineGroup,
+    GroupError,
+    GroupStartFailed,
+    GroupUnschedulable,
+    find_placement_groups,
+    short,
+)
+from .placement import ClusterShape, PlacementError, lowest_free_index
 from .request_output import RequestOutput
+from .runtime_status import ControllerObservation, Failure, GroupObservation, controller_status
 from .sequence import FinishReason, InvalidRequest, SamplingParams
 
 log = logging.getLogger(__name__)
 
-READY_TIMEOUT_S = 300.0
-SCHEDULE_TIMEOUT_S = 30.0
-PING_EVERY_S = 1.0
-
-
-class GroupUnschedulable(RuntimeError):
-    pass
-
-
-@dataclass
-class EngineGroup:
-    index: int
-    revision: int
-    plan: PlacementPlan
-    pg: Any = None
-    actors: list[Any] = field(default_factory=list)
-    phase: str = "Pending"  # Pending, Starting, Ready, Failed
-    ranks: list[dict[str, Any]] = field(default_factory=list)
-    started_at: float = 0.0
-
-    @property
-    def leader(self) -> Any:
-        return self.actors[0]
+RECONCILE_EVERY_S = 1.0
+RETRY_UNSCHEDULABLE_S = 5.0
+RETRY_START_FAILED_S = (10.0, 30.0, 60.0)
+RPC_TIMEOUT_S = 10.0
+DRAIN_TIMEOUT_S = 60.0  # a group leaving (rolled, scaled down) first finishes its requests this long
 
 
 class GroupController:
-    def __init__(self, manifest: Any, gpus: bool, gpus_per_node: int = 8) -> None:
-        self.manifest = manifest
-        self.gpus = gpus
-        self.gpus_per_node = gpus_per_node
-        self.revision = 1
+    def __init__(self, config: RuntimeConfig, cluster: ClusterShape) -> None:
+        self.config = config
+        self.cluster = cluster
         self.groups: dict[int, EngineGroup] = {}
-        self.failures: list[dict[str, Any]] = []
+        self.failures: list[Failure] = []
         self.restarts = 0
+        self.creating: dict[int, dict[str, Any]] = {}
         self._lock = threading.RLock()
-        self._rr = itertools.count()
+        self._wake = threading.Event()
         self._stop = threading.Event()
-        self._monitor: threading.Thread | None = None
+        self._retry_at = 0.0
+        self._start_failures = 0
+        self._rr = itertools.count()
+        self._requests: dict[str, tuple[EngineGroup, Any]] = {}  # request id -> (group, leader) serving it
+        self._thread: threading.Thread | None = None
+        self._tokenizer: Any = None
+
+    # --- lifecycle --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.adopt()
+        while len(self.groups) < self.config.replicas:
+            self._create(self._free_index(), raise_errors=True)
+        self._thread = threading.Thread(target=self._run, name="fusedserve-groups", daemon=True)
+        self._thread.start()
+
+    def adopt(self) -> None:
+        """Take over the groups a previous controller of this deployment left running."""
+        for index, pg in sorted(find_placement_groups(self.config).items()):
+            group = EngineGroup.adopt(self.config, index, pg, self.cluster)
+            if group.phase == "Ready":
+                with self._lock:
+                    self.groups[index] = group
+            else:
+                group.teardown()
+
+    def apply(self, config: RuntimeConfig) -> None:
+        """A new spec: the reconcile loop rolls outdated groups one at a time and scales to ``replicas``."""
+        if config.name != self.config.name or config.namespace != self.config.namespace:
+            raise ValueError("apply() changes one deployment's spec, not its name or namespace")
+        log.info("applying revision %s (was %s), %d replicas", config.revision, self.config.revision, config.replicas)
+        self.config = config
+        self._retry_at = 0.0
+        self._wake.set()
+
+    def shutdown(self) -> None:
+        """Stop reconciling; kill every rank actor and remove every placement group of this deployment."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=15)
+        with self._lock:
+            groups, self.groups = list(self.groups.values()), {}
+        for g in groups:
+            g.teardown()
+        try:  # a group that was half-made when we stopped
+            for index, pg in find_placement_groups(self.config).items():
+                EngineGroup.adopt(self.config, index, pg, self.cluster).teardown()
+        except Exception as e:  # noqa: BLE001 (best effort: Ray shuts down next)
+            log.warning("cleanup: %s", short(e))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.reconcile_once()
+            except Exception:
+                log.exception("reconcile failed")
+            self._wake.wait(RECONCILE_EVERY_S)
+            self._wake.clear()
 
     # --- reconcile --------------------------------------------------------------------------------
 
-    @property
-    def name(self) -> str:
-        return str(self.manifest.metadata.name)
+    def reconcile_once(self) -> None:
+        rc = self.config
+        for index, group in self._snapshot():
+            problem = group.check()
+            if problem is not None and not self._stop.is_set():
+                self._fail(index, group, problem)
+        if self._stop.is_set() or time.monotonic() < self._retry_at:
+            return
+        groups = dict(self._snapshot())
+        extra = sorted(groups, key=lambda i: (groups[i].revision == rc.revision, -i))[:max(0, len(groups) - rc.replicas)]
+        outdated = sorted(i for i, g in groups.items() if g.revision != rc.revision and i not in extra)
+        for index in extra:
+            self._remove(index)
+        if len(groups) < rc.replicas:
+            self._create(self._free_index())
+        elif outdated:
+            self._roll(outdated[0])
 
-    @property
-    def namespace(self) -> str:
-        return str(self.manifest.metadata.namespace)
-
-    @property
-    def model_name(self) -> str:
-        return str(self.manifest.spec.model.name or self.name)
-
-    def start(self) -> None:
-        """Create every group (blocking until ready), then watch them."""
-        for i in range(self.manifest.spec.replicas):
-            self._replace(i, reason=None)
-        self._monitor = threading.Thread(target=self._watch, name="fusedserve-groups", daemon=True)
-        self._monitor.start()
-
-    def apply(self, manifest: Any) -> None:
-        """A changed spec: roll groups one at a time; replicas scale up or down."""
+    def _free_index(self) -> int:
         with self._lock:
-            old = self.manifest
-            self.manifest = manifest
-            if manifest.spec.model_dump() != old.spec.model_dump():
-                self.revision += 1
-        for i in range(manifest.spec.replicas):
-            g = self.groups.get(i)
-            if g is None or g.revision != self.revision:
-                self._replace(i, reason=None)
-        for i in sorted(self.groups):
-            if i >= manifest.spec.replicas:
-                self._teardown(self.groups.pop(i))
+            return lowest_free_index(set(self.groups) | set(self.creating))
 
-    def shutdown(self) -> None:
-        self._stop.set()
-        if self._monitor is not None:
-            self._monitor.join(timeout=5)
-        for g in list(self.groups.values()):
-            self._teardown(g)
-        self.groups.clear()
+    def _roll(self, index: int) -> None:
+        """Replace one outdated group: surge first, else (no room for the surge) replace in place."""
+        try:
+            self._create(self._free_index(), raise_errors=True, record=False)
+        except GroupUnschedulable:
+            log.info("no room for a surge group: replacing group %d in place", index)
+            self._remove(index)
+            self._create(index)
+            return
+        except GroupError:
+            return
+        self._remove(index)
 
-    def _spec_dict(self) -> dict[str, Any]:
-        return dict(self.manifest.spec.model_dump(by_alias=True, mode="json"))
-
-    def _replace(self, index: int, reason: str | None) -> None:
-        new = self._create(index)
+    def _create(self, index: int, raise_errors: bool = False, record: bool = True) -> None:
+        rc = self.config
+        with self._lock:
+            self.creating[index] = {"index": index, "since": time.time(), "revision": rc.revision}
+        try:
+            group = EngineGroup.create(rc, index, self.cluster)
+        except (GroupError, PlacementError) as e:
+            reason = e.reason if isinstance(e, GroupError) else str(e)
+            kind = "Unschedulable" if isinstance(e, (GroupUnschedulable, PlacementError)) else "StartFailed"
+            if record or kind != "Unschedulable":  # a surge that does not fit is no failure
+                self._record(Failure(index, time.time(), reason, kind))
+            if isinstance(e, GroupStartFailed):
+                self._start_failures += 1
+                delay = RETRY_START_FAILED_S[min(self._start_failures, len(RETRY_START_FAILED_S)) - 1]
+            else:
+                delay = RETRY_UNSCHEDULABLE_S
+            self._retry_at = time.monotonic() + delay
+            log.warning("engine group %d: %s (retrying in %.0f s)", index, reason, delay)
+            if raise_errors:
+                if isinstance(e, PlacementError):
+                    raise GroupUnschedulable(reason) from e
+                raise
+            return
+        finally:
+            with self._lock:
+                self.creating.pop(index, None)
+        self._start_failures = 0
         with self._lock:
             old = self.groups.get(index)
-            self.groups[index] = new
-        if old is not None:
-            self._teardown(old)
+            self.groups[index] = group
+        if old is not None and old is not group:
+            old.teardown()
 
-    def _create(self, index: int) -> EngineGroup:
-        import ray
-        from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    def _fail(self, index: int, group: EngineGroup, problem: str) -> None:
+        log.warning("engine group %d failed (%s); recreating it", index, problem)
+        group.phase = "Failed"
+        self._record(Failure(index, time.time(), problem, "RankFailed"))
+        self.restarts += 1
+        with self._lock:
+            if self.groups.get(index) is group:
+                del self.groups[index]
+        group.teardown()
+        self._create(index)
 
-        from .rank_actor import RankActor
+    def _remove(self, index: int) -> None:
+        """Drain a group (no new requests; those in flight finish), then tear it down."""
+        with self._lock:
+            group = self.groups.get(index)
+            if group is None:
+                return
+            group.phase = "Draining"
+        log.info("removing engine group %d (revision %s)", index, group.revision)
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while self._in_flight(group) and time.monotonic() < deadline and not self._stop.is_set():
+            time.sleep(0.05)
+        with self._lock:
+            if self.groups.get(index) is group:
+                del self.groups[index]
+        group.teardown()
 
-        spec = self.manifest.spec
-        tp = spec.parallelism.tensor
-        plan = plan_group(self.namespace, self.name, index, tp, self.gpus, self.gpus_per_node)
-        group = EngineGroup(index=index, revision=self.revision, plan=plan, phase="Pending", started_at=time.time())
-        name = f"{plan.name}/r{self.revision}-{int(time.time() * 1000) % 10**9}"
-        group.pg = placement_group(list(plan.bundles), strategy=plan.strategy, name=name, lifetime=plan.lifetime)
-        ready, _ = ray.wait([group.pg.ready()], timeout=SCHEDULE_TIMEOUT_S)
-        if not ready:
-            why = explain_unschedulable(plan, ray.cluster_resources())
-            remove_placement_group(group.pg)
-            raise GroupUnschedulable(f"placement group {plan.name} cannot be scheduled: {why}")
-        group.phase = "Starting"
-        actor_cls = ray.remote(RankActor)
-        spec_dict = self._spec_dict()
-        for rank in range(tp):
-            labels = {"deployment": self.name, "namespace": self.namespace, "engine_group": str(index), "rank": str(rank),
-                      "tp_rank": str(rank), "dp_rank": str(rank // (tp // spec.parallelism.data)),
-                      "ep_rank": str(rank // (tp // spec.parallelism.expert))}
-            resources = {k: v for k, v in plan.bundles[rank].items() if k not in ("CPU", "GPU")}
-            opts: dict[str, Any] = dict(
-                num_cpus=0, num_gpus=plan.bundles[rank].get("GPU", 0), resources=resources, max_restarts=0,
-                max_concurrency=64,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group.pg, placement_group_bundle_index=rank))
-            group.actors.append(actor_cls.options(**opts).remote(spec_dict, labels, rank, tp, self.model_name))
-        master = ray.get(group.leader.address.remote()) if tp > 1 else None
-        try:
-            ray.get([a.start.remote(master) for a in group.actors], timeout=READY_TIMEOUT_S)
-            group.ranks = ray.get([a.info.remote() for a in group.actors], timeout=30)
-        except Exception as e:
-            self._teardown(group)
-            raise RuntimeError(f"engine group {index} failed to start: {_short(e)}") from e
-        group.phase = "Ready"
-        log.info("engine group %d ready (%d ranks, revision %d)", index, tp, self.revision)
-        return group
+    def _in_flight(self, group: EngineGroup) -> int:
+        with self._lock:
+            return sum(1 for g, _ in self._requests.values() if g is group)
 
-    def _teardown(self, group: EngineGroup) -> None:
-        import ray
-        from ray.util.placement_group import remove_placement_group
+    def _record(self, failure: Failure) -> None:
+        with self._lock:
+            self.failures = [*self.failures[-49:], failure]
 
-        group.phase = "Failed" if group.phase != "Ready" else "Terminating"
-        for a in group.actors:
-            try:
-                ray.kill(a, no_restart=True)
-            except Exception:
-                pass
-        if group.pg is not None:
-            try:
-                remove_placement_group(group.pg)
-            except Exception:
-                pass
-
-    def _watch(self) -> None:
-        import ray
-
-        while not self._stop.wait(PING_EVERY_S):
-            for index, group in list(self.groups.items()):
-                if group.phase != "Ready":
-                    continue
-                problem = None
-                try:
-                    answers = ray.get([a.ping.remote() for a in group.actors], timeout=10)
-                    problem = next((f"rank {r}: {a}" for r, a in enumerate(answers) if a), None)
-                except Exception as e:
-                    problem = _short(e)
-                if problem is None or self._stop.is_set():
-                    continue
-                with self._lock:
-                    group.phase = "Failed"
-                    self.failures.append({"group": index, "time": time.time(), "reason": problem})
-                    self.restarts += 1
-                log.warning("engine group %d failed (%s); recreating it", index, problem)
-                self._teardown(group)
-                try:
-                    self._replace(index, reason=problem)
-                except Exception as e:
-                    self.failures.append({"group": index, "time": time.time(), "reason": f"recreate: {_short(e)}"})
+    def _snapshot(self) -> list[tuple[int, EngineGroup]]:
+        with self._lock:
+            return sorted((i, g) for i, g in self.groups.items() if g.phase == "Ready")
 
     # --- EngineClient -----------------------------------------------------------------------------
 
-    def _ready_groups(self) -> list[EngineGroup]:
-        with self._lock:
-            return [g for _, g in sorted(self.groups.items()) if g.phase == "Ready"]
-
-    def _pick(self) -> EngineGroup:
-        ready = self._ready_groups()
-        if not ready:
-            raise EngineDead("no engine group is ready")
-        return ready[next(self._rr) % len(ready)]
-
     @property
-    def max_model_len(self) -> int:
-        import ray
-
-        return int(ray.get(self._pick().leader.max_model_len.remote()))
+    def model_name(self) -> str:
+        return self.config.model_name
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        import ray
+        """Rendered here, from the checkpoint's tokenizer files: no Ray call on the event loop."""
+        from .tokenizer import Tokenizer, TokenizerError
 
         try:
-            return str(ray.get(self._pick().leader.apply_chat_template.remote(messages)))
-        except ray.exceptions.RayTaskError as e:
-            raise _unwrap(e) from None
+            if self._tokenizer is None:
+                self._tokenizer = Tokenizer.from_dir(self.config.model_path)
+            return str(self._tokenizer.apply_chat_template(messages))
+        except TokenizerError as e:
+            raise InvalidRequest(str(e)) from e
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str):  # type: ignore[no-untyped-def]
-        import ray
+    def _pick(self) -> tuple[EngineGroup, Any]:
+        leaders = [(g, a) for _, g in self._snapshot() for a in g.leaders]
+        if not leaders:
+            last = f" (last failure: {self.failures[-1].reason})" if self.failures else ""
+            raise EngineDead(f"no engine group is ready{last}")
+        return leaders[next(self._rr) % len(leaders)]
 
-        group = self._pick()
-        stream = group.leader.generate.options(num_returns="streaming").remote(prompt, asdict(params), request_id)
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str
+                       ) -> AsyncIterator[RequestOutput]:
+        with self._lock:  # picked and counted at once: a draining group sees every request it got
+            group, leader = self._pick()
+            self._requests[request_id] = (group, leader)
+        finished = False
         try:
+            stream = leader.generate.options(num_returns="streaming").remote(prompt, asdict(params), request_id)
             async for ref in stream:
                 d = await ref
                 reason = d.get("finish_reason")
                 d["finish_reason"] = FinishReason(reason) if reason is not None else None
-                yield RequestOutput(**d)
+                out = RequestOutput(**d)
+                finished = out.finished
+                yield out
+            if not finished:
+                raise EngineDead(f"engine group {group.index} ended the request without finishing it")
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError
+                ) as e:
+            raise EngineDead(f"engine group {group.index} failed: {short(e)}") from None
         except ray.exceptions.RayTaskError as e:
-            raise _unwrap(e) from None
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as e:
-            raise EngineDead(f"engine group {group.index} failed: {_short(e)}") from None
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, (InvalidRequest, EngineDead)):
+                raise cause from None
+            raise EngineDead(f"engine group {group.index}: {short(e)}") from None
+        finally:
+            with self._lock:
+                self._requests.pop(request_id, None)
+            if not finished:  # the consumer went away, or the group failed
+                try:
+                    leader.abort.remote(request_id)
+                except ray.exceptions.RayError as e:
+                    log.debug("abort %s: %s", request_id, short(e))
 
     async def abort(self, request_id: str) -> None:
-        for g in self._ready_groups():
+        entry = self._requests.get(request_id)
+        if entry is not None:
             try:
-                await g.leader.abort.remote(request_id)
-            except Exception:
-                pass
+                await entry[1].abort.remote(request_id)
+            except ray.exceptions.RayError as e:
+                log.debug("abort %s: %s", request_id, short(e))
 
     async def status(self) -> dict[str, Any]:
-        groups = []
-        for index, g in sorted(self.groups.items()):
-            entry: dict[str, Any] = {"index": index, "phase": g.phase, "revision": g.revision,
-                                     "placement_group": g.plan.name, "strategy": g.plan.strategy,
-                                     "bundles": list(g.plan.bundles), "ranks": g.ranks}
+        rc = self.config
+        observed = []
+        with self._lock:
+            groups = sorted(self.groups.items())
+            creating = tuple(dict(c) for c in self.creating.values())
+            failures = tuple(self.failures)
+        for index, g in groups:
+            snapshots: list[MetricsSnapshot] = []
+            error = None
             if g.phase == "Ready":
                 try:
-                    leader = await asyncio.wait_for(_await(g.leader.status.remote()), 10)
-                    entry.update({k: v for k, v in leader.items() if k not in ("groups",)})
-                    entry["engine"] = leader.get("groups", [])
-                except Exception as e:
-                    entry["error"] = _short(e)
-            groups.append(entry)
-        ready = sum(1 for g in groups if g["phase"] == "Ready")
-        return {"deployment": self.name, "namespace": self.namespace, "model": self.model_name,
-                "ready": ready > 0, "replicas": self.manifest.spec.replicas, "ready_replicas": ready,
-                "revision": self.revision, "restarts": self.restarts, "failures": self.failures[-10:],
-                "groups": groups}
+                    snapshots = await self._group_metrics(g)
+                except (asyncio.TimeoutError, ray.exceptions.RayError) as e:
+                    error = short(e)
+            observed.append(GroupObservation(index, g.name, g.plan.strategy, g.plan.bundles, g.phase, g.revision,
+                                             tuple(g.ranks), tuple(snapshots), g.adopted, error))
+        return controller_status(ControllerObservation(rc.name, rc.namespace, rc.model_name, rc.revision,
+                                                       rc.replicas, tuple(observed), failures, self.restarts,
+                                                       creating))
 
     async def metrics(self) -> list[MetricsSnapshot]:
         out: list[MetricsSnapshot] = []
-        for g in self._ready_groups():
+        for _, g in self._snapshot():
             try:
-                out += await asyncio.wait_for(_await(g.leader.metrics.remote()), 10)
-            except Exception:
-                continue
+                out += await self._group_metrics(g)
+            except (asyncio.TimeoutError, ray.exceptions.RayError) as e:  # a failing group: the reconcile loop deals with it
+                log.debug("metrics of group %d: %s", g.index, short(e))
         return out
 
+    async def _group_metrics(self, g: EngineGroup) -> list[MetricsSnapshot]:
+        async def one(actor: Any) -> list[MetricsSnapshot]:
+            return list(await actor.metrics.remote())
 
-async def _await(ref: Any) -> Any:
-    return await ref
-
-
-def _unwrap(e: Any) -> Exception:
-    cause = getattr(e, "cause", None)
-    if isinstance(cause, (InvalidRequest, EngineDead)):
-        return cause
-    if isinstance(cause, Exception):
-        return cause
-    return EngineDead(_short(e))
+        per_rank = await asyncio.wait_for(asyncio.gather(*(one(a) for a in g.actors)), RPC_TIMEOUT_S)
+        return [s for snapshots in per_rank for s in snapshots]
 
 
-def _short(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
-
-
-__all__ = ["GroupController", "GroupUnschedulable", "PlacementError"]
+__all__ = ["GroupController", "GroupError", "GroupUnschedulable"]

@@ -1,78 +1,119 @@
-"""One rank of an engine group, as a Ray actor.
+"""One rank of an engine group, as a Ray actor (``ray.remote(RankActor)``, made by ``engine_group``).
 
-Every rank initialises torch.distributed (NCCL on GPUs, gloo on CPU; rendezvous at the leader's
-address), loads its shard and its KV cache. Rank 0 runs the ``Engine`` behind a
-``LocalEngineClient`` and serves requests by Ray calls (a streaming generator per request:
-Ray calls carry requests and outputs, never per-step tensors); the other ranks follow the
-leader's step messages on the CPU group (``distributed_runner``).
+Every rank initialises torch.distributed (NCCL on a GPU, gloo on CPU; rendezvous at the address
+rank 0 picked), builds the parallel groups and its shard of the model and KV cache, with the
+all-reduce + RMSNorm fusion chosen once from ``spec.communication`` (``RuntimeConfig.fusion_kernel``).
+Then it takes one of two roles:
+
+- a *leader* runs an ``Engine`` behind a ``LocalEngineClient`` and serves requests by Ray calls
+  (``generate`` is an async generator: one Ray stream per request; Ray calls carry requests and
+  outputs, never per-step tensors). Without DP attention rank 0 is the only leader and announces
+  each forward to the others (``distributed_runner``); with DP attention the first rank of every
+  DP group leads its own engine and the leaders step in rounds (``dp_engine``).
+- a *follower* runs the forwards its leader announces, in a thread.
+
+``ping`` says why a rank cannot serve (None when healthy); ``metrics`` returns every rank's
+``MetricsSnapshot`` (a follower's carries its collectives only).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 import socket
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 from datetime import timedelta
 from typing import Any
 
+from ..models.parallel.groups import ParallelConfig, rank_coordinates
+from .config import RuntimeConfig
+from .engine_client import MetricsSnapshot
+
 log = logging.getLogger(__name__)
 
+CPU_KV_BLOCKS = 512  # KV blocks of a CPU rank (a share of host memory would be far too much)
+RENDEZVOUS_TIMEOUT = timedelta(seconds=120)
 
-def engine_config_for(spec: dict[str, Any], device: str) -> Any:
-    """The frozen engine config of one rank from the manifest's spec (a JSON dict)."""
+
+class RankStartError(RuntimeError):
+    """A rank could not start (checkpoint, rendezvous, KV cache); the message says which rank and why."""
+
+
+def parallel_config(rc: RuntimeConfig) -> ParallelConfig:
+    return ParallelConfig(rc.tensor, rc.data, rc.expert)
+
+
+def rank_labels(rc: RuntimeConfig, group_index: int, rank: int) -> dict[str, str]:
+    c = rank_coordinates(parallel_config(rc), rank)
+    return {"deployment": rc.name, "namespace": rc.namespace, "engine_group": str(group_index),
+            "rank": str(rank), "tp_rank": str(c.tp_rank), "dp_rank": str(c.dp_rank), "ep_rank": str(c.moe_ep_rank)}
+
+
+def is_leader(rc: RuntimeConfig, rank: int) -> bool:
+    """Leaders run an engine: rank 0, or with DP attention the first rank of every DP group."""
+    return rank % rc.attn_tp == 0 if rc.dp_attention else rank == 0
+
+
+def leader_ranks(rc: RuntimeConfig) -> list[int]:
+    return [r for r in range(rc.ranks) if is_leader(rc, r)]
+
+
+def engine_config(rc: RuntimeConfig, device: str) -> Any:
+    """The frozen ``EngineConfig`` of one rank."""
     from .engine import EngineConfig
     from .speculative import SpeculativeConfig
 
-    serving, model = spec.get("serving", {}), spec["model"]
-    dtype = model.get("dtype", "auto")
-    if dtype == "auto":
-        dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    spec_cfg = None
-    if spec.get("speculative"):
-        s = spec["speculative"]
-        spec_cfg = SpeculativeConfig(draft_model=s["draftModel"], num_steps=s.get("numSteps", 3),
-                                     topk=s.get("topK", 1), num_draft_tokens=s.get("numDraftTokens"))
+    cuda = device.startswith("cuda")
+    s = rc.speculative
     return EngineConfig(
-        block_size=serving.get("blockSize", 16),
-        num_blocks=None if device.startswith("cuda") else 512,
-        kv_memory_fraction=serving.get("kvCacheFraction", 0.9),
-        max_num_seqs=serving.get("maxSequences", 64),
-        max_batch_tokens=serving.get("maxBatchTokens", 2048),
-        max_model_len=serving.get("maxModelLen"),
-        dtype=dtype, device=device, speculative=spec_cfg)
+        block_size=rc.block_size, num_blocks=None if cuda else CPU_KV_BLOCKS, kv_memory_fraction=rc.kv_cache_fraction,
+        max_num_seqs=rc.max_sequences, max_batch_tokens=rc.max_batch_tokens, max_model_len=rc.max_model_len,
+        dtype=rc.dtype_on(cuda), device=device,
+        speculative=None if s is None else SpeculativeConfig(s.draft_model, s.num_steps, s.top_k, s.num_draft_tokens))
 
 
-def fusion_for(spec: dict[str, Any], device: str) -> tuple[bool, str]:
-    """(fusion in the plan, kernel): off -> none; on -> FlashInfer on CUDA, the reference on CPU;
-    auto -> FlashInfer on CUDA when it imports, else none."""
-    mode = spec.get("communication", {}).get("allReduceFusion", "auto")
-    tp = spec.get("parallelism", {}).get("tensor", 1)
-    if mode == "off" or tp == 1:
-        return False, "off"
-    if not device.startswith("cuda"):
-        return (True, "reference") if mode == "on" else (False, "off")
+def _own_gpu() -> int:
+    """The GPU Ray gave this actor, as a device index (every GPU of the node is visible to it)."""
+    import ray
+
+    ids = ray.get_gpu_ids()
+    if len(ids) != 1:
+        raise RankStartError(f"a GPU rank needs exactly one GPU, Ray gave it {ids}")
+    return int(ids[0])
+
+
+def _flashinfer_importable() -> bool:
     try:
         import flashinfer  # noqa: F401
     except ImportError:
-        return (True, "reference") if mode == "on" else (False, "off")
-    return True, "flashinfer"
+        return False
+    return True
 
 
 class RankActor:
-    """Wrapped with ``ray.remote`` by the group controller."""
-
-    def __init__(self, spec: dict[str, Any], labels: dict[str, str], rank: int, world: int,
-                 model_name: str) -> None:
-        self.spec, self.labels, self.rank, self.world = spec, labels, rank, world
-        self.model_name = model_name
-        self.client: Any = None
-        self._follower: threading.Thread | None = None
+    def __init__(self, config: RuntimeConfig, group_index: int, rank: int, gpu: bool = False) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self.rc = config
+        self.gpu = gpu  # this rank holds one GPU of its bundle
+        self.group_index = group_index
+        self.rank = rank
+        self.labels = rank_labels(config, group_index, rank)
+        self.leader = is_leader(config, rank)
+        self.client: Any = None  # LocalEngineClient on a leader
+        self.runner: Any = None
+        self.kernel = "off"
         self.error: str | None = None
+        self.ready = False
+        self._follower: threading.Thread | None = None
+
+    # --- start ------------------------------------------------------------------------------------
 
     def address(self) -> tuple[str, int]:
-        """Where rank 0 rendezvouses (called on the leader)."""
+        """Where the group rendezvouses (asked of rank 0): this node's address and a free port."""
         import ray
 
         ip = ray.util.get_node_ip_address()
@@ -80,70 +121,143 @@ class RankActor:
             s.bind((ip, 0))
             return ip, int(s.getsockname()[1])
 
-    def start(self, master: tuple[str, int] | None) -> bool:
+    async def start(self, master: tuple[str, int] | None) -> dict[str, Any]:
+        """Join the group, load the shard, take up the role; returns ``info()``."""
+        try:
+            await asyncio.to_thread(self._start, master)
+        except Exception as e:
+            self.error = f"rank {self.rank}: {type(e).__name__}: {e}"
+            log.exception("rank %d failed to start", self.rank)
+            raise RankStartError(self.error) from e
+        self.ready = True
+        return await self.info()
+
+    def _start(self, master: tuple[str, int] | None) -> None:
         import torch
         import torch.distributed as dist
 
+        from ..models.parallel.collectives import Collectives
         from ..models.parallel.fused_allreduce_norm import make_fused_allreduce_norm
-        from ..models.parallel.groups import ParallelConfig, ParallelGroups, build_groups
-        from .distributed_runner import LeaderRunner, StepChannel, follow, load_rank_runner
+        from ..models.parallel.groups import ParallelGroups, build_groups
+        from .distributed_runner import agree_num_blocks
+        from .engine import DTYPES
+        from .model_runner import ModelRunner
+
+        rc = self.rc
+        cuda = self.gpu
+        device = f"cuda:{_own_gpu()}" if cuda else "cpu"
+        backend = "nccl" if cuda else "gloo"
+        if cuda:
+            torch.cuda.set_device(device)
+        if rc.ranks > 1:
+            if master is None:
+                raise RankStartError("a group of several ranks needs rank 0's rendezvous address")
+            dist.init_process_group(backend, init_method=f"tcp://{master[0]}:{master[1]}", rank=self.rank,
+                                    world_size=rc.ranks, timeout=RENDEZVOUS_TIMEOUT)
+            groups = build_groups(parallel_config(rc), self.rank, backend)
+        else:
+            groups = ParallelGroups.single_rank()
+        config = engine_config(rc, device)
+        capability = torch.cuda.get_device_capability(device) if cuda else None
+        self.kernel = rc.fusion_kernel(capability, cuda and _flashinfer_importable())
+        from ..models.loader import load_config
+
+        hidden = load_config(rc.model_path).hidden_size
+        fused = make_fused_allreduce_norm(self.kernel, groups, hidden, DTYPES[config.dtype])
+        runner = ModelRunner.load(rc.model_path, config.block_size, config.num_blocks, config.kv_memory_fraction,
+                                  config.max_num_seqs, DTYPES[config.dtype], device, groups=groups,
+                                  collectives=Collectives(backend, fused=fused), fusion=self.kernel != "off")
+        agree_num_blocks(runner, groups.tp)
+        self.runner = runner
+        log.info("rank %d/%d of group %d loaded (%s, fusion %s)", self.rank, rc.ranks, self.group_index,
+                 backend, self.kernel)
+        if rc.dp_attention:
+            self._start_dp(runner, groups, config)
+        else:
+            self._start_tp(runner, groups, config)
+
+    def _start_tp(self, runner: Any, groups: Any, config: Any) -> None:
+        from .distributed_runner import LeaderRunner, StepChannel, follow
         from .engine import Engine
         from .local_engine_client import LocalEngineClient
 
-        cuda = torch.cuda.is_available()
-        device = "cuda:0" if cuda else "cpu"  # Ray gives each GPU actor its own visible device
-        backend = "nccl" if cuda else "gloo"
-        par = self.spec.get("parallelism", {})
-        config = ParallelConfig(par.get("tensor", 1), par.get("data", 1), par.get("expert", 1))
-        if self.world > 1:
-            assert master is not None
-            dist.init_process_group(backend, init_method=f"tcp://{master[0]}:{master[1]}", rank=self.rank,
-                                    world_size=self.world, timeout=timedelta(seconds=120))
-            groups = build_groups(config, self.rank, backend)
-        else:
-            torch.set_num_threads(max(1, torch.get_num_threads()))
-            groups = ParallelGroups.single_rank()
-        engine_config = engine_config_for(self.spec, device)
-        fusion, kernel = fusion_for(self.spec, device)
-        model_dir = self.spec["model"]["path"]
-        runner = load_rank_runner(model_dir, engine_config, groups, backend, fusion)
-        if kernel == "flashinfer":
-            from ..models.loader import load_config
-            from .engine import DTYPES
-
-            runner.model.comm.collectives.fused = make_fused_allreduce_norm(
-                "flashinfer", groups, load_config(model_dir).hidden_size, DTYPES[engine_config.dtype])
         channel = StepChannel(groups.tp)
-        if not channel.is_leader:
-            self._follower = threading.Thread(target=self._follow, args=(follow, runner, channel), daemon=True)
-            self._follower.start()
-            return True
-        engine = Engine(model_dir, engine_config, runner=LeaderRunner(runner, channel) if self.world > 1 else runner)
-        self.client = LocalEngineClient(engine, self.labels, model_name=self.model_name)
-        return True
+        if not self.leader:
+            self._follow(lambda: follow(runner, channel))
+            return
+        leading = LeaderRunner(runner, channel) if self.rc.ranks > 1 else runner
+        engine = Engine(self.rc.model_path, config, runner=leading)
+        self.client = LocalEngineClient(engine, self.labels, model_name=self.rc.model_name)
 
-    def _follow(self, follow: Any, runner: Any, channel: Any) -> None:
-        try:
-            follow(runner, channel)
-        except Exception as e:  # the leader sees its collectives fail; report here too
-            self.error = f"{type(e).__name__}: {e}"
-            log.exception("rank %d follower stopped", self.rank)
+    def _start_dp(self, runner: Any, groups: Any, config: Any) -> None:
+        from .dp_engine import DPEngine, DPLeaderRunner, dp_follow
+        from .local_engine_client import LocalEngineClient
 
-    def ping(self) -> str | None:
-        """None while healthy, else why not."""
-        if self.client is not None and getattr(self.client, "_dead", None):
-            return str(self.client._dead)
-        return self.error
+        if not self.leader:
+            self._follow(lambda: dp_follow(runner, groups.attn_tp))
+            return
+        engine = DPEngine(self.rc.model_path, config, DPLeaderRunner(runner, groups))
+        self.client = LocalEngineClient(engine, self.labels, model_name=self.rc.model_name)
 
-    def info(self) -> dict[str, Any]:
-        import os
+    def _follow(self, loop: Any) -> None:
+        def run() -> None:
+            try:
+                forwards = loop()
+                self.error = f"rank {self.rank}: the leader stopped the group after {forwards} forwards"
+            except Exception as e:  # the leader's collectives fail too; say it here as well
+                self.error = f"rank {self.rank}: follower failed: {type(e).__name__}: {e}"
+                log.exception("rank %d follower stopped", self.rank)
 
+        self._follower = threading.Thread(target=run, name=f"fusedserve-follower-{self.rank}", daemon=True)
+        self._follower.start()
+
+    # --- health and introspection -----------------------------------------------------------------
+
+    async def ping(self) -> str | None:
+        """None while this rank can serve, else why not."""
+        if self.error is not None:
+            return self.error
+        if self.client is not None:
+            try:
+                status = await asyncio.wait_for(self.client.status(), 10)
+            except asyncio.TimeoutError:
+                return None  # a long step, not a failure
+            if not status.get("ready", False):
+                return f"rank {self.rank}: {status.get('error') or 'the engine is not ready'}"
+        return None
+
+    async def info(self) -> dict[str, Any]:
         import ray
 
-        return {"rank": self.rank, "node": ray.util.get_node_ip_address(), "pid": os.getpid(),
-                "actor_id": ray.get_runtime_context().get_actor_id()}
+        return {"rank": self.rank, "role": "leader" if self.leader else "follower", "labels": self.labels,
+                "node": ray.util.get_node_ip_address(), "pid": os.getpid(),
+                "actor_id": ray.get_runtime_context().get_actor_id(), "revision": self.rc.revision,
+                "fusion": self.kernel, "ready": self.ready, "error": self.error}
 
-    # --- leader only ----------------------------------------------------------------------------
+    async def metrics(self) -> list[MetricsSnapshot]:
+        if self.client is not None:
+            return list(await self.client.metrics())
+        return [self._ledger_snapshot()] if self.runner is not None else []
+
+    def _ledger_snapshot(self) -> MetricsSnapshot:
+        """A follower's collectives (its ledger is written by the follower thread: copy with retries)."""
+        from collections import Counter
+
+        comm = getattr(self.runner.model, "comm", None)
+        if comm is None:
+            return MetricsSnapshot(labels=dict(self.labels))
+        for _ in range(5):
+            try:
+                ledger = comm.ledger
+                planned = Counter((op, group) for _site, op, group in comm.active.expected())
+                return MetricsSnapshot(labels=dict(self.labels), collective_calls=dict(ledger.calls),
+                                       collective_bytes=dict(ledger.bytes), planned_per_forward=dict(planned),
+                                       forwards=ledger.forwards)
+            except RuntimeError:  # changed during the copy
+                time.sleep(0.001)
+        return MetricsSnapshot(labels=dict(self.labels))
+
+    # --- serving (leaders) ------------------------------------------------------------------------
 
     def max_model_len(self) -> int:
         return int(self.client.max_model_len)
@@ -163,6 +277,3 @@ class RankActor:
 
     async def status(self) -> dict[str, Any]:
         return dict(await self.client.status())
-
-    async def metrics(self) -> list[Any]:
-        return list(await self.client.metrics())

@@ -1,0 +1,155 @@
+"""The manifest and the runtime's frozen config: invalid specs name their field; decisions made once."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fusedserve.worker.config import RuntimeConfig, SpecError, load_manifest, parse_manifest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+
+BASE: dict[str, Any] = {
+    "apiVersion": "fusedserve.io/v1alpha1",
+    "kind": "InferenceDeployment",
+    "metadata": {"name": "demo", "namespace": "team-a"},
+    "spec": {
+        "model": {"path": "ckpt", "dtype": "float32"},
+        "replicas": 2,
+        "parallelism": {"tensor": 4, "data": 2, "dataParallelAttention": True, "expert": 2},
+        "serving": {"port": 9000},
+    },
+}
+
+
+def _with(path: str, value: Any) -> dict[str, Any]:
+    doc = copy.deepcopy(BASE)
+    *parents, last = path.split(".")
+    node = doc
+    for p in parents:
+        node = node.setdefault(p, {})
+    if value is _DELETE:
+        del node[last]
+    else:
+        node[last] = value
+    return doc
+
+
+_DELETE = object()
+
+# (change, the field the message must name, a phrase of the reason)
+INVALID = [
+    ("spec.model.path", _DELETE, "spec.model.path", "required"),
+    ("spec.model.dtype", "float8", "spec.model.dtype", "float32"),
+    ("spec.replicas", -1, "spec.replicas", "greater than or equal"),
+    ("spec.parallelism.tensor", 0, "spec.parallelism.tensor", "greater than or equal"),
+    ("spec.parallelism.data", 3, "spec.parallelism", "data=3 must divide tensor=4"),
+    ("spec.parallelism.expert", 3, "spec.parallelism", "expert=3 must divide tensor=4"),
+    ("spec.parallelism.dataParallelAttention", False, "spec.parallelism", "set dataParallelAttention"),
+    ("spec.parallelism.tensr", 2, "spec.parallelism.tensr", "Extra inputs"),
+    ("spec.communication", {"allReduceFusion": "always"}, "spec.communication.allReduceFusion", "auto"),
+    ("spec.communication", {"reduceScatter": "on"}, "spec.communication.reduceScatter", "auto"),
+    ("spec.speculative", {"method": "medusa", "draftModel": "d"}, "spec.speculative.method", "eagle3"),
+    ("spec.speculative", {"numSteps": 3}, "spec.speculative.draftModel", "required"),
+    ("spec.speculative", {"draftModel": "d", "numSteps": 4, "numDraftTokens": 3}, "spec.speculative",
+     "numDraftTokens=3 must be >= numSteps + 1"),
+    ("spec.serving.port", 80, "spec.serving.port", "greater than or equal to 1024"),
+    ("spec.serving.kvCacheFraction", 1.5, "spec.serving.kvCacheFraction", "less than or equal"),
+    ("spec.resources", {"gpusPerRank": 2}, "spec.resources.gpusPerRank", "less than or equal"),
+    ("metadata.name", "Bad_Name", "metadata.name", "pattern"),
+    ("kind", "Deployment", "kind", "InferenceDeployment"),
+    ("apiVersion", "fusedserve.io/v2", "apiVersion", "v1alpha1"),
+]
+
+
+@pytest.mark.parametrize(("path", "value", "field", "reason"), INVALID, ids=[f"{p}={v}" for p, v, *_ in INVALID])
+def test_invalid_manifest_names_the_field(path: str, value: Any, field: str, reason: str) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_manifest(_with(path, value))
+    message = str(info.value)
+    assert field in message and reason in message, message
+
+
+def test_not_a_mapping_and_files_with_no_or_two_deployments(tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match="must be a mapping"):
+        parse_manifest(["not", "a", "mapping"])  # type: ignore[arg-type]
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("kind: ConfigMap\n")
+    with pytest.raises(SpecError, match="expected exactly one InferenceDeployment, found 0"):
+        load_manifest(str(empty))
+    with pytest.raises(SpecError, match="missing.yaml"):
+        load_manifest(str(tmp_path / "missing.yaml"))
+
+
+def test_speculation_with_dp_attention_is_refused_by_the_runtime() -> None:
+    doc = _with("spec.speculative", {"draftModel": "d"})
+    with pytest.raises(SpecError, match="spec.speculative: EAGLE3 with parallelism.dataParallelAttention"):
+        RuntimeConfig.from_manifest(parse_manifest(doc))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_every_example_gives_a_runtime_config(path: Path) -> None:
+    rc = RuntimeConfig.from_manifest(load_manifest(str(path)))
+    assert rc.ranks >= 1 and rc.tensor % rc.data == 0 and (ROOT / rc.model_path).is_dir()
+    if rc.speculative is not None:
+        assert (ROOT / rc.speculative.draft_model).is_dir()
+
+
+def test_runtime_config_is_frozen_and_its_revision_ignores_replicas_and_ports() -> None:
+    rc = RuntimeConfig.from_manifest(parse_manifest(BASE))
+    assert (rc.name, rc.namespace, rc.model_name, rc.ranks, rc.attn_tp) == ("demo", "team-a", "demo", 4, 2)
+    with pytest.raises(AttributeError):
+        rc.replicas = 3  # type: ignore[misc]
+    same = RuntimeConfig.from_manifest(parse_manifest(_with("spec.replicas", 5)))
+    assert same.revision == rc.revision
+    assert RuntimeConfig.from_manifest(parse_manifest(_with("spec.serving", {"port": 9001}))).revision == rc.revision
+    other = RuntimeConfig.from_manifest(parse_manifest(_with("spec.serving", {"maxSequences": 8})))
+    assert other.revision != rc.revision
+
+
+def _fusion(mode: str, tensor: int = 2, dp: bool = False) -> RuntimeConfig:
+    par = {"tensor": tensor, "data": 2, "dataParallelAttention": True} if dp else {"tensor": tensor}
+    doc = _with("spec.parallelism", par)
+    doc["spec"]["communication"] = {"allReduceFusion": mode}
+    return RuntimeConfig.from_manifest(parse_manifest(doc))
+
+
+def test_fusion_kernel_is_decided_once_from_the_spec_and_the_hardware() -> None:
+    h200, a100 = (9, 0), (8, 0)
+    assert _fusion("off").fusion_kernel(h200, True) == "off"
+    assert _fusion("on").fusion_kernel(None, False) == "reference"  # CPU
+    assert _fusion("on").fusion_kernel(h200, True) == "flashinfer"
+    assert _fusion("on").fusion_kernel(h200, False) == "reference"  # no FlashInfer installed
+    assert _fusion("auto").fusion_kernel(h200, True) == "flashinfer"
+    assert _fusion("auto").fusion_kernel((10, 0), True) == "flashinfer"  # B200
+    assert _fusion("auto").fusion_kernel(a100, True) == "off"
+    assert _fusion("auto").fusion_kernel(None, False) == "off"
+    assert _fusion("on", tensor=1).fusion_kernel(h200, True) == "off"  # nothing to all-reduce
+    assert _fusion("on", tensor=4, dp=True).fusion_kernel(h200, True) == "off"  # gated off under DP attention
+
+
+def test_dtype_auto_is_bf16_on_gpus_and_fp32_on_cpu() -> None:
+    rc = RuntimeConfig.from_manifest(parse_manifest(_with("spec.model.dtype", "auto")))
+    assert rc.dtype_on(cuda=True) == "bfloat16" and rc.dtype_on(cuda=False) == "float32"
+
+
+def test_fusedserve_run_refuses_an_invalid_manifest_before_starting_anything(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((ROOT / "examples/01-tiny-code.yaml").read_text().replace("{tensor: 1}", "{tensor: 2, data: 3}"))
+    out = subprocess.run([sys.executable, "-m", "fusedserve.cli", "run", str(bad)], check=False, cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "invalid manifest: spec.parallelism: data=3 must divide tensor=2" in out.stderr
+    missing = tmp_path / "missing-model.yaml"
+    missing.write_text((ROOT / "examples/01-tiny-code.yaml").read_text().replace("checkpoints/tiny-code\n",
+                                                                                 "checkpoints/nowhere\n"))
+    from fusedserve.worker.launcher import load_runtime_config
+
+    with pytest.raises(SpecError, match="spec.model.path: 'examples/checkpoints/nowhere' exists neither"):
+        load_runtime_config(str(missing))
