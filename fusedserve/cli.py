@@ -29,7 +29,8 @@ def _run(args: argparse.Namespace) -> int:
     from fusedserve.worker.launcher import run
 
     try:
-        return run(args.manifest, smoke=args.smoke, port=args.port, ray_address=args.ray_address)
+        return run(args.manifest, smoke=args.smoke, port=args.port, ray_address=args.ray_address, host=args.host,
+                   watch=args.watch)
     except SpecError as e:
         print(f"fusedserve run: invalid manifest: {e}", file=sys.stderr)
         return 2
@@ -61,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--smoke", action="store_true",
                    help="send one completion and one chat request, print them and the metrics, then exit")
     r.add_argument("--ray-address", help="join this Ray cluster (default: $RAY_ADDRESS, else start an embedded one)")
+    r.add_argument("--host", default="127.0.0.1",
+                   help="listen address of the HTTP API (default 127.0.0.1; 0.0.0.0 in a pod)")
+    r.add_argument("--watch", action="store_true",
+                   help="re-read the manifest when the file changes (a mounted ConfigMap) and roll engine groups")
     r.set_defaults(func=_run)
     return parser
 

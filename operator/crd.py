@@ -14,8 +14,17 @@ import copy
 import sys
 from typing import Any
 
-from .api import CATEGORIES, GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION, InferenceDeploymentSpec, \
-    InferenceDeploymentStatus
+from .api import (
+    CATEGORIES,
+    GROUP,
+    KIND,
+    PLURAL,
+    SHORT_NAMES,
+    SINGULAR,
+    VERSION,
+    InferenceDeploymentSpec,
+    InferenceDeploymentStatus,
+)
 
 CRD_FILE = f"{GROUP}_{PLURAL}.yaml"
 

@@ -33,6 +33,7 @@ from pydantic.alias_generators import to_camel
 
 API_VERSION = "fusedserve.io/v1alpha1"
 KIND = "InferenceDeployment"
+RESTART_TOKEN_ANNOTATION = "fusedserve.io/restart-token"
 
 
 class SpecError(ValueError):
@@ -209,6 +210,7 @@ class RuntimeConfig:
     block_size: int
     max_model_len: int | None
     gpus_per_rank: int
+    restart_token: str | None = None  # metadata.annotations["fusedserve.io/restart-token"]: a new one rolls every group
 
     @classmethod
     def from_manifest(cls, manifest: Manifest) -> RuntimeConfig:
@@ -231,6 +233,7 @@ class RuntimeConfig:
             max_batch_tokens=spec.serving.max_batch_tokens, max_sequences=spec.serving.max_sequences,
             kv_cache_fraction=spec.serving.kv_cache_fraction, block_size=spec.serving.block_size,
             max_model_len=spec.serving.max_model_len, gpus_per_rank=spec.resources.gpus_per_rank,
+            restart_token=(getattr(manifest.metadata, "annotations", None) or {}).get(RESTART_TOKEN_ANNOTATION),
         )
 
     @property

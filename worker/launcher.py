@@ -17,6 +17,7 @@ key metrics, and exits 0 (what `make run` does).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import signal
@@ -32,6 +33,8 @@ from .placement import LOCAL_GPU_RESOURCE, ClusterShape
 log = logging.getLogger(__name__)
 
 SMOKE_PROMPT = "def fibonacci(n):"
+RAY_CONNECT_TIMEOUT_S = 300.0
+WATCH_INTERVAL_S = 2.0
 SMOKE_CHAT = "import os"
 
 
@@ -65,7 +68,16 @@ def connect_ray(rc: RuntimeConfig, address: str | None) -> ClusterShape:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if address:
-        ray.init(address=address, namespace=RAY_NAMESPACE, log_to_driver=False)
+        deadline = time.monotonic() + RAY_CONNECT_TIMEOUT_S
+        while True:  # in a pod, the head's `ray start` may still be coming up
+            try:
+                ray.init(address=address, namespace=RAY_NAMESPACE, log_to_driver=False)
+                break
+            except ConnectionError as e:
+                if time.monotonic() > deadline:
+                    raise ConnectionError(f"no Ray cluster at {address} after {RAY_CONNECT_TIMEOUT_S:.0f}s: {e}") from e
+                log.info("waiting for Ray at %s: %s", address, e)
+                time.sleep(2.0)
         return _shape_of(ray.nodes())
     import torch
 
@@ -88,7 +100,8 @@ def _shape_of(nodes: list[dict[str, Any]]) -> ClusterShape:
     return ClusterShape(LOCAL_GPU_RESOURCE, int(max((r.get(LOCAL_GPU_RESOURCE, 0.0) for r in alive), default=0.0)))
 
 
-def run(manifest_path: str, smoke: bool = False, port: int | None = None, ray_address: str | None = None) -> int:
+def run(manifest_path: str, smoke: bool = False, port: int | None = None, ray_address: str | None = None,
+        host: str = "127.0.0.1", watch: bool = False) -> int:
     rc = load_runtime_config(manifest_path)  # before the heavy imports: a bad manifest fails fast
     import ray
 
@@ -111,11 +124,11 @@ def run(manifest_path: str, smoke: bool = False, port: int | None = None, ray_ad
             return 1
         labels = {"deployment": rc.name, "namespace": rc.namespace}
         app = build_app(controller, MetricsRegistry(labels, model_name=rc.model_name))
-        server = HttpServer(app, host="127.0.0.1", port=port if port is not None else rc.port).start()
+        server = HttpServer(app, host=host, port=port if port is not None else rc.port).start()
         servers.append(server)
         url = metrics_url = server.url
         if rc.metrics_port is not None and rc.metrics_port != server.port:  # a separate scrape port
-            servers.append(HttpServer(app, host="127.0.0.1", port=rc.metrics_port).start())
+            servers.append(HttpServer(app, host=host, port=rc.metrics_port).start())
             metrics_url = servers[-1].url
         print(f"fusedserve: {rc.name} ready in {time.time() - t0:.1f}s: {rc.replicas} engine group(s) x "
               f"{rc.ranks} rank(s) (tp={rc.tensor} dp={rc.data} ep={rc.expert}) on "
@@ -124,7 +137,8 @@ def run(manifest_path: str, smoke: bool = False, port: int | None = None, ray_ad
         print(first_request(url, rc, smoke), flush=True)
         if smoke:
             return 0
-        wait_for_signals(lambda: controller.apply(load_runtime_config(manifest_path)))
+        wait_for_signals(lambda: controller.apply(load_runtime_config(manifest_path)),
+                         manifest_path if watch else None)
         print("fusedserve: shutting down", flush=True)
         return 0
     finally:
@@ -138,14 +152,29 @@ def _interrupt(*_: object) -> None:
     raise KeyboardInterrupt
 
 
-def wait_for_signals(reload: Any) -> None:
-    """Block until SIGINT/SIGTERM; SIGHUP calls ``reload`` (errors are printed, serving goes on)."""
+def _digest(path: str) -> str | None:
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def wait_for_signals(reload: Any, watched: str | None = None) -> None:
+    """Block until SIGINT/SIGTERM; SIGHUP, or a change of the ``watched`` file (a mounted ConfigMap,
+    checked every 2 s), calls ``reload`` (errors are printed, serving goes on)."""
     stop = threading.Event()
     hup = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     signal.signal(signal.SIGHUP, lambda *_: hup.set())
+    seen, checked = (_digest(watched) if watched else None), time.monotonic()
     while not stop.wait(0.2):
+        if watched and time.monotonic() - checked > WATCH_INTERVAL_S:
+            checked = time.monotonic()
+            now = _digest(watched)
+            if now is not None and now != seen:
+                seen = now
+                hup.set()
         if hup.is_set():
             hup.clear()
             try:
