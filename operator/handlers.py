@@ -37,6 +37,12 @@ STARTUP_CONFIG = OperatorConfig.from_env()  # the timer's interval is fixed when
 PREFIX = "fusedserve.io"
 
 
+@kopf.on.login()
+def login(**kwargs: Any) -> Any:
+    """The pod's service account in a cluster, else the kubeconfig named by $KUBECONFIG (read now)."""
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: Any, logger: Any, **_: Any) -> None:
     settings.persistence.finalizer = f"{PREFIX}/finalizer"
@@ -50,7 +56,7 @@ def configure(settings: kopf.OperatorSettings, memo: Any, logger: Any, **_: Any)
     memo.setdefault("conditions", {})  # uid -> {condition type: status}, for the deployments gauge
     memo.setdefault("ready_seen", set())  # uids whose first Ready was counted
     if memo.config.metrics_port is not None:
-        memo.metrics.serve(memo.config.metrics_port)
+        memo.metrics.serve(memo.config.metrics_port, memo.config.listen_address)
         logger.info("operator metrics on :%d/metrics", memo.config.metrics_port)
 
 

@@ -140,10 +140,13 @@ class KubeClient:
 
 
 def _login() -> Any:
+    import os
+
     from kubernetes import client, config
 
+    cfg = client.Configuration()
     try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
-    return client.ApiClient()
+        config.load_incluster_config(client_configuration=cfg)
+    except config.ConfigException:  # $KUBECONFIG read now (the library reads it once, when first imported)
+        config.load_kube_config(config_file=os.environ.get("KUBECONFIG"), client_configuration=cfg)
+    return client.ApiClient(configuration=cfg)

@@ -16,6 +16,7 @@ class OperatorConfig:
     status_interval_s: float = 10.0  # how often /status and the RayCluster are mirrored into the CR
     metrics_port: int | None = None  # Prometheus /metrics of the operator (None: not served)
     retry_delay_s: float = 10.0  # a temporary error (API conflict, KubeRay missing) retries after this
+    listen_address: str = "0.0.0.0"  # of the metrics endpoint
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> OperatorConfig:
@@ -27,6 +28,7 @@ class OperatorConfig:
             status_interval_s=float(e.get(ENV_PREFIX + "STATUS_INTERVAL", d.status_interval_s)),
             metrics_port=int(port) if port else None,
             retry_delay_s=float(e.get(ENV_PREFIX + "RETRY_DELAY", d.retry_delay_s)),
+            listen_address=e.get(ENV_PREFIX + "LISTEN_ADDRESS", d.listen_address),
         )
 
     def status_url(self, name: str, namespace: str, service: str, port: int) -> str:

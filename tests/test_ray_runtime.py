@@ -279,6 +279,12 @@ def test_tp2_executes_exactly_the_planned_collectives_on_every_rank(ray_address:
                 assert executed == per_forward * forwards, (rank, op, group, executed, per_forward, forwards)
         paths = {s.labels["path"] for s in samples if s.name == "fusedserve_collective_calls_total"}
         assert "reference_fused" in paths  # allReduceFusion: on -> the reference kernel on CPU
+        for rank in ("0", "1"):  # every gloo collective is timed; counts match the calls
+            timed = {(s.labels["op"], s.labels["path"]): s.value for s in samples
+                     if s.name == "fusedserve_collective_seconds_count" and s.labels.get("rank") == rank}
+            calls = {(s.labels["op"], s.labels["path"]): s.value for s in samples
+                     if s.name == "fusedserve_collective_calls_total" and s.labels.get("rank") == rank}
+            assert timed and timed == calls, (rank, timed, calls)
         [g] = server.status()["groups"]
         assert g["collectives_match_plan"] is True and [r["role"] for r in g["ranks"]] == ["leader", "follower"]
         # a follower dies mid-request: the leader's collectives fail, the request errors, the group comes back

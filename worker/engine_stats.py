@@ -63,3 +63,9 @@ def _counts(samples: Any) -> list[int]:
         size = max(samples, default=-1) + 1
         return [int(samples.get(k, 0)) for k in range(size)]
     return [int(n) for n in samples]
+
+
+def collective_seconds(ledger: Any) -> dict[tuple[str, str, str], HistogramData]:
+    """A rank's sampled collective times (``CollectiveLedger.time_snapshot``) as exporter histograms."""
+    return {key: HistogramData(bounds, counts, total)
+            for key, (bounds, counts, total) in ledger.time_snapshot().items()}

@@ -28,8 +28,8 @@ from typing import Any, Generic, TypeVar
 from typing_extensions import Self
 
 from .engine import Engine
-from .engine_client import SNAPSHOT_LABELS, EngineDead, MetricsSnapshot
-from .engine_stats import communicator_of, spec_snapshot
+from .engine_client import SNAPSHOT_LABELS, EngineDead, HistogramData, MetricsSnapshot
+from .engine_stats import collective_seconds, communicator_of, spec_snapshot
 from .request_output import RequestOutput
 from .sequence import FinishReason, InvalidRequest, SamplingParams
 from .tokenizer import TokenizerError
@@ -300,15 +300,18 @@ class LocalEngineClient:
         nbytes: dict[tuple[str, str, str], int] = {}
         planned: Counter[tuple[str, str]] = Counter()
         forwards = 0
+        seconds: dict[tuple[str, str, str], HistogramData] = {}
         comm = communicator_of(self.engine)
         if comm is not None:
             ledger = comm.ledger
             calls, nbytes, forwards = dict(ledger.calls), dict(ledger.bytes), ledger.forwards
+            seconds = collective_seconds(ledger)
             planned.update((op, group) for _site, op, group in comm.active.expected())
         return MetricsSnapshot(
             labels=dict(self.labels),
             collective_calls=calls,
             collective_bytes=nbytes,
+            collective_seconds=seconds,
             planned_per_forward=dict(planned),
             forwards=forwards,
             spec=spec_snapshot(self.engine),

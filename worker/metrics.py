@@ -15,7 +15,8 @@ Names (counters end in ``_total``; labels beyond the common ones in braces)::
     fusedserve_spec_decode_accepted_tokens_per_position_total{position},
     fusedserve_spec_decode_accepted_tokens_per_step (histogram)
     fusedserve_collective_calls_total{op,group,path}, fusedserve_collective_bytes_total{op,group,path},
-    fusedserve_collective_seconds{op,group,path} (histogram; only when ranks time collectives),
+    fusedserve_collective_seconds{op,group,path} (histogram, sampled: every gloo call; 1 in 64 NCCL/FlashInfer
+        calls per series, CUDA events, outside CUDA graphs),
     fusedserve_collective_planned_calls_per_forward{op,group}, fusedserve_forwards_total
     fusedserve_num_requests_running, fusedserve_num_requests_waiting, fusedserve_kv_cache_usage_ratio,
     fusedserve_num_preemptions_total, fusedserve_prompt_tokens_total, fusedserve_generation_tokens_total,

@@ -243,6 +243,8 @@ class RankActor:
         """A follower's collectives (its ledger is written by the follower thread: copy with retries)."""
         from collections import Counter
 
+        from .engine_stats import collective_seconds
+
         comm = getattr(self.runner.model, "comm", None)
         if comm is None:
             return MetricsSnapshot(labels=dict(self.labels))
@@ -251,7 +253,9 @@ class RankActor:
                 ledger = comm.ledger
                 planned = Counter((op, group) for _site, op, group in comm.active.expected())
                 return MetricsSnapshot(labels=dict(self.labels), collective_calls=dict(ledger.calls),
-                                       collective_bytes=dict(ledger.bytes), planned_per_forward=dict(planned),
+                                       collective_bytes=dict(ledger.bytes),
+                                       collective_seconds=collective_seconds(ledger),
+                                       planned_per_forward=dict(planned),
                                        forwards=ledger.forwards)
             except RuntimeError:  # changed during the copy
                 time.sleep(0.001)

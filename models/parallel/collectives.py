@@ -6,9 +6,12 @@ Every call names its ``site`` so the ledger can be compared with the communicati
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
+from .collective_clock import CollectiveClock, clock_for
 from .fused_allreduce_norm import FusedAllReduceNorm, ReferenceFusedAllReduceNorm
 from .groups import Group
 from .ledger import CollectiveLedger
@@ -24,24 +27,35 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class Collectives:
-    """The collectives one rank runs. ``device_path`` is "nccl" or "gloo"."""
+    """The collectives one rank runs. ``device_path`` is "nccl" or "gloo".
+
+    Every call is counted in the ledger; its time is sampled by ``clock`` (collective_clock.py).
+    """
 
     def __init__(
         self,
         device_path: str,
         ledger: CollectiveLedger | None = None,
         fused: FusedAllReduceNorm | None = None,
+        clock: CollectiveClock | None = None,
     ) -> None:
         self.device_path = device_path
         self.ledger = ledger if ledger is not None else CollectiveLedger()
         self.fused: FusedAllReduceNorm = fused if fused is not None else ReferenceFusedAllReduceNorm()
+        self.clock = clock if clock is not None else clock_for(device_path)
+
+    def _timed(self, key: tuple[str, str, str], run: Any) -> Any:
+        token = self.clock.start(key)
+        out = run()
+        self.clock.stop(key, token, self.ledger.observe_time)
+        return out
 
     def all_reduce(self, x: torch.Tensor, group: Group, site: str) -> torch.Tensor:
         """Sum over the group, in place on ``x`` (the caller owns it). x: [*]"""
         if group.is_trivial:
             return x
         self.ledger.record(site, "all_reduce", group.name, self.device_path, _nbytes(x))
-        dist.all_reduce(x, group=group.device_group)
+        self._timed(("all_reduce", group.name, self.device_path), lambda: dist.all_reduce(x, group=group.device_group))
         return x
 
     def all_gather(self, x: torch.Tensor, group: Group, site: str, dim: int = 0) -> torch.Tensor:
@@ -51,7 +65,8 @@ class Collectives:
         self.ledger.record(site, "all_gather", group.name, self.device_path, _nbytes(x) * group.size)
         x = x.contiguous()
         out = torch.empty((group.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-        _all_gather(out, x, group=group.device_group)
+        self._timed(("all_gather", group.name, self.device_path),
+                    lambda: _all_gather(out, x, group=group.device_group))
         if dim in (0, -x.dim()):
             return out
         return torch.cat(out.chunk(group.size, dim=0), dim=dim)
@@ -65,7 +80,8 @@ class Collectives:
         self.ledger.record(site, "reduce_scatter", group.name, self.device_path, _nbytes(x))
         x = x.contiguous()
         out = torch.empty((x.shape[0] // group.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-        _reduce_scatter(out, x, group=group.device_group)
+        self._timed(("reduce_scatter", group.name, self.device_path),
+                    lambda: _reduce_scatter(out, x, group=group.device_group))
         return out
 
     def all_to_all(
@@ -82,9 +98,9 @@ class Collectives:
         self.ledger.record(site, "all_to_all", group.name, self.device_path, _nbytes(x))
         rows = sum(output_splits) if output_splits is not None else x.shape[0]
         out = torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.all_to_all_single(
-            out, x.contiguous(), output_splits, input_splits, group=group.device_group
-        )
+        xc = x.contiguous()
+        self._timed(("all_to_all", group.name, self.device_path),
+                    lambda: dist.all_to_all_single(out, xc, output_splits, input_splits, group=group.device_group))
         return out
 
     def broadcast(self, x: torch.Tensor, group: Group, site: str, src_rank: int = 0) -> torch.Tensor:
@@ -92,7 +108,8 @@ class Collectives:
         if group.is_trivial:
             return x
         self.ledger.record(site, "broadcast", group.name, self.device_path, _nbytes(x))
-        dist.broadcast(x, src=group.ranks[src_rank], group=group.device_group)
+        self._timed(("broadcast", group.name, self.device_path),
+                    lambda: dist.broadcast(x, src=group.ranks[src_rank], group=group.device_group))
         return x
 
     def fused_allreduce_add_rmsnorm(
@@ -109,4 +126,6 @@ class Collectives:
         The returned residual is a fresh tensor on every path.
         """
         self.ledger.record(site, "fused_ar_add_rmsnorm", group.name, self.fused.path, _nbytes(x))
-        return self.fused(x, residual, weight, eps, group)
+        out: tuple[torch.Tensor, torch.Tensor] = self._timed(
+            ("fused_ar_add_rmsnorm", group.name, self.fused.path), lambda: self.fused(x, residual, weight, eps, group))
+        return out
