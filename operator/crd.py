@@ -92,6 +92,10 @@ def structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
             out[key] = {name: structural(sub, defs) for name, sub in value.items()}
         elif key == "items":
             out[key] = structural(value, defs)
+        elif key in ("exclusiveMinimum", "exclusiveMaximum") and not isinstance(value, bool):
+            # JSON Schema 2020 (pydantic) gives the bound; OpenAPI v3.0 (Kubernetes) a flag on minimum/maximum
+            out["minimum" if key == "exclusiveMinimum" else "maximum"] = value
+            out[key] = True
         else:
             out[key] = value
     if node.get("type") == "object" and isinstance(schema.get("additionalProperties"), dict):

@@ -14,7 +14,6 @@ Run as ``fusedserve-operator`` (main.py) or ``kopf run -m fusedserve.operator.ha
 
 from __future__ import annotations
 
-import logging
 import time
 from datetime import datetime, timezone
 from typing import Any
@@ -33,7 +32,7 @@ from .operator_config import OperatorConfig
 from .pod_monitor import CRD_NAME as POD_MONITOR_CRD
 from .status import Observation, RayClusterObservation, compute_status, condition_map
 
-STARTUP_CONFIG = OperatorConfig.from_env()  # the timer's interval is fixed when handlers are declared
+STARTUP_CONFIG = OperatorConfig.from_env()  # the timer's interval is fixed when the handlers are declared
 PREFIX = "fusedserve.io"
 
 
@@ -48,9 +47,8 @@ def configure(settings: kopf.OperatorSettings, memo: Any, logger: Any, **_: Any)
     settings.persistence.finalizer = f"{PREFIX}/finalizer"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=PREFIX)
-    settings.posting.level = logging.WARNING  # handler log lines are not Events; ours are posted explicitly
     settings.watching.server_timeout = 300
-    memo.setdefault("config", STARTUP_CONFIG)
+    memo.setdefault("config", OperatorConfig.from_env())
     memo.setdefault("metrics", OperatorMetrics())
     memo.setdefault("kube", KubeClient())
     memo.setdefault("conditions", {})  # uid -> {condition type: status}, for the deployments gauge

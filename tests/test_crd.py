@@ -1,7 +1,7 @@
 """The InferenceDeployment CRD: generated, not stale, and it accepts and rejects what it should.
 
 No API server here (TESTING.md), so the CRD's openAPIV3Schema is checked with `jsonschema`
-(after applying its defaults, as the API server does) and its x-kubernetes-validations rules
+(draft 4, whose boolean exclusiveMinimum is OpenAPI v3.0's) (after applying its defaults, as the API server does) and its x-kubernetes-validations rules
 with a CEL library (`common-expression-language`).
 """
 
@@ -60,7 +60,7 @@ def _rules(schema: dict[str, Any], value: Any, old: Any, path: str) -> list[str]
 def validate(doc: dict[str, Any], old: dict[str, Any] | None = None) -> list[str]:
     doc = _defaulted(SCHEMA, doc)
     old = _defaulted(SCHEMA, old) if old is not None else None
-    errors = [e.message for e in jsonschema.Draft7Validator(SCHEMA).iter_errors(doc)]
+    errors = [e.message for e in jsonschema.Draft4Validator(SCHEMA).iter_errors(doc)]
     if errors:
         return errors
     return _rules(SCHEMA["properties"]["spec"], doc["spec"], old["spec"] if old else None, "spec")

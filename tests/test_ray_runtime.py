@@ -8,120 +8,27 @@ prometheus-client's parser, and kill rank actors with ``ray.kill``.
 
 from __future__ import annotations
 
-import os
 import re
 import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
-from openai import APIError, OpenAI
-from prometheus_client.parser import text_string_to_metric_families
+from openai import APIError
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `tests.*` importable under a bare `pytest` too
+    sys.path.append(str(ROOT))
+
+from tests import serve_process
+from tests.serve_process import NAMESPACE, Server, live_groups
 
 pytestmark = pytest.mark.ray
-ROOT = Path(__file__).resolve().parents[1]
-FAKE_GPUS = 6
-NAMESPACE = "fusedserve"
-READY_MARK = "acceptance length:"
-
-
-@pytest.fixture(scope="module")
-def ray_address() -> Iterator[str]:
-    import ray
-
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(num_cpus=2, num_gpus=0, resources={"fake_gpu": FAKE_GPUS}, include_dashboard=False,
-             namespace=NAMESPACE, log_to_driver=False)
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _live_groups(deployment: str) -> list[str]:
-    from ray.util import placement_group_table
-
-    return sorted(e["name"] for e in placement_group_table().values()
-                  if e["name"].startswith(f"fusedserve/default/{deployment}/") and e["state"] != "REMOVED")
-
-
-class Server:
-    """`fusedserve run MANIFEST --ray-address ...`, ready once it printed its first acceptance figure."""
-
-    def __init__(self, manifest: str | Path, address: str, timeout: float = 120) -> None:
-        self.manifest, self.address = str(manifest), address
-        self.port = _port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.output: list[str] = []
-        self._ready = threading.Event()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fusedserve.cli", "run", self.manifest, "--port", str(self.port),
-             "--ray-address", address],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"})
-        threading.Thread(target=self._read, daemon=True).start()
-        if not self._ready.wait(timeout) or self.proc.poll() is not None:
-            self.stop()
-            raise RuntimeError("fusedserve run did not become ready:\n" + "".join(self.output[-40:]))
-        self.model = httpx.get(f"{self.url}/v1/models", timeout=30).json()["data"][0]["id"]
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.output.append(line)
-            if READY_MARK in line:
-                self._ready.set()
-        self._ready.set()  # exited
-
-    def client(self) -> OpenAI:
-        return OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=120)
-
-    def complete(self, prompt: str = "x = ", max_tokens: int = 4) -> str:
-        comp = self.client().completions.create(model=self.model, prompt=prompt, max_tokens=max_tokens,
-                                                temperature=0)
-        return comp.choices[0].text
-
-    def samples(self) -> list[Any]:
-        text = httpx.get(f"{self.url}/metrics", timeout=30).text
-        return [s for fam in text_string_to_metric_families(text) for s in fam.samples]
-
-    def total(self, name: str, **labels: str) -> float:
-        return sum(s.value for s in self.samples()
-                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
-
-    def status(self) -> dict[str, Any]:
-        return httpx.get(f"{self.url}/status", timeout=30).json()  # type: ignore[no-any-return]
-
-    def wait_status(self, ok: Any, timeout: float = 120) -> dict[str, Any]:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            s = self.status()
-            if ok(s):
-                return s
-            time.sleep(0.5)
-        pytest.fail(f"status never satisfied the condition: {self.status()}")
-
-    def stop(self, sig: int = signal.SIGINT) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+ray_address = pytest.fixture(scope="module")(serve_process.ray_address)
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +39,7 @@ def tiny_code(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
     server = Server(manifest, ray_address)
     yield server
     assert server.stop() == 0, "".join(server.output[-30:])
-    assert _live_groups("tiny-code") == []  # Ctrl-C removed the placement groups
+    assert live_groups("tiny-code") == []  # Ctrl-C removed the placement groups
 
 
 def test_completion_chat_and_stream_with_speculation(tiny_code: Server) -> None:
@@ -173,7 +80,7 @@ def test_status_shows_groups_ranks_placement_and_acceptance(tiny_code: Server) -
     assert g["acceptance_length"] is not None and g["acceptance_length"] >= 1.0
     [rank] = g["ranks"]
     assert rank["role"] == "leader" and rank["node"] == "127.0.0.1" and rank["pid"] > 0
-    assert _live_groups("tiny-code") == ["fusedserve/default/tiny-code/0"]
+    assert live_groups("tiny-code") == ["fusedserve/default/tiny-code/0"]
 
 
 def _kill_mid_stream(server: Server, actor_name: str) -> None:
@@ -230,14 +137,14 @@ def test_spec_change_rolls_the_group_while_requests_keep_succeeding(tiny_code: S
     [g] = s["groups"]
     assert not g["outdated"] and g["ranks"][0]["pid"] != old_pid
     assert g["placement_group"] == "fusedserve/default/tiny-code/1"  # the surge group took the next index
-    assert _live_groups("tiny-code") == ["fusedserve/default/tiny-code/1"]
+    assert live_groups("tiny-code") == ["fusedserve/default/tiny-code/1"]
 
 
 def test_a_restarted_controller_readopts_its_groups(tiny_code: Server, ray_address: str) -> None:
     s = tiny_code.status()
     pid = s["groups"][0]["ranks"][0]["pid"]
     tiny_code.stop(signal.SIGKILL)  # no cleanup: the detached placement group and actors stay
-    assert _live_groups("tiny-code") == [s["groups"][0]["placement_group"]]
+    assert live_groups("tiny-code") == [s["groups"][0]["placement_group"]]
     again = Server(tiny_code.manifest, ray_address)
     tiny_code.proc, tiny_code.url, tiny_code.output = again.proc, again.url, again.output  # the fixture stops it
     tiny_code.port = again.port
@@ -259,7 +166,7 @@ def test_a_group_larger_than_the_cluster_is_reported_with_the_reason(ray_address
     t0 = time.time()
     with pytest.raises(GroupUnschedulable, match="needs 8 fake_gpu, cluster has 6"):
         EngineGroup.create(rc, 0, ClusterShape("fake_gpu", 8))
-    assert time.time() - t0 < 10 and _live_groups("tiny-code-tp2") == []
+    assert time.time() - t0 < 10 and live_groups("tiny-code-tp2") == []
 
 
 def test_tp2_executes_exactly_the_planned_collectives_on_every_rank(ray_address: str) -> None:

@@ -1,0 +1,125 @@
+"""A `fusedserve run` process joined to a test Ray, as a user starts it (shared by the Ray-backed tests).
+
+One Ray per test module (``ray_address``), started inside the suite's private network namespace
+with ``fake_gpu`` standing in for GPUs; ``Server`` runs the real CLI in a subprocess.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parents[1]
+FAKE_GPUS = 6
+NAMESPACE = "fusedserve"
+READY_MARK = "acceptance length:"
+
+
+def ray_address() -> Iterator[str]:
+    """Made a module fixture in each test file: ``pytest.fixture(scope="module")(serve_process.ray_address)``."""
+    yield from _ray()
+
+
+def _ray() -> Iterator[str]:
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(num_cpus=2, num_gpus=0, resources={"fake_gpu": FAKE_GPUS}, include_dashboard=False,
+             namespace=NAMESPACE, log_to_driver=False)
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def live_groups(deployment: str) -> list[str]:
+    from ray.util import placement_group_table
+
+    return sorted(e["name"] for e in placement_group_table().values()
+                  if e["name"].startswith(f"fusedserve/default/{deployment}/") and e["state"] != "REMOVED")
+
+
+class Server:
+    """`fusedserve run MANIFEST --ray-address ...`, ready once it printed its first acceptance figure."""
+
+    def __init__(self, manifest: str | Path, address: str, timeout: float = 120, port: int | None = None,
+                 extra_args: tuple[str, ...] = ()) -> None:
+        self.manifest, self.address = str(manifest), address
+        self.port = port if port is not None else free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.output: list[str] = []
+        self._ready = threading.Event()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "fusedserve.cli", "run", self.manifest, "--port", str(self.port),
+             "--ray-address", address, *extra_args],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"})
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self._ready.wait(timeout) or self.proc.poll() is not None:
+            self.stop()
+            raise RuntimeError("fusedserve run did not become ready:\n" + "".join(self.output[-40:]))
+        self.model = httpx.get(f"{self.url}/v1/models", timeout=30).json()["data"][0]["id"]
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.output.append(line)
+            if READY_MARK in line:
+                self._ready.set()
+        self._ready.set()  # exited
+
+    def client(self) -> OpenAI:
+        return OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+    def complete(self, prompt: str = "x = ", max_tokens: int = 4) -> str:
+        comp = self.client().completions.create(model=self.model, prompt=prompt, max_tokens=max_tokens,
+                                                temperature=0)
+        return comp.choices[0].text
+
+    def samples(self) -> list[Any]:
+        text = httpx.get(f"{self.url}/metrics", timeout=30).text
+        return [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+
+    def total(self, name: str, **labels: str) -> float:
+        return sum(s.value for s in self.samples()
+                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    def status(self) -> dict[str, Any]:
+        return httpx.get(f"{self.url}/status", timeout=30).json()  # type: ignore[no-any-return]
+
+    def wait_status(self, ok: Any, timeout: float = 120) -> dict[str, Any]:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            s = self.status()
+            if ok(s):
+                return s
+            time.sleep(0.5)
+        pytest.fail(f"status never satisfied the condition: {self.status()}")
+
+    def stop(self, sig: int = signal.SIGINT) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
