@@ -20,6 +20,7 @@ from torch import nn
 
 from .forward_batch import ForwardBatch
 from .layers.experts import parse_expert_name
+from .layers.kernels import Kernels
 from .layers.mla import MLADims, MLAttention
 from .layers.mla_rotary import MLARotary, mla_softmax_scale
 from .layers.mlp import GatedMLP
@@ -44,20 +45,23 @@ def is_moe_layer(config: Any, layer_id: int) -> bool:
 
 class DeepseekV3DecoderLayer(nn.Module):
     def __init__(self, config: Any, layer_id: int, groups: ParallelGroups, rotary: MLARotary, scale: float,
-                 dtype: torch.dtype, device: torch.device | str | None) -> None:
+                 dtype: torch.dtype, device: torch.device | str | None, kernels: Kernels | None = None) -> None:
         super().__init__()
+        kernels = kernels or Kernels.reference()
         h, eps = config.hidden_size, config.rms_norm_eps
         self.layer_id = layer_id
         self.input_layernorm = RMSNorm(h, eps, dtype, device)
-        self.self_attn = MLAttention(layer_id, MLADims.from_hf(config), groups.attn_tp, rotary, scale, dtype, device)
+        self.self_attn = MLAttention(layer_id, MLADims.from_hf(config), groups.attn_tp, rotary, scale, dtype, device,
+                                     attention_backend=kernels.attention)
         self.post_attention_layernorm = RMSNorm(h, eps, dtype, device)
         self.mlp: MoE | GatedMLP
         if is_moe_layer(config, layer_id):
             self.mlp = MoE(h, config.moe_intermediate_size, RouterConfig.from_hf(config), groups,
                            shared_intermediate=config.moe_intermediate_size * (config.n_shared_experts or 0),
-                           dtype=dtype, device=device)
+                           dtype=dtype, device=device, fused_experts=kernels.fused_moe)
         else:
-            self.mlp = GatedMLP(h, config.intermediate_size, groups.tp, dtype=dtype, device=device)
+            self.mlp = GatedMLP(h, config.intermediate_size, groups.tp, dtype=dtype, device=device,
+                                act=kernels.silu_and_mul)
 
     def forward(self, incoming: Unreduced, residual: torch.Tensor | None, batch: ForwardBatch,
                 comm: Communicator) -> tuple[Unreduced, torch.Tensor]:
@@ -70,10 +74,16 @@ class DeepseekV3DecoderLayer(nn.Module):
 
 
 class DeepseekV3ForCausalLM(nn.Module):
+    """``kernels``: attention, norms, activation and routed-expert implementations (default: the
+    torch references and the per-expert loop); a ``graph_safe`` set (``Kernels.triton()`` on a
+    GPU) makes the decode forward capturable by ``worker/cuda_graph_runner.py``."""
+
     def __init__(self, config: Any, groups: ParallelGroups, collectives: Collectives, fusion: bool,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 kernels: Kernels | None = None) -> None:
         super().__init__()
         self.config = config
+        self.kernels = kernels or Kernels.reference()
         theta, rope = rope_parameters(config)
         qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
         rotary = MLARotary(config.qk_rope_head_dim, theta, rope, config.max_position_embeddings,
@@ -82,7 +92,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         vgroup = groups.by_name(vocab_group(groups.config))
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, vgroup, dtype, device)
         self.layers = nn.ModuleList(
-            DeepseekV3DecoderLayer(config, i, groups, rotary, scale, dtype, device)
+            DeepseekV3DecoderLayer(config, i, groups, rotary, scale, dtype, device, self.kernels)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
@@ -94,7 +104,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.stacked_params = self.dense_stacked_params + tuple(
             expert_stacked_params(moe.experts) if moe is not None else ())
         plan = plan_communication(groups.config, self.blocks(config), fusion)
-        self.comm = Communicator(plan, groups, collectives)
+        self.comm = Communicator(plan, groups, collectives, norms=self.kernels.norms)
 
     @staticmethod
     def blocks(config: Any) -> list[BlockSpec]:

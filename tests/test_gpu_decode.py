@@ -86,6 +86,54 @@ def test_triton_kernels_equal_references() -> None:
     assert torch.equal(kv.k[0], ref_kv.k[0]) and torch.equal(kv.v[0], ref_kv.v[0])
 
 
+@needs_gpu
+def test_mla_decode_attention_and_fused_experts_equal_references() -> None:
+    """DeepSeek-V3 shapes: decode attention over the expanded MLA cache (K 192 padded to 256, V 128,
+    one KV head per query head) and the routed experts' two block launches (7168 x 2048 experts)."""
+    from fusedserve.models.forward_batch import ForwardBatch, KVCache
+    from fusedserve.models.layers.decode_attention_triton import paged_decode_attention_triton
+    from fusedserve.models.layers.fused_moe import fused_experts_torch
+    from fusedserve.models.layers.fused_moe_triton import fused_experts_triton
+    from fusedserve.models.layers.paged_attention_torch import paged_attention_torch
+
+    dev, bf = "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    heads, ctx = 64, [1, 129, 300]
+    nb = sum(-(-c // BLOCK) for c in ctx) + 2
+    kv = KVCache.allocate({0: (heads, 192, 128)}, nb, BLOCK, bf, dev)
+    kv.k[0].normal_(generator=g)
+    kv.v[0].normal_(generator=g)
+    tables, start = [], 0
+    for c in ctx:
+        tables.append(list(range(start, start + -(-c // BLOCK))))
+        start += len(tables[-1])
+    slots = torch.tensor([t[(c - 1) // BLOCK] * BLOCK + (c - 1) % BLOCK for t, c in zip(tables, ctx)], device=dev)
+    b = len(ctx)
+    q, k = (torch.randn(b, heads, 192, device=dev, dtype=bf, generator=g) for _ in range(2))
+    v = torch.randn(b, heads, 128, device=dev, dtype=bf, generator=g)
+
+    def batch(cache: Any) -> ForwardBatch:
+        return ForwardBatch(torch.zeros(b, dtype=torch.long, device=dev), torch.tensor(ctx, device=dev) - 1,
+                            [1] * b, ctx, slots, tables, cache)
+
+    ref_kv = KVCache({0: kv.k[0].clone()}, {0: kv.v[0].clone()}, BLOCK, nb)
+    got = paged_decode_attention_triton(q, k, v, 0, batch(kv), 192**-0.5)
+    want = paged_attention_torch(q, k, v, 0, batch(ref_kv), 192**-0.5)
+    assert torch.isfinite(got).all() and _rel(got, want) < 1e-2
+    assert torch.equal(kv.k[0], ref_kv.k[0]) and torch.equal(kv.v[0], ref_kv.v[0])
+
+    experts, hidden, inter = 16, 7168, 2048
+    gate_up = torch.randn(experts, 2 * inter, hidden, device=dev, dtype=bf, generator=g) * 0.02
+    down = torch.randn(experts, hidden, inter, device=dev, dtype=bf, generator=g) * 0.02
+    for n in (1, 7, 64):
+        x = torch.randn(n, hidden, device=dev, dtype=bf, generator=g)
+        ids = torch.randint(-1, experts, (n, 8), device=dev, generator=g)
+        w = torch.rand(n, 8, device=dev, generator=g)
+        out = fused_experts_triton(x, ids, w, gate_up, down)
+        ref = fused_experts_torch(x.float(), ids, w, gate_up.float(), down.float())
+        assert torch.isfinite(out).all() and _rel(out, ref) < 1e-2, (n, _rel(out, ref))
+
+
 def _small_config() -> Any:
     from transformers import LlamaConfig
 

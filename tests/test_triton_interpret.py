@@ -88,6 +88,7 @@ def test_interp_silu_and_mul() -> None:
 @inner
 def test_interp_skinny_matmul_equals_f_linear() -> None:
     import torch.nn.functional as F
+
     from fusedserve.models.layers.linear_triton import linear_triton
 
     g = torch.Generator().manual_seed(4)
@@ -132,12 +133,13 @@ def test_interp_decode_attention_stores_kv_and_equals_torch(group: int) -> None:
 @inner
 def test_interp_llama_decode_with_triton_kernels_equals_reference() -> None:
     """A whole tiny Llama: prefill then a decode step, Triton kernel set vs the references (fp32)."""
+    from transformers import LlamaConfig
+
     from fusedserve.models.forward_batch import ForwardBatch, KVCache
     from fusedserve.models.layers.kernels import Kernels
     from fusedserve.models.parallel.collectives import Collectives
     from fusedserve.models.parallel.groups import ParallelGroups
     from fusedserve.models.random_init import random_model
-    from transformers import LlamaConfig
 
     config = LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, architectures=["LlamaForCausalLM"])
@@ -151,3 +153,73 @@ def test_interp_llama_decode_with_triton_kernels_equals_reference() -> None:
         step = ForwardBatch(torch.tensor([2]), torch.tensor([6]), [1], [7], torch.tensor([6]), [[0, 1]], kv)
         logits[name] = model(step)
     _close(logits["triton"], logits["reference"], 1e-4)
+
+
+@inner
+def test_interp_decode_attention_pads_mla_head_dims() -> None:
+    """MLA's expanded cache: one KV head per query head, K and V dims not powers of two (24 / 20)."""
+    from fusedserve.models.forward_batch import ForwardBatch, KVCache
+    from fusedserve.models.layers.decode_attention_triton import paged_decode_attention_triton
+    from fusedserve.models.layers.paged_attention_torch import paged_attention_torch
+
+    g = torch.Generator().manual_seed(7)
+    block, heads, kdim, vdim, ctx = 4, 3, 24, 20, [2, 9, 70]
+    kv = KVCache.allocate({0: (heads, kdim, vdim)}, 40, block, torch.bfloat16)
+    kv.k[0].copy_(torch.randn(kv.k[0].shape, generator=g))
+    kv.v[0].copy_(torch.randn(kv.v[0].shape, generator=g))
+    perm = torch.randperm(40, generator=g).tolist()
+    tables = [perm[:1], perm[1:4], perm[4:22]]
+    slots = [t[(c - 1) // block] * block + (c - 1) % block for t, c in zip(tables, ctx)]
+    q = torch.randn(3, heads, kdim, generator=g).to(torch.bfloat16)
+    k = torch.randn(3, heads, kdim, generator=g).to(torch.bfloat16)
+    v = torch.randn(3, heads, vdim, generator=g).to(torch.bfloat16)
+
+    def batch(cache: KVCache) -> ForwardBatch:
+        return ForwardBatch(torch.zeros(3, dtype=torch.long), torch.tensor(ctx) - 1, [1, 1, 1], ctx,
+                            torch.tensor(slots), tables, cache)
+
+    ref_kv = KVCache({0: kv.k[0].clone()}, {0: kv.v[0].clone()}, block, 40)
+    got = paged_decode_attention_triton(q, k, v, 0, batch(kv), kdim**-0.5)
+    want = paged_attention_torch(q, k, v, 0, batch(ref_kv), kdim**-0.5)
+    _close(got, want, 1e-2)
+    assert torch.equal(kv.k[0], ref_kv.k[0]) and torch.equal(kv.v[0], ref_kv.v[0])
+
+
+@inner
+@pytest.mark.parametrize("n,k,experts", [(1, 4, 6), (13, 3, 5), (40, 2, 3)])
+def test_interp_fused_experts_equal_the_torch_blocks(n: int, k: int, experts: int) -> None:
+    from fusedserve.models.layers.fused_moe import fused_experts_torch
+    from fusedserve.models.layers.fused_moe_triton import fused_experts_triton
+
+    g = torch.Generator().manual_seed(n)
+    hidden, inter = 64, 32
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.2).to(torch.bfloat16)
+    down = (torch.randn(experts, hidden, inter, generator=g) * 0.2).to(torch.bfloat16)
+    x = torch.randn(n, hidden, generator=g).to(torch.bfloat16)
+    ids = torch.randint(-1, experts, (n, k), generator=g)  # -1: another rank's expert
+    w = torch.rand(n, k, generator=g)
+    got = fused_experts_triton(x, ids, w, gate_up, down)
+    want = fused_experts_torch(x.float(), ids, w, gate_up.float(), down.float())
+    _close(got.float(), want, 2e-2)
+
+
+@inner
+def test_interp_decode_matmul_candidates_and_tuned_dispatch() -> None:
+    """Every kernel the decode-matmul tuner may pick equals F.linear; the tuned matmul takes the table's
+    kernel for its (out, in, rows) and F.linear (exactly) for anything else."""
+    import torch.nn.functional as F
+
+    from fusedserve.models.layers.linear_triton import TunedDecodeMatmul, decode_matmul_candidates
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(64, 1024, generator=g).to(torch.bfloat16)
+    for m in (1, 3, 16):
+        x = torch.randn(m, 1024, generator=g).to(torch.bfloat16)
+        for fn in decode_matmul_candidates().values():
+            _close(fn(x, w, None), F.linear(x, w), 1e-2)
+    tuned = TunedDecodeMatmul({(64, 1024, 2): "gemv_bn8_bk256", (64, 1024, 16): "splitk2_bn16_bk256"}, {}, 16)
+    for m in (2, 16):
+        x = torch.randn(m, 1024, generator=g).to(torch.bfloat16)
+        _close(tuned(x, w), F.linear(x, w), 1e-2)
+    x = torch.randn(5, 1024, generator=g).to(torch.bfloat16)
+    assert torch.equal(tuned(x, w), F.linear(x, w))

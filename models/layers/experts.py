@@ -6,6 +6,10 @@ on moe_ep rank ``e // (E / ep)``. Each expert's intermediate dimension is split 
 every token, the contribution of its experts' intermediate slice: a partial sum that the sum
 over all tp ranks (moe_ep x moe_tp = tp) completes. Nothing here communicates.
 
+Compute: a Python loop over the local experts (reads their row counts on the host), or, chosen
+at construction, ``fused``: the block computation of ``fused_moe.py`` (gated SiLU experts only;
+no host sync, so CUDA graphs can capture it).
+
 Two kinds of expert, chosen at construction:
 - gated (DeepSeek SwiGLU): ``down(act(gate(x)) * up(x))``; parameter ``gate_up_proj``
   [E_local, 2*I_local, in] (gate rows first) and ``down_proj`` [E_local, in, I_local];
@@ -31,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel.groups import Group
+from .fused_moe import FusedExpertsFn
 from .weight_source import WeightShapeError, WeightSource, copy_checked, expect_dim
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -73,7 +78,7 @@ def _split(total: int, parts: int, what: str) -> int:
 class RoutedExperts(nn.Module):
     def __init__(self, num_experts: int, in_dim: int, intermediate: int, ep: Group, moe_tp: Group,
                  gated: bool = True, activation: str = "silu", dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, fused: FusedExpertsFn | None = None) -> None:
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"expert activation must be one of {sorted(ACTIVATIONS)}, not {activation!r}")
@@ -95,6 +100,9 @@ class RoutedExperts(nn.Module):
             self.up_proj = up
         self.down_proj = nn.Parameter(
             torch.empty(self.num_local, in_dim, self.inter_local, dtype=dtype, device=device), requires_grad=False)
+        # The block computation (``fused_moe.py``: no host sync, CUDA-graph capturable) for gated
+        # SiLU experts, chosen at construction; None = the per-expert loop below.
+        self.fused = fused if (gated and activation == "silu") else None
 
     @property
     def up_name(self) -> str:
@@ -179,6 +187,9 @@ class RoutedExperts(nn.Module):
 
         x: [n, in]; ids: [n, k] global expert ids (-1 = none); weights: [n, k] -> partial [n, in]
         """
+        if self.fused is not None:
+            mine = (ids >= self.first) & (ids < self.first + self.num_local)
+            return self.fused(x, torch.where(mine, ids - self.first, -1), weights, self.gate_up_proj, self.down_proj)
         local = ids - self.first
         mine = (local >= 0) & (local < self.num_local)
         token, slot = mine.nonzero(as_tuple=True)

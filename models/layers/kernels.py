@@ -3,12 +3,13 @@
 Three sets, each op's fast version checked against its plain reference in tests:
 
 ==========  =====================================  ==========================================
-name        attention                              norms, RoPE, SiLU-and-mul
+name        attention                              norms, RoPE, SiLU-and-mul; routed experts
 ==========  =====================================  ==========================================
-reference   ``paged_attention_reference``          the torch references
-torch       ``paged_attention_torch`` (graphable)  the torch references
+reference   ``paged_attention_reference``          the torch references; per-expert loop
+torch       ``paged_attention_torch`` (graphable)  the torch references; ``fused_experts_torch``
 triton      ``paged_decode_attention_triton``      Triton kernels (``*_triton.py``; GPU only);
-                                                   matmuls stay cuBLAS unless ``skinny_matmul``
+                                                   matmuls stay cuBLAS unless ``skinny_matmul``;
+                                                   ``fused_experts_triton``
 ==========  =====================================  ==========================================
 
 ``graph_safe`` says whether a forward reads its layout from device tensors only, so that
@@ -24,6 +25,7 @@ import torch
 
 from ..parallel.fused_allreduce_norm import NormKernels
 from .attention import AttentionBackend, paged_attention_reference
+from .fused_moe import FusedExpertsFn, fused_experts_torch
 from .linear import MatmulFn
 from .mlp import silu_and_mul
 from .paged_attention_torch import paged_attention_torch
@@ -40,6 +42,8 @@ class Kernels:
     rope: RopeKernel | None = None  # None = RotaryEmbedding's torch ops
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul
     matmul: MatmulFn | None = None  # None = F.linear (cuBLAS)
+    # Routed MoE experts (``fused_moe.py``); None = RoutedExperts' per-expert loop (host sync).
+    fused_moe: FusedExpertsFn | None = None
     graph_safe: bool = False
 
     @staticmethod
@@ -48,7 +52,7 @@ class Kernels:
 
     @staticmethod
     def torch_native() -> Kernels:
-        return Kernels(name="torch", attention=paged_attention_torch, graph_safe=True)
+        return Kernels(name="torch", attention=paged_attention_torch, fused_moe=fused_experts_torch, graph_safe=True)
 
     @staticmethod
     def triton(skinny_matmul: bool = False) -> Kernels:
@@ -56,6 +60,7 @@ class Kernels:
         (<= 16 rows) through ``linear_triton`` instead of cuBLAS (off: on an H200 it was 0.7 ms per
         Llama-3-8B token slower, bench/results/2026-11-30-decode-roofline-h200.json)."""
         from .decode_attention_triton import paged_decode_attention_triton
+        from .fused_moe_triton import fused_experts_triton
         from .linear_triton import linear_triton
         from .rms_norm_triton import add_rms_norm_triton, rms_norm_triton
         from .rope_triton import rope_triton
@@ -64,7 +69,8 @@ class Kernels:
         return Kernels(name="triton", attention=paged_decode_attention_triton,
                        norms=NormKernels(rms_norm=rms_norm_triton, add_rms_norm=add_rms_norm_triton),
                        rope=rope_triton, silu_and_mul=silu_and_mul_triton,
-                       matmul=linear_triton if skinny_matmul else None, graph_safe=True)
+                       matmul=linear_triton if skinny_matmul else None, fused_moe=fused_experts_triton,
+                       graph_safe=True)
 
     @staticmethod
     def named(name: str) -> Kernels:

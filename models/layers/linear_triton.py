@@ -6,17 +6,29 @@ more than 16 rows (prefill), a bias, or shapes the kernel's tiles do not divide.
 padded to 16 rows for ``tl.dot``. Opt-in (``Kernels.triton(skinny_matmul=True)``): measured on
 an H200 under CUDA graphs it streams the Llama-3-8B weights at ~3.1 TB/s against cuBLAS's ~3.7
 (~4.8 vs 4.1 ms of matmul per batch-1 token; bench/results/2026-11-30-decode-roofline-h200.json);
-its loads are probably not software-pipelined (not checked on the device), the next thing to look at.
+its loads are software-pipelined (cp.async, 4 stages, in the PTX Triton emits for sm_90).
+
+Variants (the same reference): ``linear_triton_config`` (other tiles), ``splitk_triton`` (K split
+over 2-4 programs per output tile, fp32 partials, a reduce launch), ``gemv_triton`` (<= 4 rows,
+no tensor cores, thinner programs). ``TunedDecodeMatmul.tune`` times all of them and cuBLAS per
+(weight shape, rows) on the GPU, under CUDA graphs with the weights rotated past the L2, and
+dispatches each call to the fastest (decided once, before capture). On an H200 for Llama-3-8B
+shapes it found at most 2-4% over cuBLAS (the LM head) and cuBLAS best elsewhere
+(bench/results/2026-11-30-decode-tp2-h200x2.json: 4.66 -> 4.63 ms per batch-1 token).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from .linear import MatmulFn
 
 MAX_ROWS = 16
 BLOCK_N = 16
@@ -59,3 +71,204 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                                            BLOCK_M=MAX_ROWS, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_FP32=_DOT_FP32,
                                            num_warps=4, num_stages=STAGES)
     return y
+
+
+# --- variants for the decode matmuls that cuBLAS serves poorly (few output tiles, e.g. o_proj) ---------
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, K, stride_xm, stride_wn, stride_ym, M_PAD: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """No tensor cores: a program per BLOCK_N outputs multiplies its [BLOCK_N, BLOCK_K] tiles of W with
+    every row of x (M <= M_PAD <= 4) in registers and reduces over K; more, thinner programs than a dot."""
+    rm = tl.arange(0, M_PAD)
+    rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    rows = rm < M
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
+    w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
+    acc = tl.zeros((M_PAD, BLOCK_N), tl.float32)
+    for _ in range(K // BLOCK_K):
+        x = tl.load(x_ptrs, mask=rows[:, None], other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs).to(tl.float32)
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=rows[:, None])
+
+
+@triton.jit
+def _splitk_kernel(x_ptr, w_ptr, part_ptr, M, K_SPLIT, stride_xm, stride_wn, N, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
+    """The skinny kernel over one of SPLIT_K slices of K (program_id 1): fp32 partials [SPLIT_K, M, N]."""
+    rm = tl.arange(0, BLOCK_M)
+    rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(1)
+    rk = split.to(tl.int64) * K_SPLIT + tl.arange(0, BLOCK_K)
+    rows = rm[:, None] < M
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
+    w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for _ in range(K_SPLIT // BLOCK_K):
+        x = tl.load(x_ptrs, mask=rows, other=0.0)
+        w = tl.load(w_ptrs)
+        if DOT_FP32:
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
+        else:
+            acc += tl.dot(x, tl.trans(w))
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    tl.store(part_ptr + (split * M + rm[:, None]) * N + rn[None, :], acc, mask=rows)
+
+
+@triton.jit
+def _splitk_reduce_kernel(part_ptr, y_ptr, M, N, stride_ym, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    m = tl.program_id(1)
+    rn = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + (s * M + m) * N + rn)
+    tl.store(y_ptr + m * stride_ym + rn, acc.to(y_ptr.dtype.element_ty))
+
+
+def _fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int, block_n: int,
+          k_multiple: int) -> bool:
+    m, k = x.shape
+    return not (bias is not None or m > max_rows or m == 0 or k % k_multiple or weight.shape[0] % block_n
+                or x.stride(-1) != 1 or weight.stride(-1) != 1 or x.dtype != weight.dtype)
+
+
+def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int = 8,
+                block_k: int = 256, num_warps: int = 4) -> torch.Tensor:
+    """x: [m, K] (m <= 4); weight: [N, K] -> [m, N] with ``_gemv_kernel``; F.linear otherwise."""
+    if not _fits(x, weight, bias, 4, block_n, block_k):
+        return F.linear(x, weight, bias)
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    _gemv_kernel[(n // block_n,)](x, weight, y, m, k, x.stride(0), weight.stride(0), y.stride(0),
+                                  M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
+                                  num_warps=num_warps, num_stages=STAGES)
+    return y
+
+
+def splitk_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, split_k: int = 2,
+                  block_n: int = BLOCK_N, block_k: int = BLOCK_K) -> torch.Tensor:
+    """x: [m, K] (m <= 16); weight: [N, K] -> [m, N]: ``split_k`` programs per output tile, then a reduce."""
+    if not _fits(x, weight, bias, MAX_ROWS, block_n, split_k * block_k):
+        return F.linear(x, weight, bias)
+    m, k = x.shape
+    n = weight.shape[0]
+    part = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    _splitk_kernel[(n // block_n, split_k)](x, weight, part, m, k // split_k, x.stride(0), weight.stride(0), n,
+                                            BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, DOT_FP32=_DOT_FP32,
+                                            num_warps=4, num_stages=STAGES)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    block = 256 if n % 256 == 0 else block_n
+    _splitk_reduce_kernel[(n // block, m)](part, y, m, n, y.stride(0), SPLIT_K=split_k, BLOCK=block, num_warps=4)
+    return y
+
+
+def linear_triton_config(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                         block_n: int = BLOCK_N, block_k: int = BLOCK_K, stages: int = STAGES,
+                         num_warps: int = 4) -> torch.Tensor:
+    """``linear_triton`` with other tile sizes (benchmarks)."""
+    if not _fits(x, weight, bias, MAX_ROWS, block_n, block_k):
+        return F.linear(x, weight, bias)
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    _skinny_matmul_kernel[(n // block_n,)](x, weight, y, m, k, x.stride(0), weight.stride(0), y.stride(0),
+                                           BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, DOT_FP32=_DOT_FP32,
+                                           num_warps=num_warps, num_stages=stages)
+    return y
+
+
+# --- a decode matmul chosen per weight shape and row count, by timing, once at construction ------------
+
+def decode_matmul_candidates() -> dict[str, MatmulFn]:
+    """Name -> matmul of every kernel the tuner tries (F.linear, cuBLAS, among them)."""
+    c: dict[str, MatmulFn] = {"cublas": F.linear, "skinny_bn16_bk256": linear_triton}
+    c["skinny_bn16_bk128_s6"] = partial(linear_triton_config, block_n=16, block_k=128, stages=6)
+    c["skinny_bn32_bk128"] = partial(linear_triton_config, block_n=32, block_k=128, stages=4)
+    for s in (2, 4):
+        c[f"splitk{s}_bn16_bk256"] = partial(splitk_triton, split_k=s, block_n=16, block_k=256)
+    for bn, bk in ((8, 256), (4, 512), (8, 512), (16, 512)):
+        c[f"gemv_bn{bn}_bk{bk}"] = partial(gemv_triton, block_n=bn, block_k=bk)
+    return c
+
+
+def time_matmul(fn: MatmulFn, x: torch.Tensor, weights: list[torch.Tensor], calls: int = 16,
+                reps: int = 10) -> float:
+    """Median µs per call of ``fn`` cycling over ``weights`` (copies: more bytes than the L2 holds),
+    ``calls`` calls captured in one CUDA graph, replayed ``reps`` times."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for w in weights[:2]:
+            fn(x, w, None)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(x, weights[i % len(weights)], None)
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / calls)
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+class TunedDecodeMatmul:
+    """``y = x W^T`` through the kernel measured fastest for (W's shape, rows of x), for at most
+    ``max_rows`` rows; F.linear (cuBLAS) for every other case. Built once (``tune``) before CUDA-graph
+    capture; ``table`` maps (out, in, rows) -> candidate name, ``timings`` keeps what was measured."""
+
+    def __init__(self, table: dict[tuple[int, int, int], str], timings: dict[str, dict[str, float]],
+                 max_rows: int) -> None:
+        self.table = table
+        self.timings = timings
+        self.max_rows = max_rows
+        self._fns = decode_matmul_candidates()
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        name = self.table.get((weight.shape[0], weight.shape[1], x.shape[0])) if x.dim() == 2 else None
+        if name is None or bias is not None:
+            return F.linear(x, weight, bias)
+        return self._fns[name](x, weight, None)
+
+    @staticmethod
+    def tune(shapes: list[tuple[int, int]], rows: list[int], dtype: torch.dtype, device: torch.device,
+             l2_bytes: int = 256 << 20, log: Callable[[str], None] | None = None) -> TunedDecodeMatmul:
+        """Time every candidate for every (out, in) weight shape and row count (<= 16) on this GPU."""
+        cands = decode_matmul_candidates()
+        table: dict[tuple[int, int, int], str] = {}
+        timings: dict[str, dict[str, float]] = {}
+        gen = torch.Generator(device=device).manual_seed(0)
+        for n, k in sorted(set(shapes)):
+            copies = max(2, -(-l2_bytes // (n * k * torch.empty((), dtype=dtype).element_size())))
+            weights = [torch.randn(n, k, device=device, dtype=dtype, generator=gen) * 0.02 for _ in range(copies)]
+            for m in sorted({r for r in rows if r <= MAX_ROWS}):
+                x = torch.randn(m, k, device=device, dtype=dtype, generator=gen)
+                want = F.linear(x.float(), weights[0].float())
+                res: dict[str, float] = {}
+                for name, fn in cands.items():
+                    got = fn(x, weights[0], None).float()
+                    if not float((got - want).norm() / want.norm()) < 1e-2:  # never chosen (and said so)
+                        if log is not None:
+                            log(f"matmul candidate {name} is wrong at {(n, k, m)}: skipped")
+                        continue
+                    res[name] = time_matmul(fn, x, weights)
+                best = min(res, key=lambda c: res[c])
+                table[(n, k, m)] = best
+                timings[f"{n}x{k} rows {m}"] = {c: round(t, 2) for c, t in res.items()}
+                if log is not None:
+                    log(f"matmul {n}x{k} rows {m}: best {best} {res[best]:.2f} us (cublas {res['cublas']:.2f} us, "
+                        f"{n * k * 2 / res[best] / 1e6:.2f} TB/s)")
+            del weights
+        return TunedDecodeMatmul(table, timings, MAX_ROWS)

@@ -11,7 +11,8 @@ The latent projections (q_a, kv_a and their norms) are replicated; q_b / q_proj 
 column-parallel over heads, o_proj is row-parallel and leaves a sum owed to the attention-TP
 group. The cache holds the expanded per-head K ([heads, nope+rope]) and V ([heads, v]) in the
 paged ``KVCache`` (simplest correct choice; a latent cache of kv_lora_rank+rope per token with
-absorbed kv_b is the memory-saving variant for later).
+absorbed kv_b is the memory-saving variant for later). ``attention_backend`` (chosen at
+construction, see ``kernels.py``) attends over that cache; K and V have different head dims.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from torch import nn
 from ..forward_batch import ForwardBatch
 from ..parallel.groups import Group
 from ..parallel.layouts import Unreduced
-from .attention import paged_attention_reference
+from .attention import AttentionBackend, paged_attention_reference
 from .linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from .mla_rotary import MLARotary
 from .norm import RMSNorm
@@ -66,8 +67,10 @@ class MLADims:
 
 class MLAttention(nn.Module):
     def __init__(self, layer_id: int, dims: MLADims, group: Group, rotary: MLARotary, scale: float,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 attention_backend: AttentionBackend = paged_attention_reference) -> None:
         super().__init__()
+        self.attention = attention_backend
         if dims.num_heads % group.size:
             raise WeightShapeError(f"num_attention_heads={dims.num_heads} does not split over {group.size} ranks")
         self.layer_id = layer_id
@@ -117,5 +120,5 @@ class MLAttention(nn.Module):
         k_nope, v = kv.split([d.qk_nope_head_dim, d.v_head_dim], dim=-1)
         q = torch.cat((q_nope, q_rope), dim=-1)
         k = torch.cat((k_nope, k_rope.expand(n, self.heads, d.qk_rope_head_dim)), dim=-1)
-        o = paged_attention_reference(q, k, v.contiguous(), self.layer_id, batch, self.scale)  # [n, heads, v]
+        o = self.attention(q, k, v.contiguous(), self.layer_id, batch, self.scale)  # [n, heads, v]
         return Unreduced(self.o_proj(o.reshape(n, self.heads * d.v_head_dim)), self.group.name)

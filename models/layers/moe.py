@@ -19,6 +19,8 @@ Constructor choices (one class for DeepSeek-V2/V3, Kimi-K2 and Nemotron-H):
 - ``shared_intermediate``: total intermediate size of the shared experts (DeepSeek:
   ``moe_intermediate_size * n_shared_experts``; Nemotron-H: ``moe_shared_expert_intermediate_size``);
   0 = none.
+- ``fused_experts``: the routed experts' block computation (``fused_moe.py``, CUDA-graph
+  capturable; gated SiLU experts only); None = their per-expert loop.
 - ``latent_size``: Nemotron-H latent MoE (``moe_latent_size``): routed experts work in L dims
   between ``fc1_latent_proj`` (H→L) and ``fc2_latent_proj`` (L→H); shared experts see full H.
   ``latent_bias`` and ``shared_bias`` are Nemotron-H's ``mlp_bias`` (routed experts have no
@@ -40,6 +42,7 @@ from torch import nn
 from ..parallel.groups import ParallelGroups
 from ..parallel.layouts import Unreduced
 from .experts import RoutedExperts
+from .fused_moe import FusedExpertsFn
 from .linear import ReplicatedLinear
 from .mlp import GatedMLP, Relu2MLP
 from .router import RouterConfig, TopKRouter
@@ -49,7 +52,8 @@ class MoE(nn.Module):
     def __init__(self, hidden: int, expert_intermediate: int, router: RouterConfig, groups: ParallelGroups,
                  gated: bool = True, activation: str = "silu", shared_intermediate: int = 0,
                  latent_size: int | None = None, latent_bias: bool = False, shared_bias: bool = False,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 fused_experts: FusedExpertsFn | None = None) -> None:
         super().__init__()
         self.tp = groups.tp
         self.gate = TopKRouter(hidden, router, device)
@@ -60,7 +64,7 @@ class MoE(nn.Module):
             self.fc1_latent_proj = ReplicatedLinear(hidden, latent_size, latent_bias, dtype, device)
             self.fc2_latent_proj = ReplicatedLinear(latent_size, hidden, latent_bias, dtype, device)
         self.experts = RoutedExperts(router.num_experts, expert_dim, expert_intermediate, groups.moe_ep,
-                                     groups.moe_tp, gated, activation, dtype, device)
+                                     groups.moe_tp, gated, activation, dtype, device, fused=fused_experts)
         self.shared_experts: GatedMLP | Relu2MLP | None = None
         if shared_intermediate:
             if (gated, activation) == (True, "silu"):
