@@ -154,7 +154,7 @@ def eager_step(model: Any, kv: Any, state: DecodeState) -> torch.Tensor:
     return logits
 
 
-def profile_step(fn: Callable[[], Any], device: torch.device, reps: int = 3) -> dict[str, Any]:
+def profile_step(fn: Callable[[], Any], device: torch.device, reps: int = 3, top: int = 20) -> dict[str, Any]:
     """Kernels of ``reps`` calls (per call): the top kernels and the time per kind of kernel."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -174,13 +174,14 @@ def profile_step(fn: Callable[[], Any], device: torch.device, reps: int = 3) -> 
         kinds[_kind(r["name"])] = kinds.get(_kind(r["name"]), 0.0) + r["us_per_step"]
     total = sum(r["us_per_step"] for r in rows)
     return {"kernel_us_per_step": total, "kernels_per_step": sum(r["calls_per_step"] for r in rows),
-            "by_kind_us": dict(sorted(kinds.items(), key=lambda kv: -kv[1])), "top": rows[:20]}
+            "by_kind_us": dict(sorted(kinds.items(), key=lambda kv: -kv[1])), "top": rows[:top]}
 
 
 def _kind(name: str) -> str:
     n = name.lower()
-    for kind, marks in (("attention", ("_decode_kernel",)), ("rms_norm", ("rms_norm",)), ("rope", ("rope",)),
-                        ("silu_mul", ("silu_mul",)),
+    for kind, marks in (("comm", ("allreduce", "all_reduce", "nccl", "fusion", "lamport", "oneshot", "twoshot")),
+                        ("attention", ("_decode_kernel", "_combine_kernel")), ("rms_norm", ("rms_norm",)),
+                        ("rope", ("rope",)), ("silu_mul", ("silu_mul",)),
                         ("matmul", ("gemv", "gemm", "cutlass", "xmma", "nvjet", "sm90", "splitk", "cublas")),
                         ("embedding", ("embedding", "index")), ("argmax", ("argmax", "reduce"))):
         if any(m in n for m in marks):

@@ -43,6 +43,7 @@ from bench.decode_roofline import (
     DecodeState,
     copy_bandwidth,
     eager_step,
+    profile_step,
     sync,
     timed,
 )
@@ -86,41 +87,6 @@ def hf_random_tensors(shape: dict[str, Any], device: torch.device, seed: int = 0
         else:
             t.uniform_(0.8, 1.2, generator=gen)
         yield TensorSource(name, t)
-
-
-def _kind(name: str) -> str:
-    n = name.lower()
-    for kind, marks in (("comm", ("allreduce", "all_reduce", "nccl", "fusion", "lamport", "oneshot", "twoshot")),
-                        ("attention", ("_decode_kernel", "_combine_kernel")), ("rms_norm", ("rms_norm",)),
-                        ("rope", ("rope",)), ("silu_mul", ("silu_mul",)),
-                        ("matmul", ("gemv", "gemm", "cutlass", "xmma", "nvjet", "sm90", "splitk", "cublas")),
-                        ("embedding", ("embedding", "index")), ("argmax", ("argmax", "reduce"))):
-        if any(m in n for m in marks):
-            return kind
-    return "other"
-
-
-def profile_step(fn: Any, device: torch.device, reps: int = 3) -> dict[str, Any]:
-    """Kernels of ``reps`` calls (per call): the top kernels and the time per kind of kernel."""
-    from torch.profiler import ProfilerActivity, profile
-
-    sync(device)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        sync(device)
-    rows = []
-    for evt in prof.key_averages():
-        us = float(getattr(evt, "self_device_time_total", 0.0) or getattr(evt, "self_cuda_time_total", 0.0))
-        if us > 0 and getattr(evt, "device_type", None) is not None and "CUDA" in str(evt.device_type):
-            rows.append({"name": evt.key[:120], "calls_per_step": evt.count / reps, "us_per_step": us / reps})
-    rows.sort(key=lambda r: -r["us_per_step"])
-    kinds: dict[str, float] = {}
-    for r in rows:
-        kinds[_kind(r["name"])] = kinds.get(_kind(r["name"]), 0.0) + r["us_per_step"]
-    return {"kernel_us_per_step": sum(r["us_per_step"] for r in rows),
-            "kernels_per_step": sum(r["calls_per_step"] for r in rows),
-            "by_kind_us": dict(sorted(kinds.items(), key=lambda kv: -kv[1])), "top": rows[:24]}
 
 
 def _rank(rank: int, world: int, backend: str, opts: dict[str, Any]) -> dict[str, Any]:
@@ -235,7 +201,7 @@ def _rank(rank: int, world: int, backend: str, opts: dict[str, Any]) -> dict[str
         res["throughput"] = rows
 
         if runner.use_graphs and entry.graph is not None:  # every rank replays: the graph holds collectives
-            prof = profile_step(entry.graph.replay, device)
+            prof = profile_step(entry.graph.replay, device, top=24)
             if rank == 0:
                 res["profile_batch1_replay"] = prof
         if rank == 0 and "profile_batch1_replay" in out:
