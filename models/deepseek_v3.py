@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .decoder_stack import decoder_logits, stacked_name
 from .forward_batch import ForwardBatch
 from .layers.experts import parse_expert_name
 from .layers.kernels import Kernels
@@ -145,22 +146,10 @@ class DeepseekV3ForCausalLM(nn.Module):
                                        f"{self.config.first_k_dense_replace} in config.json)")
             target = moe.experts.checkpoint_target(expert)
             return None if target is None else (f"{expert.module}.{target[0]}", target[1])
-        for ours, theirs, shard in self.dense_stacked_params:
-            if theirs in name:
-                return name.replace(theirs, ours), shard
-        return name, None
+        return stacked_name(name, self.dense_stacked_params)
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits for ``batch.logits_indices`` rows (all rows if None): [n, vocab_size]."""
-        comm = self.comm
-        comm.begin_forward(batch.num_tokens, batch.dp_num_tokens)
-        x: Unreduced = self.embed_tokens(batch.input_ids)
-        residual: torch.Tensor | None = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, batch, comm)
-        h, _ = comm.boundary(len(self.layers) * 2, x, residual, self.norm)
-        if batch.logits_indices is not None:
-            h = h[batch.logits_indices]
-        logits = comm.gather_vocab(self.lm_head.logits_shard(h))
-        return logits[:, : self.config.vocab_size]
+        return decoder_logits(batch, self.comm, self.embed_tokens, self.layers, len(self.layers) * 2, self.norm,
+                              self.lm_head, self.config.vocab_size)

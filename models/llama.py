@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .decoder_stack import decoder_logits, stacked_name
 from .forward_batch import ForwardBatch
 from .layers.kernels import Kernels
 from .layers.linear import use_matmul
@@ -106,28 +107,15 @@ class LlamaForCausalLM(nn.Module):
 
     def checkpoint_name_to_param(self, name: str) -> tuple[str, object] | None:
         """Our parameter name and shard id for an HF tensor name; None = not ours to load."""
-        if name.startswith("model."):
-            name = name[len("model."):]
+        name = name.removeprefix("model.")
         if "rotary_emb.inv_freq" in name:
             return None
         if name == "lm_head.weight" and getattr(self.config, "tie_word_embeddings", False):
             return None
-        for ours, theirs, shard in self.stacked_params:
-            if theirs in name:
-                return name.replace(theirs, ours), shard
-        return name, None
+        return stacked_name(name, self.stacked_params)
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits for ``batch.logits_indices`` rows (all rows if None): [n, vocab_size]."""
-        comm = self.comm
-        comm.begin_forward(batch.num_tokens, batch.dp_num_tokens)
-        x: Unreduced = self.embed_tokens(batch.input_ids)
-        residual: torch.Tensor | None = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, batch, comm)
-        h, _ = comm.boundary(len(self.layers) * 2, x, residual, self.norm)
-        if batch.logits_indices is not None:
-            h = h[batch.logits_indices]
-        logits = comm.gather_vocab(self.lm_head.logits_shard(h))
-        return logits[:, : self.config.vocab_size]
+        return decoder_logits(batch, self.comm, self.embed_tokens, self.layers, len(self.layers) * 2, self.norm,
+                              self.lm_head, self.config.vocab_size)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .decoder_stack import decoder_logits, stacked_name
 from .forward_batch import ForwardBatch
 from .layers.experts import parse_expert_name
 from .layers.mamba2 import Mamba2Config, Mamba2Mixer
@@ -192,22 +193,10 @@ class NemotronHForCausalLM(nn.Module):
                 raise WeightShapeError(f"{name}: routed-expert tensor in a layer that is not MoE")
             target = moe.experts.checkpoint_target(expert)
             return None if target is None else (f"{expert.module}.{target[0]}", target[1])
-        for ours, theirs, shard in QKV_STACKED:
-            if theirs in name:
-                return name.replace(theirs, ours), shard
-        return name, None
+        return stacked_name(name, QKV_STACKED)
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits for ``batch.logits_indices`` rows (all rows if None): [n, vocab_size]."""
-        comm = self.comm
-        comm.begin_forward(batch.num_tokens, batch.dp_num_tokens)
-        x: Unreduced = self.embeddings(batch.input_ids)
-        residual: torch.Tensor | None = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, batch, comm)
-        h, _ = comm.boundary(len(self.layers), x, residual, self.norm_f)
-        if batch.logits_indices is not None:
-            h = h[batch.logits_indices]
-        logits = comm.gather_vocab(self.lm_head.logits_shard(h))
-        return logits[:, : self.config.vocab_size]
+        return decoder_logits(batch, self.comm, self.embeddings, self.layers, len(self.layers), self.norm_f,
+                              self.lm_head, self.config.vocab_size)
