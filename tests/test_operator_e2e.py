@@ -281,3 +281,19 @@ def test_an_operator_restart_creates_no_duplicates_and_keeps_status(
         except subprocess.TimeoutExpired:
             proc.kill()
     assert "Traceback" not in (tmp_path / "operator.log").read_text(), (tmp_path / "operator.log").read_text()
+
+
+def test_a_cluster_without_kuberay_is_retried_until_its_crd_appears(kube_api: KubeAPI,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KUBECONFIG", str(kube_api.kubeconfig_path))
+    monkeypatch.setenv("FUSEDSERVE_OPERATOR_RETRY_DELAY", "1")
+    kube_api.kubectl("apply", "-f", "crds/", cwd=REPO)  # ours only: no RayCluster kind yet
+    with InProcessOperator() as op:
+        kube_api.kubectl("apply", "-f", "examples/01-tiny-code.yaml", cwd=REPO)
+        eventually(lambda: child(kube_api, "ConfigMap", "tiny-code-engine-config"))  # made before the RayCluster
+        time.sleep(2.0)  # a few retries (1 s apart) fail on the missing kind
+        assert kube_api.list_objects(*INFD, "default")  # the object is untouched
+        kube_api.kubectl("apply", "-f", str(fixtures.CRDS_DIR / "raycluster.yaml"))
+        assert eventually(lambda: child(kube_api, "RayCluster", "tiny-code"))
+        assert child(kube_api, "Service", "tiny-code")
+    assert "is KubeRay installed?" in op.runner.output  # the temporary error, retried after its delay
