@@ -21,6 +21,12 @@ DP groups' tokens), adds the residual and norms the chunk, then gathers the norm
 into the next block's layout (all-gather over attn_tp for ATTN_TP_FULL; all-gather over tp
 for FULL with MAX_LEN padding, or all-reduce of a zero-filled buffer with SUM_LEN). So an
 MoE layer's sum is completed by exactly one reduce-scatter and never all-reduced.
+
+Benchmark-only: ``plan_communication(..., dp_combine="all_reduce")`` plans the combine of a
+block owing ``tp`` (MLP/MoE over all DP groups' tokens) as an all-reduce of the whole FULL
+tensor followed by taking this rank's chunk (``DP_ALL_REDUCE_SLICE_ADD_NORM_GATHER``), the
+pre-PR #28102 shape, so a benchmark can measure what the one reduce-scatter saves. It is not
+a serving option: no spec, config or CLI reaches it; models always build the default plan.
 """
 
 from __future__ import annotations
@@ -33,6 +39,10 @@ from .groups import ParallelConfig
 from .layouts import Layout
 
 FUSION_MAX_TOKENS = 2048
+
+# How a DP-attention boundary completes a sum owed to tp. "reduce_scatter" is the plan;
+# "all_reduce" (all-reduce, then take this rank's chunk) exists for benchmarks only.
+DP_COMBINES = ("reduce_scatter", "all_reduce")
 
 
 class BoundaryKind(enum.Enum):
@@ -47,6 +57,9 @@ class BoundaryKind(enum.Enum):
     DP_FIRST = "dp_first"
     # DP attention: reduce-scatter the owed sum into this rank's chunk, add + norm, gather.
     DP_SCATTER_ADD_NORM_GATHER = "dp_scatter_add_norm_gather"
+    # Benchmark-only (``dp_combine="all_reduce"``): all-reduce the FULL sum owed to tp, take this
+    # rank's chunk, add + norm, gather. Never in a plan a model builds for serving.
+    DP_ALL_REDUCE_SLICE_ADD_NORM_GATHER = "dp_all_reduce_slice_add_norm_gather"
 
 
 @dataclass(frozen=True)
@@ -95,7 +108,7 @@ class ForwardPlan:
             f"{b.site}: " + ", ".join(f"{s.op}({s.group})" for s in b.steps)
             for b in self.boundaries
             if b.steps
-        ] + [f"lm_head: " + ", ".join(f"{s.op}({s.group})" for s in self.lm_head)] * bool(self.lm_head)
+        ] + ["lm_head: " + ", ".join(f"{s.op}({s.group})" for s in self.lm_head)] * bool(self.lm_head)
 
 
 @dataclass(frozen=True)
@@ -105,6 +118,7 @@ class CommPlan:
     unfused: ForwardPlan  # without DP attention; with it, the MAX_LEN variant
     fused: ForwardPlan | None  # None when fusion can never apply
     sum_len: ForwardPlan | None = None  # DP attention, SUM_LEN padding
+    dp_combine: str = "reduce_scatter"  # benchmark-only alternative: "all_reduce" (see DP_COMBINES)
 
     def select(self, num_tokens: int, padding: Padding | None = None) -> ForwardPlan:
         if self.config.dp_attention:
@@ -152,11 +166,14 @@ def _forward_plan(config: ParallelConfig, blocks: list[BlockSpec], fused: bool) 
     return ForwardPlan(fused=fused, padding=None, boundaries=tuple(boundaries), lm_head=lm_head)
 
 
-def _dp_forward_plan(config: ParallelConfig, blocks: list[BlockSpec], padding: Padding) -> ForwardPlan:
+def _dp_forward_plan(config: ParallelConfig, blocks: list[BlockSpec], padding: Padding,
+                     dp_combine: str = "reduce_scatter") -> ForwardPlan:
     def scatter(owed: str) -> tuple[Step, ...]:
         if owed not in ("attn_tp", "tp"):
             raise NotImplementedError(f"DP attention: a block owing its sum to {owed!r} is not supported")
-        return (Step("reduce_scatter", owed),) if _group_size(config, owed) > 1 else ()
+        if _group_size(config, owed) == 1:
+            return ()
+        return (Step(_combine_op(owed, dp_combine), owed),)
 
     def gather(layout: Layout) -> tuple[Step, ...]:
         if layout is Layout.FULL:
@@ -167,10 +184,21 @@ def _dp_forward_plan(config: ParallelConfig, blocks: list[BlockSpec], padding: P
     owed = ["attn_tp"] + [b.owes for b in blocks]
     boundaries = []
     for i, ((site, layout), debt) in enumerate(zip(targets, owed)):
-        kind = BoundaryKind.DP_FIRST if i == 0 else BoundaryKind.DP_SCATTER_ADD_NORM_GATHER
+        if i == 0:
+            kind = BoundaryKind.DP_FIRST
+        elif _combine_op(debt, dp_combine) == "all_reduce":
+            kind = BoundaryKind.DP_ALL_REDUCE_SLICE_ADD_NORM_GATHER
+        else:
+            kind = BoundaryKind.DP_SCATTER_ADD_NORM_GATHER
         boundaries.append(Boundary(site, kind, debt, scatter(debt) + gather(layout), gather_to=layout))
     lm_head = (Step("all_gather", "attn_tp", "gather"),) if config.attn_tp > 1 else ()
     return ForwardPlan(fused=False, padding=padding, boundaries=tuple(boundaries), lm_head=lm_head)
+
+
+def _combine_op(owed: str, dp_combine: str) -> str:
+    """The collective completing a sum owed to ``owed`` at a DP-attention boundary. Only the
+    combine of blocks over all DP groups' tokens (owed to tp) has the benchmark alternative."""
+    return "all_reduce" if owed == "tp" and dp_combine == "all_reduce" else "reduce_scatter"
 
 
 def _between(config: ParallelConfig, owed: str, site: str, fused: bool) -> Boundary:
@@ -181,17 +209,26 @@ def _between(config: ParallelConfig, owed: str, site: str, fused: bool) -> Bound
     return Boundary(site, BoundaryKind.ALL_REDUCE_ADD_NORM, owed, (Step("all_reduce", owed),))
 
 
-def plan_communication(config: ParallelConfig, blocks: list[BlockSpec], fusion: bool) -> CommPlan:
-    """The plan for a model's blocks under (tp, dp, ep) with fusion available or not."""
+def plan_communication(config: ParallelConfig, blocks: list[BlockSpec], fusion: bool, *,
+                       dp_combine: str = "reduce_scatter") -> CommPlan:
+    """The plan for a model's blocks under (tp, dp, ep) with fusion available or not.
+
+    ``dp_combine`` is benchmark-only (bench/dp_ep_combine.py): "all_reduce" replaces, under DP
+    attention, each reduce-scatter over tp by an all-reduce + this rank's chunk. Models never
+    pass it; without DP attention it changes nothing.
+    """
     if not blocks:
         raise ValueError("a model needs at least one block")
+    if dp_combine not in DP_COMBINES:
+        raise ValueError(f"dp_combine must be one of {DP_COMBINES}, not {dp_combine!r}")
     if config.dp_attention:
         return CommPlan(
             config=config,
             fusion=fusion,
-            unfused=_dp_forward_plan(config, blocks, Padding.MAX_LEN),
+            unfused=_dp_forward_plan(config, blocks, Padding.MAX_LEN, dp_combine),
             fused=None,
-            sum_len=_dp_forward_plan(config, blocks, Padding.SUM_LEN),
+            sum_len=_dp_forward_plan(config, blocks, Padding.SUM_LEN, dp_combine),
+            dp_combine=dp_combine,
         )
     can_fuse = fusion and config.tp > 1 and not config.dp_attention
     return CommPlan(

@@ -166,6 +166,20 @@ class Communicator:
         normed, residual = self.norms.add_rms_norm(chunk, residual, norm.weight, norm.eps)
         return self._gather(b, normed), residual
 
+    def _dp_all_reduce_slice_add_norm_gather(
+        self, b: Boundary, h: torch.Tensor, residual: torch.Tensor | None, norm: NormWeights
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Benchmark-only (``plan_communication(dp_combine="all_reduce")``): the combine as an
+        all-reduce of the whole FULL sum, then this rank's chunk; the plan's default is one
+        reduce-scatter (``_dp_scatter_add_norm_gather``). Same result, more communication."""
+        if residual is None:
+            raise PlanViolation(f"{b.site}: missing residual")
+        if b.owed != "tp":
+            raise PlanViolation(f"{b.site}: the all-reduce combine completes sums owed to tp, not {b.owed!r}")
+        chunk = self._all_reduce_slice_full(b, h)
+        normed, residual = self.norms.add_rms_norm(chunk, residual, norm.weight, norm.eps)
+        return self._gather(b, normed), residual
+
     def _geo(self) -> DPGeometry:
         assert self.geometry is not None, "begin_forward was not called with DP token counts"
         return self.geometry
@@ -198,6 +212,14 @@ class Communicator:
             off = geo.chunk_offset(r)
             buf[r * width : r * width + n] = h[off : off + n]
         return self.collectives.reduce_scatter(buf, group, b.site)[: geo.chunk_rows[me.rank]]
+
+    def _all_reduce_slice_full(self, b: Boundary, h: torch.Tensor) -> torch.Tensor:
+        """All DP groups' tokens, owed over tp -> all-reduced in place -> this rank's chunk rows
+        (a view, no copy). h: [full_rows, H] -> [chunk_rows[rank], H]"""
+        geo, me = self._geo(), self.groups.coords
+        h = self.collectives.all_reduce(h, self.groups.tp, b.site)
+        off = geo.chunk_offset(me.rank)
+        return h[off : off + geo.chunk_rows[me.rank]]
 
     def _gather(self, b: Boundary, chunk: torch.Tensor) -> torch.Tensor:
         """This rank's chunk -> the layout of the next block. chunk: [chunk_rows[rank], H]"""
@@ -234,6 +256,7 @@ _RUNNERS = {
     BoundaryKind.FUSED_AR_ADD_NORM: Communicator._fused,
     BoundaryKind.DP_FIRST: Communicator._dp_first,
     BoundaryKind.DP_SCATTER_ADD_NORM_GATHER: Communicator._dp_scatter_add_norm_gather,
+    BoundaryKind.DP_ALL_REDUCE_SLICE_ADD_NORM_GATHER: Communicator._dp_all_reduce_slice_add_norm_gather,
 }
 
 
