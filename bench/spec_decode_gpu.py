@@ -4,9 +4,10 @@
     python bench/spec_decode_gpu.py --tiny          # CPU, a few prompts: checks the script only
 
 The real engine path: ``worker/engine.py`` (scheduler, model runner, sampler, detokenizer) with
-``EngineConfig(device="cuda", speculative=...)`` over examples/checkpoints/tiny-code and its
-EAGLE3 draft tiny-code-eagle3, eager (the engine has no CUDA-graph path: see the record's
-``why`` and the per-phase times). Prompts: the first ``--prompt-len`` tokens of held-out
+``EngineConfig(device="cuda", speculative=..., cuda_graphs=...)`` over examples/checkpoints/tiny-code
+and its EAGLE3 draft tiny-code-eagle3, with CUDA graphs (decode / verify / draft steps replayed,
+``worker/step_graphs.py``) and eager (``--graphs on,off``; CPU: the padded static-shape path
+run eagerly). Prompts: the first ``--prompt-len`` tokens of held-out
 standard-library files of this interpreter (never trained on), greedy, ``ignore_eos``,
 ``--new-tokens`` each; configurations as in bench/spec_decode_cpu.py (none, chains of 3/4/5
 steps, a tree of topk 4 / 4 steps / 8 verified tokens), each at batch 1 and batch 8, a fresh
@@ -14,7 +15,9 @@ engine per run after one warm-up generation per configuration, repeats interleav
 configurations, the fastest run counting. Outputs must equal the no-speculation outputs.
 Then one batch-1 run per configuration with the engine's phases timed (the device
 synchronised at each phase's end): target forward (prepare + model), drafting, acceptance
-(incl. K/V relocation), and the rest of the step (scheduler, sampler, detokenizer, commit).
+(incl. K/V relocation), and the rest of the step (scheduler, sampler, detokenizer, commit);
+inside drafting, the draft forwards alone (``draft_forwards_within_drafting``), and how many
+forwards ran as graph replays.
 """
 
 from __future__ import annotations
@@ -106,14 +109,17 @@ class PhaseTimer:
         setattr(obj, method, timed)
 
 
-def run(label: str, spec: Any, prompts: list[list[int]], batch: int, args: Any, phases: bool = False
+NESTED = "draft_forwards_within_drafting"  # inside "drafting": not subtracted from the step
+
+
+def run(label: str, spec: Any, prompts: list[list[int]], batch: int, args: Any, graphs: bool, phases: bool = False
         ) -> dict[str, Any]:
     from fusedserve.worker.engine import Engine, EngineConfig
     from fusedserve.worker.sequence import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
     engine = Engine(TARGET, EngineConfig(num_blocks=args.num_blocks, max_num_seqs=batch, speculative=spec,
-                                         device=args.device, dtype=args.dtype))
+                                         device=args.device, dtype=args.dtype, cuda_graphs=graphs))
     timer = None
     if phases:
         timer = PhaseTimer(args.device)
@@ -122,6 +128,7 @@ def run(label: str, spec: Any, prompts: list[list[int]], batch: int, args: Any, 
         if engine.speculator is not None:
             timer.wrap(engine.speculator, "propose", "drafting")
             timer.wrap(engine.speculator, "_accept", "accept_and_relocate")
+            timer.wrap(engine.speculator.draft, "forward", NESTED)
     ids = {engine.add_request(p, params): i for i, p in enumerate(prompts)}
     tokens: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
     steps = 0
@@ -142,10 +149,15 @@ def run(label: str, spec: Any, prompts: list[list[int]], batch: int, args: Any, 
         res["acceptance_length"] = spec_stats.acceptance_length
         res["accepted_per_position_rate"] = [n / spec_stats.drafts for n in spec_stats.accepted_per_position] \
             if spec_stats.drafts else []
+    graphed = {"target": engine.runner.graphs.runs if engine.runner.graphs is not None else 0}
+    if engine.speculator is not None:
+        dg = engine.speculator.draft.graphs
+        graphed["draft"] = dg.runs if dg is not None else 0
+    res["graph_runs"] = graphed
     if timer is not None:
         per_step = {k: 1000 * v / steps for k, v in timer.seconds.items()}
         step_ms = per_step.pop("engine_step", 0.0)
-        per_step["rest_of_step"] = step_ms - sum(per_step.values())
+        per_step["rest_of_step"] = step_ms - sum(v for k, v in per_step.items() if k != NESTED)
         res["phases_ms_per_engine_step"] = {"engine_step": step_ms, **per_step}
         res["phase_calls"] = dict(timer.calls)
     return res
@@ -159,71 +171,88 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--num-blocks", type=int, default=160)
+    ap.add_argument("--graphs", default="on,off", help="CUDA graphs: on, off or both (on,off)")
     ap.add_argument("--tiny", action="store_true", help="CPU, 3 prompts of 16 new tokens, 1 repeat")
-    ap.add_argument("--out", default=f"bench/results/{datetime.date.today()}-spec-decode-gpu-h200.json")
+    ap.add_argument("--out", default=f"bench/results/{datetime.date.today()}-spec-decode-gpu-graphs-h200.json")
     args = ap.parse_args()
     if args.tiny:
         args.prompts, args.new_tokens, args.repeats = 3, 16, 1
     args.device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+    modes = {"on": True, "off": False}
+    graph_modes = [m for m in args.graphs.split(",") if m]
+    if not graph_modes or any(m not in modes for m in graph_modes):
+        raise SystemExit(f"--graphs takes on, off or on,off, not {args.graphs!r}")
     prompts, names = heldout_prompts(args.prompts, args.prompt_len)
     cfgs = configs()
     batches = (1, 8)
-    best: dict[tuple[str, int], dict[str, Any]] = {}
-    all_s: dict[str, list[list[float]]] = defaultdict(list)
-    for label, spec in cfgs.items():  # warm-up (allocator, cuBLAS handles, first-call paths)
-        run(label, spec, prompts[:1], 1, argparse.Namespace(**{**vars(args), "new_tokens": 8}))
+    best: dict[tuple[str, str, int], dict[str, Any]] = {}
+    all_s: dict[tuple[str, str], list[list[float]]] = defaultdict(list)
+    for mode in graph_modes:  # warm-up (allocator, cuBLAS handles, first-call paths, graph pools)
+        for label, spec in cfgs.items():
+            run(label, spec, prompts[:1], 1, argparse.Namespace(**{**vars(args), "new_tokens": 8}), modes[mode])
     progress(f"warmed up on {args.device} ({args.dtype}); {len(prompts)} prompts x {args.new_tokens} new tokens")
     for rep in range(args.repeats):
+        for mode in graph_modes:
+            for label, spec in cfgs.items():
+                secs = []
+                for batch in batches:
+                    r = run(label, spec, prompts, batch, args, modes[mode])
+                    secs.append(round(r["seconds"], 3))
+                    key = (mode, label, batch)
+                    if key not in best or r["seconds"] < best[key]["seconds"]:
+                        best[key] = r
+                    progress(f"repeat {rep + 1} graphs {mode:3s} {label:26s} batch {batch}: {r['tok_per_s']:8.1f} "
+                             f"tok/s, {r['steps']} steps, graph runs {r['graph_runs']}"
+                             + (f", acceptance length {r['acceptance_length']:.3f}" if "acceptance_length" in r else ""))
+                all_s[(mode, label)].append(secs)
+    phases: dict[tuple[str, str], dict[str, Any]] = {}
+    for mode in graph_modes:
         for label, spec in cfgs.items():
-            secs = []
-            for batch in batches:
-                r = run(label, spec, prompts, batch, args)
-                secs.append(round(r["seconds"], 3))
-                key = (label, batch)
-                if key not in best or r["seconds"] < best[key]["seconds"]:
-                    best[key] = r
-                progress(f"repeat {rep + 1} {label:26s} batch {batch}: {r['tok_per_s']:8.1f} tok/s, "
-                         f"{r['steps']} steps" + (f", acceptance length {r['acceptance_length']:.3f}"
-                                                  if "acceptance_length" in r else ""))
-            all_s[label].append(secs)
-    phases = {}
-    for label, spec in cfgs.items():
-        r = run(label, spec, prompts, 1, args, phases=True)
-        phases[label] = {"tok_per_s_with_sync": r["tok_per_s"], "steps": r["steps"],
-                         "phases_ms_per_engine_step": r["phases_ms_per_engine_step"],
-                         "phase_calls": r["phase_calls"],
-                         "ms_per_token": 1000 * r["seconds"] / r["tokens"]}
-        progress(f"phases {label:26s}: " + json.dumps({k: round(v, 3)
-                                                        for k, v in r["phases_ms_per_engine_step"].items()}))
+            r = run(label, spec, prompts, 1, args, modes[mode], phases=True)
+            phases[(mode, label)] = {"tok_per_s_with_sync": r["tok_per_s"], "steps": r["steps"],
+                                     "phases_ms_per_engine_step": r["phases_ms_per_engine_step"],
+                                     "phase_calls": r["phase_calls"], "graph_runs": r["graph_runs"],
+                                     "ms_per_token": 1000 * r["seconds"] / r["tokens"]}
+            progress(f"phases graphs {mode:3s} {label:26s}: " + json.dumps(
+                {k: round(v, 3) for k, v in r["phases_ms_per_engine_step"].items()}))
     numbers: dict[str, Any] = {}
-    for label in cfgs:
-        row: dict[str, Any] = {}
-        for batch in batches:
-            r, base = best[(label, batch)], best[("none", batch)]
-            row[f"tok_per_s_batch{batch}"] = round(r["tok_per_s"], 1)
-            row[f"speedup_batch{batch}"] = round(r["tok_per_s"] / base["tok_per_s"], 3)
-            row[f"greedy_equal_to_no_speculation_batch{batch}"] = r["outputs"] == base["outputs"]
-            row[f"engine_steps_batch{batch}"] = r["steps"]
-            if "acceptance_length" in r:
-                row[f"acceptance_length_batch{batch}"] = round(r["acceptance_length"], 4)
-        if label in phases:
-            row["phases_batch1"] = phases[label]
-        row["all_runs_seconds_batch1_batch8"] = all_s[label]
-        numbers[label] = row
+    for mode in graph_modes:
+        rows: dict[str, Any] = {}
+        for label in cfgs:
+            row: dict[str, Any] = {}
+            for batch in batches:
+                r, base = best[(mode, label, batch)], best[(mode, "none", batch)]
+                row[f"tok_per_s_batch{batch}"] = round(r["tok_per_s"], 1)
+                row[f"speedup_batch{batch}"] = round(r["tok_per_s"] / base["tok_per_s"], 3)
+                if "off" in graph_modes:
+                    eager = best[("off", "none", batch)]
+                    row[f"speedup_vs_eager_no_speculation_batch{batch}"] = round(r["tok_per_s"] / eager["tok_per_s"], 3)
+                    row[f"greedy_equal_to_eager_batch{batch}"] = r["outputs"] == best[("off", label, batch)]["outputs"]
+                row[f"greedy_equal_to_no_speculation_batch{batch}"] = r["outputs"] == base["outputs"]
+                row[f"engine_steps_batch{batch}"] = r["steps"]
+                row[f"graph_runs_batch{batch}"] = r["graph_runs"]
+                if "acceptance_length" in r:
+                    row[f"acceptance_length_batch{batch}"] = round(r["acceptance_length"], 4)
+            if (mode, label) in phases:
+                row["phases_batch1"] = phases[(mode, label)]
+            row["all_runs_seconds_batch1_batch8"] = all_s[(mode, label)]
+            rows[label] = row
+        numbers[f"graphs_{mode}"] = rows
     machine = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
     record = {
         "date": str(datetime.date.today()), "machine": machine,
         "software": f"Python {platform.python_version()}, torch {torch.__version__}",
         "command": " ".join(["python", *sys.argv]),
-        "what": f"tiny-code + tiny-code-eagle3 through worker/engine.py on {args.device}, {args.dtype}, eager "
-                f"(reference kernels, the engine's default), greedy ignore_eos; prompts = first {args.prompt_len} "
+        "what": f"tiny-code + tiny-code-eagle3 through worker/engine.py on {args.device}, {args.dtype}; graphs_on: "
+                f"CUDA graphs (torch graph-safe kernels, decode/verify/draft steps replayed at padded batch sizes), "
+                f"graphs_off: eager (reference kernels); greedy ignore_eos; prompts = first {args.prompt_len} "
                 f"tokens of {len(prompts)} held-out stdlib files, {args.new_tokens} new tokens each",
         "prompt_files": names, "numbers": numbers,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
-    print(json.dumps({k: {x: v[x] for x in v if x.startswith(("tok_per_s", "speedup", "acceptance", "greedy"))}
-                      for k, v in numbers.items()}))
+    print(json.dumps({m: {k: {x: v[x] for x in v if x.startswith(("tok_per_s", "speedup", "acceptance", "greedy"))}
+                          for k, v in rows.items()} for m, rows in numbers.items()}))
 
 
 if __name__ == "__main__":

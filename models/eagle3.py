@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from .forward_batch import ForwardBatch
+from .layers.attention import AttentionBackend
 from .layers.mlp import GatedMLP
 from .layers.norm import RMSNorm
 from .layers.rotary import RotaryEmbedding, rope_parameters
@@ -50,7 +51,7 @@ def aux_layers(num_target_layers: int, draft_config: Any = None) -> list[int]:
 
 class Eagle3Draft(nn.Module):
     def __init__(self, config: Any, target_hidden: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, attention_backend: AttentionBackend | None = None) -> None:
         super().__init__()
         self.config = config
         h = config.hidden_size
@@ -64,7 +65,8 @@ class Eagle3Draft(nn.Module):
         self.hidden_norm = RMSNorm(h, config.rms_norm_eps, dtype, device)
         self.self_attn = SelfAttention(0, h, config.num_attention_heads, config.num_key_value_heads, head_dim,
                                        one, RotaryEmbedding(head_dim, theta, scaling).to(device),
-                                       input_size=2 * h, dtype=dtype, device=device)
+                                       input_size=2 * h, dtype=dtype, device=device,
+                                       attention_backend=attention_backend)
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps, dtype, device)
         self.mlp = GatedMLP(h, config.intermediate_size, one, dtype=dtype, device=device)
         self.norm = RMSNorm(h, config.rms_norm_eps, dtype, device)
@@ -119,12 +121,10 @@ class Eagle3Draft(nn.Module):
     )
 
     def checkpoint_name_to_param(self, name: str) -> tuple[str, object] | None:
-        if name.startswith("model."):
-            name = name[len("model."):]
+        name = name.removeprefix("model.")
         if name == "t2d":
             return None
-        if name.startswith("midlayer."):
-            name = name[len("midlayer."):]
+        name = name.removeprefix("midlayer.")
         if name == "embed_tokens.weight":
             self.has_own_embedding = True
         for ours, theirs, shard in self.stacked_params:
@@ -134,16 +134,24 @@ class Eagle3Draft(nn.Module):
 
 
 def load_eagle3_draft(model_dir: str, target_hidden: int, target_embedding: torch.Tensor | None,
-                      dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> Eagle3Draft:
+                      dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                      attention_backend: AttentionBackend | None = None) -> Eagle3Draft:
     """Load an EAGLE3 draft checkpoint; ``target_embedding`` ([vocab, H], unsharded) is used
-    when the draft ships no embedding of its own."""
-    from .loader import CheckpointError, architecture_of, checkpoint_files, iter_checkpoint, load_config, load_weights
+    when the draft ships no embedding of its own. ``attention_backend``: default the reference."""
+    from .loader import (
+        CheckpointError,
+        architecture_of,
+        checkpoint_files,
+        iter_checkpoint,
+        load_config,
+        load_weights,
+    )
 
     config = load_config(model_dir)
     arch = architecture_of(config)
     if "Eagle3" not in arch:
         raise CheckpointError(f"{model_dir}: architecture {arch!r} is not an EAGLE3 draft (LlamaForCausalLMEagle3)")
-    draft = Eagle3Draft(config, target_hidden, dtype, device)
+    draft = Eagle3Draft(config, target_hidden, dtype, device, attention_backend)
     load_weights(draft, iter_checkpoint(checkpoint_files(model_dir)))
     if not draft.has_own_embedding:
         if target_embedding is None:

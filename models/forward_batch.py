@@ -51,6 +51,10 @@ class PagedAttentionMetadata:
         token_seq    = [0, 1, 1, 1]       # [T] sequence of each new token
         token_index  = [5, 0, 1, 2]       # [T] each new token's index in its context (causal limit)
         max_query_len = 3                 # static: 1 means a decode batch (token i is sequence i)
+
+    ``tail_mask`` ([T, L] bool, optional) replaces the causal rule over the last L cache indices
+    of each token's sequence (a speculative tree: a node sees its ancestors and itself there);
+    every index before those L stays visible. None = causal.
     """
 
     block_tables: torch.Tensor
@@ -58,6 +62,7 @@ class PagedAttentionMetadata:
     token_seq: torch.Tensor
     token_index: torch.Tensor
     max_query_len: int
+    tail_mask: torch.Tensor | None = None
 
     @staticmethod
     def from_lists(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],

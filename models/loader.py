@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .layers.kernels import Kernels
 from .layers.linear import default_weight_loader
 from .layers.weight_source import WeightShapeError
 from .parallel.collectives import Collectives
@@ -174,11 +175,14 @@ def _expected_loads(model: nn.Module, params: dict[str, torch.Tensor]) -> set[tu
 
 
 def load_model(model_dir: str | Path, groups: ParallelGroups, collectives: Collectives, fusion: bool,
-               dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> nn.Module:
+               dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+               kernels: Kernels | None = None) -> nn.Module:
+    """``kernels``: the model's kernel set (default: the model's own default, the references)."""
     config = load_config(model_dir)
     cls = model_class(architecture_of(config))
     files = checkpoint_files(model_dir)
-    model = cls(config, groups, collectives, fusion, dtype=dtype, device=device)
+    extra = {} if kernels is None else {"kernels": kernels}
+    model = cls(config, groups, collectives, fusion, dtype=dtype, device=device, **extra)
     load_weights(model, iter_checkpoint(files))
     log.info("loaded %s from %s (%d files) on rank %d", type(model).__name__, model_dir, len(files),
              groups.coords.rank)

@@ -169,12 +169,12 @@ class Drafter:
     @staticmethod
     def _draft_mask(builder: TreeBuilder, feed: list[int], slot_of: dict[int, int], n: int, ctx: int
                     ) -> torch.Tensor:
-        """[len(feed), ctx]: every base, then each node's ancestors' slots and its own."""
-        mask = torch.zeros((len(feed), ctx), dtype=torch.bool)
-        mask[:, :n] = True
+        """[len(feed), ctx - n] over the scratch slots after the bases (which all stay visible):
+        each node's ancestors' slots and its own."""
+        mask = torch.zeros((len(feed), ctx - n), dtype=torch.bool)
         for r, c in enumerate(feed):
             a = c
             while a >= 0:
-                mask[r, slot_of[a]] = True
+                mask[r, slot_of[a] - n] = True
                 a = builder.parent(a)
         return mask

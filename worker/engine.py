@@ -10,6 +10,12 @@ With ``EngineConfig.speculative`` the step's forward also verifies EAGLE3 drafts
 this loop runs on rank 0, whose runner announces each forward to the other ranks
 (``distributed_runner``).
 
+CUDA graphs (``EngineConfig.cuda_graphs``, default on CUDA, decided once here): the target's
+decode steps (or, with speculation, its verify forwards) and the draft's first pass and steps
+are captured at start-up at the batch sizes of ``cuda_graph_batch_sizes`` up to
+``max_num_seqs`` and replayed at the next size up (``step_graphs.py``); prefill and mixed steps
+run eagerly. Not for a runner passed in (a parallel engine's ranks run eagerly).
+
     engine = Engine("examples/checkpoints/tiny-llama", EngineConfig(num_blocks=64))
     [c] = engine.generate(["def fib(n):"], SamplingParams(temperature=0, max_tokens=32))
 """
@@ -24,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from ..models.loader import load_config
+from ..models.loader import architecture_of, load_config
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
 from .model_runner import ModelRunner
@@ -34,11 +40,14 @@ from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig, SchedulerStat
 from .sequence import FinishReason, InvalidRequest, SamplingParams, Sequence, truncate_at_stop
 from .spec_stats import SpecDecodeStats
 from .speculative import SpecDecoder, SpeculativeConfig
+from .step_graphs import StepShape
 from .tokenizer import Tokenizer, generation_eos_ids
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Architectures whose step forwards the engine captures (dense attention, no recurrent state).
+GRAPH_ARCHITECTURES = frozenset({"LlamaForCausalLM"})
 
 
 class EngineConfigError(ValueError):
@@ -61,6 +70,10 @@ class EngineConfig:
     skip_tokenizer: bool = False  # token ids in, token ids out (no text)
     seed: int | None = None  # random stream of unseeded requests
     speculative: SpeculativeConfig | None = None  # EAGLE3 drafting; None = off
+    # CUDA graphs for decode / verify / draft steps; None = on when the device is CUDA. True off
+    # CUDA runs the same padded static-shape forwards eagerly (tests).
+    cuda_graphs: bool | None = None
+    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -88,6 +101,16 @@ class EngineConfig:
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(self.max_num_seqs, self.max_batch_tokens, self.enable_chunked_prefill,
                                self.lookahead_tokens)
+
+
+def use_graphs(config: EngineConfig, architecture: str) -> bool:
+    """CUDA graphs for this engine: as configured, by default on CUDA for the architectures above."""
+    if config.cuda_graphs is None:
+        return torch.device(config.device).type == "cuda" and architecture in GRAPH_ARCHITECTURES
+    if config.cuda_graphs and architecture not in GRAPH_ARCHITECTURES:
+        raise EngineConfigError(f"cuda_graphs: the engine captures {', '.join(sorted(GRAPH_ARCHITECTURES))} "
+                                f"only, not {architecture}")
+    return config.cuda_graphs
 
 
 def resolve_max_model_len(config: EngineConfig, model_max_len: int | None, blocks: BlockManager) -> int:
@@ -129,18 +152,21 @@ class Engine:
         self.config = config = config or EngineConfig()
         self.tokenizer = None if config.skip_tokenizer else Tokenizer.from_dir(model_dir)
         model_config = load_config(model_dir)
+        graphs = runner is None and use_graphs(config, architecture_of(model_config))
         self.runner = runner or ModelRunner.load(model_dir, config.block_size, config.num_blocks,
                                                  config.kv_memory_fraction, config.max_num_seqs,
-                                                 DTYPES[config.dtype], config.device)
-        self.blocks = BlockManager(self.runner.kv_cache.num_blocks, config.block_size, config.watermark)
+                                                 DTYPES[config.dtype], config.device, graphs=graphs)
+        self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.watermark)
         self.scheduler = Scheduler(config.scheduler_config(), self.blocks)
         self.sampler = Sampler(config.seed, self.runner.device)
         self.speculator: SpecDecoder | None = None
         if config.speculative is not None:
             self.speculator = SpecDecoder.load(config.speculative, model_dir, self.runner, self.sampler,
-                                               DTYPES[config.dtype])
+                                               DTYPES[config.dtype], graphs)
         self.max_model_len = resolve_max_model_len(
             config, getattr(model_config, "max_position_embeddings", None), self.blocks)
+        if graphs:
+            self._capture_graphs()
         eos = set(generation_eos_ids(model_dir))
         if self.tokenizer is not None:
             eos |= self.tokenizer.eos_token_ids
@@ -152,6 +178,20 @@ class Engine:
         self._pending: list[RequestOutput] = []
         log.info("engine ready: %d KV blocks of %d tokens, max_model_len %d, eos %s", self.blocks.num_blocks,
                  config.block_size, self.max_model_len, sorted(self.eos_token_ids))
+
+    def _capture_graphs(self) -> None:
+        """Capture the step forwards once, after the speculator set the target's aux capture."""
+        config = self.config
+        sizes = sorted({min(b, config.max_num_seqs) for b in config.cuda_graph_batch_sizes if b >= 1})
+        max_blocks = min(-(-(self.max_model_len + config.lookahead_tokens) // config.block_size),
+                         self.blocks.num_blocks)
+        if self.speculator is None:
+            self.runner.capture_graphs([StepShape(b, 1) for b in sizes], max_blocks)
+        else:
+            self.runner.capture_graphs(self.speculator.target_shapes(sizes), max_blocks)
+            self.speculator.capture_graphs(sizes, max_blocks)
+        log.info("step graphs at batch sizes %s (%d blocks per sequence)%s", sizes, max_blocks,
+                 "" if torch.device(config.device).type == "cuda" else ", run eagerly off CUDA")
 
     # --- requests -------------------------------------------------------------------------------
 

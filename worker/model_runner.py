@@ -12,6 +12,12 @@ Recurrent state (Mamba layers): a model whose ``state_shapes()`` is not empty ge
 carries the sequences' ``state_slots`` (also in ``extras["state_slots"]``) and, in
 ``extras["state_slot_fresh"]``, which of them start from an empty state this step (a new or a
 preempted-and-recomputed sequence; the layers see it as ``context_len == query_len``).
+
+CUDA graphs (``ModelRunner.load(graphs=True)``: graph-safe kernels and one cache block kept back
+for padding rows; ``capture_graphs`` once at start-up): a step whose sequences all feed the same
+number of tokens and ask logits for all of them (decode, a speculative verify) runs as a replay
+at the next captured batch size (``step_graphs.py``), a tree verify with its mask as a device
+tensor; any other step (prefill, mixed, too large) runs eagerly.
 """
 
 from __future__ import annotations
@@ -25,14 +31,28 @@ import torch
 from torch import nn
 
 from ..models.forward_batch import ForwardBatch, KVCache
+from ..models.layers.kernels import Kernels
 from ..models.layers.mamba_state import MambaStateCache, MambaStateShape
 from ..models.loader import load_model
 from ..models.parallel.collectives import Collectives
 from ..models.parallel.groups import ParallelGroups
 from .draft_tree import tree_attention_mask
-from .scheduler import ScheduledBatch
+from .scheduler import ScheduledBatch, ScheduledSeq
+from .step_graphs import StepGraphs, StepRows, StepShape
 
 log = logging.getLogger(__name__)
+
+
+def ancestor_mask(parents: tuple[int, ...] | list[int]) -> list[bool]:
+    """A draft tree's mask over its own nodes, row-major [nodes, nodes]: each node's ancestors
+    and itself (the last ``nodes`` columns of ``tree_attention_mask``)."""
+    n = len(parents)
+    rows: list[list[bool]] = []
+    for i, p in enumerate(parents):
+        row = list(rows[p]) if p >= 0 else [False] * n
+        row[i] = True
+        rows.append(row)
+    return [x for r in rows for x in r]
 
 
 class KVCacheSizeError(ValueError):
@@ -85,10 +105,14 @@ def state_shapes_of(model: nn.Module) -> dict[int, MambaStateShape]:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, kv_cache: KVCache, device: torch.device,
-                 num_state_slots: int = 0) -> None:
+                 num_state_slots: int = 0, reserved_blocks: int = 0) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
+        # Blocks at the end of the cache no sequence gets (the padding rows' slot of CUDA graphs).
+        self.reserved_blocks = reserved_blocks
+        self.graphs: StepGraphs | None = None
+        self._forward = self._eager
         self.state_cache: MambaStateCache | None = None
         shapes = state_shapes_of(model)
         if shapes and num_state_slots > 0:
@@ -99,12 +123,14 @@ class ModelRunner:
     def load(model_dir: str | Path, block_size: int, num_blocks: int | None, memory_fraction: float,
              num_state_slots: int, dtype: torch.dtype = torch.float32,
              device: torch.device | str = "cpu", groups: ParallelGroups | None = None,
-             collectives: Collectives | None = None, fusion: bool = False) -> ModelRunner:
+             collectives: Collectives | None = None, fusion: bool = False, graphs: bool = False) -> ModelRunner:
         """Load a checkpoint on one rank and allocate its KV cache (``num_blocks`` or a memory share).
-        ``groups``/``collectives``/``fusion``: this rank's share of a parallel engine (default: one rank)."""
+        ``groups``/``collectives``/``fusion``: this rank's share of a parallel engine (default: one rank).
+        ``graphs``: ready for ``capture_graphs`` (graph-safe kernels, one more block for padding)."""
         dev = torch.device(device)
         model = load_model(model_dir, groups or ParallelGroups.single_rank(), collectives or Collectives("gloo"),
-                           fusion=fusion, dtype=dtype, device=dev)
+                           fusion=fusion, dtype=dtype, device=dev,
+                           kernels=Kernels.torch_native() if graphs else None)
         model.eval()
         shapes: dict[int, tuple[int, ...]] = model.kv_shapes()  # type: ignore[operator]
         if num_blocks is None:
@@ -119,8 +145,30 @@ class ModelRunner:
                      memory_fraction * 100, state / 2**20)
         if num_blocks < 1:
             raise KVCacheSizeError(f"the KV cache holds no block of {block_size} tokens")
-        cache = KVCache.allocate(shapes, num_blocks, block_size, dtype, dev)
-        return ModelRunner(model, cache, dev, num_state_slots)
+        reserved = 1 if graphs else 0
+        cache = KVCache.allocate(shapes, num_blocks + reserved, block_size, dtype, dev)
+        return ModelRunner(model, cache, dev, num_state_slots, reserved)
+
+    @property
+    def num_blocks(self) -> int:
+        """Cache blocks the scheduler may hand out."""
+        return self.kv_cache.num_blocks - self.reserved_blocks
+
+    def capture_graphs(self, shapes: list[StepShape], max_blocks: int) -> None:
+        """Capture the forward at these shapes (once, at start-up, after every aux capture is set);
+        from now on matching steps replay. Needs ``load(graphs=True)``."""
+        if self.reserved_blocks < 1:
+            raise ValueError("CUDA graphs need a reserved cache block for padding rows (load(graphs=True))")
+        model: Any = self.model
+        comm = model.comm
+
+        def step(batch: ForwardBatch, _hidden: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+            logits: torch.Tensor = model(batch)
+            return (logits, *comm.captured)
+
+        dtype = next(model.parameters()).dtype
+        self.graphs = StepGraphs(step, self.kv_cache, shapes, max_blocks, dtype, comm.collectives)
+        self._forward = self._graphed
 
     @property
     def vocab_size(self) -> int:
@@ -166,8 +214,36 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch, attn_masks: list[torch.Tensor | None] | None = None) -> torch.Tensor:
         """Logits of every requested row, sequence by sequence: [sum(num_logits), vocab]."""
+        return self._forward(batch, attn_masks)
+
+    def _eager(self, batch: ScheduledBatch, attn_masks: list[torch.Tensor | None] | None) -> torch.Tensor:
         logits: torch.Tensor = self.model(self.prepare(batch, attn_masks))
         return logits
+
+    def _graphed(self, batch: ScheduledBatch, attn_masks: list[torch.Tensor | None] | None) -> torch.Tensor:
+        """A replay when a captured shape fits the step, else the eager forward."""
+        graphs = self.graphs
+        assert graphs is not None
+        shape = None if attn_masks is not None else self._shape_of(graphs, batch.seqs)
+        if shape is None:
+            return self._eager(batch, attn_masks)
+        bs = self.kv_cache.block_size
+        rows = [StepRows(s.block_table, s.token_ids, s.rope_positions,
+                         [s.block_table[p // bs] * bs + p % bs for p in range(s.start, s.context_len)],
+                         s.context_len, None if s.tree_parents is None else ancestor_mask(s.tree_parents))
+                for s in batch.seqs]
+        logits, *aux = graphs.run(shape, rows)
+        self.model.comm.captured = aux  # type: ignore[union-attr]
+        return logits
+
+    @staticmethod
+    def _shape_of(graphs: StepGraphs, seqs: list[ScheduledSeq]) -> StepShape | None:
+        """Every sequence feeds q tokens, all with logits, all causal or all a tree: (n, q[, tail q])."""
+        q = seqs[0].num_tokens
+        tree = seqs[0].tree_parents is not None
+        if any(s.num_tokens != q or s.num_logits != q or (s.tree_parents is not None) != tree for s in seqs):
+            return None
+        return graphs.shape_for(len(seqs), q, tail=q if tree else 0)
 
     @torch.inference_mode()
     def copy_kv(self, src: list[int], dst: list[int]) -> None:

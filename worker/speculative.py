@@ -44,6 +44,7 @@ from .sampler import Sampler
 from .scheduler import ScheduledBatch, ScheduledSeq, Scheduler
 from .sequence import SamplingParams, Sequence
 from .spec_stats import SpecDecodeCounters, SpecDecodeStats
+from .step_graphs import StepShape
 
 log = logging.getLogger(__name__)
 
@@ -145,13 +146,14 @@ class SpecDecoder:
 
     @staticmethod
     def load(config: SpeculativeConfig, target_dir: str | Path, runner: ModelRunner, sampler: Sampler,
-             dtype: torch.dtype) -> SpecDecoder:
+             dtype: torch.dtype, graphs: bool = False) -> SpecDecoder:
+        """``graphs``: the draft ready for ``capture_graphs`` (graph-safe attention)."""
         if runner.state_cache is not None:
             raise SpeculativeConfigError("speculative decoding needs a target without recurrent (Mamba) state: "
                                          "rejected drafts cannot be taken back out of it")
         target_config: Any = runner.model.config
         draft = DraftRunner.load(config.draft_model, target_dir, target_config, runner.kv_cache.num_blocks,
-                                 runner.kv_cache.block_size, dtype, runner.device)
+                                 runner.kv_cache.block_size, dtype, runner.device, graphs)
         if config.topk > draft.draft_vocab:
             raise SpeculativeConfigError(f"topk {config.topk} exceeds the draft vocabulary ({draft.draft_vocab})")
         layers = aux_layers(int(target_config.num_hidden_layers), draft.model.config)
@@ -161,6 +163,16 @@ class SpecDecoder:
 
     def stats(self) -> SpecDecodeStats:
         return self.counters.snapshot()
+
+    def target_shapes(self, batch_sizes: list[int]) -> list[StepShape]:
+        """The verify forwards' shapes: every drafting sequence feeds the root and its drafts
+        (a tree with its mask over them)."""
+        q = self.config.verify_tokens
+        return [StepShape(b, q, 0 if self.config.is_chain else q) for b in batch_sizes]
+
+    def capture_graphs(self, batch_sizes: list[int], max_blocks: int) -> None:
+        """Capture the draft's first pass and steps (once, at start-up)."""
+        self.draft.capture_graphs(batch_sizes, self.config.num_steps, self.config.topk, max_blocks)
 
     # --- one engine step ----------------------------------------------------------------------
 

@@ -6,7 +6,8 @@ tests/test_paged_attention_torch.py), but every piece of the layout comes from
 sequences, no ``.item()``, no host sync. Each new token attends to the cache indices
 ``0..token_index`` of its sequence, gathered through the block table; keys past that (block
 table padding, future tokens) are masked. Tree masks (speculative verify) go to the reference. Memory grows as tokens x max_blocks*block_size, so
-long prefills belong to a kernel; the decode fast path is ``decode_attention_triton.py``.
+long prefills belong to a kernel; the decode fast path is ``decode_attention_triton.py``. A tree
+given as the metadata's ``tail_mask`` (device tensor) stays here, capturable.
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ def attend_paged(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: Page
     qg = q.view(t, kv_heads, group, dim).float()
     scores = torch.einsum("tngd,tcnd->tngc", qg, keys) * scale
     visible = idx[None, :] <= meta.token_index[:, None]  # [T, C]
+    if meta.tail_mask is not None:  # a tree: its own mask over the context's last L indices
+        tail = meta.tail_mask.shape[1]
+        rel = idx[None, :] - (meta.context_lens.long().index_select(0, meta.token_seq) - tail)[:, None]
+        in_tail = (rel >= 0) & (rel < tail)
+        visible = torch.where(in_tail, meta.tail_mask.gather(1, rel.clamp(0, tail - 1)), rel < 0)
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("tngc,tcnd->tngd", probs, values)

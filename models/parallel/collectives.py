@@ -16,7 +16,6 @@ from .fused_allreduce_norm import FusedAllReduceNorm, ReferenceFusedAllReduceNor
 from .groups import Group
 from .ledger import CollectiveLedger
 
-
 # torch >= 2.13 names these *_single; older releases (GPU images) only have *_tensor.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

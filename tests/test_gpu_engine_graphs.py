@@ -1,0 +1,53 @@
+"""GPU (-m gpu): the engine with CUDA graphs (decode, verify and draft steps replayed at padded
+batch sizes) gives the eager engine's greedy outputs, with and without EAGLE3 speculation
+(tiny-code + tiny-code-eagle3, float32).
+
+Run outside the checkout (the source folder fusedserve/ would shadow the package), e.g.
+``cd /tmp && python -m pytest <repo>/tests/test_gpu_engine_graphs.py -m gpu``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+ROOT = Path(__file__).resolve().parents[1]
+TARGET = ROOT / "examples/checkpoints/tiny-code"
+DRAFT = str(ROOT / "examples/checkpoints/tiny-code-eagle3")
+PROMPTS = ["def fib(n):\n    ", "import os\nclass Foo:\n    def __init__(self", "for i in range(10):",
+           "x = [", "with open(path) as f:\n", "    return self."]
+
+
+def _generate(spec: object, graphs: bool) -> tuple[list[list[int]], object]:
+    from fusedserve.worker.engine import Engine, EngineConfig
+    from fusedserve.worker.sequence import SamplingParams
+
+    engine = Engine(TARGET, EngineConfig(num_blocks=64, max_num_seqs=4, speculative=spec,  # type: ignore[arg-type]
+                                         device="cuda", cuda_graphs=graphs))
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    return [c.token_ids for c in engine.generate(PROMPTS, params)], engine
+
+
+@needs_gpu
+def test_graph_engine_equals_eager_engine() -> None:
+    from fusedserve.worker.speculative import SpeculativeConfig
+
+    specs = {"none": None, "chain-3": SpeculativeConfig(DRAFT, num_steps=3),
+             "tree-topk4-steps4-tokens8": SpeculativeConfig(DRAFT, num_steps=4, topk=4, num_draft_tokens=8)}
+    baseline = None
+    for name, spec in specs.items():
+        eager, _ = _generate(spec, False)
+        graphed, engine = _generate(spec, True)
+        runner = engine.runner  # type: ignore[attr-defined]
+        assert runner.graphs is not None and runner.graphs.use_graphs and runner.graphs.runs > 0, name
+        if engine.speculator is not None:  # type: ignore[attr-defined]
+            draft = engine.speculator.draft  # type: ignore[attr-defined]
+            assert draft.graphs is not None and draft.graphs.use_graphs and draft.graphs.runs > 0, name
+        assert graphed == eager, name
+        baseline = baseline if baseline is not None else eager
+        assert graphed == baseline, f"{name}: speculation changed the greedy output"

@@ -1,0 +1,65 @@
+"""The engine's padded static-shape step forwards (``worker/step_graphs.py``; CUDA graphs on a
+GPU) give the eager engine's greedy outputs: decode, chain and tree verify, draft first pass and
+steps. On CPU they run eagerly on the same static buffers (``cuda_graphs=True``), which checks
+the packing, the padding rows and the tree masks as device tensors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fusedserve.models.forward_batch import ForwardBatch, KVCache, PagedAttentionMetadata
+from fusedserve.models.layers.attention import paged_attention_reference
+from fusedserve.models.layers.paged_attention_torch import paged_attention_torch
+from fusedserve.worker.draft_tree import tree_attention_mask
+from fusedserve.worker.engine import Engine, EngineConfig
+from fusedserve.worker.model_runner import ancestor_mask
+from fusedserve.worker.sequence import SamplingParams
+from fusedserve.worker.speculative import SpeculativeConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET = ROOT / "examples/checkpoints/tiny-code"
+DRAFT = str(ROOT / "examples/checkpoints/tiny-code-eagle3")
+PROMPTS = ["def fib(n):\n    ", "import os\nclass Foo:\n", "for i in range(10):"]
+
+
+def test_tail_mask_attention_equals_reference_tree_mask() -> None:
+    g = torch.Generator().manual_seed(0)
+    parents = (-1, 0, 0, 1, 2)
+    cached, n = 6, len(parents)
+    kv = KVCache.allocate({0: (2, 8)}, 4, 4, torch.float32)
+    kv.k[0].normal_(generator=g)
+    kv.v[0].normal_(generator=g)
+    table = [2, 0, 3]
+    slots = torch.tensor([table[p // 4] * 4 + p % 4 for p in range(cached, cached + n)])
+    q = torch.randn(n, 4, 8, generator=g)
+    k, v = torch.randn(n, 2, 8, generator=g), torch.randn(n, 2, 8, generator=g)
+    ids, pos = torch.zeros(n, dtype=torch.long), torch.tensor([cached + 0, cached + 1, cached + 1, cached + 2, cached + 2])
+    ref = paged_attention_reference(q, k, v, 0, ForwardBatch(ids, pos, [n], [cached + n], slots, [table], kv,
+                                                               attn_masks=[tree_attention_mask(parents, cached)]), 0.3)
+    meta = PagedAttentionMetadata.from_lists([n], [cached + n], [table], max_blocks=4)
+    meta.tail_mask = torch.tensor(ancestor_mask(parents)).view(n, n)
+    assert torch.equal(meta.tail_mask, tree_attention_mask(parents, cached)[:, cached:])
+    got = paged_attention_torch(q, k, v, 0, ForwardBatch(ids, pos, [n], [cached + n], slots, [table], kv, paged=meta),
+                                0.3)
+    assert torch.allclose(got, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("spec", [None, SpeculativeConfig(DRAFT, num_steps=3),
+                                  SpeculativeConfig(DRAFT, num_steps=3, topk=3, num_draft_tokens=6)],
+                         ids=["none", "chain", "tree"])
+def test_static_shape_steps_equal_eager(spec: SpeculativeConfig | None) -> None:
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = {}
+    for graphs in (False, True):
+        engine = Engine(TARGET, EngineConfig(num_blocks=12, max_num_seqs=2, speculative=spec, cuda_graphs=graphs,
+                                             cuda_graph_batch_sizes=(1, 2)))
+        outputs[graphs] = [c.token_ids for c in engine.generate(PROMPTS, params)]
+        if graphs:
+            assert engine.runner.graphs is not None and engine.runner.graphs.runs > 0
+            assert engine.runner.num_blocks == engine.runner.kv_cache.num_blocks - 1 == 12
+            if engine.speculator is not None:
+                assert engine.speculator.draft.graphs is not None and engine.speculator.draft.graphs.runs > 0
+    assert outputs[True] == outputs[False]
