@@ -133,22 +133,30 @@ def agree_num_blocks(runner: ModelRunner, group: Group) -> None:
 
 
 def load_rank_runner(model_dir: str | Path, config: EngineConfig, groups: ParallelGroups, backend: str,
-                     fusion: bool) -> ModelRunner:
-    """This rank's model shard and KV cache."""
+                     fusion: bool, kernel: str = "reference") -> ModelRunner:
+    """This rank's model shard and KV cache. ``kernel``: the fused AR + add + RMSNorm when ``fusion``
+    ("reference", or "flashinfer" on GPUs)."""
+    fused = None
+    if fusion and kernel != "reference":
+        from ..models.loader import load_config
+        from ..models.parallel.fused_allreduce_norm import make_fused_allreduce_norm
+
+        fused = make_fused_allreduce_norm(kernel, groups, load_config(model_dir).hidden_size, DTYPES[config.dtype])
     runner = ModelRunner.load(model_dir, config.block_size, config.num_blocks, config.kv_memory_fraction,
                               config.max_num_seqs, DTYPES[config.dtype], config.device, groups=groups,
-                              collectives=Collectives("nccl" if backend == "nccl" else "gloo"), fusion=fusion)
+                              collectives=Collectives("nccl" if backend == "nccl" else "gloo", fused=fused),
+                              fusion=fusion)
     agree_num_blocks(runner, groups.tp)
     return runner
 
 
 def run_engine_group(rank: int, world: int, backend: str, model_dir: str | Path, config: EngineConfig,
-                     lead: Callable[[Engine], T], fusion: bool = False) -> T | None:
+                     lead: Callable[[Engine], T], fusion: bool = False, kernel: str = "reference") -> T | None:
     """Run one rank of a tp=``world`` engine (torch.distributed already initialised, e.g. by
     ``run_on_ranks``): the leader builds the ``Engine`` and returns ``lead(engine)``; followers
     serve its forwards and return None."""
     groups = build_groups(ParallelConfig(world), rank, backend) if world > 1 else ParallelGroups.single_rank()
-    runner = load_rank_runner(model_dir, config, groups, backend, fusion)
+    runner = load_rank_runner(model_dir, config, groups, backend, fusion, kernel)
     channel = StepChannel(groups.tp)
     if not channel.is_leader:
         forwards = follow(runner, channel)
