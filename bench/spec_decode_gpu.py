@@ -38,10 +38,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT))  # bench.*; fusedserve stays the installed one
 
-from bench.train_tiny_pair import read, stdlib_files
+from bench.spec_decode_cpu import CONFIGS, TARGET, heldout_prompts
 
-TARGET = ROOT / "examples/checkpoints/tiny-code"
-DRAFT = str(ROOT / "examples/checkpoints/tiny-code-eagle3")
 _T0 = time.perf_counter()
 
 
@@ -50,36 +48,7 @@ def progress(msg: str) -> None:
 
 
 def configs() -> dict[str, Any]:
-    from fusedserve.worker.speculative import SpeculativeConfig
-
-    return {
-        "none": None,
-        "chain-3": SpeculativeConfig(DRAFT, num_steps=3),
-        "chain-4": SpeculativeConfig(DRAFT, num_steps=4),
-        "chain-5": SpeculativeConfig(DRAFT, num_steps=5),
-        "tree-topk4-steps4-tokens8": SpeculativeConfig(DRAFT, num_steps=4, topk=4, num_draft_tokens=8),
-    }
-
-
-def heldout_prompts(count: int, length: int) -> tuple[list[list[int]], list[str]]:
-    import sysconfig
-
-    from fusedserve.worker.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_dir(TARGET)
-    _train, held = stdlib_files()
-    prompts, names = [], []
-    for path in held:
-        texts = read([path])
-        ids = tok.encode(texts[0]) if texts else []
-        if len(ids) >= length:
-            prompts.append(ids[:length])
-            names.append(str(path.relative_to(sysconfig.get_paths()["stdlib"])))
-        if len(prompts) == count:
-            break
-    if len(prompts) < count:
-        raise SystemExit(f"only {len(prompts)} held-out files have {length} tokens")
-    return prompts, names
+    return dict(CONFIGS)
 
 
 def sync(device: str) -> None:
