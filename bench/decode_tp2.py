@@ -204,7 +204,7 @@ def _rank(rank: int, world: int, backend: str, opts: dict[str, Any]) -> dict[str
             prof = profile_step(entry.graph.replay, device, top=24)
             if rank == 0:
                 res["profile_batch1_replay"] = prof
-        if rank == 0 and "profile_batch1_replay" in out:
+        if rank == 0 and "profile_batch1_replay" in res:
             prof = res["profile_batch1_replay"]
             progress(f"[{tag} {vname}] profile of one replay: {prof['kernels_per_step']:.0f} kernels, "
                      f"{prof['kernel_us_per_step']:.0f} us of kernel time; by kind "

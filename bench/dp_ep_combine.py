@@ -113,8 +113,8 @@ def run_verify_matrix(tiny: bool, backend: str) -> list[dict[str, Any]]:
         VerifyOptions,
         _assemble_logits,
         _oracle_logits,
-        compare_collectives,
         default_prompts,
+        ranks_collectives,
     )
 
     tmp = Path(tempfile.mkdtemp(prefix="dp-ep-verify-"))
@@ -152,11 +152,7 @@ def run_verify_matrix(tiny: bool, backend: str) -> list[dict[str, Any]]:
         oracle = oracles[(opts.model, opts.dtype)]
         max_diff = float((ours - oracle).abs().max())
         planned = results[0]["planned"]
-        coll_ok, _sites, mismatches = compare_collectives(planned, [r["executed"] for r in results])
-        coll_ok = coll_ok and all(r["planned"] == planned for r in results)
-        paths: dict[str, int] = {}
-        for (op, group, path), n in results[0]["paths"].items():
-            paths[f"{op}/{group}/{path}"] = n
+        coll_ok, _sites, mismatches, paths = ranks_collectives(results)
         row.update(ok=max_diff <= opts.atol and coll_ok, max_abs_diff=max_diff, tolerance=opts.atol,
                    logits_ok=max_diff <= opts.atol, planned_equals_executed=coll_ok,
                    planned_per_forward=len(planned), executed_per_forward=[len(r["executed"]) for r in results],

@@ -131,10 +131,10 @@ def reconcile(body: Any, patch: kopf.Patch, memo: Any, logger: Any, **_: Any) ->
         raise kopf.PermanentError(f"invalid spec: {e}") from e
     kube: KubeClient = memo.kube
     try:
-        monitor_crd = spec.monitoring.pod_monitor and kube.crd_exists(POD_MONITOR_CRD)
+        monitor_crd = kube.crd_exists(POD_MONITOR_CRD)
         children = desired_children(owner, spec, monitor_crd)
         outcomes = {obj["kind"]: kube.apply(obj) for obj in children.all()}
-        stale_monitor = children.pod_monitor is None and kube.crd_exists(POD_MONITOR_CRD)
+        stale_monitor = children.pod_monitor is None and monitor_crd  # monitoring turned off
         if stale_monitor and kube.delete("PodMonitor", owner.namespace, owner.pod_monitor):
             outcomes["PodMonitor"] = "deleted"  # type: ignore[assignment]
     except KubeError as e:

@@ -212,6 +212,17 @@ def _label(key: tuple[str, str, str]) -> str:
     return f"{key[1]}({key[2]})"
 
 
+def ranks_collectives(results: list[dict[str, Any]]
+                      ) -> tuple[bool, dict[str, dict[str, list[str]]], list[str], dict[str, int]]:
+    """Every rank's executed collectives against rank 0's plan (and every rank planning the same):
+    (all match, per site, deviations, rank 0's calls by "op/group/path")."""
+    planned = results[0]["planned"]
+    ok, per_site, mismatches = compare_collectives(planned, [r["executed"] for r in results])
+    ok = ok and all(r["planned"] == planned for r in results)
+    paths = {f"{op}/{group}/{path}": n for (op, group, path), n in results[0]["paths"].items()}
+    return ok, per_site, mismatches, paths
+
+
 def compare_collectives(planned: list[tuple[str, str, str]], executed_by_rank: list[list[tuple[str, str, str]]]
                         ) -> tuple[bool, dict[str, dict[str, list[str]]], list[str]]:
     """Planned vs executed per site (rank 0's view) and every rank's deviations."""
@@ -260,11 +271,7 @@ def run_verify(opts: VerifyOptions) -> VerifyReport:
     diff = (ours - oracle).abs()
     max_diff = float(diff.max())
     planned = results[0]["planned"]
-    coll_ok, per_site, mismatches = compare_collectives(planned, [r["executed"] for r in results])
-    coll_ok = coll_ok and all(r["planned"] == planned for r in results)
-    paths: dict[str, int] = {}
-    for (op, group, path), n in results[0]["paths"].items():
-        paths[f"{op}/{group}/{path}"] = n
+    coll_ok, per_site, mismatches, paths = ranks_collectives(results)
     report = VerifyReport(
         architecture=arch, tp=opts.tp, dp=opts.dp, ep=opts.ep, fusion=opts.fusion, oracle=opts.oracle,
         dtype=opts.dtype, max_abs_diff=max_diff, tolerance=opts.atol, logits_ok=max_diff <= opts.atol,
