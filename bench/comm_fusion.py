@@ -55,8 +55,8 @@ def _rank(rank: int, world: int, backend: str, hiddens: list[int]) -> dict:  # t
     from flashinfer.comm import AllReduceFusionPattern, allreduce_fusion
 
     from fusedserve.models.parallel.collectives import Collectives
-    from fusedserve.models.parallel.flashinfer_fusion import FlashInferFusedAllReduceNorm
-    from fusedserve.models.parallel.fused_allreduce_norm import add_rms_norm
+    from fusedserve.models.parallel.fusion.flashinfer import FlashInferFusedAllReduceNorm
+    from fusedserve.models.parallel.fusion.reference import add_rms_norm
     from fusedserve.models.parallel.groups import ParallelConfig, build_groups
 
     groups = build_groups(ParallelConfig(world), rank, backend)
@@ -109,7 +109,7 @@ def _rank(rank: int, world: int, backend: str, hiddens: list[int]) -> dict:  # t
 
 
 def main() -> None:
-    from fusedserve.worker.local_ranks import run_on_ranks
+    from fusedserve.worker.parallel.local_ranks import run_on_ranks
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--hidden", type=int, nargs="+", default=[7168, 4096])

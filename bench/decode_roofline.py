@@ -322,7 +322,7 @@ def measure(name: str, model: Any, prompt: torch.Tensor, hf_prefill: torch.Tenso
             bw: float, weight_bytes: int, embed_bytes: int, args: Any, device: torch.device) -> dict[str, Any]:
     """Prefill check, capture, (b) batch-1 decode, (d) throughput, profile: one kernel set."""
     from fusedserve.models.forward_batch import ForwardBatch, KVCache
-    from fusedserve.worker.cuda_graph_runner import CudaGraphRunner
+    from fusedserve.worker.executor.cuda_graph_runner import CudaGraphRunner
 
     out: dict[str, Any] = {"kernels": model.kernels.name,
                            "skinny_matmul": model.kernels.matmul is not None}

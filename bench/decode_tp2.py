@@ -97,9 +97,9 @@ def _rank(rank: int, world: int, backend: str, opts: dict[str, Any]) -> dict[str
     from fusedserve.models.llama import LlamaForCausalLM
     from fusedserve.models.loader import load_weights
     from fusedserve.models.parallel.collectives import Collectives
-    from fusedserve.models.parallel.fused_allreduce_norm import make_fused_allreduce_norm
+    from fusedserve.models.parallel.fusion.reference import make_fused_allreduce_norm
     from fusedserve.models.parallel.groups import ParallelConfig, build_groups
-    from fusedserve.worker.cuda_graph_runner import CudaGraphRunner
+    from fusedserve.worker.executor.cuda_graph_runner import CudaGraphRunner
 
     cuda = backend == "nccl"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -233,7 +233,7 @@ def _rank(rank: int, world: int, backend: str, opts: dict[str, Any]) -> dict[str
 
 
 def main() -> None:
-    from fusedserve.worker.local_ranks import run_on_ranks
+    from fusedserve.worker.parallel.local_ranks import run_on_ranks
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=f"bench/results/{datetime.date.today()}-decode-tp2-h200x2.json")

@@ -145,10 +145,10 @@ def _rank(rank: int, world: int, backend: str, opts: dict[str, Any]) -> dict[str
     from fusedserve.models.forward_batch import KVCache
     from fusedserve.models.layers.kernels import Kernels
     from fusedserve.models.parallel.collectives import Collectives
-    from fusedserve.models.parallel.fused_allreduce_norm import make_fused_allreduce_norm
+    from fusedserve.models.parallel.fusion.reference import make_fused_allreduce_norm
     from fusedserve.models.parallel.groups import ParallelConfig, build_groups
     from fusedserve.models.random_init import random_model
-    from fusedserve.worker.cuda_graph_runner import CudaGraphRunner
+    from fusedserve.worker.executor.cuda_graph_runner import CudaGraphRunner
 
     dt._kind = _kind  # the profile's kinds of kernel for this model
     cuda = backend == "nccl"
@@ -168,7 +168,7 @@ def _rank(rank: int, world: int, backend: str, opts: dict[str, Any]) -> dict[str
     collectives = Collectives(backend, fused=fused)
     kernels = Kernels.triton() if cuda else Kernels.torch_native()
     t = time.perf_counter()
-    model = random_model(config, groups, collectives, True, dtype=torch.bfloat16, device=device, seed=0,
+    model = random_model(config, groups, collectives, dtype=torch.bfloat16, device=device, seed=0,
                          kernels=kernels)
     sync(device)
     moe0 = model.layers[0].mlp
@@ -297,7 +297,7 @@ def _rank(rank: int, world: int, backend: str, opts: dict[str, Any]) -> dict[str
 
 
 def main() -> None:
-    from fusedserve.worker.local_ranks import run_on_ranks
+    from fusedserve.worker.parallel.local_ranks import run_on_ranks
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=f"bench/results/{datetime.date.today()}-deepseek-slice-h200x2.json")

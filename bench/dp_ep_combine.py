@@ -88,7 +88,7 @@ def progress(msg: str) -> None:
 
 def _verify_rank(rank: int, world: int, backend: str, jobs: list[tuple[str, Any]],
                  prompts: dict[str, list[list[int]]]) -> list[dict[str, Any]]:
-    from fusedserve.worker.verify import _rank_main
+    from fusedserve.verify import _rank_main
 
     torch.backends.cudnn.allow_tf32 = False  # fp32 rows compare at 1e-4 (matmuls are fp32 by default)
     out = []
@@ -108,8 +108,8 @@ def _verify_rank(rank: int, world: int, backend: str, jobs: list[tuple[str, Any]
 
 def run_verify_matrix(tiny: bool, backend: str) -> list[dict[str, Any]]:
     from fusedserve.tiny import make_tiny_deepseek_v3, make_tiny_nemotron_h
-    from fusedserve.worker.local_ranks import run_on_ranks
-    from fusedserve.worker.verify import (
+    from fusedserve.worker.parallel.local_ranks import run_on_ranks
+    from fusedserve.verify import (
         VerifyOptions,
         _assemble_logits,
         _oracle_logits,
@@ -231,7 +231,7 @@ def _bench_rank(rank: int, world: int, backend: str, opts: dict[str, Any]) -> di
     collectives = Collectives(backend)  # no fused all-reduce under DP attention
     kernels = Kernels.triton() if cuda else Kernels.torch_native()
     t = time.perf_counter()
-    model = random_model(config, groups, collectives, False, dtype=torch.bfloat16, device=device, seed=0,
+    model = random_model(config, groups, collectives, dtype=torch.bfloat16, device=device, seed=0,
                          kernels=kernels)
     out: dict[str, Any] = {"rank": rank, "dp_rank": groups.coords.dp_rank, "kernels": kernels.name,
                            "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
@@ -374,7 +374,7 @@ def _bench_rank(rank: int, world: int, backend: str, opts: dict[str, Any]) -> di
 
 
 def run_benchmark(tiny: bool, backend: str, layers: int) -> dict[str, Any]:
-    from fusedserve.worker.local_ranks import run_on_ranks
+    from fusedserve.worker.parallel.local_ranks import run_on_ranks
 
     ranks = run_on_ranks(_bench_rank, 2, {"tiny": tiny, "layers": layers}, backend=backend, timeout_s=600)
     summary = []

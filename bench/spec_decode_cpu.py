@@ -29,15 +29,16 @@ from pathlib import Path
 
 import torch
 
+from fusedserve.worker.engine.config import EngineConfig
+from fusedserve.worker.engine.engine import Engine
+from fusedserve.worker.engine.sequence import SamplingParams
+from fusedserve.worker.spec_decode.config import SpeculativeConfig
+from fusedserve.worker.spec_decode.stats import SpecDecodeStats
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))  # bench.*, after the installed package is imported (bench/common.py says why)
 
-from fusedserve.worker.engine import Engine, EngineConfig
-from fusedserve.worker.sequence import SamplingParams
-from fusedserve.worker.spec_stats import SpecDecodeStats
-from fusedserve.worker.speculative import SpeculativeConfig
-
-from bench.train_tiny_pair import read, stdlib_files
+from bench.train_tiny_pair import read, stdlib_files  # noqa: E402
 
 TARGET = ROOT / "examples/checkpoints/tiny-code"
 DRAFT = str(ROOT / "examples/checkpoints/tiny-code-eagle3")
@@ -51,7 +52,7 @@ CONFIGS: dict[str, SpeculativeConfig | None] = {
 
 
 def heldout_prompts(count: int, length: int) -> tuple[list[list[int]], list[str]]:
-    from fusedserve.worker.tokenizer import Tokenizer
+    from fusedserve.worker.engine.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(TARGET)
     _train, held = stdlib_files()

@@ -3,10 +3,10 @@
     . bench/device_env.sh && python3 -P bench/spec_decode_gpu.py --out $OUT/spec-decode-gpu.json
     python bench/spec_decode_gpu.py --tiny          # CPU, a few prompts: checks the script only
 
-The real engine path: ``worker/engine.py`` (scheduler, model runner, sampler, detokenizer) with
+The real engine path: ``worker/engine/`` (scheduler, executor, sampler, detokenizer) with
 ``EngineConfig(device="cuda", speculative=..., cuda_graphs=...)`` over examples/checkpoints/tiny-code
 and its EAGLE3 draft tiny-code-eagle3, with CUDA graphs (decode / verify / draft steps replayed,
-``worker/step_graphs.py``) and eager (``--graphs on,off``; CPU: the padded static-shape path
+``worker/executor/step_graphs.py``) and eager (``--graphs on,off``; CPU: the padded static-shape path
 run eagerly). Prompts: the first ``--prompt-len`` tokens of held-out
 standard-library files of this interpreter (never trained on), greedy, ``ignore_eos``,
 ``--new-tokens`` each; configurations as in bench/spec_decode_cpu.py (none, chains of 3/4/5
@@ -35,8 +35,10 @@ from typing import Any
 
 import torch
 
+import fusedserve.worker  # noqa: F401,E402  (the installed package, before the checkout joins sys.path)
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.append(str(ROOT))  # bench.*; fusedserve stays the installed one
+sys.path.append(str(ROOT))  # bench.*; fusedserve stays the installed one (bench/common.py)
 
 from bench.spec_decode_cpu import CONFIGS, TARGET, heldout_prompts
 
@@ -83,8 +85,9 @@ NESTED = "draft_forwards_within_drafting"  # inside "drafting": not subtracted f
 
 def run(label: str, spec: Any, prompts: list[list[int]], batch: int, args: Any, graphs: bool, phases: bool = False
         ) -> dict[str, Any]:
-    from fusedserve.worker.engine import Engine, EngineConfig
-    from fusedserve.worker.sequence import SamplingParams
+    from fusedserve.worker.engine.config import EngineConfig
+    from fusedserve.worker.engine.engine import Engine
+    from fusedserve.worker.engine.sequence import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
     engine = Engine(TARGET, EngineConfig(num_blocks=args.num_blocks, max_num_seqs=batch, speculative=spec,
@@ -92,12 +95,12 @@ def run(label: str, spec: Any, prompts: list[list[int]], batch: int, args: Any, 
     timer = None
     if phases:
         timer = PhaseTimer(args.device)
-        timer.wrap(engine.runner, "forward", "target_forward")
+        timer.wrap(engine.runner, "run", "target_forward")
         timer.wrap(engine, "step", "engine_step")
         if engine.speculator is not None:
             timer.wrap(engine.speculator, "propose", "drafting")
             timer.wrap(engine.speculator, "_accept", "accept_and_relocate")
-            timer.wrap(engine.speculator.draft, "forward", NESTED)
+            timer.wrap(engine.speculator.draft, "run", NESTED)
     ids = {engine.add_request(p, params): i for i, p in enumerate(prompts)}
     tokens: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
     steps = 0
@@ -118,7 +121,7 @@ def run(label: str, spec: Any, prompts: list[list[int]], batch: int, args: Any, 
         res["acceptance_length"] = spec_stats.acceptance_length
         res["accepted_per_position_rate"] = [n / spec_stats.drafts for n in spec_stats.accepted_per_position] \
             if spec_stats.drafts else []
-    graphed = {"target": engine.runner.graphs.runs if engine.runner.graphs is not None else 0}
+    graphed = {"target": engine.executor.graphs.runs if engine.executor.graphs is not None else 0}
     if engine.speculator is not None:
         dg = engine.speculator.draft.graphs
         graphed["draft"] = dg.runs if dg is not None else 0
@@ -212,7 +215,7 @@ def main() -> None:
         "date": str(datetime.date.today()), "machine": machine,
         "software": f"Python {platform.python_version()}, torch {torch.__version__}",
         "command": " ".join(["python", *sys.argv]),
-        "what": f"tiny-code + tiny-code-eagle3 through worker/engine.py on {args.device}, {args.dtype}; graphs_on: "
+        "what": f"tiny-code + tiny-code-eagle3 through the engine (worker/engine/) on {args.device}, {args.dtype}; graphs_on: "
                 f"CUDA graphs (torch graph-safe kernels, decode/verify/draft steps replayed at padded batch sizes), "
                 f"graphs_off: eager (reference kernels); greedy ignore_eos; prompts = first {args.prompt_len} "
                 f"tokens of {len(prompts)} held-out stdlib files, {args.new_tokens} new tokens each",

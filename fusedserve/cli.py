@@ -8,7 +8,7 @@ import sys
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from fusedserve.worker.verify import VerifyError, VerifyOptions, load_prompts_file, run_verify
+    from fusedserve.verify import VerifyError, VerifyOptions, load_prompts_file, run_verify
 
     try:
         opts = VerifyOptions(
@@ -25,8 +25,8 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from fusedserve.worker.config import SpecError
-    from fusedserve.worker.launcher import run
+    from fusedserve.worker.ray.launcher import run
+    from fusedserve.worker.spec import SpecError
 
     try:
         return run(args.manifest, smoke=args.smoke, port=args.port, ray_address=args.ray_address, host=args.host,

@@ -1,37 +1,68 @@
 """What every decoder-only model here shares: the forward over its layers, and checkpoint renaming.
 
 The model files only say which embedding, layers, final norm and head they have; the order of
-work (begin the forward, run the layers, complete the last owed sum in the final boundary, keep
-the rows whose logits are wanted, gather the vocabulary shards) lives here once.
+work lives here once: begin the forward (its ``ForwardContext``), run each layer's input
+boundary, capture the EAGLE3 aux states there, run the layer, complete the last owed sum in the
+final boundary, keep the rows whose logits are wanted, gather the vocabulary shards.
+
+The aux capture rule (seed bug 1, sglang PR #28343): the aux state of layer i is the residual
+stream *after* layer i's input boundary completed every sum owed to it (the complete output of
+layer i-1, pre-norm) — never ``hidden + residual`` before it, which under a deferred all-reduce
+is each rank's own partial sum. Boundaries return a fresh residual that nothing writes into
+later, so the captured tensor needs no copy.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from .forward_batch import ForwardBatch
-from .parallel.communicator import Communicator
+from .interface import ModelOutput
+from .parallel.communicator import Communicator, ForwardContext, NormWeights
 from .parallel.layouts import Unreduced
 
 Stacked = tuple[tuple[str, str, object], ...]  # (our fused name part, HF name part, shard id)
 
 
-def decoder_logits(batch: ForwardBatch, comm: Communicator, embed: Any, layers: Iterable[Any],
-                   final_boundary: int, final_norm: Any, lm_head: Any, vocab_size: int) -> torch.Tensor:
-    """Logits for ``batch.logits_indices`` rows (all rows if None): [n, vocab_size]."""
-    comm.begin_forward(batch.num_tokens, batch.dp_num_tokens)
+class DecoderLayer(Protocol):
+    """A layer after its input boundary: ``input_boundary`` (its index in the plan) and
+    ``input_norm`` say where its input is completed and normed; the call runs the rest."""
+
+    layer_id: int
+    input_boundary: int
+
+    @property
+    def input_norm(self) -> NormWeights: ...
+
+    def __call__(self, h: torch.Tensor, residual: torch.Tensor, batch: ForwardBatch,
+                 ctx: ForwardContext) -> tuple[Unreduced, torch.Tensor]: ...
+
+
+def decoder_forward(batch: ForwardBatch, comm: Communicator, embed: Any, layers: Iterable[DecoderLayer],
+                    final_boundary: int, final_norm: Any, lm_head: Any, vocab_size: int) -> ModelOutput:
+    """Logits for ``batch.logits_indices`` rows (all rows if None), [n, vocab_size], and the aux
+    states of ``batch.aux_layers`` ([num_tokens, hidden] each, in that order)."""
+    ctx = comm.begin_forward(batch.num_tokens, batch.dp_num_tokens, batch.dp_padding, batch.dp_real_tokens)
+    wanted = frozenset(batch.aux_layers)
+    aux: dict[int, torch.Tensor] = {}
     x: Unreduced = embed(batch.input_ids)
     residual: torch.Tensor | None = None
     for layer in layers:
-        x, residual = layer(x, residual, batch, comm)
-    h, _ = comm.boundary(final_boundary, x, residual, final_norm)
+        h, residual = ctx.boundary(layer.input_boundary, x, residual, layer.input_norm)
+        if layer.layer_id in wanted:
+            aux[layer.layer_id] = residual  # the complete stream entering this layer
+        x, residual = layer(h, residual, batch, ctx)
+    h, _ = ctx.boundary(final_boundary, x, residual, final_norm)
     if batch.logits_indices is not None:
         h = h[batch.logits_indices]
-    logits = comm.gather_vocab(lm_head.logits_shard(h))
-    return logits[:, :vocab_size]
+    logits = ctx.gather_vocab(lm_head.logits_shard(h))
+    missing = wanted - aux.keys()
+    if missing:
+        raise ValueError(f"aux states asked of layers {sorted(missing)}, which this model does not have")
+    return ModelOutput(logits[:, :vocab_size], tuple(aux[i] for i in batch.aux_layers))
 
 
 def stacked_name(name: str, stacked: Stacked) -> tuple[str, object | None]:

@@ -18,10 +18,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from .decoder_stack import decoder_logits, stacked_name
+from .decoder_stack import decoder_forward, stacked_name
 from .forward_batch import ForwardBatch
+from .interface import ModelOutput
 from .layers.experts import parse_expert_name
 from .layers.kernels import Kernels
+from .layers.mamba_state import MambaStateShape
 from .layers.mla import MLADims, MLAttention
 from .layers.mla_rotary import MLARotary, mla_softmax_scale
 from .layers.mlp import GatedMLP
@@ -33,7 +35,7 @@ from .layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from .layers.weight_source import WeightShapeError
 from .parallel.collectives import Collectives
 from .parallel.comm_plan import BlockSpec, plan_communication, vocab_group
-from .parallel.communicator import Communicator
+from .parallel.communicator import Communicator, ForwardContext
 from .parallel.groups import ParallelGroups
 from .parallel.layouts import Layout, Unreduced
 
@@ -64,24 +66,31 @@ class DeepseekV3DecoderLayer(nn.Module):
             self.mlp = GatedMLP(h, config.intermediate_size, groups.tp, dtype=dtype, device=device,
                                 act=kernels.silu_and_mul)
 
-    def forward(self, incoming: Unreduced, residual: torch.Tensor | None, batch: ForwardBatch,
-                comm: Communicator) -> tuple[Unreduced, torch.Tensor]:
-        i = self.layer_id
-        h, residual = comm.boundary(2 * i, incoming, residual, self.input_layernorm)
-        comm.after_input_boundary(i, residual)
-        h, residual = comm.boundary(2 * i + 1, self.self_attn(h, batch), residual, self.post_attention_layernorm)
-        out = self.mlp(h, comm.valid_rows) if isinstance(self.mlp, MoE) else self.mlp(h)
+    @property
+    def input_boundary(self) -> int:
+        return 2 * self.layer_id
+
+    @property
+    def input_norm(self) -> RMSNorm:
+        return self.input_layernorm
+
+    def forward(self, h: torch.Tensor, residual: torch.Tensor, batch: ForwardBatch,
+                ctx: ForwardContext) -> tuple[Unreduced, torch.Tensor]:
+        # h: [n, hidden] normed input (the decoder stack ran boundary 2i) -> the MLP block's owed sum
+        h, residual = ctx.boundary(2 * self.layer_id + 1, self.self_attn(h, batch), residual,
+                                   self.post_attention_layernorm)
+        out = self.mlp(h, ctx.valid_rows) if isinstance(self.mlp, MoE) else self.mlp(h)
         return out, residual
 
 
 class DeepseekV3ForCausalLM(nn.Module):
     """``kernels``: attention, norms, activation and routed-expert implementations (default: the
     torch references and the per-expert loop); a ``graph_safe`` set (``Kernels.triton()`` on a
-    GPU) makes the decode forward capturable by ``worker/cuda_graph_runner.py``."""
+    GPU) makes the decode forward capturable by the executor's CUDA graphs (``worker/executor/step_graphs.py``)."""
 
-    def __init__(self, config: Any, groups: ParallelGroups, collectives: Collectives, fusion: bool,
+    def __init__(self, config: Any, groups: ParallelGroups, collectives: Collectives,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                 kernels: Kernels | None = None) -> None:
+                 kernels: Kernels | None = None, *, dp_combine: str = "reduce_scatter") -> None:
         super().__init__()
         self.config = config
         self.kernels = kernels or Kernels.reference()
@@ -104,7 +113,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         # Instance attribute: the routed-expert shard ids depend on this rank's EP slice.
         self.stacked_params = self.dense_stacked_params + tuple(
             expert_stacked_params(moe.experts) if moe is not None else ())
-        plan = plan_communication(groups.config, self.blocks(config), fusion)
+        # The plan fuses exactly when this rank has a fused kernel (fusion/selection.py decided it);
+        # dp_combine is benchmark-only (see comm_plan.py): no spec or CLI reaches it.
+        plan = plan_communication(groups.config, self.blocks(config), collectives.fused is not None,
+                                  dp_combine=dp_combine)
         self.comm = Communicator(plan, groups, collectives, norms=self.kernels.norms)
 
     @staticmethod
@@ -117,6 +129,9 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def kv_shapes(self) -> dict[int, tuple[int, ...]]:
         return {layer.layer_id: layer.self_attn.kv_shape() for layer in self.decoder_layers()}
+
+    def state_shapes(self) -> dict[int, MambaStateShape]:
+        return {}
 
     def decoder_layers(self) -> list[DeepseekV3DecoderLayer]:
         return [layer for layer in self.layers if isinstance(layer, DeepseekV3DecoderLayer)]
@@ -149,7 +164,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         return stacked_name(name, self.dense_stacked_params)
 
     @torch.no_grad()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits for ``batch.logits_indices`` rows (all rows if None): [n, vocab_size]."""
-        return decoder_logits(batch, self.comm, self.embed_tokens, self.layers, len(self.layers) * 2, self.norm,
-                              self.lm_head, self.config.vocab_size)
+    def forward(self, batch: ForwardBatch) -> ModelOutput:
+        """Logits for ``batch.logits_indices`` rows (all rows if None), [n, vocab_size], and the aux
+        states of ``batch.aux_layers``."""
+        return decoder_forward(batch, self.comm, self.embed_tokens, self.layers, len(self.layers) * 2, self.norm,
+                               self.lm_head, self.config.vocab_size)

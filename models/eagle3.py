@@ -12,9 +12,9 @@ x = cat(input_norm(embed(token)), hidden_norm(hidden_in)); h = attn(x); (h, resi
 post_norm(h + residual); h = mlp(h); (out, residual) = norm(h + residual);
 logits = lm_head(out) over the draft vocab; the next step's hidden is ``residual``.
 
-The draft is small and runs replicated on every rank (no collectives); its KV cache is its
-own. Aux states come from the target's communicator (``capture_inputs_of``), which records
-the complete residual stream entering layers ``aux_layers(...)``.
+The draft is small and runs on the engine's leader only (no collectives); its KV cache is its
+own. Aux states come from the target's forward (``ForwardBatch.aux_layers`` ->
+``ModelOutput.hidden``): the complete residual stream entering layers ``aux_layers(...)``.
 """
 
 from __future__ import annotations
@@ -25,12 +25,14 @@ import torch
 from torch import nn
 
 from .forward_batch import ForwardBatch
+from .interface import ModelOutput
 from .layers.attention import AttentionBackend
+from .layers.mamba_state import MambaStateShape
 from .layers.mlp import GatedMLP
 from .layers.norm import RMSNorm
 from .layers.rotary import RotaryEmbedding, rope_parameters
 from .layers.self_attention import SelfAttention
-from .parallel.fused_allreduce_norm import add_rms_norm
+from .parallel.fusion.reference import add_rms_norm
 from .parallel.groups import Group
 
 
@@ -83,14 +85,20 @@ class Eagle3Draft(nn.Module):
     def kv_shapes(self) -> dict[int, tuple[int, int]]:
         return {0: self.self_attn.kv_shape()}
 
+    def state_shapes(self) -> dict[int, MambaStateShape]:
+        return {}
+
     @torch.no_grad()
-    def forward(self, batch: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, batch: ForwardBatch) -> ModelOutput:
         """One draft step for every token of ``batch``.
 
-        hidden: [n, 3*H_target] (aux states, first step) or [n, H] (previous draft output).
-        Returns (draft-vocab logits [n, draft_vocab], next hidden [n, H]); logits only for
-        ``batch.logits_indices`` rows when set (the hidden is returned for every row).
+        batch.input_hidden: [n, 3*H_target] (aux states, first step) or [n, H] (previous draft output).
+        Returns draft-vocab logits [rows, draft_vocab] (``batch.logits_indices`` rows when set) and
+        ``hidden = (next hidden [n, H],)`` for every row.
         """
+        hidden = batch.input_hidden
+        if hidden is None:
+            raise ValueError("the EAGLE3 draft needs batch.input_hidden (aux states or its own hidden state)")
         if hidden.shape[-1] != self.embed_tokens.weight.shape[1]:
             hidden = self.fc(hidden)
         residual = hidden
@@ -102,7 +110,7 @@ class Eagle3Draft(nn.Module):
         out, residual = add_rms_norm(h, residual, self.norm.weight, self.norm.eps)
         if batch.logits_indices is not None:
             out = out[batch.logits_indices]
-        return self.lm_head(out), residual
+        return ModelOutput(self.lm_head(out), (residual,))
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from .parallel.dp_geometry import Padding
+
 
 @dataclass
 class KVCache:
@@ -113,11 +115,22 @@ class ForwardBatch:
     # Per-sequence recurrent-state slots (Mamba layers) and their storage; None without such layers.
     state_slots: list[int] | None = None
     state_cache: Any = None
-    # DP attention: tokens of every DP group this forward (this batch is this rank's DP group's).
+    # DP attention: tokens of every DP group this forward (this batch is this rank's DP group's);
+    # the padding mode (None = chosen per forward, as sglang does); the real tokens of each DP group
+    # as a [dp] device tensor when dp_num_tokens are padded counts (a CUDA-graph replay), else None.
     dp_num_tokens: list[int] | None = None
+    dp_padding: Padding | None = None
+    dp_real_tokens: torch.Tensor | None = None
+    # EAGLE3: target layers whose complete input residual stream the forward returns (ModelOutput.hidden).
+    aux_layers: tuple[int, ...] = ()
+    # The EAGLE3 draft's per-row hidden input: [T, 3*H_target] (aux states) or [T, H] (its own).
+    input_hidden: torch.Tensor | None = None
     extras: dict[str, object] = field(default_factory=dict)
     # The paged layout as device tensors; None = built from the lists above on first use.
     paged: PagedAttentionMetadata | None = None
+    # The attention backend's plan for this forward (e.g. FlashInfer wrappers planned for it); None =
+    # the backend needs none.
+    attention: Any = None
 
     def paged_metadata(self) -> PagedAttentionMetadata:
         """``paged``, built from the Python lists (one host-to-device copy) when not given."""

@@ -11,10 +11,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from .decoder_stack import decoder_logits, stacked_name
+from .decoder_stack import decoder_forward, stacked_name
 from .forward_batch import ForwardBatch
+from .interface import ModelOutput
 from .layers.kernels import Kernels
 from .layers.linear import use_matmul
+from .layers.mamba_state import MambaStateShape
 from .layers.mlp import GatedMLP
 from .layers.norm import RMSNorm
 from .layers.rotary import RotaryEmbedding, rope_parameters
@@ -22,7 +24,7 @@ from .layers.self_attention import SelfAttention
 from .layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from .parallel.collectives import Collectives
 from .parallel.comm_plan import BlockSpec, plan_communication, vocab_group
-from .parallel.communicator import Communicator
+from .parallel.communicator import Communicator, ForwardContext
 from .parallel.groups import ParallelGroups
 from .parallel.layouts import Layout, Unreduced
 
@@ -48,12 +50,19 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = GatedMLP(h, config.intermediate_size, groups.tp, getattr(config, "mlp_bias", False),
                             dtype, device, act=kernels.silu_and_mul)
 
-    def forward(self, incoming: Unreduced, residual: torch.Tensor | None, batch: ForwardBatch,
-                comm: Communicator) -> tuple[Unreduced, torch.Tensor]:
-        i = self.layer_id
-        h, residual = comm.boundary(2 * i, incoming, residual, self.input_layernorm)
-        comm.after_input_boundary(i, residual)
-        h, residual = comm.boundary(2 * i + 1, self.self_attn(h, batch), residual, self.post_attention_layernorm)
+    @property
+    def input_boundary(self) -> int:
+        return 2 * self.layer_id
+
+    @property
+    def input_norm(self) -> RMSNorm:
+        return self.input_layernorm
+
+    def forward(self, h: torch.Tensor, residual: torch.Tensor, batch: ForwardBatch,
+                ctx: ForwardContext) -> tuple[Unreduced, torch.Tensor]:
+        # h: [n, hidden] normed input (the decoder stack ran boundary 2i) -> the MLP's owed sum
+        h, residual = ctx.boundary(2 * self.layer_id + 1, self.self_attn(h, batch), residual,
+                                   self.post_attention_layernorm)
         return self.mlp(h), residual
 
 
@@ -61,9 +70,9 @@ class LlamaForCausalLM(nn.Module):
     """``kernels``: the implementation of attention, norms, RoPE and activation (default: the torch
     references); ``Kernels.triton()`` on a GPU, and any ``graph_safe`` set for CUDA graphs."""
 
-    def __init__(self, config: Any, groups: ParallelGroups, collectives: Collectives, fusion: bool,
+    def __init__(self, config: Any, groups: ParallelGroups, collectives: Collectives,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                 kernels: Kernels | None = None) -> None:
+                 kernels: Kernels | None = None, *, dp_combine: str = "reduce_scatter") -> None:
         super().__init__()
         self.config = config
         self.kernels = kernels or Kernels.reference()
@@ -81,7 +90,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.tie_to(self.embed_tokens)
         if self.kernels.matmul is not None:
             use_matmul(self, self.kernels.matmul)
-        plan = plan_communication(groups.config, self.blocks(config), fusion)
+        # The plan fuses exactly when this rank has a fused kernel (fusion/selection.py decided it);
+        # dp_combine is benchmark-only (see comm_plan.py): no spec or CLI reaches it.
+        plan = plan_communication(groups.config, self.blocks(config), collectives.fused is not None,
+                                  dp_combine=dp_combine)
         self.comm = Communicator(plan, groups, collectives, norms=self.kernels.norms)
 
     @staticmethod
@@ -95,6 +107,9 @@ class LlamaForCausalLM(nn.Module):
     def kv_shapes(self) -> dict[int, tuple[int, int]]:
         layers: list[LlamaDecoderLayer] = list(self.layers)  # type: ignore[arg-type]
         return {layer.layer_id: layer.self_attn.kv_shape() for layer in layers}
+
+    def state_shapes(self) -> dict[int, MambaStateShape]:
+        return {}
 
     # HF checkpoint names -> (our parameter, shard id) for stacked parameters.
     stacked_params = (
@@ -115,7 +130,8 @@ class LlamaForCausalLM(nn.Module):
         return stacked_name(name, self.stacked_params)
 
     @torch.no_grad()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits for ``batch.logits_indices`` rows (all rows if None): [n, vocab_size]."""
-        return decoder_logits(batch, self.comm, self.embed_tokens, self.layers, len(self.layers) * 2, self.norm,
-                              self.lm_head, self.config.vocab_size)
+    def forward(self, batch: ForwardBatch) -> ModelOutput:
+        """Logits for ``batch.logits_indices`` rows (all rows if None), [n, vocab_size], and the aux
+        states of ``batch.aux_layers``."""
+        return decoder_forward(batch, self.comm, self.embed_tokens, self.layers, len(self.layers) * 2, self.norm,
+                               self.lm_head, self.config.vocab_size)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .interface import CausalLM
 from .layers.kernels import Kernels
 from .layers.linear import default_weight_loader
 from .layers.weight_source import WeightShapeError
@@ -174,15 +175,16 @@ def _expected_loads(model: nn.Module, params: dict[str, torch.Tensor]) -> set[tu
     return out
 
 
-def load_model(model_dir: str | Path, groups: ParallelGroups, collectives: Collectives, fusion: bool,
+def load_model(model_dir: str | Path, groups: ParallelGroups, collectives: Collectives,
                dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-               kernels: Kernels | None = None) -> nn.Module:
-    """``kernels``: the model's kernel set (default: the model's own default, the references)."""
+               kernels: Kernels | None = None, **model_kwargs: Any) -> CausalLM:
+    """This rank's shard of a checkpoint. ``collectives``: this rank's (its ``fused`` kernel, or
+    None, decides whether the plan fuses); ``kernels``: the model's kernel set (default: the
+    references); ``model_kwargs`` go to the model class (benchmarks only: ``dp_combine``)."""
     config = load_config(model_dir)
     cls = model_class(architecture_of(config))
     files = checkpoint_files(model_dir)
-    extra = {} if kernels is None else {"kernels": kernels}
-    model = cls(config, groups, collectives, fusion, dtype=dtype, device=device, **extra)
+    model: CausalLM = cls(config, groups, collectives, dtype=dtype, device=device, kernels=kernels, **model_kwargs)
     load_weights(model, iter_checkpoint(files))
     log.info("loaded %s from %s (%d files) on rank %d", type(model).__name__, model_dir, len(files),
              groups.coords.rank)

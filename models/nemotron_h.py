@@ -10,7 +10,7 @@ Each layer is ``h = h + mixer(norm(h))`` with one mixer chosen by the layer patt
                             experts over moe_ep x moe_tp, owes tp     tokens FULL
 
 Every mixer returns a sum still owed to its group; the communicator completes it at the next
-layer's input boundary (``comm.boundary(i, ...)``, or ``num_layers`` for the final norm) as
+layer's input boundary (boundary ``i``, or ``num_layers`` for the final norm) as
 the plan says: an all-reduce, a fused all-reduce + add + RMSNorm, or under DP attention one
 reduce-scatter (sglang's per-layer communicators with ``allow_reduce_scatter``).
 
@@ -26,9 +26,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .decoder_stack import decoder_logits, stacked_name
+from .decoder_stack import decoder_forward, stacked_name
 from .forward_batch import ForwardBatch
+from .interface import ModelOutput
 from .layers.experts import parse_expert_name
+from .layers.kernels import Kernels
 from .layers.mamba2 import Mamba2Config, Mamba2Mixer
 from .layers.mamba_state import MambaStateShape
 from .layers.mlp import Relu2MLP
@@ -40,7 +42,7 @@ from .layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from .layers.weight_source import WeightShapeError
 from .parallel.collectives import Collectives
 from .parallel.comm_plan import BlockSpec, plan_communication, vocab_group
-from .parallel.communicator import Communicator
+from .parallel.communicator import Communicator, ForwardContext
 from .parallel.groups import ParallelGroups
 from .parallel.layouts import Layout, Unreduced
 
@@ -120,24 +122,34 @@ class NemotronHLayer(nn.Module):
         else:
             self.mixer = _moe(config, groups, dtype, device)
 
-    def forward(self, incoming: Unreduced, residual: torch.Tensor | None, batch: ForwardBatch,
-                comm: Communicator) -> tuple[Unreduced, torch.Tensor]:
-        # incoming.partial: [n, hidden] owed by the previous mixer -> this mixer's owed output
-        h, residual = comm.boundary(self.layer_id, incoming, residual, self.norm)
-        comm.after_input_boundary(self.layer_id, residual)
+    @property
+    def input_boundary(self) -> int:
+        return self.layer_id
+
+    @property
+    def input_norm(self) -> RMSNorm:
+        return self.norm
+
+    def forward(self, h: torch.Tensor, residual: torch.Tensor, batch: ForwardBatch,
+                ctx: ForwardContext) -> tuple[Unreduced, torch.Tensor]:
+        # h: [n, hidden] normed input (the decoder stack ran this layer's boundary) -> the mixer's owed output
         mixer = self.mixer
         if isinstance(mixer, (Mamba2Mixer, SelfAttention)):
             return mixer(h, batch), residual
         if isinstance(mixer, MoE):
-            return mixer(h, comm.valid_rows), residual
+            return mixer(h, ctx.valid_rows), residual
         return mixer(h), residual
 
 
 class NemotronHForCausalLM(nn.Module):
-    def __init__(self, config: Any, groups: ParallelGroups, collectives: Collectives, fusion: bool,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+    def __init__(self, config: Any, groups: ParallelGroups, collectives: Collectives,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 kernels: Kernels | None = None, *, dp_combine: str = "reduce_scatter") -> None:
         super().__init__()
         self.config = config
+        # Nemotron-H's mixers take no kernel choice yet: the set is kept so the worker sees one
+        # (the torch references; not graph-safe: its Mamba state is per sequence).
+        self.kernels = kernels or Kernels.reference()
         self.pattern = layer_pattern(config)
         vgroup = groups.by_name(vocab_group(groups.config))
         self.embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size, vgroup, dtype, device)
@@ -153,8 +165,11 @@ class NemotronHForCausalLM(nn.Module):
         # local expert (the same ids in every MoE layer).
         self.stacked_params: list[tuple[str, str, object]] = list(QKV_STACKED) + (
             expert_stacked_params(moes[0].experts) if moes else [])
-        plan = plan_communication(groups.config, self.blocks(config), fusion)
-        self.comm = Communicator(plan, groups, collectives)
+        # The plan fuses exactly when this rank has a fused kernel (fusion/selection.py decided it);
+        # dp_combine is benchmark-only (see comm_plan.py): no spec or CLI reaches it.
+        plan = plan_communication(groups.config, self.blocks(config), collectives.fused is not None,
+                                  dp_combine=dp_combine)
+        self.comm = Communicator(plan, groups, collectives, norms=self.kernels.norms)
 
     @staticmethod
     def blocks(config: Any) -> list[BlockSpec]:
@@ -196,7 +211,8 @@ class NemotronHForCausalLM(nn.Module):
         return stacked_name(name, QKV_STACKED)
 
     @torch.no_grad()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits for ``batch.logits_indices`` rows (all rows if None): [n, vocab_size]."""
-        return decoder_logits(batch, self.comm, self.embeddings, self.layers, len(self.layers), self.norm_f,
-                              self.lm_head, self.config.vocab_size)
+    def forward(self, batch: ForwardBatch) -> ModelOutput:
+        """Logits for ``batch.logits_indices`` rows (all rows if None), [n, vocab_size], and the aux
+        states of ``batch.aux_layers``."""
+        return decoder_forward(batch, self.comm, self.embeddings, self.layers, len(self.layers), self.norm_f,
+                               self.lm_head, self.config.vocab_size)

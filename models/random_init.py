@@ -33,15 +33,16 @@ def init_random_(model: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Modul
     return model
 
 
-def random_model(config: Any, groups: ParallelGroups, collectives: Collectives, fusion: bool,
+def random_model(config: Any, groups: ParallelGroups, collectives: Collectives,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None, seed: int = 0,
                  **model_kwargs: Any) -> nn.Module:
-    """config: an HF config with ``architectures`` set; model_kwargs go to the model class (e.g. kernels)."""
+    """config: an HF config with ``architectures`` set; model_kwargs go to the model class (e.g. kernels).
+    The plan fuses when ``collectives.fused`` is set (as ``load_model``)."""
     archs = getattr(config, "architectures", None) or []
     if not archs:
         raise ValueError("the config names no architecture ('architectures' is empty)")
     cls = model_class(str(archs[0]))
-    model = cls(config, groups, collectives, fusion, dtype=dtype, device=device, **model_kwargs)
+    model = cls(config, groups, collectives, dtype=dtype, device=device, **model_kwargs)
     return init_random_(model, seed).eval()
 
 

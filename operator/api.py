@@ -1,7 +1,7 @@
 """InferenceDeployment API types (fusedserve.io/v1alpha1): the single source of the CRD.
 
 The runtime part of the spec (model, replicas, parallelism, communication, speculative,
-serving, resources) is ``fusedserve.worker.config.DeploymentSpec``; Kubernetes adds the image,
+serving, resources) is ``fusedserve.worker.spec.DeploymentSpec``; Kubernetes adds the image,
 Ray version, placement, rollout, suspend, restart token and monitoring. ``crd.py`` turns these
 types into ``crds/fusedserve.io_inferencedeployments.yaml``. No torch or ray import here.
 """
@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fusedserve.worker.config import DeploymentSpec, _Spec
+from fusedserve.worker.spec import DeploymentSpec, SpecModel
 
 GROUP = "fusedserve.io"
 VERSION = "v1alpha1"
@@ -23,7 +23,7 @@ SHORT_NAMES = ["infd"]
 CATEGORIES = ["fusedserve", "all"]
 
 
-class Toleration(_Spec):
+class Toleration(SpecModel):
     key: str | None = Field(default=None, max_length=317)
     operator: Literal["Exists", "Equal"] | None = None
     value: str | None = Field(default=None, max_length=253)
@@ -31,19 +31,19 @@ class Toleration(_Spec):
     toleration_seconds: int | None = Field(default=None, ge=0)
 
 
-class PlacementSpec(_Spec):
+class PlacementSpec(SpecModel):
     node_selector: dict[str, str] = Field(default_factory=dict, max_length=32)
     tolerations: list[Toleration] = Field(default_factory=list, max_length=32)
     gpu_type: str | None = Field(default=None, max_length=128, description="e.g. nvidia.com/gpu.product value")
     gpus_per_node: int = Field(default=8, ge=1, le=16, description="GPUs of one worker node")
 
 
-class RolloutSpec(_Spec):
+class RolloutSpec(SpecModel):
     max_unavailable: int = Field(default=0, ge=0, le=128, description="engine groups down at once during a roll")
     max_surge: int = Field(default=1, ge=0, le=128, description="extra engine groups during a roll")
 
 
-class MonitoringSpec(_Spec):
+class MonitoringSpec(SpecModel):
     pod_monitor: bool = Field(default=True, description="create a PodMonitor when the Prometheus Operator CRD exists")
 
 
@@ -69,19 +69,19 @@ class Condition(BaseModel):
     message: str = Field(default="", max_length=32768)
 
 
-class GroupStatus(_Spec):
+class GroupStatus(SpecModel):
     index: int = Field(ge=0)
     revision: str = Field(max_length=63)
     phase: Literal["Pending", "Starting", "Ready", "Failed", "Terminating"]
     nodes: list[str] = Field(default_factory=list, max_length=64)
 
 
-class SpeculativeStatus(_Spec):
+class SpeculativeStatus(SpecModel):
     acceptance_length: str | None = Field(default=None, max_length=16,
                                           description="1 + accepted/drafts, as text (e.g. \"2.31\")")
 
 
-class InferenceDeploymentStatus(_Spec):
+class InferenceDeploymentStatus(SpecModel):
     observed_generation: int | None = Field(default=None, ge=0)
     replicas: int = 0
     ready_replicas: int = 0

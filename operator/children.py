@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from fusedserve.worker.config import Manifest, RuntimeConfig, SpecError, _format
+from fusedserve.worker.spec import Manifest, RuntimeConfig, SpecError, format_validation_error
 
 from .api import InferenceDeploymentSpec
 from .engine_config import config_hash, desired_config_map, runtime_manifest
@@ -32,12 +32,12 @@ def parse_spec(body: dict[str, Any]) -> InferenceDeploymentSpec:
     try:
         spec = InferenceDeploymentSpec.model_validate(raw)
     except ValidationError as e:
-        raise SpecError(_format(e, "spec")) from e
+        raise SpecError(format_validation_error(e, "spec")) from e
     owner = Owner.of(body)
     try:  # what the runtime refuses although the schema allows it
         RuntimeConfig.from_manifest(Manifest.model_validate(runtime_manifest(owner, spec)))
     except ValidationError as e:
-        raise SpecError(_format(e, "").removeprefix(".")) from e
+        raise SpecError(format_validation_error(e, "").removeprefix(".")) from e
     worker_sizing(spec)
     return spec
 

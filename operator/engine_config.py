@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from fusedserve.worker.config import API_VERSION, KIND, DeploymentSpec
+from fusedserve.worker.spec import API_VERSION, KIND, DeploymentSpec
 
 from .api import InferenceDeploymentSpec
 from .naming import ANNOTATION_CONFIG_HASH, ANNOTATION_RESTART_TOKEN, Owner

@@ -20,7 +20,7 @@ from typing import Any
 
 import kopf
 
-from fusedserve.worker.config import SpecError
+from fusedserve.worker.spec import SpecError
 
 from .api import GROUP, PLURAL, VERSION
 from .children import CHILD_KINDS, child_names, desired_children, parse_spec

@@ -10,7 +10,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-from fusedserve.worker.config import RESTART_TOKEN_ANNOTATION
+from fusedserve.worker.spec import RESTART_TOKEN_ANNOTATION
 
 from .api import GROUP, KIND, VERSION
 

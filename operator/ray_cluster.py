@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fusedserve.worker.config import SpecError
+from fusedserve.worker.spec import SpecError
 
 from .api import InferenceDeploymentSpec
 from .engine_config import CONFIG_DIR, CONFIG_FILE

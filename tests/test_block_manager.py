@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from fusedserve.worker.block_manager import BlockManager, NoFreeBlocks
+from fusedserve.worker.engine.block_manager import BlockManager, NoFreeBlocks
 
 
 def test_allocate_append_free_accounting() -> None:

@@ -6,7 +6,7 @@ import pytest
 
 from fusedserve.models.parallel.collective_clock import BOUNDS, HostClock, clock_for
 from fusedserve.models.parallel.ledger import CollectiveLedger
-from fusedserve.worker.engine_stats import collective_seconds
+from fusedserve.worker.serving.engine_stats import collective_seconds
 
 
 def test_host_clock_observes_into_buckets() -> None:

@@ -189,43 +189,43 @@ NORM = SimpleNamespace(weight=torch.ones(4), eps=1e-6)
 
 def test_boundary_refuses_an_already_reduced_plain_tensor() -> None:
     comm = _communicator()
-    comm.begin_forward(3)
-    _, residual = comm.boundary(0, Unreduced(torch.randn(3, 4), "tp"), None, NORM)
+    ctx = comm.begin_forward(3)
+    _, residual = ctx.boundary(0, Unreduced(torch.randn(3, 4), "tp"), None, NORM)
     with pytest.raises(
         PlanViolation,
         match=r"layers\.0\.mlp\.in: expected a sum owed to group 'attn_tp', "
         r"got an already-reduced Tensor",
     ):
-        comm.boundary(1, torch.randn(3, 4), residual, NORM)  # type: ignore[arg-type]
+        ctx.boundary(1, torch.randn(3, 4), residual, NORM)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("wrong", ["tp", "moe_ep", "dp"])
 def test_boundary_refuses_a_sum_owed_to_the_wrong_group(wrong: str) -> None:
     comm = _communicator()
-    comm.begin_forward(3)
-    _, residual = comm.boundary(0, Unreduced(torch.randn(3, 4), "tp"), None, NORM)
+    ctx = comm.begin_forward(3)
+    _, residual = ctx.boundary(0, Unreduced(torch.randn(3, 4), "tp"), None, NORM)
     with pytest.raises(
         PlanViolation, match=f"layers.0.mlp.in: incoming sum is owed to '{wrong}', plan says 'attn_tp'"
     ):
-        comm.boundary(1, Unreduced(torch.randn(3, 4), wrong), residual, NORM)
+        ctx.boundary(1, Unreduced(torch.randn(3, 4), wrong), residual, NORM)
 
 
 def test_boundary_residual_rules() -> None:
     comm = _communicator()
-    comm.begin_forward(3)
+    ctx = comm.begin_forward(3)
     x = torch.randn(3, 4)
     with pytest.raises(PlanViolation, match="the first boundary takes no residual"):
-        comm.boundary(0, Unreduced(x, "tp"), x, NORM)
+        ctx.boundary(0, Unreduced(x, "tp"), x, NORM)
     with pytest.raises(PlanViolation, match="layers.1.attn.in: missing residual"):
-        comm.boundary(2, Unreduced(x, "tp"), None, NORM)
+        ctx.boundary(2, Unreduced(x, "tp"), None, NORM)
 
 
 def test_boundary_completes_add_and_norm_with_a_fresh_residual() -> None:
     comm = _communicator()
-    comm.begin_forward(3)
+    ctx = comm.begin_forward(3)
     x, residual = torch.randn(3, 4), torch.randn(3, 4)
     before = residual.clone()
-    normed, new_residual = comm.boundary(1, Unreduced(x, "attn_tp"), residual, NORM)
+    normed, new_residual = ctx.boundary(1, Unreduced(x, "attn_tp"), residual, NORM)
     expected = x + before
     torch.testing.assert_close(new_residual, expected)
     torch.testing.assert_close(normed, expected * torch.rsqrt(expected.pow(2).mean(-1, keepdim=True) + 1e-6))

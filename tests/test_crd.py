@@ -101,7 +101,7 @@ def test_minimal_and_full_manifests_are_valid() -> None:
     assert validate(manifest()) == []
     full = manifest(
         replicas=2, parallelism={"tensor": 8, "data": 8, "expert": 8, "dataParallelAttention": True},
-        communication={"allReduceFusion": "on", "reduceScatter": "auto"},
+        communication={"allReduceFusion": "on"},
         speculative={"method": "eagle3", "draftModel": "/models/draft", "numSteps": 3, "topK": 4,
                      "numDraftTokens": 8},
         serving={"port": 8000, "maxBatchTokens": 8192, "maxSequences": 256, "kvCacheFraction": 0.9},
@@ -128,7 +128,6 @@ INVALID: list[tuple[dict[str, Any], str]] = [
     ({"parallelism": {"tensor": "2"}}, "'2' is not of type 'integer'"),
     ({"replicas": -1}, "-1 is less than the minimum of 0"),
     ({"communication": {"allReduceFusion": "maybe"}}, "'maybe' is not one of ['auto', 'on', 'off']"),
-    ({"communication": {"reduceScatter": "on"}}, "'on' is not one of ['auto', 'off']"),
     ({"serving": {"port": 80}}, "80 is less than the minimum of 1024"),
     ({"serving": {"kvCacheFraction": 1.5}}, "1.5 is greater than the maximum of 0.98"),
     ({"serving": {"maxSequences": 0}}, "0 is less than the minimum of 1"),

@@ -51,10 +51,10 @@ SUBSTITUTIONS = {"__rate_interval": "5m", "__range": "1h", "__interval": "1m"}
 def _lead(engine: Any) -> str:
     import httpx
 
-    from fusedserve.worker.http_api import build_app
-    from fusedserve.worker.http_server import HttpServer
-    from fusedserve.worker.local_engine_client import LocalEngineClient
-    from fusedserve.worker.metrics import MetricsRegistry
+    from fusedserve.worker.serving.http_api import build_app
+    from fusedserve.worker.serving.http_server import HttpServer
+    from fusedserve.worker.serving.local_engine_client import LocalEngineClient
+    from fusedserve.worker.serving.metrics import MetricsRegistry
 
     client = LocalEngineClient(engine, LABELS, model_name="tiny-code")
     server = HttpServer(build_app(client, MetricsRegistry(LABELS, "tiny-code"))).start()
@@ -68,13 +68,13 @@ def _lead(engine: Any) -> str:
 
 
 def _rank_main(rank: int, world: int, backend: str) -> str | None:
-    from fusedserve.worker.distributed_runner import run_engine_group
-    from fusedserve.worker.engine import EngineConfig
-    from fusedserve.worker.speculative import SpeculativeConfig
+    from fusedserve.worker.parallel.rank import run_engine_group
+    from fusedserve.worker.engine.config import EngineConfig
+    from fusedserve.worker.spec_decode.config import SpeculativeConfig
 
     config = EngineConfig(num_blocks=48, max_num_seqs=4, max_batch_tokens=256,
                           speculative=SpeculativeConfig(DRAFT, num_steps=3))
-    return run_engine_group(rank, world, backend, TARGET, config, _lead, fusion=True)
+    return run_engine_group(rank, world, backend, TARGET, config, _lead, fusion="reference")
 
 
 @dataclass
@@ -101,8 +101,8 @@ class Exported:
 def exported() -> Exported:
     from fusedserve.models.parallel.ledger import OPS, PATHS
     from fusedserve.operator.metrics import CONDITIONS, RESULTS, STATUSES, OperatorMetrics
-    from fusedserve.worker.local_ranks import run_on_ranks
-    from fusedserve.worker.sequence import FinishReason
+    from fusedserve.worker.parallel.local_ranks import run_on_ranks
+    from fusedserve.worker.engine.sequence import FinishReason
 
     out = Exported()
     out.add(run_on_ranks(_rank_main, 2, backend="gloo")[0])
@@ -243,7 +243,7 @@ def test_the_checker_catches_mistakes(exported: Exported) -> None:
         'fusedserve_collective_calls_total{grp="tp"}': "no such label",
         'fusedserve_collective_calls_total{path="nvshmem"}': "no such value",
         "sum by (engine_grp) (fusedserve_forwards_total)": "not a label here",
-        "rate(fusedserve_collective_planned_calls_per_forward[5m])": "not a counter",
+        "rate(fusedserve_num_requests_running[5m])": "not a counter",
         "histogram_quantile(0.9, sum(rate(fusedserve_time_to_first_token_seconds_bucket[5m])))": "by le",
         "histogram_quantile(0.9, fusedserve_time_to_first_token_seconds_sum)": "histogram_quantile over",
     }
@@ -308,7 +308,7 @@ def test_dashboards_show_what_the_issue_asks_for() -> None:
     heatmaps = [p for p in _panels(boards["speculative"]["panels"]) if p["type"] == "heatmap"]
     assert [t["format"] for p in heatmaps for t in p["targets"]] == ["heatmap"]
     assert "accepted_tokens_per_step_bucket" in heatmaps[0]["targets"][0]["expr"]
-    for needle in ("fusedserve_collective_planned_calls_per_forward", "fusedserve_forwards_total",
+    for needle in ("fusedserve_collective_planned_calls_total", "fusedserve_forwards_total",
                    'path=~"flashinfer_fused|reference_fused"', "fusedserve_collective_bytes_total",
                    "fusedserve_collective_seconds_bucket", "by (op, group, path)"):
         assert needle in comm, needle
@@ -328,7 +328,7 @@ def test_alerts_cover_the_failure_modes() -> None:
     assert "accepted_tokens_total" in low and "drafts_total" in low and "<" in low
     assert rules["FusedserveAcceptanceLengthDrop"].count("offset") == 2
     extra = rules["FusedserveExtraCollectives"]
-    assert "planned_calls_per_forward" in extra and "unless" in extra  # an op the plan lacks counts too
+    assert "planned_calls_total" in extra and "unless" in extra  # an op the plan lacks counts too
     assert "by (namespace, deployment, engine_group, rank, op, group)" in extra  # per rank, never averaged away
     assert 'condition="Ready"' in rules["FusedserveDeploymentsNotReady"]
     assert "histogram_quantile(0.95" in rules["FusedserveTimeToFirstTokenHigh"]
@@ -355,8 +355,8 @@ def _alerts_fire_as_designed() -> list[dict[str, Any]]:
         # rank 0 follows its plan (2 all-reduces a forward, on two paths); rank 1 adds a reduce-scatter the plan
         # does not have (the reduce-twice bug); rank 2 runs 3 all-reduces a forward where 2 are planned.
         *[_series("fusedserve_forwards_total", r, "0+60x60") for r in rank],
-        *[_series("fusedserve_collective_planned_calls_per_forward", {**r, "op": "all_reduce", "group": "tp"},
-                  "2x60") for r in rank],
+        *[_series("fusedserve_collective_planned_calls_total", {**r, "op": "all_reduce", "group": "tp"},
+                  "0+120x60") for r in rank],
         _series("fusedserve_collective_calls_total", {**rank[0], "op": "all_reduce", "group": "tp", "path": "nccl"},
                 "0+60x60"),
         _series("fusedserve_collective_calls_total",

@@ -149,10 +149,11 @@ def run_schedule(model: Any, dp: int, dp_rank: int) -> tuple[dict[int, torch.Ten
     mismatches: list[str] = []
     for i, step in enumerate(SCHEDULE):
         batch, rows = _step_batch(step, done, mine, kv, dp)
-        logits = model(batch)
+        logits = model(batch).logits
         executed = [r.key for r in model.comm.ledger.forward_records()]
-        if executed != model.comm.active.expected():
-            mismatches.append(f"forward {i}: executed {executed} planned {model.comm.active.expected()}")
+        planned = model.comm.ledger.forward_plan()
+        if executed != planned:
+            mismatches.append(f"forward {i}: executed {executed} planned {planned}")
         start = 0
         for s, n in rows:
             out[s].append(logits[start : start + n])
@@ -165,14 +166,14 @@ def _rank_main(rank: int, world: int, backend: str, model_dirs: dict[str, str],
                cases: list[tuple[str, int, int, int, str]]) -> list[dict[str, Any]]:
     from fusedserve.models.loader import load_model
     from fusedserve.models.parallel.collectives import Collectives
-    from fusedserve.models.parallel.fused_allreduce_norm import make_fused_allreduce_norm
+    from fusedserve.models.parallel.fusion.selection import FusionMode, fused_kernel
     from fusedserve.models.parallel.groups import build_groups
 
     results = []
     for variant, tp, dp, ep, fusion in cases:
         groups = build_groups(ParallelConfig(tp, dp, ep), rank, backend)
-        collectives = Collectives(backend, fused=make_fused_allreduce_norm(fusion, groups))
-        model = load_model(model_dirs[variant], groups, collectives, fusion=fusion != "off")
+        collectives = Collectives(backend, fused=fused_kernel(FusionMode(fusion), groups, 0, torch.float32))
+        model = load_model(model_dirs[variant], groups, collectives)
         logits, mismatches = run_schedule(model, dp, groups.coords.dp_rank)
         lead = groups.coords.attn_tp_rank == 0  # one rank per DP group reports logits
         results.append({"logits": logits if lead else {}, "mismatches": mismatches})
@@ -192,7 +193,7 @@ def _load_tp1(path: Path) -> DeepseekV3ForCausalLM:
     from fusedserve.models.loader import load_model
     from fusedserve.models.parallel.collectives import Collectives
 
-    model = load_model(path, ParallelGroups.single_rank(), Collectives("gloo"), fusion=False)
+    model = load_model(path, ParallelGroups.single_rank(), Collectives("gloo"))
     assert isinstance(model, DeepseekV3ForCausalLM)
     return model
 
@@ -209,7 +210,7 @@ def test_tp1_prefill_chunked_prefill_and_decode_equal_hf(variant: str, checkpoin
 @pytest.mark.parametrize("world", sorted(CASES))
 def test_ranks_equal_hf_and_run_the_plan(world: int, checkpoints: dict[str, Path],
                                          hf_logits: dict[str, list[torch.Tensor]]) -> None:
-    from fusedserve.worker.local_ranks import run_on_ranks
+    from fusedserve.worker.parallel.local_ranks import run_on_ranks
 
     dirs = {name: str(path) for name, path in checkpoints.items()}
     per_rank = run_on_ranks(_rank_main, world, dirs, CASES[world], backend="gloo")
@@ -247,7 +248,7 @@ def test_blocks_layers_and_cache_shapes(checkpoints: dict[str, Path]) -> None:
     assert blocks[0] == BlockSpec("layers.0.attn", Layout.ATTN_TP_FULL, "attn_tp")
     assert blocks[3] == BlockSpec("layers.1.mlp", Layout.FULL, "tp")
     # Built (not loaded) on rank 3 of tp=4, ep=2: no process group is needed to construct it.
-    model = DeepseekV3ForCausalLM(config, fake_groups(4, 1, 2, 3), Collectives("gloo"), fusion=False, device="meta")
+    model = DeepseekV3ForCausalLM(config, fake_groups(4, 1, 2, 3), Collectives("gloo"), device="meta")
     assert not isinstance(model.layers[0].mlp, MoE) and isinstance(model.layers[1].mlp, MoE)
     # 1 of 4 heads; K = nope 16 + rope 8, V = 24
     assert model.kv_shapes() == {0: (1, 24, 24), 1: (1, 24, 24), 2: (1, 24, 24)}
@@ -263,7 +264,7 @@ def test_ep_sharded_loading_reads_only_local_experts(checkpoints: dict[str, Path
 
     path = checkpoints["base"]
     config = load_config(path)
-    model = DeepseekV3ForCausalLM(config, fake_groups(2, 1, 2, 1), Collectives("gloo"), fusion=False)
+    model = DeepseekV3ForCausalLM(config, fake_groups(2, 1, 2, 1), Collectives("gloo"))
     read: list[str] = []
 
     class Spy:
@@ -305,7 +306,7 @@ def test_missing_local_expert_is_reported(checkpoints: dict[str, Path]) -> None:
     from fusedserve.models.parallel.collectives import Collectives
 
     path = checkpoints["base"]
-    model = DeepseekV3ForCausalLM(load_config(path), fake_groups(2, 1, 2, 0), Collectives("gloo"), fusion=False)
+    model = DeepseekV3ForCausalLM(load_config(path), fake_groups(2, 1, 2, 0), Collectives("gloo"))
     dropped = "model.layers.2.mlp.experts.3.down_proj.weight"
     sources = (s for s in iter_checkpoint(checkpoint_files(path)) if s.name != dropped)
     with pytest.raises(CheckpointError, match=r"layers\.2\.mlp\.experts\.3\.down_proj\.weight"):

@@ -50,38 +50,31 @@ def test_default_plan_is_unchanged_and_the_switch_only_swaps_the_tp_combine() ->
 
 
 def _rank(rank: int, world: int, backend: str, model_dirs: dict[str, str]) -> dict[str, Any]:
-    from fusedserve.models.forward_batch import ForwardBatch, KVCache
-    from fusedserve.models.loader import load_model
-    from fusedserve.models.parallel.collectives import Collectives
-    from fusedserve.models.parallel.communicator import Communicator
     from fusedserve.models.parallel.dp_geometry import Padding
     from fusedserve.models.parallel.groups import build_groups
-    from fusedserve.worker.verify import _run_prompts
+    from fusedserve.verify import _prefill_step
+    from fusedserve.worker.engine.config import EngineConfig
+    from fusedserve.worker.parallel.rank import build_rank
 
     cfg = ParallelConfig(2, 2, 2)
     groups = build_groups(cfg, rank, backend)
     out: dict[str, Any] = {}
     mine = PROMPTS[groups.coords.dp_rank :: cfg.dp]
-    dp_num_tokens = [sum(map(len, PROMPTS[d :: cfg.dp])) for d in range(cfg.dp)]
+    dp_num_tokens = tuple(sum(map(len, PROMPTS[d :: cfg.dp])) for d in range(cfg.dp))
+    config = EngineConfig(num_blocks=16, max_num_seqs=4, skip_tokenizer=True)
     for arch, model_dir in model_dirs.items():
-        collectives = Collectives("gloo")
-        model = load_model(model_dir, groups, collectives, fusion=False)
-        default_comm = model.comm
-        alt_comm = Communicator(
-            plan_communication(cfg, type(model).blocks(model.config), False, dp_combine="all_reduce"),
-            groups, collectives, norms=default_comm.norms)
+        # The benchmark-only plan is a model built with it: no spec, config or CLI reaches dp_combine.
+        ranks = {name: build_rank(model_dir, config, groups, backend, dp_combine=name)
+                 for name in ("reduce_scatter", "all_reduce")}
         for padding in Padding:
-            for name, comm in (("reduce_scatter", default_comm), ("all_reduce", alt_comm)):
-                model.comm = comm
-                comm.force_padding = padding
-                logits = _run_prompts(model, mine, torch.device("cpu"), torch.float32, ForwardBatch, KVCache,
-                                      dp_num_tokens=dp_num_tokens)
+            for name, built in ranks.items():
+                logits = built.executor.run(_prefill_step(mine, dp_num_tokens, padding)).logits
+                ledger = built.model.comm.ledger
                 out[(arch, padding.value, name)] = {
                     "logits": logits.clone(),
-                    "planned": comm.active.expected(),
-                    "executed": [r.key for r in collectives.ledger.forward_records()],
+                    "planned": ledger.forward_plan(),
+                    "executed": [r.key for r in ledger.forward_records()],
                 }
-        model.comm = default_comm
     return out
 
 
@@ -95,7 +88,7 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 def test_all_reduce_combine_gives_the_same_logits_and_runs_its_own_plan(model_dirs: dict[str, str]) -> None:
-    from fusedserve.worker.local_ranks import run_on_ranks
+    from fusedserve.worker.parallel.local_ranks import run_on_ranks
 
     ranks = run_on_ranks(_rank, 2, model_dirs, backend="gloo", timeout_s=300)
     for res in ranks:

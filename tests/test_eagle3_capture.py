@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from fusedserve.models.eagle3 import aux_layers
-from fusedserve.worker.local_ranks import run_on_ranks
+from fusedserve.worker.parallel.local_ranks import run_on_ranks
 
 PROMPTS = [[5, 9, 17, 3, 44, 8, 100], [7, 7, 1], [200, 13]]
 NUM_LAYERS = 8
@@ -22,33 +22,35 @@ def _capture(rank: int, world: int, backend: str, model_dir: str, fusion: bool) 
     from fusedserve.models.loader import load_model
     from fusedserve.models.parallel.collectives import Collectives
     from fusedserve.models.parallel.communicator import Communicator
+    from fusedserve.models.parallel.fusion.reference import ReferenceFusedAllReduceNorm
     from fusedserve.models.parallel.groups import ParallelConfig, ParallelGroups, build_groups
     from fusedserve.models.parallel.layouts import Unreduced
 
     groups = build_groups(ParallelConfig(world), rank, backend) if world > 1 else ParallelGroups.single_rank()
-    model = load_model(model_dir, groups, Collectives("gloo"), fusion=fusion)
+    model = load_model(model_dir, groups, Collectives("gloo", fused=ReferenceFusedAllReduceNorm() if fusion else None))
     layers = aux_layers(NUM_LAYERS)
-    model.comm.capture_inputs_of(layers)
 
     # What the buggy capture would have read: hidden + residual before layer i's input boundary.
     buggy: list[torch.Tensor] = []
     boundary = Communicator.boundary
 
-    def spy(self, index, incoming, residual, norm):  # type: ignore[no-untyped-def]
+    def spy(self, ctx, index, incoming, residual, norm):  # type: ignore[no-untyped-def]
         if index % 2 == 0 and index // 2 in layers and residual is not None and isinstance(incoming, Unreduced):
             buggy.append(incoming.partial + residual)
-        return boundary(self, index, incoming, residual, norm)
+        return boundary(self, ctx, index, incoming, residual, norm)
 
     Communicator.boundary = spy  # type: ignore[method-assign]
     kv = KVCache.allocate(model.kv_shapes(), 8, 4, torch.float32)
-    model(ForwardBatch.prefill(PROMPTS, kv))
+    batch = ForwardBatch.prefill(PROMPTS, kv)
+    batch.aux_layers = tuple(layers)
+    out = model(batch)
     Communicator.boundary = boundary  # type: ignore[method-assign]
     executed = [r.key for r in model.comm.ledger.forward_records()]
     return {
-        "aux": torch.cat(model.comm.captured, dim=-1),
+        "aux": torch.cat(out.hidden, dim=-1),
         "buggy": torch.cat(buggy, dim=-1),
         "deferred": torch.tensor([k[1] == "fused_ar_add_rmsnorm" and k[0] == "layers.2.attn.in" for k in executed]).any(),
-        "plan_ok": torch.tensor(executed == model.comm.active.expected()),
+        "plan_ok": torch.tensor(executed == model.comm.ledger.forward_plan()),
     }
 
 
@@ -56,7 +58,7 @@ def test_aux_capture_is_complete_under_deferred_reduction(tmp_path_factory) -> N
     from fusedserve.tiny import make_tiny_llama
 
     model_dir = str(make_tiny_llama(tmp_path_factory.mktemp("eagle3-capture"), num_hidden_layers=NUM_LAYERS))
-    single = _capture(0, 1, "gloo", model_dir, fusion=False)
+    single = _capture(0, 1, "gloo", model_dir, False)
     ranks = run_on_ranks(_capture, 2, model_dir, True)
     assert aux_layers(NUM_LAYERS) == [2, 4, 5]
     for r in ranks:

@@ -14,18 +14,18 @@ from pathlib import Path
 import pytest
 import torch
 from fusedserve.models.forward_batch import ForwardBatch, KVCache
-from fusedserve.models.layers.mamba_state import MambaStateShape
-from fusedserve.worker.engine import Engine, EngineConfig, EngineConfigError
-from fusedserve.worker.model_runner import (
-    ModelRunner,
-    kv_bytes_per_block,
-    num_blocks_for_memory,
-    state_bytes_per_slot,
-)
-from fusedserve.worker.request_output import RequestOutput
-from fusedserve.worker.scheduler import ScheduledBatch, ScheduledSeq
-from fusedserve.worker.sequence import FinishReason, InvalidRequest, SamplingParams
-from fusedserve.worker.tokenizer import Tokenizer, TokenizerError
+from fusedserve.models.interface import ModelOutput
+from fusedserve.models.layers.mamba_state import MambaStateCache, MambaStateShape
+from fusedserve.worker.engine.config import EngineConfig, EngineConfigError
+from fusedserve.worker.engine.engine import Engine
+from fusedserve.worker.engine.forward_step import forward_step
+from fusedserve.worker.executor.executor import StepExecutor
+from fusedserve.worker.executor.kv_cache import kv_bytes_per_block, num_blocks_for_memory, state_bytes_per_slot
+from fusedserve.worker.executor.step import Step
+from fusedserve.worker.engine.outputs import RequestOutput
+from fusedserve.worker.engine.scheduler import ScheduledBatch, ScheduledSeq
+from fusedserve.worker.engine.sequence import FinishReason, InvalidRequest, SamplingParams
+from fusedserve.worker.engine.tokenizer import Tokenizer, TokenizerError
 
 from fusedserve.tiny import make_tiny_llama, make_tiny_nemotron_h
 from fusedserve.tiny_tokenizer import make_tiny_tokenizer
@@ -124,7 +124,7 @@ def test_hybrid_mamba_model_keeps_state_per_sequence(tmp_path: Path) -> None:
     solo_engine = engine(model_dir, num_blocks=64)
     solo = [solo_engine.generate([p], sp)[0].token_ids for p, sp in zip(batch, params)]
     small = engine(model_dir, num_blocks=12, max_num_seqs=4, max_batch_tokens=10)
-    assert small.runner.state_cache is not None
+    assert small.executor.state_cache is not None
     together = small.generate(batch, params)
     assert small.stats().num_preemptions > 0
     assert [c.token_ids for c in together] == solo
@@ -211,25 +211,21 @@ def test_seeded_sampling_reproducible_and_independent_of_batch(llama_dir: Path) 
 
 def test_state_slots_and_fresh_flags_reach_the_model(llama_dir: Path) -> None:
     e = engine(llama_dir, num_blocks=14, max_num_seqs=4, max_batch_tokens=16)
-    seen: list[ForwardBatch] = []
-    model = e.runner.model
-    original = model.forward
+    seen: list[Step] = []
+    run = e.executor.run
 
-    def spy(batch: ForwardBatch) -> torch.Tensor:
-        seen.append(batch)
-        return original(batch)
+    def spy(step: Step, hidden: torch.Tensor | None = None) -> object:
+        seen.append(step)
+        return run(step, hidden)
 
-    model.forward = spy  # type: ignore[method-assign]
+    e.executor.run = spy  # type: ignore[method-assign]
     e.generate(random_prompts(8, seed=9), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
-    assert e.stats().num_preemptions > 0
-    for fb in seen:
-        slots = fb.extras["state_slots"]
-        fresh = fb.extras["state_slot_fresh"]
-        assert isinstance(slots, list) and isinstance(fresh, list)
-        assert len(slots) == len(fb.query_lens) and len(set(slots)) == len(slots)
-        assert all(0 <= s < 4 for s in slots)
-        assert fresh == [c == q for q, c in zip(fb.query_lens, fb.context_lens)]
-        assert fb.state_slots is None  # a Llama has no recurrent state cache
+    assert e.stats().num_preemptions > 0 and seen
+    for step in seen:
+        slots = [s.state_slot for s in step.seqs]
+        assert len(set(slots)) == len(slots) and all(s is not None and 0 <= s < 4 for s in slots)
+        assert [s.fresh for s in step.seqs] == [s.context_len == s.rows for s in step.seqs]
+        assert e.executor.forward_batch(step).state_slots is None  # a Llama has no recurrent state cache
 
 
 class StubStateModel(torch.nn.Module):
@@ -243,14 +239,19 @@ class StubStateModel(torch.nn.Module):
     def state_shapes(self) -> dict[int, MambaStateShape]:
         return {1: MambaStateShape(conv=(6, 3), ssm=(2, 4, 5))}
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def kv_shapes(self) -> dict[int, tuple[int, ...]]:
+        return {0: (1, 2)}
+
+    def forward(self, batch: ForwardBatch) -> ModelOutput:
         assert batch.logits_indices is not None
-        return torch.zeros(len(batch.logits_indices), 8)
+        return ModelOutput(torch.zeros(len(batch.logits_indices), 8))
 
 
-def test_prepare_builds_the_forward_batch() -> None:
+def test_forward_batch_of_a_scheduled_step() -> None:
     cache = KVCache.allocate({0: (1, 2)}, num_blocks=8, block_size=4, dtype=torch.float32)
-    runner = ModelRunner(StubStateModel(), cache, torch.device("cpu"), num_state_slots=4)
+    model = StubStateModel()
+    state = MambaStateCache.allocate(model.state_shapes(), 4, torch.float32)
+    runner = StepExecutor(model, cache, torch.device("cpu"), state_cache=state)
     assert runner.state_cache is not None and runner.state_cache.num_slots == 4
     assert runner.state_cache.ssm[1].shape == (4, 2, 4, 5)
     assert state_bytes_per_slot(StubStateModel().state_shapes(), torch.float32) == (18 + 40) * 4
@@ -261,17 +262,17 @@ def test_prepare_builds_the_forward_batch() -> None:
         ScheduledSeq(3, [41, 42, 43], start=3, block_table=[6, 0], num_logits=3, state_slot=2,
                      position_ids=(3, 4, 4)),
     ])
-    mask = torch.ones(3, 6, dtype=torch.bool)
-    fb = runner.prepare(batch, attn_masks=[None, None, None, mask])
+    step = forward_step(batch)
+    assert [s.fresh for s in step.seqs] == [True, False, False, False]
+    fb = runner.forward_batch(step)
     assert fb.input_ids.tolist() == [11, 12, 13, 14, 15, 21, 31, 32, 33, 41, 42, 43]
     assert fb.positions.tolist() == [0, 1, 2, 3, 4, 6, 2, 3, 4, 3, 4, 4]
     assert fb.slot_mapping.tolist() == [20, 21, 22, 23, 8, 30, 18, 19, 12, 27, 0, 1]
     assert fb.query_lens == [5, 1, 3, 3] and fb.context_lens == [5, 7, 5, 6]
     assert fb.logits_indices is not None and fb.logits_indices.tolist() == [4, 5, 9, 10, 11]
     assert fb.state_slots == [3, 0, 1, 2] and fb.state_cache is runner.state_cache
-    assert fb.extras["state_slot_fresh"] == [True, False, False, False]
-    assert fb.attn_masks is not None and fb.attn_masks[3] is mask
-    assert runner.forward(batch).shape == (5, 8)
+    assert fb.attn_masks is None
+    assert runner.run(step).logits.shape == (5, 8)
 
 
 def test_text_prompts_streaming_and_stop_strings(text_llama_dir: Path) -> None:

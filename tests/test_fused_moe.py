@@ -76,12 +76,14 @@ def test_deepseek_v3_graph_safe_torch_kernels_equal_the_reference() -> None:
     from fusedserve.models.parallel.groups import ParallelGroups
     from fusedserve.models.random_init import random_model
     from fusedserve.tiny import DEEPSEEK_V3_DEFAULTS
-    from fusedserve.worker.cuda_graph_runner import CudaGraphRunner
+    from fusedserve.worker.executor.executor import StepExecutor
+    from fusedserve.worker.executor.step import SeqRows, Step
+    from fusedserve.worker.executor.step_shape import StepShape
 
     config = DeepseekV3Config(**{**DEEPSEEK_V3_DEFAULTS, "architectures": ["DeepseekV3ForCausalLM"]})
     logits = {}
     for name in ("reference", "torch"):
-        model = random_model(config, ParallelGroups.single_rank(), Collectives("gloo"), False, seed=3,
+        model = random_model(config, ParallelGroups.single_rank(), Collectives("gloo"), seed=3,
                              kernels=Kernels.named(name))
         if name == "torch":
             assert model.layers[1].mlp.experts.fused is fused_experts_torch
@@ -89,19 +91,20 @@ def test_deepseek_v3_graph_safe_torch_kernels_equal_the_reference() -> None:
             for layer in model.layers[1:]:
                 layer.mlp.gate.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(layer.layer_id))
         kv = KVCache.allocate(model.kv_shapes(), 9, 4, torch.float32)
-        out = [model(ForwardBatch.prefill([[3, 1, 4, 1, 5, 9], [2, 6, 5]], kv))]
+        out = [model(ForwardBatch.prefill([[3, 1, 4, 1, 5, 9], [2, 6, 5]], kv)).logits]
         step = ForwardBatch(torch.tensor([2, 7]), torch.tensor([6, 3]), [1, 1], [7, 4], torch.tensor([6, 11]),
                             [[0, 1], [2]], kv)
-        out.append(model(step))
-        if name == "torch":  # the decode forward as the graph runner runs it (static padded buffers)
-            runner = CudaGraphRunner(model, kv, max_blocks_per_seq=2, batch_sizes=(1, 4), pad_slot=35)
-            assert not runner.use_graphs
-            step2 = (torch.tensor([8, 1]), torch.tensor([7, 4]), torch.tensor([7, 12]),
-                     torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), torch.tensor([8, 5], dtype=torch.int32))
-            out.append(runner.run(*step2).clone())
+        out.append(model(step).logits)
+        if name == "torch":  # the decode forward as a graph replays it (static padded buffers; block 8 pads)
+            ex = StepExecutor(model, kv, torch.device("cpu"), model.comm.ledger, reserved_blocks=1,
+                              graph_ready=True)
+            ex.capture([StepShape(1, 1), StepShape(4, 1)], max_blocks=2)
+            step2 = Step((SeqRows((0, 1), (8,), (7,), 8), SeqRows((2, 3), (1,), (4,), 5)))
+            assert ex.graph_shape(step2) == StepShape(4, 1)
+            out.append(ex.run(step2).logits.clone())
         else:
             out.append(model(ForwardBatch(torch.tensor([8, 1]), torch.tensor([7, 4]), [1, 1], [8, 5],
-                                          torch.tensor([7, 12]), [[0, 1], [2, 3]], kv)))
+                                          torch.tensor([7, 12]), [[0, 1], [2, 3]], kv)).logits)
         logits[name] = out
     for got, want in zip(logits["torch"], logits["reference"]):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

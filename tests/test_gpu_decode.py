@@ -35,7 +35,7 @@ def test_triton_kernels_equal_references() -> None:
     from fusedserve.models.layers.rope_triton import rope_triton
     from fusedserve.models.layers.rotary import rope_inv_freq, rope_reference
     from fusedserve.models.layers.silu_mul_triton import silu_and_mul_triton
-    from fusedserve.models.parallel.fused_allreduce_norm import add_rms_norm, rms_norm
+    from fusedserve.models.parallel.fusion.reference import add_rms_norm, rms_norm
 
     dev, bf = "cuda", torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
@@ -156,7 +156,7 @@ def _eager(model: Any, kv: Any, ids: torch.Tensor, pos: torch.Tensor, slots: tor
 
     n = ids.shape[0]
     tl = tables.tolist()
-    return model(ForwardBatch(ids, pos, [1] * n, ctx.tolist(), slots, tl, kv))  # type: ignore[no-any-return]
+    return model(ForwardBatch(ids, pos, [1] * n, ctx.tolist(), slots, tl, kv)).logits
 
 
 def _prefill(model: Any, kv: Any, tables: torch.Tensor, lens: list[int]) -> None:
@@ -177,10 +177,10 @@ def test_graph_replay_equals_eager_and_reference() -> None:
     from fusedserve.models.parallel.collectives import Collectives
     from fusedserve.models.parallel.groups import ParallelGroups
     from fusedserve.models.random_init import random_model
-    from fusedserve.worker.cuda_graph_runner import CudaGraphRunner
+    from fusedserve.worker.executor.cuda_graph_runner import CudaGraphRunner
 
     dev = torch.device("cuda")
-    models = {name: random_model(_small_config(), ParallelGroups.single_rank(), Collectives("nccl"), False,
+    models = {name: random_model(_small_config(), ParallelGroups.single_rank(), Collectives("nccl"),
                                  dtype=torch.bfloat16, device=dev, seed=3, kernels=Kernels.named(name))
               for name in ("triton", "reference")}
     lens = [5, 40, 17, 100, 1, 64, 33, 9]
@@ -210,17 +210,17 @@ def _tp2_rank(rank: int, world: int, backend: str) -> dict[str, Any]:
     from fusedserve.models.forward_batch import KVCache
     from fusedserve.models.layers.kernels import Kernels
     from fusedserve.models.parallel.collectives import Collectives
-    from fusedserve.models.parallel.fused_allreduce_norm import make_fused_allreduce_norm
+    from fusedserve.models.parallel.fusion.selection import FusionMode, fused_kernel
     from fusedserve.models.parallel.groups import ParallelConfig, build_groups
     from fusedserve.models.random_init import random_model
-    from fusedserve.worker.cuda_graph_runner import CudaGraphRunner
+    from fusedserve.worker.executor.cuda_graph_runner import CudaGraphRunner
 
     dev = torch.device("cuda", rank)
     config = _small_config()
     groups = build_groups(ParallelConfig(tp=world), rank, backend)
     fused = make_fused_allreduce_norm("flashinfer", groups, config.hidden_size, torch.bfloat16)
     collectives = Collectives(backend, fused=fused)
-    model = random_model(config, groups, collectives, True, dtype=torch.bfloat16, device=dev, seed=5,
+    model = random_model(config, groups, collectives, dtype=torch.bfloat16, device=dev, seed=5,
                          kernels=Kernels.triton())
     lens = [5, 40, 17]
     tables = torch.arange(3 * 8, dtype=torch.int32, device=dev).view(3, 8)
@@ -256,7 +256,7 @@ def _tp2_rank(rank: int, world: int, backend: str) -> dict[str, Any]:
 
 @needs_two_gpus
 def test_tp2_graph_capture_runs_the_planned_collectives() -> None:
-    from fusedserve.worker.local_ranks import run_on_ranks
+    from fusedserve.worker.parallel.local_ranks import run_on_ranks
 
     for rank, res in enumerate(run_on_ranks(_tp2_rank, 2, backend="nccl", timeout_s=600)):
         assert max(res["errors"]) < 1e-2, (rank, res["errors"])

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from fusedserve.worker.local_ranks import run_on_ranks
+from fusedserve.worker.parallel.local_ranks import run_on_ranks
 
 pytestmark = pytest.mark.gpu
 needs_two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -33,7 +33,7 @@ def _capture(rank: int, world: int, backend: str, model_dir: str) -> dict[str, A
     from fusedserve.models.forward_batch import ForwardBatch, KVCache
     from fusedserve.models.loader import load_model
     from fusedserve.models.parallel.collectives import Collectives
-    from fusedserve.models.parallel.fused_allreduce_norm import make_fused_allreduce_norm
+    from fusedserve.models.parallel.fusion.selection import FusionMode, fused_kernel
     from fusedserve.models.parallel.groups import ParallelConfig, ParallelGroups, build_groups
 
     dev = torch.device("cuda", rank)
@@ -67,11 +67,11 @@ def test_aux_states_under_flashinfer_fusion_equal_tp1(tmp_path: Path) -> None:
 
 
 def _spec_run(rank: int, world: int, backend: str, dtype: str) -> dict[str, Any] | None:
-    from fusedserve.worker.distributed_runner import run_engine_group
-    from fusedserve.worker.engine import EngineConfig
-    from fusedserve.worker.sequence import SamplingParams
-    from fusedserve.worker.speculative import SpeculativeConfig
-    from fusedserve.worker.tokenizer import Tokenizer
+    from fusedserve.worker.parallel.rank import run_engine_group
+    from fusedserve.worker.engine.config import EngineConfig
+    from fusedserve.worker.engine.sequence import SamplingParams
+    from fusedserve.worker.spec_decode.config import SpeculativeConfig
+    from fusedserve.worker.engine.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(TARGET)
     prompts = [tok.encode(p) for p in ("def fib(n):\n    ", "import os\nimport sys\n\n", "class Foo:\n    def ")]

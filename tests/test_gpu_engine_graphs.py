@@ -24,8 +24,9 @@ PROMPTS = ["def fib(n):\n    ", "import os\nclass Foo:\n    def __init__(self", 
 
 
 def _generate(spec: object, graphs: bool) -> tuple[list[list[int]], object]:
-    from fusedserve.worker.engine import Engine, EngineConfig
-    from fusedserve.worker.sequence import SamplingParams
+    from fusedserve.worker.engine.config import EngineConfig
+    from fusedserve.worker.engine.engine import Engine
+    from fusedserve.worker.engine.sequence import SamplingParams
 
     engine = Engine(TARGET, EngineConfig(num_blocks=64, max_num_seqs=4, speculative=spec,  # type: ignore[arg-type]
                                          device="cuda", cuda_graphs=graphs))
@@ -35,7 +36,7 @@ def _generate(spec: object, graphs: bool) -> tuple[list[list[int]], object]:
 
 @needs_gpu
 def test_graph_engine_equals_eager_engine() -> None:
-    from fusedserve.worker.speculative import SpeculativeConfig
+    from fusedserve.worker.spec_decode.config import SpeculativeConfig
 
     specs = {"none": None, "chain-3": SpeculativeConfig(DRAFT, num_steps=3),
              "tree-topk4-steps4-tokens8": SpeculativeConfig(DRAFT, num_steps=4, topk=4, num_draft_tokens=8)}

@@ -18,8 +18,8 @@ needs_two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.
 def _fused_vs_reference(rank: int, world: int, backend: str) -> list[float]:
     import torch.distributed as dist
 
-    from fusedserve.models.parallel.flashinfer_fusion import FlashInferFusedAllReduceNorm
-    from fusedserve.models.parallel.fused_allreduce_norm import add_rms_norm
+    from fusedserve.models.parallel.fusion.flashinfer import FlashInferFusedAllReduceNorm
+    from fusedserve.models.parallel.fusion.reference import add_rms_norm
     from fusedserve.models.parallel.groups import ParallelConfig, build_groups
 
     groups = build_groups(ParallelConfig(world), rank, backend)
@@ -41,7 +41,7 @@ def _fused_vs_reference(rank: int, world: int, backend: str) -> list[float]:
 
 @needs_two_gpus
 def test_flashinfer_fused_equals_reference() -> None:
-    from fusedserve.worker.local_ranks import run_on_ranks
+    from fusedserve.worker.parallel.local_ranks import run_on_ranks
 
     for errs in run_on_ranks(_fused_vs_reference, 2, backend="nccl"):
         assert max(errs) < 0.1, errs  # bf16 outputs of O(1) values; a missing reduction is O(1) off

@@ -203,7 +203,7 @@ def _build_groups_rank(rank: int, world: int, backend: str) -> dict[str, object]
 
 
 def test_build_groups_on_four_gloo_ranks() -> None:
-    from fusedserve.worker.local_ranks import run_on_ranks
+    from fusedserve.worker.parallel.local_ranks import run_on_ranks
 
     results = run_on_ranks(_build_groups_rank, 4, backend="gloo")
     grid = GRIDS[(4, 2, 2)]

@@ -16,14 +16,15 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from fusedserve.worker.engine import Engine, EngineConfig
-from fusedserve.worker.engine_client import EngineDead
-from fusedserve.worker.http_api import build_app
-from fusedserve.worker.http_server import HttpServer
-from fusedserve.worker.local_engine_client import LocalEngineClient
-from fusedserve.worker.metrics import MetricsRegistry
-from fusedserve.worker.scheduler import SchedulerStats
-from fusedserve.worker.sequence import SamplingParams
+from fusedserve.worker.engine.config import EngineConfig
+from fusedserve.worker.engine.engine import Engine
+from fusedserve.worker.serving.engine_client import EngineDead
+from fusedserve.worker.serving.http_api import build_app
+from fusedserve.worker.serving.http_server import HttpServer
+from fusedserve.worker.serving.local_engine_client import LocalEngineClient
+from fusedserve.worker.serving.metrics import MetricsRegistry
+from fusedserve.worker.engine.scheduler import SchedulerStats
+from fusedserve.worker.engine.sequence import SamplingParams
 from prometheus_client.parser import text_string_to_metric_families
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "examples" / "checkpoints" / "tiny-code"
@@ -262,10 +263,12 @@ class _BrokenEngine:
 
     tokenizer = None
     max_model_len = 64
-    runner = SimpleNamespace(model=None)
 
     def __init__(self) -> None:
         self.pending = False
+
+    def collective_ledger(self) -> None:
+        return None
 
     def add_request(self, prompt: Any, params: Any, request_id: str) -> str:
         self.pending = True

@@ -14,7 +14,7 @@ import pytest
 import torch
 from fusedserve.models.forward_batch import ForwardBatch, KVCache
 from fusedserve.models.layers.rotary import rope_inv_freq, rope_parameters
-from fusedserve.models.parallel.comm_plan import FUSION_MAX_TOKENS
+from fusedserve.models.parallel.comm_plan import FUSION_MAX_TOKENS, plan_table
 
 TOLERANCE = 1e-4
 VARIANTS = ("base", "tied", "bias", "kv1", "llama3")
@@ -58,10 +58,13 @@ def expected_table(world: int, fusion: str) -> list[str]:
     return TABLE_FUSED if fusion == "reference" else TABLE_OFF
 
 
-def prefill_logits(model: Any, prompts: list[list[int]]) -> torch.Tensor:
+def prefill_logits(model: Any, prompts: list[list[int]], aux_layers: tuple[int, ...] = ()) -> Any:
+    """The model's output (logits and the aux states of ``aux_layers``) on a prefill of ``prompts``."""
     block = 16
     kv = KVCache.allocate(model.kv_shapes(), sum(-(-len(p) // block) for p in prompts), block, torch.float32)
-    return model(ForwardBatch.prefill(prompts, kv))  # type: ignore[no-any-return]
+    batch = ForwardBatch.prefill(prompts, kv)
+    batch.aux_layers = aux_layers
+    return model(batch)
 
 
 def prefill_then_decode_logits(model: Any, prompts: list[list[int]]) -> torch.Tensor:
@@ -89,16 +92,16 @@ def prefill_then_decode_logits(model: Any, prompts: list[list[int]]) -> torch.Te
         )
 
     model(batch([range(len(p) - 1) for p in prompts]))
-    return model(batch([range(len(p) - 1, len(p)) for p in prompts]))  # type: ignore[no-any-return]
+    return model(batch([range(len(p) - 1, len(p)) for p in prompts])).logits
 
 
 def _forward_result(model: Any, collectives: Any, logits: torch.Tensor) -> dict[str, Any]:
-    active = model.comm.active
+    planned = collectives.ledger.forward_plan()  # what the last forward planned, as it started
     return {
         "logits": logits,
-        "fused_variant": active.fused,
-        "planned": active.expected(),
-        "table": active.table(),
+        "fused_variant": any(op == "fused_ar_add_rmsnorm" for _site, op, _group in planned),
+        "planned": planned,
+        "table": plan_table(planned),
         "unfused_planned": model.comm.plan.unfused.expected(),
         "records": [(r.site, r.op, r.group, r.path) for r in collectives.ledger.forward_records()],
     }
@@ -115,7 +118,7 @@ def _parity_rank(
     """Every variant x fusion mode on this rank; runs in a spawned process (module-level for pickling)."""
     from fusedserve.models.loader import load_model
     from fusedserve.models.parallel.collectives import Collectives
-    from fusedserve.models.parallel.fused_allreduce_norm import make_fused_allreduce_norm
+    from fusedserve.models.parallel.fusion.selection import FusionMode, fused_kernel
     from fusedserve.models.parallel.groups import ParallelConfig, build_groups
 
     torch.set_num_threads(1)
@@ -123,17 +126,17 @@ def _parity_rank(
     out: dict[Any, Any] = {}
     for name, path in variants.items():
         for fusion in FUSIONS:
-            collectives = Collectives(backend, fused=make_fused_allreduce_norm(fusion, groups))
-            model = load_model(path, groups, collectives, fusion=fusion != "off")
-            model.comm.capture_inputs_of(CAPTURE_LAYERS)
-            res = _forward_result(model, collectives, prefill_logits(model, prompts))
-            res["captured"] = list(model.comm.captured)
+            collectives = Collectives(backend, fused=fused_kernel(FusionMode(fusion), groups, 64, torch.float32))
+            model = load_model(path, groups, collectives)
+            fwd = prefill_logits(model, prompts, tuple(CAPTURE_LAYERS))
+            res = _forward_result(model, collectives, fwd.logits)
+            res["captured"] = list(fwd.hidden)
             res["kv_head_start"] = model.layers[0].self_attn.qkv_proj.kv_head_start
             res["kv_shapes"] = model.kv_shapes()
             out[(name, fusion)] = res
             if name == "base":
                 out[(name, fusion, "long")] = _forward_result(
-                    model, collectives, prefill_logits(model, long_prompts)
+                    model, collectives, prefill_logits(model, long_prompts).logits
                 )
                 decode = prefill_then_decode_logits(model, prompts)
                 out[(name, fusion, "decode")] = _forward_result(model, collectives, decode)
@@ -144,7 +147,7 @@ def _parity_rank(
 def parity(
     request: pytest.FixtureRequest, llama_variants: dict[str, Path], llama_prompts: list[list[int]]
 ) -> tuple[int, list[dict[Any, Any]]]:
-    from fusedserve.worker.local_ranks import run_on_ranks
+    from fusedserve.worker.parallel.local_ranks import run_on_ranks
 
     world: int = request.param
     g = torch.Generator().manual_seed(7)
@@ -305,7 +308,7 @@ def test_a_block_returning_a_reduced_tensor_is_a_plan_violation(
     from fusedserve.models.parallel.communicator import PlanViolation
     from fusedserve.models.parallel.groups import ParallelGroups
 
-    model = load_model(tiny_llama, ParallelGroups.single_rank(), Collectives("gloo"), fusion=False)
+    model = load_model(tiny_llama, ParallelGroups.single_rank(), Collectives("gloo"))
     mlp = model.layers[1].mlp
     honest = mlp.forward
     mlp.forward = lambda x: honest(x).partial  # "already reduced"

@@ -43,13 +43,13 @@ def groups_of(tp: int, rank: int) -> ParallelGroups:
 
 def load(model_dir: Path, tp: int = 1, rank: int = 0) -> Any:
     groups = ParallelGroups.single_rank() if tp == 1 else groups_of(tp, rank)
-    return load_model(model_dir, groups, Collectives("gloo"), fusion=False)
+    return load_model(model_dir, groups, Collectives("gloo"))
 
 
 def prefill_logits(model: Any, prompts: list[list[int]]) -> torch.Tensor:
     block = 16
     kv = KVCache.allocate(model.kv_shapes(), sum(-(-len(p) // block) for p in prompts), block, torch.float32)
-    return model(ForwardBatch.prefill(prompts, kv))  # type: ignore[no-any-return]
+    return model(ForwardBatch.prefill(prompts, kv)).logits
 
 
 @pytest.fixture
@@ -139,7 +139,7 @@ def test_each_rank_reads_only_its_shard_and_the_shards_reassemble(tiny_llama: Pa
     hf_config = AutoConfig.from_pretrained(str(tiny_llama))
     models = []
     for rank in range(tp):
-        model = LlamaForCausalLM(hf_config, groups_of(tp, rank), Collectives("gloo"), fusion=False)
+        model = LlamaForCausalLM(hf_config, groups_of(tp, rank), Collectives("gloo"))
         reads: list[tuple[str, str, int, int]] = []
         load_weights(
             model, (RecordingSource(s, reads) for s in iter_checkpoint([tiny_llama / "model.safetensors"]))

@@ -15,13 +15,14 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from fusedserve.worker.engine import Engine, EngineConfig
-from fusedserve.worker.engine_client import SNAPSHOT_LABELS, HistogramData, MetricsSnapshot
-from fusedserve.worker.engine_stats import spec_snapshot
-from fusedserve.worker.http_api import build_app
-from fusedserve.worker.http_server import HttpServer
-from fusedserve.worker.local_engine_client import LocalEngineClient
-from fusedserve.worker.metrics import MetricsRegistry
+from fusedserve.worker.engine.config import EngineConfig
+from fusedserve.worker.engine.engine import Engine
+from fusedserve.worker.serving.engine_client import SNAPSHOT_LABELS, HistogramData, MetricsSnapshot
+from fusedserve.worker.serving.engine_stats import spec_snapshot
+from fusedserve.worker.serving.http_api import build_app
+from fusedserve.worker.serving.http_server import HttpServer
+from fusedserve.worker.serving.local_engine_client import LocalEngineClient
+from fusedserve.worker.serving.metrics import MetricsRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
@@ -124,15 +125,15 @@ def test_collectives_executed_equal_planned_times_forwards(served: Served) -> No
     forwards = s.value("fusedserve_forwards_total", **LABELS)
     assert forwards > 0
     planned = {(x.labels["op"], x.labels["group"]): x.value
-               for x in s.samples("fusedserve_collective_planned_calls_per_forward")}
+               for x in s.samples("fusedserve_collective_planned_calls_total")}
     executed: dict[tuple[str, str], float] = {}
     for x in s.samples("fusedserve_collective_calls_total"):
         key = (x.labels["op"], x.labels["group"])
         executed[key] = executed.get(key, 0) + x.value
     # tp=1: the plan has no collective and none ran (multi-rank plans are checked with the Ray runtime).
-    assert executed == {k: n * forwards for k, n in planned.items()} == {}
+    assert executed == planned == {}
     assert "fusedserve_collective_calls" in s.families  # exported, with no series
-    assert "fusedserve_collective_planned_calls_per_forward" in s.families
+    assert "fusedserve_collective_planned_calls" in s.families
     assert "fusedserve_collective_seconds" not in s.families  # the ledger does not time collectives
     assert httpx.get(served.url + "/status").json()["groups"][0]["collectives"]["matches_plan"] is True
 
@@ -180,7 +181,7 @@ def test_spec_and_timing_series_from_snapshots() -> None:
             labels={**LABELS, "rank": rank, "tp_rank": rank},
             collective_calls={("all_reduce", "tp", "gloo"): 34 * drafts},
             collective_bytes={("all_reduce", "tp", "gloo"): 1024 * drafts},
-            planned_per_forward={("all_reduce", "tp"): 17},
+            collective_planned={("all_reduce", "tp"): 34 * drafts},
             forwards=2 * drafts,
             collective_seconds={("all_reduce", "tp", "gloo"): HistogramData((1e-4, 1e-3), (3, 1, 1), 0.0021)},
             spec={"drafts": drafts, "draft_tokens": 3 * drafts, "accepted_tokens": 2 * drafts,
@@ -192,13 +193,12 @@ def test_spec_and_timing_series_from_snapshots() -> None:
     s = Scrape(MetricsRegistry(LABELS).exposition([snapshot("0", 10), snapshot("1", 10)]).decode())
     expected = {"spec_decode_drafts_total": 10, "spec_decode_draft_tokens_total": 30,
                 "spec_decode_accepted_tokens_total": 20, "collective_calls_total": 340,
-                "collective_bytes_total": 10240, "collective_planned_calls_per_forward": 17,
+                "collective_bytes_total": 10240, "collective_planned_calls_total": 340,
                 "forwards_total": 20, "num_requests_waiting": 2, "kv_cache_usage_ratio": 0.25}
     for name, value in expected.items():
         assert s.value("fusedserve_" + name, rank="1") == value, name
-    assert s.value("fusedserve_collective_calls_total", rank="0") == (
-        s.value("fusedserve_collective_planned_calls_per_forward", rank="0")
-        * s.value("fusedserve_forwards_total", rank="0"))
+    assert s.value("fusedserve_collective_calls_total", rank="0") == s.value(
+        "fusedserve_collective_planned_calls_total", rank="0")
     def by(name: str, key: str) -> dict[str, float]:
         return {x.labels[key]: x.value for x in s.samples("fusedserve_" + name) if x.labels["rank"] == "0"}
 

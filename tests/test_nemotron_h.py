@@ -115,10 +115,11 @@ def run_schedule(model: Any, dp: int, dp_rank: int) -> tuple[dict[int, torch.Ten
     mismatches: list[str] = []
     for i, step in enumerate(SCHEDULE):
         batch, rows = _step_batch(step, done, mine, kv, state, dp)
-        logits = model(batch)
+        logits = model(batch).logits
         executed = [r.key for r in model.comm.ledger.forward_records()]
-        if executed != model.comm.active.expected():
-            mismatches.append(f"forward {i}: executed {executed} planned {model.comm.active.expected()}")
+        planned = model.comm.ledger.forward_plan()
+        if executed != planned:
+            mismatches.append(f"forward {i}: executed {executed} planned {planned}")
         start = 0
         for s, n in rows:
             out[s].append(logits[start : start + n])
@@ -131,14 +132,14 @@ def _rank_main(rank: int, world: int, backend: str, model_dir: str,
                cases: list[tuple[int, int, int, str]]) -> list[dict[str, Any]]:
     from fusedserve.models.loader import load_model
     from fusedserve.models.parallel.collectives import Collectives
-    from fusedserve.models.parallel.fused_allreduce_norm import make_fused_allreduce_norm
+    from fusedserve.models.parallel.fusion.selection import FusionMode, fused_kernel
     from fusedserve.models.parallel.groups import build_groups
 
     results = []
     for tp, dp, ep, fusion in cases:
         groups = build_groups(ParallelConfig(tp, dp, ep), rank, backend)
-        collectives = Collectives(backend, fused=make_fused_allreduce_norm(fusion, groups))
-        model = load_model(model_dir, groups, collectives, fusion=fusion != "off")
+        collectives = Collectives(backend, fused=fused_kernel(FusionMode(fusion), groups, 0, torch.float32))
+        model = load_model(model_dir, groups, collectives)
         logits, mismatches = run_schedule(model, dp, groups.coords.dp_rank)
         lead = groups.coords.attn_tp_rank == 0  # one rank per DP group reports logits
         results.append({"case": (tp, dp, ep, fusion), "logits": logits if lead else {},
@@ -159,7 +160,7 @@ def test_tp1_prefill_chunked_prefill_and_decode_equal_hf(tiny_nemotron: Path, hf
     from fusedserve.models.loader import load_model
     from fusedserve.models.parallel.collectives import Collectives
 
-    model = load_model(tiny_nemotron, ParallelGroups.single_rank(), Collectives("gloo"), fusion=False)
+    model = load_model(tiny_nemotron, ParallelGroups.single_rank(), Collectives("gloo"))
     logits, mismatches = run_schedule(model, dp=1, dp_rank=0)
     assert not mismatches
     _check(logits, hf_logits, "tp1")
@@ -167,7 +168,7 @@ def test_tp1_prefill_chunked_prefill_and_decode_equal_hf(tiny_nemotron: Path, hf
     kv = KVCache.allocate(model.kv_shapes(), 16, BLOCK, torch.float32)
     full = ForwardBatch.prefill([seq[:n] for seq, n in zip(SEQS, _done_tokens())], kv)
     full.state_slots, full.state_cache = [0, 1, 2], MambaStateCache.allocate(model.state_shapes(), 3, torch.float32)
-    torch.testing.assert_close(torch.cat([logits[s] for s in range(len(SEQS))]), model(full), atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.cat([logits[s] for s in range(len(SEQS))]), model(full).logits, atol=1e-5, rtol=0)
 
 
 def test_fused_expert_checkpoint_layout_loads(hf_model: Any, hf_logits: list[torch.Tensor],
@@ -177,17 +178,17 @@ def test_fused_expert_checkpoint_layout_loads(hf_model: Any, hf_logits: list[tor
     from fusedserve.models.parallel.collectives import Collectives
 
     hf_model.save_pretrained(str(tmp_path), save_original_format=False)
-    model = load_model(tmp_path, ParallelGroups.single_rank(), Collectives("gloo"), fusion=False)
+    model = load_model(tmp_path, ParallelGroups.single_rank(), Collectives("gloo"))
     kv = KVCache.allocate(model.kv_shapes(), BLOCKS_PER_SEQ, BLOCK, torch.float32)
     n = _done_tokens()[0]
     batch = ForwardBatch.prefill([SEQS[0][:n]], kv)
     batch.state_slots, batch.state_cache = [0], MambaStateCache.allocate(model.state_shapes(), 1, torch.float32)
-    _check({0: model(batch)}, hf_logits, "fused expert layout")
+    _check({0: model(batch).logits}, hf_logits, "fused expert layout")
 
 
 @pytest.mark.parametrize("world", sorted(CASES))
 def test_ranks_equal_hf_and_run_the_plan(world: int, tiny_nemotron: Path, hf_logits: list[torch.Tensor]) -> None:
-    from fusedserve.worker.local_ranks import run_on_ranks
+    from fusedserve.worker.parallel.local_ranks import run_on_ranks
 
     per_rank = run_on_ranks(_rank_main, world, str(tiny_nemotron), CASES[world], backend="gloo")
     for c, case in enumerate(CASES[world]):
@@ -222,7 +223,7 @@ def test_pattern_blocks_and_cache_shapes(tiny_nemotron: Path) -> None:
     assert blocks[2] == BlockSpec("layers.2.mixer", Layout.FULL, "tp")
     assert blocks[3] == BlockSpec("layers.3.mixer", Layout.FULL, "tp")
     # Built (not loaded) on rank 1 of tp=2: no process group is needed to construct it.
-    model = NemotronHForCausalLM(config, _fake_groups(2, 1), Collectives("gloo"), fusion=False, device="meta")
+    model = NemotronHForCausalLM(config, _fake_groups(2, 1), Collectives("gloo"), device="meta")
     assert model.kv_shapes() == {1: (1, 16)}  # 2 KV heads over 2 ranks
     shapes = model.state_shapes()
     assert sorted(shapes) == [0, 4]

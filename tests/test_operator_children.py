@@ -18,7 +18,7 @@ from fusedserve.operator.children import desired_children, parse_spec
 from fusedserve.operator.engine_config import runtime_manifest
 from fusedserve.operator.naming import Owner
 from fusedserve.operator.ray_cluster import worker_sizing
-from fusedserve.worker.config import RuntimeConfig, SpecError, parse_manifest
+from fusedserve.worker.spec import RuntimeConfig, SpecError, parse_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = REPO / "tests" / "golden" / "operator"

@@ -62,7 +62,7 @@ def test_import_direction() -> None:
         "import fusedserve, fusedserve.operator\n"
         "heavy = {'torch', 'ray', 'kopf'} & set(sys.modules)\n"
         "assert not heavy, heavy\n"
-        "import fusedserve.models.llama, fusedserve.models.loader, fusedserve.worker.verify, fusedserve.cli\n"
+        "import fusedserve.models.llama, fusedserve.models.loader, fusedserve.verify, fusedserve.cli\n"
         "heavy = {'ray', 'kopf'} & set(sys.modules)\n"
         "assert not heavy, heavy\n"
         "import operator; assert hasattr(operator, 'itemgetter'), 'the stdlib operator module is shadowed'\n"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from fusedserve.worker.engine_client import MetricsSnapshot
-from fusedserve.worker.runtime_status import (
+from fusedserve.worker.serving.engine_client import MetricsSnapshot
+from fusedserve.worker.ray.runtime_status import (
     ControllerObservation,
     Failure,
     GroupObservation,
@@ -18,7 +18,7 @@ def _rank(rank: int, role: str) -> dict[str, object]:
 
 def _snapshot(rank: int, executed: int, forwards: int = 3, drafts: int = 0, accepted: int = 0) -> MetricsSnapshot:
     return MetricsSnapshot(labels={"rank": str(rank)}, collective_calls={("all_reduce", "tp", "gloo"): executed},
-                           planned_per_forward={("all_reduce", "tp"): 2}, forwards=forwards,
+                           collective_planned={("all_reduce", "tp"): 2 * forwards}, forwards=forwards,
                            spec={"drafts": drafts, "accepted_tokens": accepted} if drafts else {})
 
 
@@ -36,8 +36,7 @@ def test_group_entry_shows_ranks_acceptance_and_plan_vs_execution() -> None:
     assert g["acceptance_length"] == 2.5 and g["collectives_match_plan"] is True and not g["outdated"]
     leader, follower = g["ranks"]
     assert leader["acceptance_length"] == 2.5 and "labels" not in leader
-    assert follower["collectives"]["per_op"] == [{"op": "all_reduce", "group": "tp", "planned_per_forward": 2,
-                                                   "planned": 6, "executed": 6}]
+    assert follower["collectives"]["per_op"] == [{"op": "all_reduce", "group": "tp", "planned": 6, "executed": 6}]
     assert [c["type"] for c in status["conditions"]] == ["Ready"]
 
 

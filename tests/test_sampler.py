@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-from fusedserve.worker.sampler import Sampler, top_k_top_p_mask
-from fusedserve.worker.sequence import InvalidSamplingParams, SamplingParams
+from fusedserve.worker.engine.sampler import Sampler, top_k_top_p_mask
+from fusedserve.worker.engine.sequence import InvalidSamplingParams, SamplingParams
 
 # probabilities 0.5, 0.25, 0.125, 0.0625, 0.0625 (token 1 is the most likely)
 PROBS = torch.tensor([0.25, 0.5, 0.0625, 0.125, 0.0625])

@@ -12,9 +12,9 @@ import random
 from dataclasses import dataclass, field
 
 import pytest
-from fusedserve.worker.block_manager import BlockManager
-from fusedserve.worker.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from fusedserve.worker.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
+from fusedserve.worker.engine.block_manager import BlockManager
+from fusedserve.worker.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from fusedserve.worker.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
 
 VOCAB = 97
 

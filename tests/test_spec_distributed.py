@@ -14,10 +14,11 @@ from typing import Any
 
 import pytest
 import torch
-from fusedserve.worker.engine import Engine, EngineConfig
-from fusedserve.worker.local_ranks import RankFailed, run_on_ranks
-from fusedserve.worker.sequence import SamplingParams
-from fusedserve.worker.speculative import SpeculativeConfig
+from fusedserve.worker.engine.config import EngineConfig
+from fusedserve.worker.engine.engine import Engine
+from fusedserve.worker.parallel.local_ranks import RankFailed, run_on_ranks
+from fusedserve.worker.engine.sequence import SamplingParams
+from fusedserve.worker.spec_decode.config import SpeculativeConfig
 
 from fusedserve.tiny import make_tiny_eagle3_draft, make_tiny_llama
 
@@ -42,25 +43,25 @@ def _engine_config(spec: SpeculativeConfig | None) -> EngineConfig:
 def _generate(engine: Engine, prompts: list[list[int]]) -> dict[str, Any]:
     out = engine.generate(prompts, GREEDY)
     spec = engine.stats().spec
-    comm = engine.runner.model.comm
-    deferred = any(key[1] == "fused_ar_add_rmsnorm" for key in comm.active.expected())
+    ledger = engine.collective_ledger()
+    deferred = ledger is not None and any(op == "fused_ar_add_rmsnorm" for op, _group in ledger.planned)
     return {"tokens": [c.token_ids for c in out], "spec": spec, "deferred": deferred}
 
 
 def _run_all(rank: int, world: int, backend: str, runs: list[tuple[str, str, str, list[list[int]]]]
              ) -> dict[str, Any] | None:
-    from fusedserve.worker.distributed_runner import run_engine_group
+    from fusedserve.worker.parallel.rank import run_engine_group
 
     results: dict[str, Any] = {}
     for key, target, draft, prompts in runs:
         spec = _configs(target, draft)[key.split("/")[1]]
         results[key] = run_engine_group(rank, world, backend, target, _engine_config(spec),
-                                        lambda engine, p=prompts: _generate(engine, p), fusion=True)
+                                        lambda engine, p=prompts: _generate(engine, p), fusion="reference")
     return results if rank == 0 else None
 
 
 def test_tp2_with_deferred_reduction_matches_tp1_tokens_and_acceptance(tmp_path: Path) -> None:
-    from fusedserve.worker.tokenizer import Tokenizer
+    from fusedserve.worker.engine.tokenizer import Tokenizer
 
     target = make_tiny_llama(tmp_path / "target", seed=3, num_hidden_layers=6, initializer_range=0.15)
     draft = make_tiny_eagle3_draft(tmp_path / "draft", target, seed=4, draft_vocab_size=200)
@@ -88,23 +89,23 @@ def test_tp2_with_deferred_reduction_matches_tp1_tokens_and_acceptance(tmp_path:
 
 
 def _fail_on_follower(rank: int, world: int, backend: str) -> None:
-    from fusedserve.worker import model_runner
-    from fusedserve.worker.distributed_runner import run_engine_group
+    from fusedserve.worker.executor.executor import StepExecutor
+    from fusedserve.worker.parallel.rank import run_engine_group
 
     if rank == 1:
-        forward = model_runner.ModelRunner.forward
+        forward = StepExecutor.run
         calls = [0]
 
-        def failing(self, batch, attn_masks=None):  # type: ignore[no-untyped-def]
+        def failing(self, step, hidden=None):  # type: ignore[no-untyped-def]
             calls[0] += 1
             if calls[0] == 3:
                 raise RuntimeError("injected follower failure")
-            return forward(self, batch, attn_masks)
+            return forward(self, step, hidden)
 
-        model_runner.ModelRunner.forward = failing  # type: ignore[method-assign]
+        StepExecutor.run = failing  # type: ignore[method-assign]
     spec = SpeculativeConfig(DRAFT, num_steps=3)
     run_engine_group(rank, world, backend, TARGET, _engine_config(spec),
-                     lambda engine: engine.generate([[5, 6, 7, 8]], GREEDY), fusion=True)
+                     lambda engine: engine.generate([[5, 6, 7, 8]], GREEDY), fusion="reference")
 
 
 def test_follower_failure_does_not_hang_the_leader() -> None:

@@ -1,4 +1,4 @@
-"""The engine's padded static-shape step forwards (``worker/step_graphs.py``; CUDA graphs on a
+"""The engine's padded static-shape step forwards (``worker/executor/step_graphs.py``; CUDA graphs on a
 GPU) give the eager engine's greedy outputs: decode, chain and tree verify, draft first pass and
 steps. On CPU they run eagerly on the same static buffers (``cuda_graphs=True``), which checks
 the packing, the padding rows and the tree masks as device tensors."""
@@ -13,11 +13,12 @@ import torch
 from fusedserve.models.forward_batch import ForwardBatch, KVCache, PagedAttentionMetadata
 from fusedserve.models.layers.attention import paged_attention_reference
 from fusedserve.models.layers.paged_attention_torch import paged_attention_torch
-from fusedserve.worker.draft_tree import tree_attention_mask
-from fusedserve.worker.engine import Engine, EngineConfig
-from fusedserve.worker.model_runner import ancestor_mask
-from fusedserve.worker.sequence import SamplingParams
-from fusedserve.worker.speculative import SpeculativeConfig
+from fusedserve.worker.spec_decode.draft_tree import tree_attention_mask
+from fusedserve.worker.engine.config import EngineConfig
+from fusedserve.worker.engine.engine import Engine
+from fusedserve.worker.executor.step import ancestor_mask
+from fusedserve.worker.engine.sequence import SamplingParams
+from fusedserve.worker.spec_decode.config import SpeculativeConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = ROOT / "examples/checkpoints/tiny-code"
@@ -58,8 +59,8 @@ def test_static_shape_steps_equal_eager(spec: SpeculativeConfig | None) -> None:
                                              cuda_graph_batch_sizes=(1, 2)))
         outputs[graphs] = [c.token_ids for c in engine.generate(PROMPTS, params)]
         if graphs:
-            assert engine.runner.graphs is not None and engine.runner.graphs.runs > 0
-            assert engine.runner.num_blocks == engine.runner.kv_cache.num_blocks - 1 == 12
+            assert engine.executor.graphs is not None and engine.executor.graphs.runs > 0
+            assert engine.executor.num_blocks == engine.executor.kv_cache.num_blocks - 1 == 12
             if engine.speculator is not None:
                 assert engine.speculator.draft.graphs is not None and engine.speculator.draft.graphs.runs > 0
     assert outputs[True] == outputs[False]

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-from fusedserve.worker.detokenizer import IncrementalDetokenizer
-from fusedserve.worker.tokenizer import Tokenizer, TokenizerError
+from fusedserve.worker.engine.detokenizer import IncrementalDetokenizer
+from fusedserve.worker.engine.tokenizer import Tokenizer, TokenizerError
 
 from fusedserve.tiny_tokenizer import make_tiny_tokenizer
 

@@ -49,7 +49,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_interp_rms_norm(dtype: torch.dtype) -> None:
     from fusedserve.models.layers.rms_norm_triton import add_rms_norm_triton, rms_norm_triton
-    from fusedserve.models.parallel.fused_allreduce_norm import add_rms_norm, rms_norm
+    from fusedserve.models.parallel.fusion.reference import add_rms_norm, rms_norm
 
     g = torch.Generator().manual_seed(0)
     x, r = (torch.randn(3, 96, generator=g).to(dtype) for _ in range(2))
@@ -145,13 +145,13 @@ def test_interp_llama_decode_with_triton_kernels_equals_reference() -> None:
                          num_attention_heads=4, num_key_value_heads=2, architectures=["LlamaForCausalLM"])
     logits = {}
     for name in ("reference", "triton"):
-        model = random_model(config, ParallelGroups.single_rank(), Collectives("gloo"), False, seed=5,
+        model = random_model(config, ParallelGroups.single_rank(), Collectives("gloo"), seed=5,
                              kernels=Kernels.named(name))
         kv = KVCache.allocate(model.kv_shapes(), 4, 4, torch.float32)
         prompt = [3, 1, 4, 1, 5, 9]
         model(ForwardBatch.prefill([prompt], kv))
         step = ForwardBatch(torch.tensor([2]), torch.tensor([6]), [1], [7], torch.tensor([6]), [[0, 1]], kv)
-        logits[name] = model(step)
+        logits[name] = model(step).logits
     _close(logits["triton"], logits["reference"], 1e-4)
 
 

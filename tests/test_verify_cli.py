@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from fusedserve.worker.verify import (
+from fusedserve.verify import (
     VerifyError,
     VerifyOptions,
     compare_collectives,

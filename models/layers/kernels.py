@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..parallel.fused_allreduce_norm import NormKernels
+from ..parallel.fusion.reference import NormKernels
 from .attention import AttentionBackend, paged_attention_reference
 from .fused_moe import FusedExpertsFn, fused_experts_torch
 from .linear import MatmulFn

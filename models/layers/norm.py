@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..parallel.fused_allreduce_norm import rms_norm
+from ..parallel.fusion.reference import rms_norm
 
 
 class RMSNorm(nn.Module):

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .collective_clock import CollectiveClock, clock_for
-from .fused_allreduce_norm import FusedAllReduceNorm, ReferenceFusedAllReduceNorm
+from .fusion.reference import FusedAllReduceNorm
 from .groups import Group
 from .ledger import CollectiveLedger
 
@@ -40,7 +40,9 @@ class Collectives:
     ) -> None:
         self.device_path = device_path
         self.ledger = ledger if ledger is not None else CollectiveLedger()
-        self.fused: FusedAllReduceNorm = fused if fused is not None else ReferenceFusedAllReduceNorm()
+        # The fused all-reduce + add + RMSNorm of this rank (``fusion/selection.py``); None = no fusion,
+        # and a model built on these collectives plans none.
+        self.fused = fused
         self.clock = clock if clock is not None else clock_for(device_path)
 
     def _timed(self, key: tuple[str, str, str], run: Any) -> Any:
@@ -124,7 +126,10 @@ class Collectives:
 
         The returned residual is a fresh tensor on every path.
         """
-        self.ledger.record(site, "fused_ar_add_rmsnorm", group.name, self.fused.path, _nbytes(x))
+        fused = self.fused
+        if fused is None:
+            raise RuntimeError(f"{site}: a fused boundary on collectives built without a fused kernel")
+        self.ledger.record(site, "fused_ar_add_rmsnorm", group.name, fused.path, _nbytes(x))
         out: tuple[torch.Tensor, torch.Tensor] = self._timed(
-            ("fused_ar_add_rmsnorm", group.name, self.fused.path), lambda: self.fused(x, residual, weight, eps, group))
+            ("fused_ar_add_rmsnorm", group.name, fused.path), lambda: fused(x, residual, weight, eps, group))
         return out

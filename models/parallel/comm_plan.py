@@ -104,11 +104,15 @@ class ForwardPlan:
 
     def table(self) -> list[str]:
         """Human-readable rows, one per boundary with collectives."""
-        return [
-            f"{b.site}: " + ", ".join(f"{s.op}({s.group})" for s in b.steps)
-            for b in self.boundaries
-            if b.steps
-        ] + ["lm_head: " + ", ".join(f"{s.op}({s.group})" for s in self.lm_head)] * bool(self.lm_head)
+        return plan_table(self.expected())
+
+
+def plan_table(rows: list[tuple[str, str, str]]) -> list[str]:
+    """(site, op, group) rows -> one line per site, in order: "layers.1.mlp.in: all_reduce(tp)"."""
+    sites: dict[str, list[str]] = {}
+    for site, op, group in rows:
+        sites.setdefault(site, []).append(f"{op}({group})")
+    return [f"{site}: " + ", ".join(ops) for site, ops in sites.items()]
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,21 @@
-"""Accounting of executed collectives: what ran, where, on which group and path, how many bytes.
+"""Accounting of collectives: what each forward planned, what ran, where, on which path, how many bytes.
 
-The communicator's plan says what *should* run per forward; the ledger records what *did*.
-Prometheus counters are fed from ``totals()``; ``verify`` and tests compare ``forward_records()``
-with the plan.
+The communicator's plan says what *should* run; at the start of every forward the communicator
+hands the ledger that forward's own plan variant (``begin_forward``), so ``planned`` counts what
+was planned forward by forward, and ``calls`` what was executed. Prometheus counters are fed from
+both (``fusedserve_collective_planned_calls_total`` and ``fusedserve_collective_calls_total``);
+``verify`` and tests compare ``forward_records()`` with ``forward_plan()``.
+
+A CUDA graph executes without Python: while a forward is captured (``capture()``) nothing is
+counted; each replay adds the captured forward's plan and records again (``replay``).
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from .collective_clock import BOUNDS
@@ -45,14 +51,28 @@ class TimeHistogram:
         self.sum += seconds
 
 
+PlannedRow = tuple[str, str, str]  # (site, op, group), as ``ForwardPlan.expected()`` lists them
+
+
+@dataclass
+class CapturedForward:
+    """One forward as a CUDA graph captured it: its plan and the collectives it recorded."""
+
+    planned: list[PlannedRow] = field(default_factory=list)
+    records: list[CollectiveRecord] = field(default_factory=list)
+
+
 @dataclass
 class CollectiveLedger:
-    """Records every collective a rank runs. Not thread-safe: one per rank."""
+    """Records every collective a rank plans and runs. Written by one thread (the rank's)."""
 
     calls: Counter[tuple[str, str, str]] = field(default_factory=Counter)  # (op, group, path) -> calls
     bytes: Counter[tuple[str, str, str]] = field(default_factory=Counter)  # (op, group, path) -> bytes
+    planned: Counter[tuple[str, str]] = field(default_factory=Counter)  # (op, group) -> planned calls
     seconds: dict[tuple[str, str, str], TimeHistogram] = field(default_factory=dict)  # sampled times
     _forward: list[CollectiveRecord] = field(default_factory=list)
+    _forward_plan: list[PlannedRow] = field(default_factory=list)
+    _capturing: CapturedForward | None = None
     forwards: int = 0
 
     def observe_time(self, key: tuple[str, str, str], seconds: float) -> None:
@@ -66,25 +86,53 @@ class CollectiveLedger:
         return {k: (h.bounds, tuple(h.counts), h.sum) for k, h in list(self.seconds.items())}
 
     def record(self, site: str, op: str, group: str, path: str, nbytes: int) -> None:
+        rec = CollectiveRecord(site, op, group, path, nbytes)
+        if self._capturing is not None:
+            self._capturing.records.append(rec)
+            return
         key = (op, group, path)
         self.calls[key] += 1
         self.bytes[key] += nbytes
-        self._forward.append(CollectiveRecord(site, op, group, path, nbytes))
+        self._forward.append(rec)
 
-    def begin_forward(self) -> None:
+    def begin_forward(self, planned: Iterable[PlannedRow] = ()) -> None:
+        """A forward starts; ``planned``: its plan variant's collectives (``ForwardPlan.expected()``)."""
+        rows = list(planned)
+        if self._capturing is not None:
+            self._capturing.planned, self._capturing.records = rows, []
+            return
         self._forward = []
+        self._forward_plan = rows
+        self.planned.update((op, group) for _site, op, group in rows)
         self.forwards += 1
 
-    def replay(self, records: Iterable[CollectiveRecord]) -> None:
+    @contextmanager
+    def capture(self) -> Iterator[CapturedForward]:
+        """Count nothing while a forward is being captured; the yielded value holds what it planned
+        and recorded (for ``replay``)."""
+        if self._capturing is not None:
+            raise RuntimeError("a capture is already in progress on this ledger")
+        captured = CapturedForward()
+        self._capturing = captured
+        try:
+            yield captured
+        finally:
+            self._capturing = None
+
+    def replay(self, captured: CapturedForward) -> None:
         """Count one more forward whose collectives ran without Python: a CUDA-graph replay runs
-        exactly the collectives recorded while that forward was captured."""
-        self.begin_forward()
-        for r in records:
+        exactly what that forward planned and recorded while it was captured."""
+        self.begin_forward(captured.planned)
+        for r in captured.records:
             self.record(r.site, r.op, r.group, r.path, r.nbytes)
 
     def forward_records(self) -> list[CollectiveRecord]:
         """Collectives since the last ``begin_forward``, in execution order."""
         return list(self._forward)
+
+    def forward_plan(self) -> list[PlannedRow]:
+        """What the last forward planned, in order (compare with ``forward_records()``'s keys)."""
+        return list(self._forward_plan)
 
     def totals(self) -> list[tuple[str, str, str, int, int]]:
         """(op, group, path, calls, bytes) rows for exporters."""

@@ -1,0 +1,158 @@
+"""What every benchmark shares: progress lines, device timing, the copy-bandwidth ceiling, a kernel
+profile by kind, the JSON record, and how a script finds ``bench.*`` without hiding the package.
+
+A benchmark script starts with::
+
+    import fusedserve.worker  # noqa: F401  (the installed package, imported before the checkout joins sys.path)
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
+    from bench.common import Progress, record_header, write_record
+
+(the checkout's root holds a folder ``fusedserve/`` with only the CLI: put first on ``sys.path`` it
+would hide the laid-out package, so it is only ever appended, after the package is imported).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+class Progress:
+    """Timestamped progress lines on stderr (the JSON record goes to a file)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.t0 = time.perf_counter()
+
+    def __call__(self, msg: str) -> None:
+        print(f"[{self.name} {time.perf_counter() - self.t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], Any], reps: int, device: torch.device) -> float:
+    """Seconds for ``reps`` calls of fn back to back (device time on CUDA, host time otherwise)."""
+    sync(device)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1000
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return time.perf_counter() - t
+
+
+def wall(fn: Callable[[], Any], device: torch.device) -> float:
+    """Host seconds of one call, the device drained before and after (what a user waits)."""
+    sync(device)
+    t = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, reps: int = 20) -> float:
+    """Bytes/s of a large device-to-device copy, counting read + write (median of ``reps``)."""
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = [timed(lambda: dst.copy_(src), 1, device) for _ in range(reps)]
+    return 2 * nbytes / statistics.median(times)
+
+
+def matmul_peak(device: torch.device, n: int = 8192, dtype: torch.dtype = torch.bfloat16, reps: int = 10) -> float:
+    """FLOP/s of a large square matmul through torch (cuBLAS), on random data (median of ``reps``)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b
+    times = [timed(lambda: a @ b, 1, device) for _ in range(reps)]
+    return 2 * n ** 3 / statistics.median(times)
+
+
+def spread(samples: list[float]) -> dict[str, float]:
+    """Median, min, max and relative spread ((max - min) / median) of repeated measurements."""
+    med = statistics.median(samples)
+    return {"median": med, "min": min(samples), "max": max(samples),
+            "spread": (max(samples) - min(samples)) / med if med else 0.0, "n": len(samples)}
+
+
+def profile(fn: Callable[[], Any], device: torch.device, reps: int = 3, top: int = 20) -> dict[str, Any]:
+    """Kernels of ``reps`` calls of fn (per call): the top kernels and the device time per kind."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    sync(device)
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        sync(device)
+    rows = []
+    for evt in prof.key_averages():
+        us = float(getattr(evt, "self_device_time_total", 0.0) or getattr(evt, "self_cuda_time_total", 0.0))
+        if us > 0 and getattr(evt, "device_type", None) is not None and "CUDA" in str(evt.device_type):
+            rows.append({"name": evt.key[:120], "calls_per_step": evt.count / reps, "us_per_step": us / reps})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    kinds: dict[str, float] = {}
+    for r in rows:
+        kinds[kernel_kind(r["name"])] = kinds.get(kernel_kind(r["name"]), 0.0) + r["us_per_step"]
+    total = sum(r["us_per_step"] for r in rows)
+    return {"kernel_us_per_step": total, "kernels_per_step": sum(r["calls_per_step"] for r in rows),
+            "by_kind_us": dict(sorted(kinds.items(), key=lambda kv: -kv[1])), "top": rows[:top]}
+
+
+KINDS = (
+    ("comm", ("allreduce", "all_reduce", "nccl", "fusion", "lamport", "oneshot", "twoshot")),
+    ("attention", ("_decode_kernel", "_combine_kernel", "batchdecode", "batchprefill", "prefill", "decode",
+                   "mla", "attention", "flashinfer")),
+    ("rms_norm", ("rms_norm", "rmsnorm")), ("rope", ("rope",)), ("silu_mul", ("silu_mul", "act_and_mul")),
+    ("matmul", ("gemv", "gemm", "cutlass", "xmma", "nvjet", "sm90", "splitk", "cublas")),
+    ("embedding", ("embedding", "index")), ("sampling", ("argmax", "reduce", "softmax", "topk")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    n = name.lower()
+    for kind, marks in KINDS:
+        if any(m in n for m in marks):
+            return kind
+    return "other"
+
+
+def record_header(command: list[str] | None = None) -> dict[str, Any]:
+    """date, machine, command and versions: what every recorded run starts with."""
+    cuda = torch.cuda.is_available()
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("transformers", "triton", "flashinfer"):
+        try:
+            versions[name] = __import__(name).__version__
+        except ImportError:
+            pass
+    return {"date": str(datetime.date.today()),
+            "machine": f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}" if cuda
+            else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)",
+            "command": " ".join(command if command is not None else ["python", *sys.argv]), "versions": versions}
+
+
+def write_record(record: dict[str, Any], path: str | Path) -> Path:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    return out

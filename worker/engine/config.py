@@ -1,0 +1,92 @@
+"""The frozen configuration of one engine, checked once at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..spec_decode.config import SpeculativeConfig
+from .block_manager import BlockManager
+from .scheduler import SchedulerConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class EngineConfigError(ValueError):
+    """An engine configuration that cannot work; the message says which setting and why."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # None = kv_memory_fraction of the free memory
+    kv_memory_fraction: float = 0.5
+    max_num_seqs: int = 64
+    max_batch_tokens: int = 2048
+    max_model_len: int | None = None  # None = the model's max_position_embeddings, capped by the cache
+    enable_chunked_prefill: bool = True
+    watermark: float = 0.0  # share of blocks kept free when admitting new sequences
+    num_lookahead_tokens: int = 0  # KV slots reserved per sampling sequence (speculative drafts)
+    dtype: str = "float32"
+    device: str = "cpu"
+    skip_tokenizer: bool = False  # token ids in, token ids out (no text)
+    seed: int | None = None  # random stream of unseeded requests
+    speculative: SpeculativeConfig | None = None  # EAGLE3 drafting; None = off
+    # CUDA graphs for decode / verify / draft steps; None = on when the device is CUDA (for the
+    # architectures ``executor/kernel_set.py`` names). True off CUDA runs the same padded
+    # static-shape forwards eagerly (tests).
+    cuda_graphs: bool | None = None
+    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise EngineConfigError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise EngineConfigError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if not 0.0 < self.kv_memory_fraction <= 1.0:
+            raise EngineConfigError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+        if self.max_batch_tokens < self.max_num_seqs:
+            raise EngineConfigError(f"max_batch_tokens ({self.max_batch_tokens}) must be >= max_num_seqs "
+                                    f"({self.max_num_seqs}): every running sequence needs a token per step")
+        if self.dtype not in DTYPES:
+            raise EngineConfigError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        try:
+            self.scheduler_config()
+        except ValueError as e:
+            raise EngineConfigError(str(e)) from e
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def lookahead_tokens(self) -> int:
+        """K/V slots reserved beyond each sampling sequence's last token (at least what drafting needs)."""
+        spec = self.speculative.lookahead_tokens if self.speculative is not None else 0
+        return max(self.num_lookahead_tokens, spec)
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(self.max_num_seqs, self.max_batch_tokens, self.enable_chunked_prefill,
+                               self.lookahead_tokens)
+
+    def graph_batch_sizes(self) -> list[int]:
+        """The batch sizes CUDA graphs are captured at (at most ``max_num_seqs``)."""
+        return sorted({min(b, self.max_num_seqs) for b in self.cuda_graph_batch_sizes if b >= 1})
+
+
+def resolve_max_model_len(config: EngineConfig, model_max_len: int | None, blocks: BlockManager) -> int:
+    """The longest sequence (prompt + output) the engine accepts: what the model allows, what one
+    sequence alone can hold in the cache, and, without chunked prefill, what one step can prefill."""
+    limit = (blocks.num_blocks - blocks.watermark_blocks) * blocks.block_size - config.lookahead_tokens
+    if not config.enable_chunked_prefill:
+        limit = min(limit, config.max_batch_tokens)
+    if limit < 2:
+        raise EngineConfigError(f"the KV cache ({blocks.num_blocks} blocks of {blocks.block_size}) holds no sequence")
+    if config.max_model_len is not None:
+        if config.max_model_len > limit:
+            raise EngineConfigError(
+                f"max_model_len {config.max_model_len} exceeds what one sequence can use ({limit} tokens: "
+                "KV cache size, watermark, lookahead, and max_batch_tokens without chunked prefill)")
+        return config.max_model_len
+    return min(model_max_len or limit, limit)

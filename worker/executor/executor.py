@@ -1,0 +1,196 @@
+"""The one step runner: runs forwards of one model on one rank — the target or the EAGLE3 draft.
+
+``StepExecutor.run(step, hidden)`` takes a ``Step`` (plain values, ``step.py``) and returns the
+model's ``ModelOutput``: the logits of every sequence's last ``num_logits`` rows, sequence by
+sequence, and the per-row hidden states the model returns (the target's EAGLE3 aux states, the
+draft's next hidden state). The engine, speculative decoding, every rank of a parallel engine,
+``verify`` and every benchmark run forwards through it.
+
+Eager forwards (``forward_batch``): tokens packed one sequence after another, their positions, the
+cache slot of every new row, ``logits_indices`` = the last ``num_logits`` rows of each sequence,
+a tail mask as the reference attention's full mask; under DP attention the DP groups' token
+counts (and their real counts as a device tensor); for a recurrent (Mamba) model the state slots.
+
+CUDA graphs (``capture`` once at start-up; the executor was built ``graph_ready``: graph-safe
+kernels, one cache block kept back for padding rows): a step whose sequences all feed the same
+number of rows with logits for all of them (decode, a speculative verify, a draft step), or a
+draft first pass (each sequence's last row only), runs as a replay at the next captured batch
+size (``step_graphs.py``); any other step (prefill, mixed, too large) runs eagerly. Under DP
+attention every DP group must replay the same shape, so only the shape the DP leaders agreed on
+(``Step.graph_shape``) replays.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from ...models.forward_batch import ForwardBatch, KVCache
+from ...models.interface import ModelOutput, StepModel
+from ...models.layers.mamba_state import MambaStateCache
+from ...models.parallel.ledger import CollectiveLedger
+from .step import SeqRows, Step
+from .step_graphs import PackedSeq, StepGraphs
+from .step_shape import ShapeKey, StepShape
+
+log = logging.getLogger(__name__)
+
+
+class StepExecutor:
+    """``ledger``: the rank's collective ledger (graph replays count into it); None for a model
+    without collectives (the draft). ``dp``: DP-attention groups (0 = none). ``aux_layers``: the
+    target layers whose input residual every forward returns (EAGLE3)."""
+
+    def __init__(self, model: StepModel, kv_cache: KVCache, device: torch.device,
+                 ledger: CollectiveLedger | None = None, state_cache: MambaStateCache | None = None,
+                 reserved_blocks: int = 0, aux_layers: tuple[int, ...] = (), dp: int = 0,
+                 graph_ready: bool = False) -> None:
+        if graph_ready and reserved_blocks < 1:
+            raise ValueError("CUDA graphs need a reserved cache block for padding rows")
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+        self.ledger = ledger
+        self.state_cache = state_cache
+        self.reserved_blocks = reserved_blocks
+        self.aux_layers = aux_layers
+        self.dp = dp
+        self.graph_ready = graph_ready
+        self.graphs: StepGraphs | None = None
+
+    @property
+    def local(self) -> StepExecutor:
+        """This rank's executor (the engine's runner protocol: a leader's runner wraps one)."""
+        return self
+
+    @property
+    def num_blocks(self) -> int:
+        """Cache blocks the scheduler may hand out (the padding block excluded)."""
+        return self.kv_cache.num_blocks - self.reserved_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_cache.block_size
+
+    # --- eager ----------------------------------------------------------------------------------
+
+    def forward_batch(self, step: Step, hidden: torch.Tensor | None = None) -> ForwardBatch:
+        """The eager forward batch of a step. hidden: [rows, width] (the draft's input) or None."""
+        bs = self.kv_cache.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_rows: list[int] = []
+        for s in step.seqs:
+            first_row = len(ids)
+            ids += s.token_ids
+            positions += s.positions
+            slots += s.slots(bs)
+            logits_rows += range(first_row + s.rows - s.num_logits, first_row + s.rows)
+        dev = self.device
+        masks = [None if s.tail_mask is None else _full_mask(s) for s in step.seqs]
+        state_slots = [s.state_slot if s.state_slot is not None else -1 for s in step.seqs]
+        counts = list(step.dp_num_tokens) if step.dp_num_tokens is not None else None
+        return ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            query_lens=[s.rows for s in step.seqs],
+            context_lens=[s.context_len for s in step.seqs],
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=[list(s.block_table) for s in step.seqs],
+            kv_cache=self.kv_cache,
+            logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
+            attn_masks=[None if m is None else m.to(dev) for m in masks] if any(m is not None for m in masks)
+            else None,
+            state_slots=state_slots if self.state_cache is not None else None,
+            state_cache=self.state_cache,
+            dp_num_tokens=counts, dp_padding=step.dp_padding,
+            dp_real_tokens=None if counts is None else torch.tensor(counts, dtype=torch.long, device=dev),
+            aux_layers=self.aux_layers,
+            input_hidden=None if hidden is None else hidden.to(dev),
+        )
+
+    # --- the one entry point --------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run(self, step: Step, hidden: torch.Tensor | None = None) -> ModelOutput:
+        """Logits of every sequence's last ``num_logits`` rows ([step.num_logits, vocab]) and the
+        model's per-row hidden states ([step.num_tokens, width] each)."""
+        shape = self.graph_shape(step, 0 if hidden is None else int(hidden.shape[-1]))
+        if shape is None:
+            out: ModelOutput = self.model(self.forward_batch(step, hidden))
+            return out
+        return self._replay(shape, step, hidden)
+
+    def graph_key(self, step: Step, hidden: int = 0) -> ShapeKey | None:
+        """The captured kind of forward this step fits (its shape without the batch), or None."""
+        graphs = self.graphs
+        if graphs is None or not step.seqs:
+            return None
+        first = step.seqs[0]
+        q, tail = first.rows, first.tail
+        if all(s.rows == q and s.num_logits == q and s.tail == tail and (s.tail_mask is None) == (first.tail_mask
+                                                                                                   is None)
+               for s in step.seqs):
+            key: ShapeKey = (q, tail, False, hidden)
+            if key in graphs.batch_sizes:
+                return key
+        if all(s.num_logits == 1 and s.tail_mask is None for s in step.seqs):
+            return graphs.first_pass_key(max(s.rows for s in step.seqs), hidden)
+        return None
+
+    def graph_shape(self, step: Step, hidden: int = 0) -> StepShape | None:
+        """The captured shape this step replays at; None = eager. Under DP attention only the
+        shape the DP leaders agreed on (``step.graph_shape``)."""
+        if self.graphs is None:
+            return None
+        if self.dp:
+            return step.graph_shape
+        key = self.graph_key(step, hidden)
+        return None if key is None else self.graphs.shape_for(len(step.seqs), key)
+
+    def _replay(self, shape: StepShape, step: Step, hidden: torch.Tensor | None) -> ModelOutput:
+        graphs = self.graphs
+        assert graphs is not None
+        bs = self.kv_cache.block_size
+        packed = [PackedSeq(s.block_table, s.token_ids, s.positions, s.slots(bs), s.context_len, s.tail_mask)
+                  for s in step.seqs]
+        dp_real = list(step.dp_num_tokens) if self.dp and step.dp_num_tokens is not None else []
+        logits, *rest = graphs.run(shape, packed, hidden, dp_real)
+        return ModelOutput(logits, tuple(rest))
+
+    # --- start-up and cache moves -------------------------------------------------------------
+
+    def capture(self, shapes: Sequence[StepShape], max_blocks: int) -> None:
+        """Capture the forward at these shapes (once, at start-up); from now on matching steps replay."""
+        if not self.graph_ready:
+            raise ValueError("this executor was not built for CUDA graphs (graph-safe kernels, a padding block)")
+        dtype = next(self.model.parameters()).dtype
+        self.graphs = StepGraphs(self.model, self.kv_cache, shapes, max_blocks, dtype, self.ledger,
+                                 self.aux_layers, self.dp, use_graphs=self.device.type == "cuda")
+        log.info("captured %d step shapes (%s) %s", len(shapes), ", ".join(str(s) for s in sorted(shapes)[:4]),
+                 "as CUDA graphs" if self.graphs.use_graphs else "(run eagerly off CUDA)")
+
+    @torch.inference_mode()
+    def copy_kv(self, src: list[int], dst: list[int]) -> None:
+        """Copy the K/V of cache slots ``src`` to ``dst`` in every layer (all read before any is
+        written), e.g. accepted draft-tree nodes to their sequence positions."""
+        if len(src) != len(dst):
+            raise ValueError(f"{len(src)} source slots for {len(dst)} destinations")
+        if not src:
+            return
+        s = torch.tensor(src, dtype=torch.long, device=self.device)
+        d = torch.tensor(dst, dtype=torch.long, device=self.device)
+        for cache in (self.kv_cache.k, self.kv_cache.v):
+            for layer in cache.values():
+                layer[d] = layer[s]
+
+
+def _full_mask(s: SeqRows) -> torch.Tensor:
+    """A sequence's tail mask -> over its whole context: [rows, tail] -> [rows, context_len]."""
+    full = torch.ones((s.rows, s.context_len), dtype=torch.bool)
+    tail = torch.tensor(s.tail_mask, dtype=torch.bool).view(s.rows, s.tail)
+    full[:, s.context_len - s.tail:] = tail
+    return full

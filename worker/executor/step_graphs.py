@@ -1,0 +1,270 @@
+"""Forwards at padded static shapes, captured once as CUDA graphs and replayed: the only CUDA-graph code.
+
+``StepGraphs`` captures a forward (``fn(batch) -> ModelOutput``) once per ``StepShape`` at
+construction, on static buffers (one int64 buffer for every index, one per hidden width), the
+largest shape first into one memory pool; ``run`` packs a step's rows (host lists) into the
+buffer with one copy, replays, and returns the real rows of each output. Padding rows write
+their K/V to ``pad_slot`` (a slot no sequence is ever given: the executor reserves the cache's
+last block) and attend to one slot; their outputs are dropped. Padding sequences of a DP
+group that has fewer (or no) sequences than the agreed shape are all padding rows.
+
+Collectives run inside the graph (NCCL, FlashInfer's fused all-reduce). The ledger counts
+nothing while a forward is captured (``CollectiveLedger.capture``); every replay adds the
+captured forward's plan and records again (``CollectiveLedger.replay``), so planned == executed
+holds replay by replay. Under DP attention the captured forward sees every DP group at the
+shape's row count (MAX_LEN padding) and the groups' real token counts as a device tensor in the
+static buffer, from which the communicator builds the valid-rows mask on the device.
+
+Off CUDA (``use_graphs=False``: the CPU tests, tp > 1 over gloo too) the same padded
+static-buffer forward runs eagerly: "capture" runs it once with the ledger capturing, and every
+"replay" runs it again the same way, checks that it ran exactly the captured collectives, and
+then replays the ledger as a graph would. Needs graph-safe kernels (``Kernels.graph_safe``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...models.forward_batch import ForwardBatch, KVCache, PagedAttentionMetadata
+from ...models.interface import ModelOutput
+from ...models.parallel.dp_geometry import Padding
+from ...models.parallel.ledger import CapturedForward, CollectiveLedger
+from .step_shape import ShapeKey, StepShape
+
+log = logging.getLogger(__name__)
+
+WARMUP_RUNS = 2
+StepFn = Callable[[ForwardBatch], ModelOutput]
+
+
+class GraphReplayMismatch(RuntimeError):
+    """An eager "replay" ran other collectives than its shape's capture: a graph would be wrong."""
+
+
+@dataclass(frozen=True)
+class PackedSeq:
+    """One sequence's rows as ``run`` takes them: they fill the last ``len(token_ids)`` slots of
+    ``context_len``."""
+
+    block_table: Sequence[int]
+    token_ids: Sequence[int]
+    positions: Sequence[int]  # RoPE positions
+    slots: Sequence[int]  # cache slot of each row
+    context_len: int
+    tail_mask: Sequence[bool] | None = None  # [rows, tail] row-major; None = causal
+
+
+@dataclass
+class _Views:
+    """One shape's static inputs: views of the shared buffers at that shape's offsets."""
+
+    ids: torch.Tensor  # [rows]
+    positions: torch.Tensor
+    slots: torch.Tensor
+    index: torch.Tensor  # each row's index in its sequence's context (causal limit)
+    dest: torch.Tensor  # [rows] the packed row of each real row (real rows first)
+    context_lens: torch.Tensor  # [batch]
+    tables: torch.Tensor  # [batch, max_blocks]
+    tail: torch.Tensor  # [rows, tail] 0/1
+    dp_real: torch.Tensor | None  # [dp] real tokens of every DP group
+    token_seq: torch.Tensor  # [rows] constant
+    last_rows: torch.Tensor  # [batch] constant: each sequence's last row
+    hidden: torch.Tensor | None  # [rows, hidden]
+
+
+@dataclass
+class _Captured:
+    views: _Views
+    graph: Any  # torch.cuda.CUDAGraph; None when running eagerly
+    outputs: tuple[torch.Tensor, ...]
+    forward: CapturedForward
+
+
+class StepGraphs:
+    """``aux_layers``: what the forwards return besides logits (``ForwardBatch.aux_layers``);
+    ``dp``: the number of DP-attention groups (0 = no DP attention)."""
+
+    def __init__(self, fn: StepFn, kv_cache: KVCache, shapes: Sequence[StepShape], max_blocks: int,
+                 hidden_dtype: torch.dtype, ledger: CollectiveLedger | None = None,
+                 aux_layers: tuple[int, ...] = (), dp: int = 0, use_graphs: bool | None = None) -> None:
+        if not shapes:
+            raise ValueError("no step shapes to capture")
+        self.fn = fn
+        self.kv_cache = kv_cache
+        self.max_blocks = max_blocks
+        self.ledger = ledger if ledger is not None else CollectiveLedger()
+        self.aux_layers = aux_layers
+        self.dp = dp
+        self.pad_slot = kv_cache.num_blocks * kv_cache.block_size - 1
+        device = next(iter(kv_cache.k.values())).device
+        self.device = device
+        self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
+        if self.use_graphs and device.type != "cuda":
+            raise ValueError("CUDA graphs need the model and its KV cache on a CUDA device")
+        ordered = sorted(set(shapes), key=lambda s: (s.rows, s.tail, s.batch), reverse=True)
+        self._meta = torch.zeros(max(self._layout_size(s) for s in ordered), dtype=torch.long, device=device)
+        self._hidden = {h: torch.zeros(max(s.rows for s in ordered if s.hidden == h), h, dtype=hidden_dtype,
+                                       device=device) for h in {s.hidden for s in ordered if s.hidden}}
+        self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.captured: dict[StepShape, _Captured] = {}
+        self.runs = 0  # steps run through here (replays, or the padded forward off CUDA)
+        self.batch_sizes: dict[ShapeKey, list[int]] = {}
+        with torch.inference_mode():
+            for shape in ordered:
+                self.captured[shape] = self._capture(shape)
+        for s in sorted(self.captured):
+            self.batch_sizes.setdefault(s.key, []).append(s.batch)
+
+    def shape_for(self, num_seqs: int, key: ShapeKey) -> StepShape | None:
+        """The captured shape a step of ``num_seqs`` sequences with this key runs at; None = none fits."""
+        b = next((b for b in self.batch_sizes.get(key, ()) if b >= num_seqs), None)
+        return None if b is None else StepShape.of(b, key)
+
+    def first_pass_key(self, max_rows: int, hidden: int) -> ShapeKey | None:
+        """The captured ``last_only`` key that holds ``max_rows`` rows per sequence, if any."""
+        keys = sorted(k for k in self.batch_sizes if k[2] and k[3] == hidden and k[0] >= max_rows)
+        return keys[0] if keys else None
+
+    # --- capture ----------------------------------------------------------------------------
+
+    def _layout_size(self, shape: StepShape) -> int:
+        t = shape.rows
+        return 5 * t + shape.batch * (1 + self.max_blocks) + t * shape.tail + self.dp
+
+    def _views(self, shape: StepShape) -> _Views:
+        t, b, m = shape.rows, shape.batch, self.max_blocks
+        parts = self._meta[: self._layout_size(shape)].split([t, t, t, t, t, b, b * m, t * shape.tail, self.dp])
+        dev = self.device
+        q = shape.tokens
+        return _Views(ids=parts[0], positions=parts[1], slots=parts[2], index=parts[3], dest=parts[4],
+                      context_lens=parts[5], tables=parts[6].view(b, m), tail=parts[7].view(t, shape.tail),
+                      dp_real=parts[8] if self.dp else None,
+                      token_seq=torch.arange(b, device=dev).repeat_interleave(q),
+                      last_rows=torch.arange(b, device=dev) * q + q - 1,
+                      hidden=self._hidden[shape.hidden][:t] if shape.hidden else None)
+
+    def _forward(self, shape: StepShape, v: _Views) -> tuple[torch.Tensor, ...]:
+        """The padded forward on the static views (captured: everything here is replayed)."""
+        b = shape.batch
+        meta = PagedAttentionMetadata(block_tables=v.tables, context_lens=v.context_lens, token_seq=v.token_seq,
+                                      token_index=v.index, max_query_len=shape.tokens,
+                                      tail_mask=(v.tail != 0) if shape.tail else None)
+        batch = ForwardBatch(
+            input_ids=v.ids, positions=v.positions,
+            # The lists are not read by graph-safe kernels; they describe the padded shape only.
+            query_lens=[shape.tokens] * b, context_lens=[shape.tokens] * b, slot_mapping=v.slots,
+            block_tables=[[0]] * b, kv_cache=self.kv_cache,
+            logits_indices=v.last_rows if shape.last_only else None, paged=meta,
+            dp_num_tokens=[shape.rows] * self.dp if self.dp else None,
+            dp_padding=Padding.MAX_LEN if self.dp else None, dp_real_tokens=v.dp_real,
+            aux_layers=self.aux_layers, input_hidden=v.hidden)
+        out = self.fn(batch)
+        return (out.logits, *out.hidden)
+
+    def _capture(self, shape: StepShape) -> _Captured:
+        views = self._views(shape)
+        packed = self._packed(shape, [], [0] * self.dp)
+        self._meta[: packed.shape[0]].copy_(packed)
+        if not self.use_graphs:
+            with self.ledger.capture() as forward:
+                self._forward(shape, views)
+            return _Captured(views, None, (), forward)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(WARMUP_RUNS):  # these really run: their collectives stay in the ledger
+                self._forward(shape, views)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with self.ledger.capture() as forward, torch.cuda.graph(graph, pool=self._pool):
+            outputs = self._forward(shape, views)
+        log.debug("captured %s (%d collectives)", shape, len(forward.records))
+        return _Captured(views, graph, outputs, forward)
+
+    # --- replay -----------------------------------------------------------------------------
+
+    def _packed(self, shape: StepShape, seqs: Sequence[PackedSeq], dp_real: Sequence[int]) -> torch.Tensor:
+        """The shape's int64 layout on the host: real sequences first, then padding."""
+        q, m, tail = shape.tokens, self.max_blocks, shape.tail
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        index: list[int] = []
+        dest: list[int] = []
+        ctx: list[int] = []
+        tables: list[int] = []
+        masks: list[int] = []
+        pad_mask = [1] * (q * tail)
+        for i, s in enumerate(seqs):
+            k = len(s.token_ids)
+            first = s.context_len - k
+            pad = q - k
+            ids += [0] * pad + list(s.token_ids)
+            pos += [0] * pad + list(s.positions)
+            slots += [self.pad_slot] * pad + list(s.slots)
+            index += [first] * pad + list(range(first, s.context_len))
+            dest += range(i * q + pad, i * q + q)
+            ctx.append(s.context_len)
+            tables += list(s.block_table) + [0] * (m - len(s.block_table))
+            if tail:
+                masks += [1] * (pad * tail) + [int(x) for x in (s.tail_mask or ())]
+        n_pad = shape.batch - len(seqs)
+        ids += [0] * (q * n_pad)
+        pos += [0] * (q * n_pad)
+        slots += [self.pad_slot] * (q * n_pad)
+        index += [0] * (q * n_pad)
+        dest += [0] * (shape.rows - len(dest))
+        ctx += [1] * n_pad
+        tables += [0] * (m * n_pad)
+        masks += pad_mask * n_pad
+        return torch.tensor(ids + pos + slots + index + dest + ctx + tables + masks + list(dp_real), dtype=torch.long)
+
+    def run(self, shape: StepShape, seqs: Sequence[PackedSeq], hidden: torch.Tensor | None = None,
+            dp_real: Sequence[int] = ()) -> list[torch.Tensor]:
+        """One step at ``shape`` (from ``shape_for``) -> each output's real rows, in ``seqs`` order:
+        a per-row output [real rows, ...], a per-sequence one (``last_only`` logits) [len(seqs), ...].
+        hidden: [real rows, shape.hidden] (the draft's hidden input) or None; dp_real: every DP
+        group's real tokens (DP attention)."""
+        entry = self.captured[shape]
+        v = entry.views
+        self.runs += 1
+        if len(seqs) > shape.batch:
+            raise ValueError(f"{len(seqs)} sequences exceed the captured batch of {shape}")
+        for s in seqs:
+            if len(s.block_table) > self.max_blocks:
+                raise ValueError(f"a block table of {len(s.block_table)} blocks exceeds the captured {self.max_blocks}")
+        if len(dp_real) != self.dp:
+            raise ValueError(f"{len(dp_real)} DP token counts for {self.dp} DP groups")
+        packed = self._packed(shape, seqs, dp_real)
+        self._meta[: packed.shape[0]].copy_(packed, non_blocking=True)
+        num_real = sum(len(s.token_ids) for s in seqs)
+        dest = v.dest[:num_real]
+        if v.hidden is not None:
+            if hidden is None:
+                raise ValueError(f"{shape} takes a hidden input")
+            v.hidden.index_copy_(0, dest, hidden.to(v.hidden.dtype))
+        if entry.graph is None:
+            with self.ledger.capture() as again:
+                outputs = self._forward(shape, v)
+            if [r.key for r in again.records] != [r.key for r in entry.forward.records]:
+                raise GraphReplayMismatch(f"{shape}: ran {[r.key for r in again.records]}, captured "
+                                          f"{[r.key for r in entry.forward.records]}")
+        else:
+            entry.graph.replay()
+            outputs = entry.outputs
+        self.ledger.replay(entry.forward)
+        n = len(seqs)
+        uniform = all(len(s.token_ids) == shape.tokens for s in seqs)
+        out: list[torch.Tensor] = []
+        for t in outputs:
+            if t.shape[0] == shape.rows:
+                out.append(t[:num_real] if uniform else t.index_select(0, dest))
+            else:  # one row per sequence
+                out.append(t[:n])
+        return out

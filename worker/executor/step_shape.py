@@ -1,0 +1,41 @@
+"""The padded static layout of one captured forward (``step_graphs.py``).
+
+``batch`` sequences of ``tokens`` rows each (``rows = batch * tokens``), causal or with a mask
+over each context's last ``tail`` slots (a draft tree), logits of every row or of each
+sequence's last row only (``last_only``: a sequence may bring fewer rows than ``tokens``,
+padded in front, e.g. the draft's first pass), and, for the EAGLE3 draft, a ``hidden`` input of
+that width. Examples (chain of 3 drafts, batch padded to 8):
+
+    StepShape(8, 1)                              target decode: one token per sequence
+    StepShape(8, 4)                              target verify of a chain (root + 3 drafts, causal)
+    StepShape(8, 8, tail=8)                      target verify of an 8-node tree (tree mask)
+    StepShape(8, 4, last_only=True, hidden=384)  draft first pass: <= 4 bases, aux states in
+    StepShape(8, 1, hidden=128)                  draft step of a chain: its own hidden state in
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ShapeKey = tuple[int, int, bool, int]  # (tokens, tail, last_only, hidden): a shape without its batch
+
+
+@dataclass(frozen=True, order=True)
+class StepShape:
+    batch: int  # padded sequences
+    tokens: int  # rows per sequence
+    tail: int = 0  # mask over each context's last ``tail`` slots; 0 = causal
+    last_only: bool = False  # logits of each sequence's last row; fewer rows padded in front
+    hidden: int = 0  # width of the hidden-state input (EAGLE3 draft); 0 = none
+
+    @property
+    def rows(self) -> int:
+        return self.batch * self.tokens
+
+    @property
+    def key(self) -> ShapeKey:
+        return (self.tokens, self.tail, self.last_only, self.hidden)
+
+    @staticmethod
+    def of(batch: int, key: ShapeKey) -> StepShape:
+        return StepShape(batch, *key)

@@ -1,0 +1,211 @@
+"""`fusedserve run FILE`: Ray + group controller + HTTP API, until Ctrl-C / SIGTERM.
+
+Without ``--ray-address`` it starts an embedded local Ray sized from the spec: with GPUs one
+``GPU`` per rank; without, CPU ranks (gloo), each holding one unit of the custom resource
+``fake_gpu`` (``replicas x ranks`` plus one group's worth, so a spec change can roll with a surge
+group). With ``--ray-address`` (or ``RAY_ADDRESS``) it joins a running cluster and, on exit,
+removes only what it created. Ctrl-C or SIGTERM shuts down cleanly: HTTP server, rank actors,
+placement groups, then Ray. SIGHUP re-reads the manifest and rolls the engine groups.
+
+Ray binds every interface and probes an outside address to learn its own IP; the embedded Ray
+registers 127.0.0.1 as its node address, and `make run` (scripts/run-main.sh) runs the CLI inside
+a private network namespace with only loopback when it is root (TESTING.md).
+
+``--smoke`` sends a completion and a chat request with the openai client, prints them and the
+key metrics, and exits 0 (what `make run` does).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from ..spec import Manifest, RuntimeConfig, SpecError, load_manifest
+from .engine_group import RAY_NAMESPACE
+from .placement import LOCAL_GPU_RESOURCE, ClusterShape
+
+log = logging.getLogger(__name__)
+
+SMOKE_PROMPT = "def fibonacci(n):"
+RAY_CONNECT_TIMEOUT_S = 300.0
+WATCH_INTERVAL_S = 2.0
+SMOKE_CHAT = "import os"
+
+
+def resolve_paths(manifest: Manifest, manifest_path: str) -> Manifest:
+    """Relative checkpoint paths are relative to the working directory, else to the manifest's folder."""
+    def resolve(field: str, p: str) -> str:
+        if Path(p).is_absolute():
+            return p
+        for base in (Path.cwd(), Path(manifest_path).resolve().parent):
+            if (base / p).exists():
+                return str((base / p).resolve())
+        raise SpecError(f"{field}: {p!r} exists neither under {Path.cwd()} nor next to {manifest_path}")
+
+    spec = manifest.spec
+    model = spec.model.model_copy(update={"path": resolve("spec.model.path", spec.model.path)})
+    speculative = spec.speculative
+    if speculative is not None:
+        speculative = speculative.model_copy(
+            update={"draft_model": resolve("spec.speculative.draftModel", speculative.draft_model)})
+    return manifest.model_copy(update={"spec": spec.model_copy(update={"model": model, "speculative": speculative})})
+
+
+def load_runtime_config(manifest_path: str) -> RuntimeConfig:
+    return RuntimeConfig.from_manifest(resolve_paths(load_manifest(manifest_path), manifest_path))
+
+
+def connect_ray(rc: RuntimeConfig, address: str | None) -> ClusterShape:
+    """Join the cluster at ``address``, or start an embedded one sized for ``rc``."""
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if address:
+        deadline = time.monotonic() + RAY_CONNECT_TIMEOUT_S
+        while True:  # in a pod, the head's `ray start` may still be coming up
+            try:
+                ray.init(address=address, namespace=RAY_NAMESPACE, log_to_driver=False)
+                break
+            except ConnectionError as e:
+                if time.monotonic() > deadline:
+                    raise ConnectionError(f"no Ray cluster at {address} after {RAY_CONNECT_TIMEOUT_S:.0f}s: {e}") from e
+                log.info("waiting for Ray at %s: %s", address, e)
+                time.sleep(2.0)
+        return _shape_of(ray.nodes())
+    import torch
+
+    gpus = torch.cuda.device_count() if rc.gpus_per_rank else 0
+    common: dict[str, Any] = {"include_dashboard": False, "namespace": RAY_NAMESPACE, "log_to_driver": False,
+                              "_node_ip_address": "127.0.0.1"}
+    if gpus:
+        ray.init(num_gpus=gpus, **common)
+        return ClusterShape("GPU", gpus)
+    fake = (rc.replicas + 1) * rc.ranks
+    ray.init(num_cpus=max(2, os.cpu_count() or 2), num_gpus=0, resources={LOCAL_GPU_RESOURCE: fake}, **common)
+    return ClusterShape(LOCAL_GPU_RESOURCE, fake)
+
+
+def _shape_of(nodes: list[dict[str, Any]]) -> ClusterShape:
+    alive = [n["Resources"] for n in nodes if n.get("Alive")]
+    gpus = max((r.get("GPU", 0.0) for r in alive), default=0.0)
+    if gpus:
+        return ClusterShape("GPU", int(gpus))
+    return ClusterShape(LOCAL_GPU_RESOURCE, int(max((r.get(LOCAL_GPU_RESOURCE, 0.0) for r in alive), default=0.0)))
+
+
+def run(manifest_path: str, smoke: bool = False, port: int | None = None, ray_address: str | None = None,
+        host: str = "127.0.0.1", watch: bool = False) -> int:
+    rc = load_runtime_config(manifest_path)  # before the heavy imports: a bad manifest fails fast
+    import ray
+
+    from ..serving.http_api import build_app
+    from ..serving.http_server import HttpServer
+    from ..serving.metrics import MetricsRegistry
+    from .group_controller import GroupController, GroupError
+
+    signal.signal(signal.SIGTERM, _interrupt)  # while starting: unwind through the cleanup below
+    address = ray_address or os.environ.get("RAY_ADDRESS")
+    t0 = time.time()
+    cluster = connect_ray(rc, address)
+    controller = GroupController(rc, cluster)
+    servers: list[Any] = []
+    try:
+        try:
+            controller.start()
+        except GroupError as e:
+            print(f"fusedserve run: {rc.name}: {e.reason}", flush=True)
+            return 1
+        labels = {"deployment": rc.name, "namespace": rc.namespace}
+        app = build_app(controller, MetricsRegistry(labels, model_name=rc.model_name))
+        server = HttpServer(app, host=host, port=port if port is not None else rc.port).start()
+        servers.append(server)
+        url = metrics_url = server.url
+        if rc.metrics_port is not None and rc.metrics_port != server.port:  # a separate scrape port
+            servers.append(HttpServer(app, host=host, port=rc.metrics_port).start())
+            metrics_url = servers[-1].url
+        print(f"fusedserve: {rc.name} ready in {time.time() - t0:.1f}s: {rc.replicas} engine group(s) x "
+              f"{rc.ranks} rank(s) (tp={rc.tensor} dp={rc.data} ep={rc.expert}) on "
+              f"{'GPUs' if cluster.gpus else 'CPU (gloo)'}", flush=True)
+        print(f"  OpenAI API: {url}/v1   status: {url}/status   metrics: {metrics_url}/metrics", flush=True)
+        print(first_request(url, rc, smoke), flush=True)
+        if smoke:
+            return 0
+        wait_for_signals(lambda: controller.apply(load_runtime_config(manifest_path)),
+                         manifest_path if watch else None)
+        print("fusedserve: shutting down", flush=True)
+        return 0
+    finally:
+        for server in servers:
+            server.stop()
+        controller.shutdown()
+        ray.shutdown()
+
+
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _digest(path: str) -> str | None:
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def wait_for_signals(reload: Any, watched: str | None = None) -> None:
+    """Block until SIGINT/SIGTERM; SIGHUP, or a change of the ``watched`` file (a mounted ConfigMap,
+    checked every 2 s), calls ``reload`` (errors are printed, serving goes on)."""
+    stop = threading.Event()
+    hup = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    signal.signal(signal.SIGHUP, lambda *_: hup.set())
+    seen, checked = (_digest(watched) if watched else None), time.monotonic()
+    while not stop.wait(0.2):
+        if watched and time.monotonic() - checked > WATCH_INTERVAL_S:
+            checked = time.monotonic()
+            now = _digest(watched)
+            if now is not None and now != seen:
+                seen = now
+                hup.set()
+        if hup.is_set():
+            hup.clear()
+            try:
+                reload()
+                print("fusedserve: manifest reloaded; rolling engine groups", flush=True)
+            except (SpecError, ValueError) as e:
+                print(f"fusedserve: reload refused: {e}", flush=True)
+
+
+def first_request(url: str, rc: RuntimeConfig, smoke: bool) -> str:
+    """A warm-up completion (and with ``smoke`` a chat too) with the openai client, and the key metrics."""
+    import httpx
+    from openai import OpenAI
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
+    comp = client.completions.create(model=rc.model_name, prompt=SMOKE_PROMPT, max_tokens=32, temperature=0)
+    lines = [f"  completion: {SMOKE_PROMPT + comp.choices[0].text!r}"]
+    if smoke:
+        chat = client.chat.completions.create(model=rc.model_name, messages=[{"role": "user", "content": SMOKE_CHAT}],
+                                              max_tokens=24, temperature=0)
+        lines.append(f"  chat:       {chat.choices[0].message.content!r}")
+    values: dict[str, float] = {}
+    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        for s in fam.samples:
+            values[s.name] = values.get(s.name, 0.0) + s.value
+    drafts = values.get("fusedserve_spec_decode_drafts_total", 0.0)
+    accepted = values.get("fusedserve_spec_decode_accepted_tokens_total", 0.0)
+    accept = f"{1 + accepted / drafts:.2f}" if drafts else "n/a (no speculation)"
+    lines.append(f"  acceptance length: {accept}   generated tokens: "
+                 f"{values.get('fusedserve_generation_tokens_total', 0):.0f}   collectives: "
+                 f"{values.get('fusedserve_collective_calls_total', 0):.0f}   forwards: "
+                 f"{values.get('fusedserve_forwards_total', 0):.0f}")
+    return "\n".join(lines)

@@ -1,0 +1,80 @@
+"""What the HTTP API needs from an engine, wherever the engine runs.
+
+``LocalEngineClient`` (an in-process engine driven by a background thread) and the Ray group
+controller's client (requests routed to a group leader actor) both implement this; the HTTP
+server and the metrics exporter only see the protocol.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ..engine.outputs import RequestOutput
+from ..engine.sequence import SamplingParams
+
+# The labels every exported series carries (values may be ""); nothing per request.
+# "engine_group" is the engine group index; "group" is reserved for the parallel group of a
+# collective (tp, attn_tp, dp, moe_ep, moe_tp), as the communication metrics name it.
+SNAPSHOT_LABELS = ("deployment", "namespace", "engine_group", "rank", "tp_rank", "dp_rank", "ep_rank")
+
+
+@dataclass(frozen=True)
+class HistogramData:
+    """A histogram kept by an engine: ``counts[i]`` observations <= ``bounds[i]`` (and above the
+    previous bound); ``counts[-1]`` (one more than ``bounds``) those above every bound."""
+
+    bounds: tuple[float, ...]
+    counts: tuple[int, ...]
+    sum: float
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """Cumulative counters and current gauges of one rank (or one group), for exporters.
+
+    labels: deployment, namespace, group, rank, tp_rank, dp_rank, ep_rank (strings).
+    """
+
+    labels: dict[str, str]
+    # (op, group, path) -> calls / bytes, from the rank's CollectiveLedger
+    collective_calls: dict[tuple[str, str, str], int] = field(default_factory=dict)
+    collective_bytes: dict[tuple[str, str, str], int] = field(default_factory=dict)
+    # (op, group) -> planned calls, summed forward by forward over each forward's own plan variant
+    collective_planned: dict[tuple[str, str], int] = field(default_factory=dict)
+    forwards: int = 0
+    # (op, group, path) -> sampled durations of collectives, when the rank times them
+    collective_seconds: dict[tuple[str, str, str], HistogramData] = field(default_factory=dict)
+    # Empty without speculation. Keys: drafts, draft_tokens, accepted_tokens (ints), per_position
+    # (list: accepted drafts at position i), accepted_per_step (HistogramData).
+    spec: dict[str, Any] = field(default_factory=dict)
+    # running, waiting (ints), kv_usage (0..1), preemptions, prompt_tokens, generation_tokens (ints),
+    # finished (dict finish reason -> requests)
+    serving: dict[str, Any] = field(default_factory=dict)
+
+
+class EngineClient(Protocol):
+    @property
+    def model_name(self) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str: ...
+
+    def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str
+                 ) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs; the last one has ``finished`` set. Raises
+        ``InvalidRequest`` before the first output for a request the engine refuses, and
+        ``EngineDead`` when the engine (or a rank of its group) failed mid-request."""
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def status(self) -> dict[str, Any]:
+        """JSON-serialisable state; ``ready`` (bool) says whether requests can be served now."""
+        ...
+
+    async def metrics(self) -> list[MetricsSnapshot]: ...
+
+
+class EngineDead(RuntimeError):
+    """The engine serving a request is gone (a rank died); the request cannot finish."""

@@ -1,0 +1,340 @@
+"""An in-process ``Engine`` behind the ``EngineClient`` protocol, driven by a background thread.
+
+The engine is single-threaded: only the engine thread touches it. Callers (coroutines on any
+event loop) hand it work as commands; the thread runs the queued commands between steps,
+steps while requests are unfinished and otherwise sleeps on a condition variable. Each
+request's outputs go to its own asyncio queue through ``loop.call_soon_threadsafe``. A
+consumer that stops iterating (a client that went away) aborts its request.
+
+If a step raises, the engine is dead: every request in flight gets ``EngineDead`` and so does
+every later call. The same class runs inside a Ray group-leader actor, so it knows no HTTP.
+
+    client = LocalEngineClient(Engine(model_dir), {"deployment": "demo", "engine_group": "0"})
+    async for out in client.generate("def fib(n):", SamplingParams(max_tokens=8), "req-1"):
+        ...
+    client.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any, Generic, TypeVar
+
+from typing_extensions import Self
+
+from ..engine.engine import Engine
+from ..engine.outputs import RequestOutput
+from ..engine.sequence import FinishReason, InvalidRequest, SamplingParams
+from ..engine.tokenizer import TokenizerError
+from .engine_client import SNAPSHOT_LABELS, EngineDead, MetricsSnapshot
+from .engine_stats import ledger_snapshot, spec_snapshot
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_Item = RequestOutput | EngineDead
+
+
+class _Command(Generic[T]):
+    """Work for the engine thread; its result (or error) resolves a future on the caller's loop."""
+
+    def __init__(self, fn: Callable[[], T], loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.fn = fn
+        self.loop = loop
+        self.future: asyncio.Future[T] | None = loop.create_future() if loop is not None else None
+
+    def run(self) -> None:
+        try:
+            result = self.fn()
+        except Exception as e:  # noqa: BLE001 (handed to the caller, whatever it is)
+            self._resolve(None, e)
+        else:
+            self._resolve(result, None)
+
+    def fail(self, error: BaseException) -> None:
+        self._resolve(None, error)
+
+    def _resolve(self, result: T | None, error: BaseException | None) -> None:
+        if self.future is None or self.loop is None:
+            if error is not None and not isinstance(error, EngineDead):
+                log.warning("engine command failed: %s", error)
+            return
+        future = self.future
+
+        def settle() -> None:
+            if future.done():  # the caller was cancelled
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)  # type: ignore[arg-type]
+
+        try:
+            self.loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the caller's loop is closed
+            pass
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[_Item]
+
+
+@dataclass
+class _Track:
+    """A request the engine holds. ``stream`` is None once its consumer went away."""
+
+    stream: _Stream | None
+    prompt_counted: bool = False
+
+
+class LocalEngineClient:
+    def __init__(self, engine: Engine, labels: Mapping[str, str] | None = None, *,
+                 model_name: str = "default") -> None:
+        self.engine = engine
+        self.labels = {k: str((labels or {}).get(k, "")) for k in SNAPSHOT_LABELS}
+        self._model_name = model_name
+        self._cond = threading.Condition()
+        self._commands: deque[_Command[Any]] = deque()
+        self._stopping = False
+        self._dead: str | None = None  # why the engine thread ended
+        # Engine-thread state: requests in the engine, and the serving counters.
+        self._tracks: dict[str, _Track] = {}
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._finished: Counter[str] = Counter()
+        self._thread = threading.Thread(target=self._run, name="fusedserve-engine", daemon=True)
+        self._thread.start()
+
+    # --- EngineClient ----------------------------------------------------------------------------
+
+    @property
+    def model_name(self) -> str:
+        return self._model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise InvalidRequest("chat needs a tokenizer; this engine runs with skip_tokenizer")
+        try:
+            return tokenizer.apply_chat_template(messages)
+        except TokenizerError as e:
+            raise InvalidRequest(str(e)) from e
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str
+                       ) -> AsyncIterator[RequestOutput]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[_Item] = asyncio.Queue()
+        track = _Track(_Stream(loop, queue))
+        finished = False
+
+        def add() -> None:
+            self.engine.add_request(prompt, params, request_id)
+            self._tracks[request_id] = track
+
+        try:
+            await self._call(add)
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, EngineDead):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self._detach(request_id, track)
+
+    async def abort(self, request_id: str) -> None:
+        """Cancel a request; its consumer receives a last output with reason "abort"."""
+        await self._call(lambda: self.engine.abort(request_id))
+
+    async def status(self) -> dict[str, Any]:
+        snapshot = await self._snapshot_now()
+        return {
+            "model": self._model_name,
+            "ready": self._dead is None,
+            "error": self._dead,
+            "max_model_len": self.engine.max_model_len,
+            "groups": [group_status(snapshot, ready=self._dead is None)],
+        }
+
+    async def metrics(self) -> list[MetricsSnapshot]:
+        return [await self._snapshot_now()]
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop after the current step; requests in flight get ``EngineDead``."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("engine thread did not stop within %.0f s", timeout)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- caller side -----------------------------------------------------------------------------
+
+    def _submit(self, command: _Command[Any]) -> None:
+        with self._cond:
+            if self._dead is not None or self._stopping:
+                raise EngineDead(self._dead or "the engine is shutting down")
+            self._commands.append(command)
+            self._cond.notify()
+
+    async def _call(self, fn: Callable[[], T]) -> T:
+        command = _Command(fn, asyncio.get_running_loop())
+        self._submit(command)
+        assert command.future is not None
+        return await command.future
+
+    async def _snapshot_now(self) -> MetricsSnapshot:
+        if self._thread.is_alive():
+            try:
+                return await self._call(self._snapshot)
+            except EngineDead:
+                pass
+        self._thread.join()  # the engine is no longer stepping: read it from here
+        return self._snapshot()
+
+    def _detach(self, request_id: str, track: _Track) -> None:
+        """The consumer went away: abort the request if it is still this consumer's."""
+
+        def detach() -> None:
+            if self._tracks.get(request_id) is track:
+                track.stream = None
+                self.engine.abort(request_id)
+
+        try:
+            self._submit(_Command(detach))
+        except EngineDead:
+            pass
+
+    # --- engine thread ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        busy = False
+        reason = "the engine was closed"
+        try:
+            while True:
+                with self._cond:
+                    while not (self._commands or self._stopping or busy):
+                        self._cond.wait()
+                    if self._stopping:
+                        break
+                    commands, self._commands = self._commands, deque()
+                for command in commands:
+                    command.run()
+                if self.engine.has_unfinished():
+                    self._route(self.engine.step())
+                busy = self.engine.has_unfinished()
+        except Exception as e:
+            log.exception("engine step failed; the engine is dead")
+            reason = f"the engine failed: {type(e).__name__}: {e}"
+        self._die(reason)
+
+    def _die(self, reason: str) -> None:
+        with self._cond:
+            self._dead = reason
+            commands, self._commands = self._commands, deque()
+        for command in commands:
+            command.fail(EngineDead(reason))
+        tracks, self._tracks = self._tracks, {}
+        for track in tracks.values():
+            if track.stream is not None:
+                self._deliver(track.stream, [EngineDead(reason)])
+
+    def _route(self, outputs: list[RequestOutput]) -> None:
+        batches: dict[int, tuple[_Stream, list[_Item]]] = {}
+        for out in outputs:
+            track = self._tracks.get(out.request_id)
+            self._count(out, track)
+            if track is None:
+                continue
+            if out.finished:
+                del self._tracks[out.request_id]
+            if track.stream is not None:
+                batches.setdefault(id(track.stream), (track.stream, []))[1].append(out)
+        for stream, items in batches.values():
+            self._deliver(stream, items)
+
+    def _deliver(self, stream: _Stream, items: list[_Item]) -> None:
+        def put() -> None:
+            for item in items:
+                stream.queue.put_nowait(item)
+
+        try:
+            stream.loop.call_soon_threadsafe(put)
+        except RuntimeError:  # the consumer's loop is closed: nobody listens any more
+            for item in items:
+                if isinstance(item, RequestOutput) and not item.finished:
+                    self.engine.abort(item.request_id)
+
+    def _count(self, out: RequestOutput, track: _Track | None) -> None:
+        self._generation_tokens += len(out.new_token_ids)
+        computed = bool(out.new_token_ids) or (out.finished and out.finish_reason is not FinishReason.ABORT)
+        if track is not None and computed and not track.prompt_counted:
+            track.prompt_counted = True
+            self._prompt_tokens += out.num_prompt_tokens
+        if out.finished and out.finish_reason is not None:
+            self._finished[out.finish_reason.value] += 1
+
+    def _snapshot(self) -> MetricsSnapshot:
+        stats = self.engine.stats()
+        ledger = self.engine.collective_ledger()
+        collectives = ledger_snapshot(ledger, self.labels) if ledger is not None else MetricsSnapshot(dict(self.labels))
+        return replace(
+            collectives,
+            spec=spec_snapshot(self.engine),
+            serving={
+                "running": stats.num_running,
+                "waiting": stats.num_waiting,
+                "kv_usage": stats.kv_usage,
+                "preemptions": stats.num_preemptions,
+                "prompt_tokens": self._prompt_tokens,
+                "generation_tokens": self._generation_tokens,
+                "finished": dict(self._finished),
+            },
+        )
+
+
+def group_status(snapshot: MetricsSnapshot, ready: bool) -> dict[str, Any]:
+    """The ``/status`` entry of one group (or rank): load, acceptance length, plan vs execution."""
+    executed: Counter[tuple[str, str]] = Counter()
+    for (op, group, _path), n in snapshot.collective_calls.items():
+        executed[(op, group)] += n
+    planned_total = snapshot.collective_planned
+    keys = sorted(set(executed) | set(planned_total))
+    spec = snapshot.spec
+    drafts = int(spec.get("drafts", 0))
+    serving = snapshot.serving
+    return {
+        "labels": snapshot.labels,
+        "ready": ready,
+        "num_requests_running": serving.get("running", 0),
+        "num_requests_waiting": serving.get("waiting", 0),
+        "kv_cache_usage": serving.get("kv_usage", 0.0),
+        "acceptance_length": 1 + int(spec.get("accepted_tokens", 0)) / drafts if drafts else None,
+        "collectives": {
+            "forwards": snapshot.forwards,
+            "per_op": [{"op": op, "group": group, "planned": planned_total.get((op, group), 0),
+                        "executed": executed[(op, group)]}
+                       for op, group in keys],
+            "matches_plan": all(planned_total.get(k, 0) == executed[k] for k in keys),
+        },
+    }

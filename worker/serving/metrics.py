@@ -1,0 +1,241 @@
+"""Every Prometheus metric of the serving process (prefix ``fusedserve_``, base units).
+
+Two sources:
+
+- Engine counters and gauges come from ``EngineClient.metrics()`` snapshots, exported by a
+  custom collector at scrape time: the exported value *is* the engine's counter (never
+  re-accumulated here), one series per rank/group with the labels deployment, namespace,
+  engine_group, rank, tp_rank, dp_rank, ep_rank ("group" is the collective's parallel group).
+- Request latencies (time to first token, inter-token latency, end-to-end) are measured where
+  the API sees the request (``MetricsRegistry.track``) and carry the server's labels.
+
+Names (counters end in ``_total``; labels beyond the common ones in braces)::
+
+    fusedserve_spec_decode_drafts_total, _draft_tokens_total, _accepted_tokens_total,
+    fusedserve_spec_decode_accepted_tokens_per_position_total{position},
+    fusedserve_spec_decode_accepted_tokens_per_step (histogram)
+    fusedserve_collective_calls_total{op,group,path}, fusedserve_collective_bytes_total{op,group,path},
+    fusedserve_collective_seconds{op,group,path} (histogram, sampled: every gloo call; 1 in 64 NCCL/FlashInfer
+        calls per series, CUDA events, outside CUDA graphs),
+    fusedserve_collective_planned_calls_total{op,group} (each forward's own plan variant, counted as it
+        starts), fusedserve_forwards_total
+    fusedserve_num_requests_running, fusedserve_num_requests_waiting, fusedserve_kv_cache_usage_ratio,
+    fusedserve_num_preemptions_total, fusedserve_prompt_tokens_total, fusedserve_generation_tokens_total,
+    fusedserve_request_success_total{finished_reason}
+    fusedserve_time_to_first_token_seconds, fusedserve_inter_token_latency_seconds,
+    fusedserve_e2e_request_latency_seconds (histograms), fusedserve_build_info{version,model}
+
+PromQL: mean acceptance length = ``1 + rate(..accepted_tokens_total) / rate(..drafts_total)``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import AsyncIterator, Iterable, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from ..engine.outputs import RequestOutput
+from ..engine.sequence import FinishReason
+from .engine_client import SNAPSHOT_LABELS, HistogramData, MetricsSnapshot
+
+PREFIX = "fusedserve_"
+LABELS = SNAPSHOT_LABELS
+# 1 ms .. 60 s
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                   0.75, 1.0, 1.5, 2.0, 2.5, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0)
+
+
+def _values(labels: Mapping[str, str]) -> list[str]:
+    return [str(labels.get(k, "")) for k in LABELS]
+
+
+def _histogram_buckets(h: HistogramData) -> list[tuple[str, float]]:
+    """Cumulative (le, count) pairs, ending in +Inf."""
+    out: list[tuple[str, float]] = []
+    total = 0
+    for bound, n in zip(h.bounds, h.counts):
+        total += n
+        out.append((_le(bound), float(total)))
+    total += sum(h.counts[len(h.bounds):])
+    out.append(("+Inf", float(total)))
+    return out
+
+
+def _le(bound: float) -> str:
+    return floatToGoString(bound)  # as prometheus_client's own histograms: "1.0", "0.001"
+
+
+class SnapshotCollector(Collector):
+    """Exports the engine snapshots of the current scrape (set by ``MetricsRegistry.exposition``)."""
+
+    def __init__(self) -> None:
+        self.snapshots: list[MetricsSnapshot] = []
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        snapshots = self.snapshots
+        yield from self._spec(snapshots)
+        yield from self._communication(snapshots)
+        yield from self._serving(snapshots)
+
+    @staticmethod
+    def _spec(snapshots: list[MetricsSnapshot]) -> Iterable[Metric]:
+        with_spec = [s for s in snapshots if s.spec]
+        if not with_spec:
+            return
+        for key, name, doc in (
+            ("drafts", "spec_decode_drafts_total", "Speculative verify steps (one per sequence and step)."),
+            ("draft_tokens", "spec_decode_draft_tokens_total", "Draft tokens proposed."),
+            ("accepted_tokens", "spec_decode_accepted_tokens_total",
+             "Draft tokens accepted (bonus excluded)."),
+        ):
+            family = CounterMetricFamily(PREFIX + name, doc, labels=LABELS)
+            for s in with_spec:
+                family.add_metric(_values(s.labels), float(s.spec.get(key, 0)))
+            yield family
+        per_pos = CounterMetricFamily(PREFIX + "spec_decode_accepted_tokens_per_position_total",
+                                      "Draft tokens accepted at each draft position (0 = first).",
+                                      labels=[*LABELS, "position"])
+        per_step = HistogramMetricFamily(PREFIX + "spec_decode_accepted_tokens_per_step",
+                                         "Draft tokens accepted per sequence and verify step.", labels=LABELS)
+        for s in with_spec:
+            for position, n in enumerate(s.spec.get("per_position", [])):
+                per_pos.add_metric([*_values(s.labels), str(position)], float(n))
+            hist = s.spec.get("accepted_per_step")
+            if isinstance(hist, HistogramData):
+                per_step.add_metric(_values(s.labels), _histogram_buckets(hist), hist.sum)
+        yield per_pos
+        yield per_step
+
+    @staticmethod
+    def _communication(snapshots: list[MetricsSnapshot]) -> Iterable[Metric]:
+        keys = [*LABELS, "op", "group", "path"]
+        calls = CounterMetricFamily(PREFIX + "collective_calls_total",
+                                    "Collectives executed (size-1 groups run none).", labels=keys)
+        nbytes = CounterMetricFamily(PREFIX + "collective_bytes_total",
+                                     "Bytes handed to executed collectives.", labels=keys)
+        planned = CounterMetricFamily(PREFIX + "collective_planned_calls_total",
+                                      "Collectives planned: each forward's own plan variant, counted as it starts.",
+                                      labels=[*LABELS, "op", "group"])
+        forwards = CounterMetricFamily(PREFIX + "forwards_total", "Model forwards run.", labels=LABELS)
+        seconds = HistogramMetricFamily(PREFIX + "collective_seconds",
+                                        "Sampled durations of collectives.", labels=keys)
+        for s in snapshots:
+            base = _values(s.labels)
+            for (op, group, path), n in sorted(s.collective_calls.items()):
+                calls.add_metric([*base, op, group, path], float(n))
+            for (op, group, path), n in sorted(s.collective_bytes.items()):
+                nbytes.add_metric([*base, op, group, path], float(n))
+            for (op, group), n in sorted(s.collective_planned.items()):
+                planned.add_metric([*base, op, group], float(n))
+            forwards.add_metric(base, float(s.forwards))
+            for (op, group, path), h in sorted(s.collective_seconds.items()):
+                seconds.add_metric([*base, op, group, path], _histogram_buckets(h), h.sum)
+        yield from (calls, nbytes, planned, forwards)
+        if any(s.collective_seconds for s in snapshots):
+            yield seconds
+
+    @staticmethod
+    def _serving(snapshots: list[MetricsSnapshot]) -> Iterable[Metric]:
+        gauges = [
+            ("running", "num_requests_running", "Requests running (scheduled) now."),
+            ("waiting", "num_requests_waiting", "Requests waiting to be scheduled."),
+            ("kv_usage", "kv_cache_usage_ratio", "Share of KV-cache blocks in use (0..1)."),
+        ]
+        counters = [
+            ("preemptions", "num_preemptions_total", "Sequences preempted (recomputed later)."),
+            ("prompt_tokens", "prompt_tokens_total", "Prompt tokens prefilled."),
+            ("generation_tokens", "generation_tokens_total", "Tokens generated."),
+        ]
+        with_serving = [s for s in snapshots if s.serving]
+        for key, name, doc in gauges:
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=LABELS)
+            for s in with_serving:
+                family.add_metric(_values(s.labels), float(s.serving.get(key, 0)))
+            yield family
+        for key, name, doc in counters:
+            counter = CounterMetricFamily(PREFIX + name, doc, labels=LABELS)
+            for s in with_serving:
+                counter.add_metric(_values(s.labels), float(s.serving.get(key, 0)))
+            yield counter
+        success = CounterMetricFamily(PREFIX + "request_success_total", "Requests finished, by reason.",
+                                      labels=[*LABELS, "finished_reason"])
+        for s in with_serving:
+            finished: dict[str, int] = s.serving.get("finished", {})
+            for reason in FinishReason:  # every reason, so rate() sees the first one
+                success.add_metric([*_values(s.labels), reason.value], float(finished.get(reason.value, 0)))
+        yield success
+
+
+class MetricsRegistry:
+    """The serving process's registry: engine snapshots plus request latencies.
+
+    ``labels`` are the server's values of the common labels (for a server in front of one
+    engine, that engine's labels; for a controller in front of many groups, deployment and
+    namespace with the rest empty).
+    """
+
+    def __init__(self, labels: Mapping[str, str] | None = None, model_name: str = "",
+                 version: str | None = None) -> None:
+        disable_created_metrics()  # no *_created series (process-wide, as vLLM does)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.labels = {k: str((labels or {}).get(k, "")) for k in LABELS}
+        self._collector = SnapshotCollector()
+        self.registry.register(self._collector)
+        self._lock = threading.Lock()
+
+        def histogram(name: str, doc: str) -> Any:
+            return Histogram(PREFIX + name, doc, LABELS, buckets=LATENCY_BUCKETS,
+                             registry=self.registry).labels(**self.labels)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Time from request to its first token.")
+        self.itl = histogram("inter_token_latency_seconds",
+                             "Time between two outputs of a request (one per engine step).")
+        self.e2e = histogram("e2e_request_latency_seconds", "Time from request to its last token.")
+        info = Gauge(PREFIX + "build_info", "fusedserve version and served model.",
+                     [*LABELS, "version", "model"], registry=self.registry)
+        info.labels(**self.labels, version=version or _version(), model=model_name).set(1)
+
+    def exposition(self, snapshots: list[MetricsSnapshot]) -> bytes:
+        """The Prometheus text exposition with these engine snapshots."""
+        with self._lock:
+            self._collector.snapshots = snapshots
+            try:
+                return generate_latest(self.registry)
+            finally:
+                self._collector.snapshots = []
+
+    async def track(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+        """Pass a request's outputs through, observing its latencies (aborted requests: none)."""
+        start = last = time.perf_counter()
+        first = True
+        try:
+            async for out in outputs:
+                now = time.perf_counter()
+                if out.new_token_ids:
+                    (self.ttft if first else self.itl).observe(now - (start if first else last))
+                    first, last = False, now
+                if out.finished and out.finish_reason is not FinishReason.ABORT:
+                    self.e2e.observe(now - start)
+                yield out
+        finally:
+            aclose = getattr(outputs, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fusedserve")
+    except PackageNotFoundError:
+        return "unknown"

@@ -1,0 +1,218 @@
+"""EAGLE3 speculative decoding in the engine: draft, verify with one target forward, accept.
+
+Per engine step, for every sequence that is decoding (its one new token is its last known
+token, with at least one token already in the cache):
+
+1. Draft (leader only, ``Drafter`` over the draft's ``StepExecutor``): the draft's first pass over the positions the target
+   computed since the last draft (their aux states were captured by the target's forward; a
+   prefilled prompt's first pass warms the draft cache), whose last row gives the first draft
+   step; then ``num_steps - 1`` more steps, each feeding the ``topk`` best leaves (a chain:
+   the one draft). ``TreeBuilder`` keeps the ``num_draft_tokens - 1`` best candidates.
+2. Verify: the sequence's entry in the step's one target forward carries the root and the
+   drafts, positions by depth and the tree's parents (a tree mask over its own slots); the
+   target's forward returns the aux states of every row beside the logits (``ModelOutput.hidden``).
+3. Accept: greedy requests exactly (``accept_greedy``); sampled requests by the rejection rule
+   (``rejection_sampler``: the standard rule for a chain, whose drafts are sampled from the
+   draft's distribution; the target-only rule for a tree, whose candidates are the draft's
+   top-k), with the request's own random stream. The accepted nodes' K/V move to the
+   sequence's next slots (the runner's ``copy_kv``); their aux rows wait for the next draft.
+
+Prefill chunks and a prompt's first sample run as without speculation (and capture aux).
+Preempted sequences lose their draft state and rebuild it from the recomputed prefill. A
+verify's drafts are not counted against ``max_batch_tokens``: a step may feed up to
+``num_draft_tokens - 1`` more tokens per decoding sequence than the scheduler planned.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ...models.eagle3 import Eagle3Draft
+from ..engine.forward_step import forward_step
+from ..engine.sampler import Sampler
+from ..engine.scheduler import ScheduledBatch, ScheduledSeq, Scheduler
+from ..engine.sequence import SamplingParams, Sequence
+from ..executor.executor import StepExecutor
+from ..executor.step_shape import StepShape
+from .config import SpeculativeConfig, SpeculativeConfigError
+from .draft_model import build_draft, draft_shapes
+from .draft_tree import Acceptance, DraftTree, accept_greedy, relocation, tree_positions
+from .drafter import Drafter, DraftState, DraftWork, Proposal
+from .rejection_sampler import Draw, verify_chain_sampled, verify_tree_sampled
+from .stats import SpecDecodeCounters, SpecDecodeStats
+
+if TYPE_CHECKING:
+    from ..engine.engine import Runner
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SpecStep:
+    """A step as run, for ``Engine.commit_step``: verify entries carry their drafts."""
+
+    batch: ScheduledBatch
+    seqs: list[Sequence]  # the sequences that sampled, in batch order
+    new_tokens: list[list[int]]
+
+
+GeneratorOf = Callable[[Sequence], torch.Generator | None]
+
+
+class SpecDecoder:
+    """``target``: the runner of the target's forwards (its executor returns the aux states of
+    ``layers`` with every forward); ``draft``: the draft's own executor (leader only)."""
+
+    def __init__(self, config: SpeculativeConfig, target: Runner, draft_model: Eagle3Draft, draft: StepExecutor,
+                 sampler: Sampler, vocab_size: int) -> None:
+        self.config = config
+        self.target = target
+        self.draft_model = draft_model
+        self.draft = draft
+        self.sampler = sampler
+        self.layers = target.local.aux_layers
+        if not self.layers:
+            raise SpeculativeConfigError("the target executor returns no aux states (built without the speculative "
+                                         "config)")
+        self.counters = SpecDecodeCounters(config.num_steps)
+        self._states: dict[int, DraftState] = {}
+        self.drafter = Drafter(draft, draft_model, sampler, vocab_size, config.num_steps, config.topk,
+                               config.verify_tokens)
+
+    @staticmethod
+    def load(config: SpeculativeConfig, target_dir: str | Path, target_config: Any, target: Runner,
+             sampler: Sampler, dtype: torch.dtype) -> SpecDecoder:
+        """The draft next to the target's cache (the same block tables and block count)."""
+        local = target.local
+        if local.state_cache is not None:
+            raise SpeculativeConfigError("speculative decoding needs a target without recurrent (Mamba) state: "
+                                         "rejected drafts cannot be taken back out of it")
+        model, draft = build_draft(config.draft_model, target_dir, target_config, local.kv_cache.num_blocks,
+                                   local.kv_cache.block_size, dtype, local.device, local.graph_ready,
+                                   local.reserved_blocks)
+        if config.topk > model.draft_vocab:
+            raise SpeculativeConfigError(f"topk {config.topk} exceeds the draft vocabulary ({model.draft_vocab})")
+        log.info("EAGLE3 draft %s: aux layers %s, %d steps, topk %d, %d verified tokens", config.draft_model,
+                 local.aux_layers, config.num_steps, config.topk, config.verify_tokens)
+        return SpecDecoder(config, target, model, draft, sampler, int(target_config.vocab_size))
+
+    def stats(self) -> SpecDecodeStats:
+        return self.counters.snapshot()
+
+    def target_shapes(self, batch_sizes: list[int]) -> list[StepShape]:
+        """The verify forwards' shapes: every drafting sequence feeds the root and its drafts
+        (a tree with its mask over them)."""
+        q = self.config.verify_tokens
+        return [StepShape(b, q, 0 if self.config.is_chain else q) for b in batch_sizes]
+
+    def capture_graphs(self, batch_sizes: list[int], max_blocks: int) -> None:
+        """Capture the draft's first pass and steps (once, at start-up)."""
+        self.draft.capture(draft_shapes(self.draft_model, batch_sizes, self.config.num_steps, self.config.topk),
+                           max_blocks)
+
+    # --- one engine step ----------------------------------------------------------------------
+
+    def step(self, batch: ScheduledBatch, scheduler: Scheduler, generator_of: GeneratorOf) -> SpecStep:
+        """Draft for the decoding sequences, run the step's target forward, accept and sample."""
+        live = {s.seq_id for s in scheduler.running}
+        for seq_id in [s for s in self._states if s not in live]:
+            del self._states[seq_id]
+        seqs = [scheduler.get(e.seq_id) for e in batch.seqs]
+        for e in batch.seqs:
+            if e.start == 0:
+                self._states[e.seq_id] = DraftState()
+            state = self._states.get(e.seq_id)
+            if state is None or state.num_bases + state.num_pending != e.start:
+                raise RuntimeError(f"sequence {e.seq_id}: draft state out of step with the target's cache")
+        work = [DraftWork(e, s, self._states[e.seq_id], self._draw(generator_of(s)))
+                for e, s in zip(batch.seqs, seqs) if self._drafts(e)]
+        proposals = dict(zip((w.entry.seq_id for w in work), self.propose(work)))
+        entries = [self._verify_entry(e, proposals[e.seq_id].tree) if e.seq_id in proposals else e
+                   for e in batch.seqs]
+        run = ScheduledBatch(seqs=entries, preempted=batch.preempted)
+        out = self.target.run(forward_step(run))
+        logits = out.logits  # [sum(num_logits), vocab]
+        aux = torch.cat(out.hidden, dim=-1)  # [num_tokens, 3H]: the layers' complete input streams
+        draws = {w.entry.seq_id: w.draw for w in work}
+        results = self._accept(run, seqs, logits, aux, proposals, draws, generator_of)
+        sampling = [(s, results[i]) for i, (e, s) in enumerate(zip(entries, seqs)) if e.num_logits > 0]
+        return SpecStep(run, [s for s, _ in sampling], [t for _, t in sampling])
+
+    @staticmethod
+    def _drafts(e: ScheduledSeq) -> bool:
+        return e.num_tokens == 1 and e.num_logits == 1 and e.start >= 1
+
+    def _verify_entry(self, e: ScheduledSeq, tree: DraftTree) -> ScheduledSeq:
+        chain = tree.is_chain  # attends causally at consecutive positions: no mask needed
+        return replace(e, token_ids=list(tree.tokens), num_logits=tree.num_nodes,
+                       position_ids=None if chain else tree_positions(tree.parents, e.start),
+                       tree_parents=None if chain else tree.parents)
+
+    def _draw(self, generator: torch.Generator | None) -> Draw:
+        g = generator or self.sampler.generator
+        device = self.sampler.device
+        return lambda: float(torch.rand((), generator=g, dtype=torch.float64, device=device))
+
+    # --- drafting -----------------------------------------------------------------------------
+
+    def propose(self, work: list[DraftWork]) -> list[Proposal]:
+        """Each decoding sequence's draft tree (tests may stand in for the draft here)."""
+        return self.drafter.propose(work)
+
+    # --- verification -------------------------------------------------------------------------
+
+    def _accept(self, run: ScheduledBatch, seqs: list[Sequence], logits: torch.Tensor, aux: torch.Tensor,
+                proposals: dict[int, Proposal], draws: dict[int, Draw], generator_of: GeneratorOf
+                ) -> dict[int, list[int]]:
+        """New tokens per sampling entry (by index); queues aux rows, moves accepted K/V, counts."""
+        results: dict[int, list[int]] = {}
+        plain: list[tuple[int, int]] = []  # (entry index, logits row)
+        argmax: list[int] = logits.argmax(dim=-1).tolist() if logits.numel() else []
+        src: list[int] = []
+        dst: list[int] = []
+        bs = self.target.local.block_size
+        tok_row = logit_row = 0
+        for i, (e, seq) in enumerate(zip(run.seqs, seqs)):
+            state = self._states[e.seq_id]
+            prop = proposals.get(e.seq_id)
+            if prop is None:
+                state.pending.append(aux[tok_row: tok_row + e.num_tokens])
+                if e.num_logits:
+                    plain.append((i, logit_row))
+            else:
+                acc = self._verify(prop, seq.params, logits[logit_row: logit_row + e.num_logits],
+                                   argmax[logit_row: logit_row + e.num_logits], draws[e.seq_id])
+                self.counters.record(prop.tree.num_nodes - 1, acc.num_accepted)
+                rows = torch.tensor([tok_row, *(tok_row + k for k in acc.path)], device=aux.device)
+                state.pending.append(aux.index_select(0, rows))
+                table = e.block_table
+                for a, b in relocation(acc.path):
+                    src.append(table[(e.start + a) // bs] * bs + (e.start + a) % bs)
+                    dst.append(table[(e.start + b) // bs] * bs + (e.start + b) % bs)
+                results[i] = list(acc.tokens)
+            tok_row += e.num_tokens
+            logit_row += e.num_logits
+        if src:
+            self.target.copy_kv(src, dst)
+        if plain:
+            idx = [r for _, r in plain]
+            chosen = [seqs[i] for i, _ in plain]
+            tokens = self.sampler(logits[idx], [s.params for s in chosen], [generator_of(s) for s in chosen])
+            results.update({i: [t] for (i, _), t in zip(plain, tokens)})
+        return results
+
+    def _verify(self, prop: Proposal, params: SamplingParams, logits: torch.Tensor, argmax: list[int],
+                draw: Draw) -> Acceptance:
+        """logits: [num_nodes, vocab], row i = the target after node i."""
+        if params.greedy:
+            return accept_greedy(prop.tree, argmax)
+        p = self.sampler.probs(logits, [params] * prop.tree.num_nodes)
+        if prop.draft_probs is not None:
+            return verify_chain_sampled(list(prop.tree.tokens[1:]), prop.draft_probs, p, draw)
+        return verify_tree_sampled(prop.tree, p, draw)

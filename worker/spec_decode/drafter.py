@@ -1,0 +1,189 @@
+"""Proposes each decoding sequence's draft tree with the EAGLE3 draft (leader only).
+
+Per sequence and step (``n`` = the position of the last known token, the root):
+
+1. The draft's first pass over every base the target computed since the last draft (their aux
+   states come from the target's forwards; after a prompt's prefill this warms the draft cache):
+   base b reads token b + 1 with aux state b at RoPE b + 1. Its last row (base n - 1, the root
+   token) gives the first draft step's distribution and the hidden state its children are fed.
+2. Steps j = 1 .. num_steps - 1: the ``topk`` best leaves at depth j (a chain: the one draft)
+   are fed at RoPE n + j with their parent's output hidden state; each sees the bases, its
+   ancestors and itself (``draft_model.py``'s slot layout); each adds ``topk`` children.
+3. ``TreeBuilder.build``: the root and the ``num_nodes - 1`` best candidates.
+
+Candidates are the draft's top-k by log-probability, except for a sampled request's chain,
+whose drafts are drawn from the draft's distribution q (kept for the rejection rule).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ...models.eagle3 import Eagle3Draft
+from ..engine.sampler import Sampler
+from ..engine.scheduler import ScheduledSeq
+from ..engine.sequence import SamplingParams, Sequence
+from ..executor.executor import StepExecutor
+from ..executor.step import SeqRows, Step
+from .draft_tree import DraftTree, TreeBuilder
+from .rejection_sampler import Draw, sample_token
+
+
+@dataclass
+class DraftState:
+    """A sequence's draft progress: bases [0, num_bases) are in the draft cache; ``pending``
+    holds the target's aux rows of the positions after them ([rows, 3H] each)."""
+
+    num_bases: int = 0
+    pending: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def num_pending(self) -> int:
+        return sum(int(t.shape[0]) for t in self.pending)
+
+
+@dataclass
+class DraftWork:
+    """One decoding sequence to draft for: its scheduled entry (one token, the root), its state
+    and its random stream."""
+
+    entry: ScheduledSeq
+    seq: Sequence
+    state: DraftState
+    draw: Draw
+
+
+@dataclass(frozen=True)
+class Proposal:
+    tree: DraftTree
+    draft_probs: torch.Tensor | None = None  # [drafts, vocab]: a sampled chain's q per draft
+
+
+class Drafter:
+    def __init__(self, draft: StepExecutor, model: Eagle3Draft, sampler: Sampler, vocab: int, num_steps: int, topk: int,
+                 num_nodes: int) -> None:
+        self.draft = draft
+        self.sampler = sampler
+        self.num_steps = num_steps
+        self.topk = topk
+        self.num_nodes = num_nodes  # verified tree nodes, the root included
+        self.is_chain = topk == 1
+        self._vocab = vocab
+        self._draft_to_target = model.to_target_ids(torch.arange(model.draft_vocab, device=draft.device))
+
+    def propose(self, work: list[DraftWork]) -> list[Proposal]:
+        """Each sequence's draft tree (and a sampled chain's draft distributions)."""
+        if not work:
+            return []
+        width = self.topk
+        logits, root_hidden = self._first_pass(work)
+        builders = [TreeBuilder(w.seq.token_ids(w.entry.start, w.entry.start + 1)[0]) for w in work]
+        q_rows: list[list[torch.Tensor]] = [[] for _ in work]
+        feed_hidden: list[dict[int, torch.Tensor]] = [{} for _ in work]
+        leaves: list[list[int]] = []
+        children = self._children(work, builders, logits, [[-1] for _ in work], q_rows)
+        for i, kids in enumerate(children):
+            feed_hidden[i].update({c: root_hidden[i] for c in kids})
+            leaves.append(kids)
+        slot_of: list[dict[int, int]] = [{} for _ in work]
+        for j in range(1, self.num_steps):
+            inputs, rows = [], []
+            for i, w in enumerate(work):
+                n = w.entry.start
+                for r, c in enumerate(leaves[i]):
+                    slot_of[i][c] = n + (j - 1) * width + r
+                ctx = n + j * width
+                mask = None if self.is_chain else self._draft_mask(builders[i], leaves[i], slot_of[i], n, ctx)
+                inputs.append(SeqRows(tuple(w.entry.block_table), tuple(builders[i].token(c) for c in leaves[i]),
+                                      (n + j,) * len(leaves[i]), ctx, len(leaves[i]), mask))
+                rows += [feed_hidden[i][c] for c in leaves[i]]
+            logits, out = self._run(inputs, torch.stack(rows))
+            children = self._children(work, builders, logits, leaves, q_rows)
+            row = 0
+            for i, kids_per_leaf in enumerate(self._split(children, leaves)):
+                new: list[int] = []
+                for kids in kids_per_leaf:
+                    feed_hidden[i].update({c: out[row] for c in kids})
+                    new += kids
+                    row += 1
+                leaves[i] = builders[i].best(new, width)
+        proposals = []
+        for i, b in enumerate(builders):
+            q = torch.stack(q_rows[i]) if q_rows[i] else None
+            proposals.append(Proposal(b.build(self.num_nodes), q))
+        return proposals
+
+    def _first_pass(self, work: list[DraftWork]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft over every base not yet in its cache, up to the root; consumes the pending
+        aux rows. -> (root-row logits [B, draft_vocab], root-row hidden [B, H])"""
+        inputs: list[SeqRows] = []
+        hidden: list[torch.Tensor] = []
+        for w in work:
+            n, b0 = w.entry.start, w.state.num_bases
+            tokens = w.seq.token_ids(b0 + 1, n + 1)
+            inputs.append(SeqRows(tuple(w.entry.block_table), tuple(tokens), tuple(range(b0 + 1, n + 1)), n))
+            hidden += w.state.pending
+            w.state.num_bases, w.state.pending = n, []
+        logits, out = self._run(inputs, torch.cat(hidden))
+        last = torch.tensor([d.rows for d in inputs], device=out.device).cumsum(0) - 1
+        return logits, out[last]
+
+    def _run(self, seqs: list[SeqRows], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft forward. hidden: [rows, 3*H_target] or [rows, H] -> (draft-vocab logits fp32
+        [sum(num_logits), draft_vocab], next hidden [rows, H])"""
+        out = self.draft.run(Step(tuple(seqs)), hidden)
+        return out.logits.float(), out.hidden[0]
+
+    def _children(self, work: list[DraftWork], builders: list[TreeBuilder], logits: torch.Tensor,
+                  parents: list[list[int]], q_rows: list[list[torch.Tensor]]) -> list[list[int]]:
+        """Add the children of every fed node (one logits row each, in order); returns, per
+        sequence, the new candidates in order (``topk`` per parent)."""
+        logprobs = torch.log_softmax(logits, dim=-1)  # [rows, draft_vocab]
+        top_lp, top_ids = logprobs.topk(self.topk, dim=-1)
+        top_tokens = self._draft_to_target[top_ids].tolist()
+        top_lp_list = top_lp.tolist()
+        out: list[list[int]] = []
+        row = 0
+        for i, w in enumerate(work):
+            new: list[int] = []
+            for parent in parents[i]:
+                if self.is_chain and not w.seq.params.greedy:
+                    token, lp, q = self._sample_draft(logits[row], w.seq.params, w.draw)
+                    q_rows[i].append(q)
+                    new += builders[i].add_children(parent, [token], [lp])
+                else:
+                    new += builders[i].add_children(parent, top_tokens[row], top_lp_list[row])
+                row += 1
+            out.append(new)
+        return out
+
+    def _split(self, children: list[list[int]], leaves: list[list[int]]) -> list[list[list[int]]]:
+        k = self.topk
+        return [[kids[r * k:(r + 1) * k] for r in range(len(leaves[i]))] for i, kids in enumerate(children)]
+
+    def _sample_draft(self, logits: torch.Tensor, params: SamplingParams, draw: Draw
+                      ) -> tuple[int, float, torch.Tensor]:
+        """A chain draft drawn from the draft's distribution q (the request's temperature, top-k,
+        top-p). logits: [draft_vocab] -> (target token, log q(token), q over the target vocab [vocab])"""
+        q_draft = self.sampler.probs(logits[None], [params])[0]
+        d = sample_token(q_draft, draw())
+        q = torch.zeros(self._vocab, dtype=q_draft.dtype, device=q_draft.device)
+        q[self._draft_to_target] = q_draft
+        token = int(self._draft_to_target[d])
+        return token, float(torch.log(q_draft[d])), q
+
+    @staticmethod
+    def _draft_mask(builder: TreeBuilder, feed: list[int], slot_of: dict[int, int], n: int, ctx: int
+                    ) -> tuple[bool, ...]:
+        """[len(feed), ctx - n] row-major over the scratch slots after the bases (which all stay
+        visible): each node's ancestors' slots and its own."""
+        width = ctx - n
+        mask = [False] * (len(feed) * width)
+        for r, c in enumerate(feed):
+            a = c
+            while a >= 0:
+                mask[r * width + slot_of[a] - n] = True
+                a = builder.parent(a)
+        return tuple(mask)
