@@ -35,10 +35,10 @@ def init_random_(model: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Modul
 
 def random_model(config: Any, groups: ParallelGroups, collectives: Collectives,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None, seed: int = 0,
-                 **model_kwargs: Any) -> nn.Module:
+                 **model_kwargs: Any) -> Any:
     """config: an HF config with ``architectures`` set; model_kwargs go to the model class (e.g. kernels).
     The plan fuses when ``collectives.fused`` is set (as ``load_model``)."""
-    archs = getattr(config, "architectures", None) or []
+    archs = getattr(config, "architectures", None) or []  # an HF config (not a model): getattr is its API
     if not archs:
         raise ValueError("the config names no architecture ('architectures' is empty)")
     cls = model_class(str(archs[0]))

@@ -350,3 +350,14 @@ def test_kv_cache_sizing() -> None:
     assert per_block == 2 * 2 * (16 + 16) * 16 * 4
     assert kv_bytes_per_block({0: (1, 576, 512)}, block_size=1, dtype=torch.bfloat16) == (576 + 512) * 2
     assert num_blocks_for_memory(10 * per_block, 0.5, per_block) == 5
+
+
+def test_dummy_weights_need_only_a_config(llama_dir: Path, tmp_path: Path) -> None:
+    import shutil
+
+    shutil.copy(llama_dir / "config.json", tmp_path / "config.json")  # no weights at all
+    runs = [engine(tmp_path, load_format="dummy", seed=7).generate([[5, 6, 7]], GREEDY)[0].token_ids
+            for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) == GREEDY.max_tokens  # the same random weights from one seed
+    with pytest.raises(EngineConfigError, match="load_format"):
+        EngineConfig(load_format="pt")

@@ -11,6 +11,7 @@ from .block_manager import BlockManager
 from .scheduler import SchedulerConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LOAD_FORMATS = ("auto", "dummy")
 
 
 class EngineConfigError(ValueError):
@@ -30,6 +31,9 @@ class EngineConfig:
     num_lookahead_tokens: int = 0  # KV slots reserved per sampling sequence (speculative drafts)
     dtype: str = "float32"
     device: str = "cpu"
+    # "auto": the checkpoint's weights; "dummy": random weights from config.json alone, drawn on the
+    # device with ``seed`` (vLLM's and sglang's ``--load-format dummy``: benchmarks at real shapes).
+    load_format: str = "auto"
     skip_tokenizer: bool = False  # token ids in, token ids out (no text)
     seed: int | None = None  # random stream of unseeded requests
     speculative: SpeculativeConfig | None = None  # EAGLE3 drafting; None = off
@@ -51,6 +55,8 @@ class EngineConfig:
                                     f"({self.max_num_seqs}): every running sequence needs a token per step")
         if self.dtype not in DTYPES:
             raise EngineConfigError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise EngineConfigError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, not {self.load_format!r}")
         try:
             self.scheduler_config()
         except ValueError as e:

@@ -30,6 +30,7 @@ from ...models.interface import CausalLM
 from ...models.layers.mamba_state import MambaStateCache
 from ...models.loader import architecture_of, load_config, load_model
 from ...models.parallel.collectives import Collectives
+from ...models.random_init import random_model
 from ...models.parallel.fusion.selection import (
     FusionMode,
     device_capability,
@@ -87,7 +88,11 @@ def build_rank(model_dir: str | Path, config: EngineConfig, groups: ParallelGrou
     kernel = fused_kernel(mode, groups, int(model_config.hidden_size), dtype)
     collectives = Collectives("nccl" if backend == "nccl" else "gloo", fused=kernel)
     choice = kernel_choice(device, config.cuda_graphs, architecture_of(model_config))
-    model = load_model(model_dir, groups, collectives, dtype, device, choice.kernel_set(), **model_kwargs)
+    if config.load_format == "dummy":
+        model: CausalLM = random_model(model_config, groups, collectives, dtype, device, config.seed or 0,
+                                       kernels=choice.kernel_set(), **model_kwargs)
+    else:
+        model = load_model(model_dir, groups, collectives, dtype, device, choice.kernel_set(), **model_kwargs)
     model.eval()
     state_shapes = model.state_shapes()
     num_blocks = config.num_blocks
