@@ -14,6 +14,7 @@ from torch import nn
 from .decoder_stack import decoder_forward, stacked_name
 from .forward_batch import ForwardBatch
 from .interface import ModelOutput
+from .layers.attention_layout import AttentionDims
 from .layers.kernels import Kernels
 from .layers.linear import use_matmul
 from .layers.mamba_state import MambaStateShape
@@ -110,6 +111,9 @@ class LlamaForCausalLM(nn.Module):
 
     def state_shapes(self) -> dict[int, MambaStateShape]:
         return {}
+
+    def attention_dims(self) -> AttentionDims:
+        return self.layers[0].self_attn.attention_dims()  # type: ignore[union-attr, operator, no-any-return]
 
     # HF checkpoint names -> (our parameter, shard id) for stacked parameters.
     stacked_params = (

@@ -32,6 +32,7 @@ import torch
 
 from ...models.forward_batch import ForwardBatch, KVCache, PagedAttentionMetadata
 from ...models.interface import ModelOutput
+from ...models.layers.attention_layout import AttentionLayout, AttentionPlanner, GraphSlot
 from ...models.parallel.dp_geometry import Padding
 from ...models.parallel.ledger import CapturedForward, CollectiveLedger
 from .step_shape import ShapeKey, StepShape
@@ -83,6 +84,7 @@ class _Captured:
     graph: Any  # torch.cuda.CUDAGraph; None when running eagerly
     outputs: tuple[torch.Tensor, ...]
     forward: CapturedForward
+    attention: Any  # the attention backend's static plan for this shape (None: it needs none)
 
 
 class StepGraphs:
@@ -91,7 +93,8 @@ class StepGraphs:
 
     def __init__(self, fn: StepFn, kv_cache: KVCache, shapes: Sequence[StepShape], max_blocks: int,
                  hidden_dtype: torch.dtype, ledger: CollectiveLedger | None = None,
-                 aux_layers: tuple[int, ...] = (), dp: int = 0, use_graphs: bool | None = None) -> None:
+                 aux_layers: tuple[int, ...] = (), dp: int = 0, use_graphs: bool | None = None,
+                 attention: AttentionPlanner | None = None) -> None:
         if not shapes:
             raise ValueError("no step shapes to capture")
         self.fn = fn
@@ -100,6 +103,7 @@ class StepGraphs:
         self.ledger = ledger if ledger is not None else CollectiveLedger()
         self.aux_layers = aux_layers
         self.dp = dp
+        self.attention = attention
         self.pad_slot = kv_cache.num_blocks * kv_cache.block_size - 1
         device = next(iter(kv_cache.k.values())).device
         self.device = device
@@ -148,7 +152,7 @@ class StepGraphs:
                       last_rows=torch.arange(b, device=dev) * q + q - 1,
                       hidden=self._hidden[shape.hidden][:t] if shape.hidden else None)
 
-    def _forward(self, shape: StepShape, v: _Views) -> tuple[torch.Tensor, ...]:
+    def _forward(self, shape: StepShape, v: _Views, attention: Any = None) -> tuple[torch.Tensor, ...]:
         """The padded forward on the static views (captured: everything here is replayed)."""
         b = shape.batch
         meta = PagedAttentionMetadata(block_tables=v.tables, context_lens=v.context_lens, token_seq=v.token_seq,
@@ -162,7 +166,7 @@ class StepGraphs:
             logits_indices=v.last_rows if shape.last_only else None, paged=meta,
             dp_num_tokens=[shape.rows] * self.dp if self.dp else None,
             dp_padding=Padding.MAX_LEN if self.dp else None, dp_real_tokens=v.dp_real,
-            aux_layers=self.aux_layers, input_hidden=v.hidden)
+            aux_layers=self.aux_layers, input_hidden=v.hidden, attention=attention)
         out = self.fn(batch)
         return (out.logits, *out.hidden)
 
@@ -170,22 +174,41 @@ class StepGraphs:
         views = self._views(shape)
         packed = self._packed(shape, [], [0] * self.dp)
         self._meta[: packed.shape[0]].copy_(packed)
+        attention = None
+        if self.attention is not None:
+            attention = self.attention.graph_state(GraphSlot(shape.batch, shape.tokens, shape.tail, self.max_blocks))
+            self.attention.plan_graph(attention, self._layout(shape, []))
         if not self.use_graphs:
             with self.ledger.capture() as forward:
-                self._forward(shape, views)
-            return _Captured(views, None, (), forward)
+                self._forward(shape, views, attention)
+            return _Captured(views, None, (), forward, attention)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(WARMUP_RUNS):  # these really run: their collectives stay in the ledger
-                self._forward(shape, views)
+                self._forward(shape, views, attention)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with self.ledger.capture() as forward, torch.cuda.graph(graph, pool=self._pool):
-            outputs = self._forward(shape, views)
+            outputs = self._forward(shape, views, attention)
         log.debug("captured %s (%d collectives)", shape, len(forward.records))
-        return _Captured(views, graph, outputs, forward)
+        return _Captured(views, graph, outputs, forward, attention)
+
+    def _layout(self, shape: StepShape, seqs: Sequence[PackedSeq]) -> AttentionLayout:
+        """The padded forward's attention layout: every sequence ``tokens`` rows (real rows last),
+        padding sequences over a few slots of block 0 (their outputs are dropped)."""
+        q, tail = shape.tokens, shape.tail
+        pad_kv = max(q, tail, 1)
+        pad_mask = (True,) * (q * tail) if tail else None
+        qo = (q,) * shape.batch
+        kv = tuple(s.context_len for s in seqs) + (pad_kv,) * (shape.batch - len(seqs))
+        tables = tuple(tuple(s.block_table) for s in seqs) + ((0,),) * (shape.batch - len(seqs))
+        masks = None
+        if tail:
+            masks = tuple((True,) * ((q - len(s.token_ids)) * tail) + tuple(s.tail_mask or ()) for s in seqs) \
+                + (pad_mask,) * (shape.batch - len(seqs))
+        return AttentionLayout(qo, kv, tables, masks)
 
     # --- replay -----------------------------------------------------------------------------
 
@@ -249,9 +272,11 @@ class StepGraphs:
             if hidden is None:
                 raise ValueError(f"{shape} takes a hidden input")
             v.hidden.index_copy_(0, dest, hidden.to(v.hidden.dtype))
+        if self.attention is not None:
+            self.attention.plan_graph(entry.attention, self._layout(shape, seqs))
         if entry.graph is None:
             with self.ledger.capture() as again:
-                outputs = self._forward(shape, v)
+                outputs = self._forward(shape, v, entry.attention)
             if [r.key for r in again.records] != [r.key for r in entry.forward.records]:
                 raise GraphReplayMismatch(f"{shape}: ran {[r.key for r in again.records]}, captured "
                                           f"{[r.key for r in entry.forward.records]}")

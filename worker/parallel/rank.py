@@ -28,9 +28,8 @@ import torch.distributed as dist
 from ...models.forward_batch import KVCache
 from ...models.interface import CausalLM
 from ...models.layers.mamba_state import MambaStateCache
-from ...models.loader import architecture_of, load_config, load_model
+from ...models.loader import load_config, load_model
 from ...models.parallel.collectives import Collectives
-from ...models.random_init import random_model
 from ...models.parallel.fusion.selection import (
     FusionMode,
     device_capability,
@@ -40,10 +39,11 @@ from ...models.parallel.fusion.selection import (
     mode_of,
 )
 from ...models.parallel.groups import Group, ParallelConfig, ParallelGroups, build_groups
+from ...models.random_init import random_model
 from ..engine.config import EngineConfig
 from ..engine.engine import Engine
 from ..executor.executor import StepExecutor
-from ..executor.kernel_set import KernelChoice, kernel_choice
+from ..executor.kernel_set import KernelChoice, kernel_choice, libraries
 from ..executor.kv_cache import KVCacheSizeError, available_memory, blocks_for
 from ..spec_decode.draft_model import draft_aux_layers
 from .dp_rounds import DPEngine, DPRounds
@@ -87,12 +87,14 @@ def build_rank(model_dir: str | Path, config: EngineConfig, groups: ParallelGrou
     mode = fusion_mode(fusion, par.tp, par.dp_attention, device_capability(device), cuda and flashinfer_importable())
     kernel = fused_kernel(mode, groups, int(model_config.hidden_size), dtype)
     collectives = Collectives("nccl" if backend == "nccl" else "gloo", fused=kernel)
-    choice = kernel_choice(device, config.cuda_graphs, architecture_of(model_config))
+    choice = kernel_choice(device, config.cuda_graphs, model_config, dtype, libraries() if cuda else frozenset(),
+                           config.kernels)
+    kernels = choice.kernel_set()
     if config.load_format == "dummy":
         model: CausalLM = random_model(model_config, groups, collectives, dtype, device, config.seed or 0,
-                                       kernels=choice.kernel_set(), **model_kwargs)
+                                       kernels=kernels, **model_kwargs)
     else:
-        model = load_model(model_dir, groups, collectives, dtype, device, choice.kernel_set(), **model_kwargs)
+        model = load_model(model_dir, groups, collectives, dtype, device, kernels, **model_kwargs)
     model.eval()
     state_shapes = model.state_shapes()
     num_blocks = config.num_blocks
@@ -107,8 +109,13 @@ def build_rank(model_dir: str | Path, config: EngineConfig, groups: ParallelGrou
     state_cache = MambaStateCache.allocate(state_shapes, config.max_num_seqs, dtype, device) if state_shapes \
         else None
     aux = draft_aux_layers(config.speculative, model_config) if config.speculative is not None else ()
+    attention = None
+    if kernels.planner is not None:
+        dims = model.attention_dims()
+        attention = kernels.planner(dims.num_qo_heads, dims.num_kv_heads, dims.head_dim, dims.scale, cache)
     executor = StepExecutor(model, cache, device, collectives.ledger, state_cache, reserved, aux,
-                            dp=par.dp if par.dp_attention else 0, graph_ready=choice.graphs)
+                            dp=par.dp if par.dp_attention else 0, graph_ready=choice.graphs, attention=attention,
+                            kernels=kernels)
     log.info("rank %d: %s, %d KV blocks of %d, fusion %s, kernels %s%s", groups.coords.rank, type(model).__name__,
              num_blocks, config.block_size, mode_of(kernel).value, choice.kernels,
              ", CUDA graphs" if choice.graphs else "")
