@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -45,7 +44,7 @@ from fusedserve.worker.engine.engine import Engine
 from fusedserve.worker.engine.sequence import SamplingParams
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
-from bench.common import (  # noqa: E402
+from bench.common import (
     Progress,
     copy_bandwidth,
     matmul_peak,
