@@ -127,6 +127,30 @@ def decode_run(engine: Engine, batch: int, steps: int, vocab: int, dev: torch.de
             "context_at_midpoint": PROMPT_LEN + 3 + steps // 2}
 
 
+def host_profile(engine: Engine, batch: int, steps: int, vocab: int, top: int = 25) -> list[str]:
+    """cProfile of ``steps`` decode steps at ``batch``: where the host's time per step goes."""
+    import cProfile
+    import io
+    import pstats
+
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    pending = {engine.add_request(p, params) for p in prompts_of(batch, PROMPT_LEN, vocab, seed=5)}
+    while pending:
+        pending -= {o.request_id for o in engine.step() if o.new_token_ids}
+    for _ in range(3):
+        engine.step()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    prof.disable()
+    while engine.has_unfinished():
+        engine.step()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return [line for line in buf.getvalue().splitlines() if line.strip()][:top + 12]
+
+
 def ttft(engine: Engine, length: int, vocab: int, dev: torch.device) -> float:
     [prompt] = prompts_of(1, length, vocab, seed=length)
     sync(dev)
@@ -238,6 +262,7 @@ def main() -> None:
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--peer-batches", default="1,16,64", help="HF peer batch sizes (each compiles once)")
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--host-profile", action="store_true", help="cProfile the host side of decode steps")
     ap.add_argument("--tiny", action="store_true", help="small model (CPU if no GPU): checks the script")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
@@ -282,7 +307,11 @@ def main() -> None:
             progress(f"profile: {json.dumps(record['profile_batch1_step']['by_kind_us'])}")
             while engine.has_unfinished():
                 engine.step()
-        lengths = (1024, 8192) if not args.tiny else (256, 1024)
+        if args.host_profile:
+            record["host_profile"] = {b: host_profile(engine, b, 30, shape["vocab_size"]) for b in (1, 64)}
+            for b, lines in record["host_profile"].items():
+                progress(f"host profile, batch {b}:\n" + "\n".join(lines[:30]))
+        lengths = (1024, 8191) if not args.tiny else (256, 1023)  # 8191 + 1 sampled = max_position_embeddings
         prefill = [prefill_run(engine, n, shape, dev, peak) for n in lengths]  # chunked at max_batch_tokens
         del engine
         if cuda:

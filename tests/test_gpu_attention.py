@@ -148,3 +148,21 @@ def test_graphed_fast_executor_equals_the_eager_reference(tmp_path: Path) -> Non
         got, want = fast.run(step).logits, ref.run(step).logits
         assert got.shape == want.shape and torch.isfinite(got).all() and _rel(got, want) < 3e-2, _rel(got, want)
     assert fast.graphs is not None and fast.graphs.use_graphs and fast.graphs.runs == len(steps)
+
+
+@needs_gpu
+def test_triton_kv_store_equals_the_reference() -> None:
+    from fusedserve.models.layers.kv_write_triton import write_kv_triton
+    from fusedserve.models.layers.paged_attention_torch import write_kv
+
+    dev, bf = "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(1)
+    for kv_heads, k_dim, v_dim in ((8, 128, 128), (4, 192, 128), (2, 24, 20)):
+        caches = [torch.randn(300, kv_heads, d, device=dev, dtype=bf, generator=g) for d in (k_dim, v_dim)]
+        ref = [c.clone() for c in caches]
+        k = torch.randn(37, kv_heads, k_dim, device=dev, dtype=bf, generator=g)
+        v = torch.randn(37, kv_heads, v_dim, device=dev, dtype=bf, generator=g)
+        slots = torch.randperm(300, device=dev, generator=g)[:37]
+        write_kv_triton(caches[0], caches[1], slots, k, v)
+        write_kv(ref[0], ref[1], slots, k, v)
+        assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1])

@@ -28,16 +28,10 @@ from typing import Any
 import torch
 
 from ..forward_batch import ForwardBatch, KVCache
-from .attention_layout import AttentionLayout, GraphSlot
-from .paged_attention_torch import write_kv
+from .attention_layout import SUPPORTED_HEAD_DIMS, AttentionLayout, GraphSlot, flashinfer_supports
+from .kv_write_triton import write_kv_triton
 
 WORKSPACE_BYTES = 256 << 20
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
-
-
-def flashinfer_supports(head_dim: int, dtype: torch.dtype) -> bool:
-    return head_dim in SUPPORTED_HEAD_DIMS and dtype in SUPPORTED_DTYPES
 
 
 def flashinfer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch,
@@ -52,7 +46,7 @@ def flashinfer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, laye
         return q.new_empty((0, q.shape[1], vc.shape[-1]))
     if planned is None:
         raise ValueError("FlashInfer attention needs the forward's plan (ForwardBatch.attention)")
-    write_kv(kc, vc, batch.slot_mapping, k, v)
+    write_kv_triton(kc, vc, batch.slot_mapping, k, v)
     bs = cache.block_size
     pages = (kc.view(-1, bs, kc.shape[1], kc.shape[2]), vc.view(-1, bs, vc.shape[1], vc.shape[2]))
     out: torch.Tensor = planned.run(q.contiguous(), pages)

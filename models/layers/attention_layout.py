@@ -15,7 +15,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
+
 from ..forward_batch import KVCache
+
+# What the FlashInfer wrappers take here (attention_flashinfer.py): the prebuilt modules' head dims.
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def flashinfer_supports(head_dim: int, dtype: torch.dtype) -> bool:
+    return head_dim in SUPPORTED_HEAD_DIMS and dtype in SUPPORTED_DTYPES
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ...models.layers.attention_flashinfer import flashinfer_supports
+from ...models.layers.attention_layout import flashinfer_supports
 from ...models.layers.kernels import Kernels
 
 # Architectures whose step forwards the engine captures by default on CUDA.

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ...models.forward_batch import ForwardBatch, KVCache, PagedAttentionMetadata
@@ -111,7 +112,14 @@ class StepGraphs:
         if self.use_graphs and device.type != "cuda":
             raise ValueError("CUDA graphs need the model and its KV cache on a CUDA device")
         ordered = sorted(set(shapes), key=lambda s: (s.rows, s.tail, s.batch), reverse=True)
-        self._meta = torch.zeros(max(self._layout_size(s) for s in ordered), dtype=torch.long, device=device)
+        meta_size = max(self._layout_size(s) for s in ordered)
+        self._meta = torch.zeros(meta_size, dtype=torch.long, device=device)
+        # The host twin of _meta that each step is packed into (pinned on CUDA: an asynchronous copy).
+        self._host_t = torch.zeros(meta_size, dtype=torch.long, pin_memory=device.type == "cuda")
+        self._host = self._host_t.numpy()
+        # The last copy out of the pinned buffer: the next packing waits for it (a follower rank never
+        # reads its outputs, so nothing else would hold its host back from its stream).
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
         self._hidden = {h: torch.zeros(max(s.rows for s in ordered if s.hidden == h), h, dtype=hidden_dtype,
                                        device=device) for h in {s.hidden for s in ordered if s.hidden}}
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
@@ -173,7 +181,7 @@ class StepGraphs:
     def _capture(self, shape: StepShape) -> _Captured:
         views = self._views(shape)
         packed = self._packed(shape, [], [0] * self.dp)
-        self._meta[: packed.shape[0]].copy_(packed)
+        self._meta[: packed.shape[0]].copy_(packed)  # synchronous
         attention = None
         if self.attention is not None:
             attention = self.attention.graph_state(GraphSlot(shape.batch, shape.tokens, shape.tail, self.max_blocks))
@@ -213,40 +221,42 @@ class StepGraphs:
     # --- replay -----------------------------------------------------------------------------
 
     def _packed(self, shape: StepShape, seqs: Sequence[PackedSeq], dp_real: Sequence[int]) -> torch.Tensor:
-        """The shape's int64 layout on the host: real sequences first, then padding."""
-        q, m, tail = shape.tokens, self.max_blocks, shape.tail
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        index: list[int] = []
-        dest: list[int] = []
-        ctx: list[int] = []
-        tables: list[int] = []
-        masks: list[int] = []
-        pad_mask = [1] * (q * tail)
+        """The shape's int64 layout on the host (one pinned buffer, numpy slices: a step's host cost
+        follows its real rows, not the captured width): real sequences first, then padding."""
+        q, m, tail, b = shape.tokens, self.max_blocks, shape.tail, shape.batch
+        t = shape.rows
+        size = self._layout_size(shape)
+        if self._copied is not None:
+            self._copied.synchronize()
+        buf = self._host[:size]
+        buf[:] = 0
+        ids, pos, slots, index, dest = (buf[i * t:(i + 1) * t] for i in range(5))
+        ctx = buf[5 * t:5 * t + b]
+        tables = buf[5 * t + b:5 * t + b + b * m].reshape(b, m)
+        masks = buf[5 * t + b + b * m:5 * t + b + b * m + t * tail].reshape(t, tail) if tail else None
+        slots[:] = self.pad_slot
+        ctx[:] = 1
+        if masks is not None:
+            masks[:] = 1
+        real = 0
         for i, s in enumerate(seqs):
             k = len(s.token_ids)
+            lo, hi = i * q + q - k, i * q + q
             first = s.context_len - k
-            pad = q - k
-            ids += [0] * pad + list(s.token_ids)
-            pos += [0] * pad + list(s.positions)
-            slots += [self.pad_slot] * pad + list(s.slots)
-            index += [first] * pad + list(range(first, s.context_len))
-            dest += range(i * q + pad, i * q + q)
-            ctx.append(s.context_len)
-            tables += list(s.block_table) + [0] * (m - len(s.block_table))
-            if tail:
-                masks += [1] * (pad * tail) + [int(x) for x in (s.tail_mask or ())]
-        n_pad = shape.batch - len(seqs)
-        ids += [0] * (q * n_pad)
-        pos += [0] * (q * n_pad)
-        slots += [self.pad_slot] * (q * n_pad)
-        index += [0] * (q * n_pad)
-        dest += [0] * (shape.rows - len(dest))
-        ctx += [1] * n_pad
-        tables += [0] * (m * n_pad)
-        masks += pad_mask * n_pad
-        return torch.tensor(ids + pos + slots + index + dest + ctx + tables + masks + list(dp_real), dtype=torch.long)
+            ids[lo:hi] = s.token_ids
+            pos[lo:hi] = s.positions
+            slots[lo:hi] = s.slots
+            index[i * q:lo] = first
+            index[lo:hi] = np.arange(first, s.context_len)
+            dest[real:real + k] = np.arange(lo, hi)
+            real += k
+            ctx[i] = s.context_len
+            tables[i, :len(s.block_table)] = s.block_table
+            if masks is not None and s.tail_mask is not None:
+                masks[lo:hi] = np.asarray(s.tail_mask, dtype=np.int64).reshape(k, tail)
+        if self.dp:
+            buf[size - self.dp:size] = dp_real
+        return self._host_t[:size]
 
     def run(self, shape: StepShape, seqs: Sequence[PackedSeq], hidden: torch.Tensor | None = None,
             dp_real: Sequence[int] = ()) -> list[torch.Tensor]:
@@ -266,6 +276,8 @@ class StepGraphs:
             raise ValueError(f"{len(dp_real)} DP token counts for {self.dp} DP groups")
         packed = self._packed(shape, seqs, dp_real)
         self._meta[: packed.shape[0]].copy_(packed, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
         num_real = sum(len(s.token_ids) for s in seqs)
         dest = v.dest[:num_real]
         if v.hidden is not None:

@@ -26,7 +26,7 @@ import torch
 
 from ...models.eagle3 import Eagle3Draft, aux_layers, load_eagle3_draft
 from ...models.forward_batch import KVCache
-from ...models.layers.attention_flashinfer import flashinfer_supports
+from ...models.layers.attention_layout import flashinfer_supports
 from ...models.layers.kernels import Kernels
 from ...models.layers.paged_attention_torch import paged_attention_torch
 from ...models.loader import CheckpointError, checkpoint_files, iter_checkpoint, load_config
