@@ -10,8 +10,10 @@ dim]`` as a view, and a block table is a page list.
 tree's custom mask — and returns the planned wrapper, which every layer's
 ``flashinfer_attention`` runs after writing its new K/V into the cache:
 
-- one causal row per sequence (decode): ``BatchDecodeWithPagedKVCacheWrapper`` (tensor cores when
-  a KV head serves >= 4 query heads, as sglang chooses);
+- one causal row per sequence (decode): at most ``TRITON_DECODE_MAX_BATCH`` sequences, the project's
+  Triton split-KV decode kernel (no plan at all; measured faster there: 7.5 vs 11.3 us per layer at
+  batch 1, bench/results/2026-12-01-attention-kernels-h200.json); above, FlashInfer's
+  ``BatchDecodeWithPagedKVCacheWrapper`` (tensor cores when a KV head serves >= 4 query heads);
 - anything else (prefill chunks, mixed batches, a chain verify, draft steps): the paged prefill
   wrapper, causal; a tree verify (or tree draft step): the same with its custom mask.
 
@@ -29,9 +31,15 @@ import torch
 
 from ..forward_batch import ForwardBatch, KVCache
 from .attention_layout import SUPPORTED_HEAD_DIMS, AttentionLayout, GraphSlot, flashinfer_supports
+from .decode_attention_triton import paged_decode_attention_triton
 from .kv_write_triton import write_kv_triton
 
 WORKSPACE_BYTES = 256 << 20
+TRITON_DECODE_MAX_BATCH = 16
+
+
+class TritonDecodePlan:
+    """The plan of a small decode batch: the Triton kernel reads the batch's paged metadata itself."""
 
 
 def flashinfer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch,
@@ -46,6 +54,8 @@ def flashinfer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, laye
         return q.new_empty((0, q.shape[1], vc.shape[-1]))
     if planned is None:
         raise ValueError("FlashInfer attention needs the forward's plan (ForwardBatch.attention)")
+    if isinstance(planned, TritonDecodePlan):
+        return paged_decode_attention_triton(q, k, v, layer_id, batch, scale)
     write_kv_triton(kc, vc, batch.slot_mapping, k, v)
     bs = cache.block_size
     pages = (kc.view(-1, bs, kc.shape[1], kc.shape[2]), vc.view(-1, bs, vc.shape[1], vc.shape[2]))
@@ -126,6 +136,8 @@ class FlashInferPlanner:
     # --- AttentionPlanner -------------------------------------------------------------------------
 
     def plan(self, layout: AttentionLayout) -> Any:
+        if layout.is_decode and len(layout.qo_lens) <= TRITON_DECODE_MAX_BATCH:
+            return TritonDecodePlan()
         if layout.is_decode:
             self._plan_decode(self._decode, layout)
             return self._decode
@@ -135,6 +147,8 @@ class FlashInferPlanner:
     def graph_state(self, slot: GraphSlot) -> Any:
         fi, dev, i32 = self._fi, self.device, torch.int32
         b = slot.batch
+        if slot.tokens == 1 and slot.tail == 0 and b <= TRITON_DECODE_MAX_BATCH:
+            return TritonDecodePlan()
         indptr = torch.zeros(b + 1, dtype=i32, device=dev)
         indices = torch.zeros(b * max(slot.max_blocks, 1), dtype=i32, device=dev)
         last = torch.ones(b, dtype=i32, device=dev)
@@ -153,6 +167,8 @@ class FlashInferPlanner:
             paged_kv_indices_buf=indices, paged_kv_last_page_len_buf=last, backend="fa2", **extra)
 
     def plan_graph(self, state: Any, layout: AttentionLayout) -> None:
+        if isinstance(state, TritonDecodePlan):
+            return
         if isinstance(state, self._fi.BatchDecodeWithPagedKVCacheWrapper):
             self._plan_decode(state, layout)
         else:
