@@ -245,6 +245,8 @@ class GroupController:
         """Rendered here, from the checkpoint's tokenizer files: no Ray call on the event loop."""
         from ..engine.tokenizer import Tokenizer, TokenizerError
 
+        if self.config.skip_tokenizer:
+            raise InvalidRequest("chat needs a tokenizer; this deployment serves token ids (model.skipTokenizer)")
         try:
             if self._tokenizer is None:
                 self._tokenizer = Tokenizer.from_dir(self.config.model_path)

@@ -191,9 +191,13 @@ def first_request(url: str, rc: RuntimeConfig, smoke: bool) -> str:
     from prometheus_client.parser import text_string_to_metric_families
 
     client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
-    comp = client.completions.create(model=rc.model_name, prompt=SMOKE_PROMPT, max_tokens=32, temperature=0)
-    lines = [f"  completion: {SMOKE_PROMPT + comp.choices[0].text!r}"]
-    if smoke:
+    if rc.skip_tokenizer:  # token ids in, token ids out: a token-id prompt, no chat
+        comp = client.completions.create(model=rc.model_name, prompt=[1, 2, 3, 4], max_tokens=8, temperature=0)
+        lines = [f"  completion (token ids, no tokenizer): {comp.usage.completion_tokens if comp.usage else 0} tokens"]
+    else:
+        comp = client.completions.create(model=rc.model_name, prompt=SMOKE_PROMPT, max_tokens=32, temperature=0)
+        lines = [f"  completion: {SMOKE_PROMPT + comp.choices[0].text!r}"]
+    if smoke and not rc.skip_tokenizer:
         chat = client.chat.completions.create(model=rc.model_name, messages=[{"role": "user", "content": SMOKE_CHAT}],
                                               max_tokens=24, temperature=0)
         lines.append(f"  chat:       {chat.choices[0].message.content!r}")
