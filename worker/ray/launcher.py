@@ -11,7 +11,7 @@ Ray binds every interface and probes an outside address to learn its own IP; the
 registers 127.0.0.1 as its node address, and `make run` (scripts/run-main.sh) runs the CLI inside
 a private network namespace with only loopback when it is root (TESTING.md).
 
-``--smoke`` sends a completion and a chat request with the openai client, prints them and the
+``--smoke`` sends a completion and a chat request through the OpenAI API, prints them and the
 key metrics, and exits 0 (what `make run` does).
 """
 
@@ -184,25 +184,39 @@ def wait_for_signals(reload: Any, watched: str | None = None) -> None:
                 print(f"fusedserve: reload refused: {e}", flush=True)
 
 
+def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """One JSON request with the standard library (the runtime needs no HTTP client package)."""
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        out: dict[str, Any] = json.loads(resp.read())
+    return out
+
+
 def first_request(url: str, rc: RuntimeConfig, smoke: bool) -> str:
-    """A warm-up completion (and with ``smoke`` a chat too) with the openai client, and the key metrics."""
-    import httpx
-    from openai import OpenAI
+    """A warm-up completion (and with ``smoke`` a chat too) through the OpenAI API, and the key metrics."""
+    import urllib.request
+
     from prometheus_client.parser import text_string_to_metric_families
 
-    client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
     if rc.skip_tokenizer:  # token ids in, token ids out: a token-id prompt, no chat
-        comp = client.completions.create(model=rc.model_name, prompt=[1, 2, 3, 4], max_tokens=8, temperature=0)
-        lines = [f"  completion (token ids, no tokenizer): {comp.usage.completion_tokens if comp.usage else 0} tokens"]
+        comp = _post(f"{url}/v1/completions", {"model": rc.model_name, "prompt": [1, 2, 3, 4], "max_tokens": 8,
+                                                 "temperature": 0})
+        lines = [f"  completion (token ids, no tokenizer): {comp['usage']['completion_tokens']} tokens"]
     else:
-        comp = client.completions.create(model=rc.model_name, prompt=SMOKE_PROMPT, max_tokens=32, temperature=0)
-        lines = [f"  completion: {SMOKE_PROMPT + comp.choices[0].text!r}"]
+        comp = _post(f"{url}/v1/completions", {"model": rc.model_name, "prompt": SMOKE_PROMPT, "max_tokens": 32,
+                                                 "temperature": 0})
+        lines = [f"  completion: {SMOKE_PROMPT + comp['choices'][0]['text']!r}"]
     if smoke and not rc.skip_tokenizer:
-        chat = client.chat.completions.create(model=rc.model_name, messages=[{"role": "user", "content": SMOKE_CHAT}],
-                                              max_tokens=24, temperature=0)
-        lines.append(f"  chat:       {chat.choices[0].message.content!r}")
+        chat = _post(f"{url}/v1/chat/completions", {"model": rc.model_name, "max_tokens": 24, "temperature": 0,
+                                                      "messages": [{"role": "user", "content": SMOKE_CHAT}]})
+        lines.append(f"  chat:       {chat['choices'][0]['message']['content']!r}")
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
+        metrics_text = resp.read().decode()
     values: dict[str, float] = {}
-    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+    for fam in text_string_to_metric_families(metrics_text):
         for s in fam.samples:
             values[s.name] = values.get(s.name, 0.0) + s.value
     drafts = values.get("fusedserve_spec_decode_drafts_total", 0.0)
