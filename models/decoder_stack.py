@@ -41,10 +41,11 @@ class DecoderLayer(Protocol):
                  ctx: ForwardContext) -> tuple[Unreduced, torch.Tensor]: ...
 
 
-def decoder_forward(batch: ForwardBatch, comm: Communicator, embed: Any, layers: Iterable[DecoderLayer],
+def decoder_forward(batch: ForwardBatch, comm: Communicator, embed: Any, layers: Iterable[Any],
                     final_boundary: int, final_norm: Any, lm_head: Any, vocab_size: int) -> ModelOutput:
     """Logits for ``batch.logits_indices`` rows (all rows if None), [n, vocab_size], and the aux
-    states of ``batch.aux_layers`` ([num_tokens, hidden] each, in that order)."""
+    states of ``batch.aux_layers`` ([num_tokens, hidden] each, in that order). ``layers``: each a
+    ``DecoderLayer`` (an ``nn.ModuleList`` of them)."""
     ctx = comm.begin_forward(batch.num_tokens, batch.dp_num_tokens, batch.dp_padding, batch.dp_real_tokens)
     wanted = frozenset(batch.aux_layers)
     aux: dict[int, torch.Tensor] = {}

@@ -225,7 +225,9 @@ class RankActor:
                        ) -> AsyncIterator[dict[str, Any]]:
         from ..engine.sequence import SamplingParams
 
-        async for out in self.client.generate(prompt, SamplingParams(**params), request_id):
+        # Merged: what queued up while this generator waited goes as one Ray item (one per wake-up, not
+        # one per engine step per request: the stream's cost would otherwise grow with the load).
+        async for out in self.client.generate_merged(prompt, SamplingParams(**params), request_id):
             yield asdict(out)
 
     async def abort(self, request_id: str) -> None:
