@@ -102,7 +102,8 @@ def profile(fn: Callable[[], Any], device: torch.device, reps: int = 3, top: int
             kinds: Kinds | None = None) -> dict[str, Any]:
     """Kernels of ``reps`` calls of fn (per call): the top kernels and the device time per kind
     (``kinds``, first match wins; default ``KINDS``)."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     sync(device)
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
