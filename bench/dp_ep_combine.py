@@ -166,9 +166,14 @@ def assemble_logits(results: list[dict[str, Any]], prompts: list[list[int]], dp:
 
 
 def run_verify_matrix(tiny: bool, backend: str) -> list[dict[str, Any]]:
+    """One row per (model, dtype, dp, ep, fusion), the checkpoints in a temp dir removed afterwards."""
+    with tempfile.TemporaryDirectory(prefix="dp-ep-verify-") as tmp:
+        return verify_matrix_in(Path(tmp), tiny, backend)
+
+
+def verify_matrix_in(tmp: Path, tiny: bool, backend: str) -> list[dict[str, Any]]:
     from fusedserve.tiny import make_tiny_deepseek_v3, make_tiny_nemotron_h
 
-    tmp = Path(tempfile.mkdtemp(prefix="dp-ep-verify-"))
     fusion_on = "reference" if tiny else "flashinfer"
     models = {"deepseek_v3": str(make_tiny_deepseek_v3(tmp / "ds", **({} if tiny else DS_VERIFY))),
               "nemotron_h": str(make_tiny_nemotron_h(tmp / "nh", **({} if tiny else NH_VERIFY)))}
