@@ -167,7 +167,9 @@ def _rank_main(rank: int, world: int, backend: str, opts: VerifyOptions,
     groups = build_groups(ParallelConfig(opts.tp, opts.dp, opts.ep), rank, backend)
     # Under DP attention each DP group serves its own prompts: prompt i goes to group i % dp.
     mine = prompts[groups.coords.dp_rank :: opts.dp]
-    built = build_rank(opts.model, _engine_config(opts, mine, device), groups, backend, opts.fusion)
+    # Every rank's cache sized for all prompts: build_rank keeps the smallest any rank of the group asks for
+    # (block tables are shared), and the DP group with the longer prompts needs the most.
+    built = build_rank(opts.model, _engine_config(opts, prompts, device), groups, backend, opts.fusion)
     counts = tuple(sum(map(len, prompts[d :: opts.dp])) for d in range(opts.dp)) if opts.dp > 1 else None
     out = built.executor.run(_prefill_step(mine, counts, _paddings()[opts.dp_padding] if opts.dp > 1 else None))
     ledger = built.model.comm.ledger

@@ -155,3 +155,14 @@ def test_default_prompts_are_fixed_and_in_range() -> None:
     assert prompts == default_prompts(250)
     assert [len(p) for p in prompts] == [1, 7, 19, 40]
     assert all(0 <= t < 250 for p in prompts for t in p)
+
+
+def test_verify_under_dp_attention_with_groups_of_unequal_prompts(tmp_path: Path) -> None:
+    """DP group 0 gets prompts of 1 and 19 tokens, group 1 of 7 and 40: every rank's cache must hold the
+    longer group's (the group keeps the smallest cache any rank asks for)."""
+    from fusedserve.tiny import make_tiny_deepseek_v3
+    from fusedserve.verify import VerifyOptions, run_verify
+
+    model = make_tiny_deepseek_v3(tmp_path / "ds")
+    report = run_verify(VerifyOptions(model=str(model), tp=2, dp=2, ep=1, oracle="tp1"))
+    assert report.ok, report.to_text()
