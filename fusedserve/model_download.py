@@ -54,7 +54,7 @@ def parse_job(arg: str) -> Job:
     uri, sep, dest = arg.partition("=")
     if not sep or not uri or not dest.startswith("/"):
         raise ValueError(f"{arg!r}: expected SOURCE=/absolute/destination")
-    if not (uri.startswith("hf://") or uri.startswith("s3://")):
+    if not (uri.startswith(("hf://", "s3://"))):
         raise ValueError(f"{uri!r}: only hf:// and s3:// sources are downloaded")
     return Job(uri, Path(dest))
 
@@ -170,7 +170,7 @@ def fetch(job: Job, weights: bool, retries: int = RETRIES, backoff_s: float = BA
             return f"{job.uri}: downloaded to {job.dest}"
         except Permanent:
             raise
-        except Exception as e:  # noqa: BLE001 (a network library's failure of any kind: retried, then reported)
+        except Exception as e:
             if attempt == retries:
                 raise RuntimeError(f"{_first_line(e)} (after {retries + 1} attempts)") from e
             delay = backoff_s * 2 ** attempt

@@ -24,7 +24,7 @@ class FakeS3:
         objects, fail = self.objects, self.fail
 
         class Paginator:
-            def paginate(self, Bucket: str, Prefix: str) -> list[dict[str, Any]]:  # noqa: N803
+            def paginate(self, Bucket: str, Prefix: str) -> list[dict[str, Any]]:
                 if fail is not None:
                     raise fail
                 return [{"Contents": [{"Key": k, "Size": len(v)} for k, v in objects.items() if k.startswith(Prefix)]}]
@@ -112,11 +112,11 @@ def test_a_failed_download_exits_1_with_one_line_in_the_termination_log(tmp_path
     log = tmp_path / "termination-log"
     env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home"), "PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-m", "fusedserve.model_download", f"hf://org/missing={tmp_path / 'x'}",
-                          "--retries", "0", "--termination-log", str(log)], capture_output=True, text=True,
+                          "--retries", "0", "--termination-log", str(log)], check=False, capture_output=True, text=True,
                          env=env, timeout=120)
     assert out.returncode == 1, out.stderr
     message = log.read_text()
     assert message.startswith("hf://org/missing: ") and "\n" not in message.strip()
     bad = subprocess.run([sys.executable, "-m", "fusedserve.model_download", "pvc://x=/y", "--termination-log",
-                          str(log)], capture_output=True, text=True, timeout=60)
+                          str(log)], check=False, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "only hf:// and s3://" in log.read_text()

@@ -132,7 +132,7 @@ def test_a_failed_download_is_read_from_the_init_container_and_shown_in_status()
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         mode = self.path.strip("/")
         self.server.seen_auth = self.headers.get("Authorization")  # type: ignore[attr-defined]
         self.send_response(200)
