@@ -24,6 +24,7 @@ from .pod_types import (
     PodDisruptionBudgetSpec,
     PodSettings,
     SecretKeyRef,
+    ServiceSettings,
     Toleration,
 )
 
@@ -107,6 +108,7 @@ class InferenceDeploymentSpec(DeploymentSpec):
     model_storage: ModelStorageSpec = ModelStorageSpec()
     head: PodSettings = PodSettings()
     workers: PodSettings = PodSettings()
+    service: ServiceSettings = ServiceSettings()
     network_policy: NetworkPolicySpec = NetworkPolicySpec()
     pod_disruption_budget: PodDisruptionBudgetSpec = PodDisruptionBudgetSpec()
 

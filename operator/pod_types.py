@@ -163,6 +163,14 @@ class NetworkPolicySpec(SpecModel):
                                                  "in any namespace")
 
 
+class ServiceSettings(SpecModel):
+    """The API Service: its type and metadata (e.g. a cloud load balancer's annotations)."""
+
+    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+    annotations: dict[str, str] = Field(default_factory=dict, max_length=64)
+    labels: dict[str, str] = Field(default_factory=dict, max_length=64)
+
+
 class PodDisruptionBudgetSpec(SpecModel):
     enabled: bool = True
     max_unavailable: int = Field(default=1, ge=0, le=1024,

@@ -26,10 +26,13 @@ def service_ports(spec: InferenceDeploymentSpec) -> list[dict[str, Any]]:
 
 
 def desired_service(owner: Owner, spec: InferenceDeploymentSpec, ray_cluster: str) -> dict[str, Any]:
+    settings = spec.service
+    meta = owner.metadata(owner.service, "api", dict(settings.annotations) or None)
+    meta["labels"] = {**settings.labels, **meta["labels"]}
     return {
         "apiVersion": "v1", "kind": "Service",
-        "metadata": owner.metadata(owner.service, "api"),
-        "spec": {"type": "ClusterIP", "selector": head_selector(ray_cluster), "ports": service_ports(spec)},
+        "metadata": meta,
+        "spec": {"type": settings.type, "selector": head_selector(ray_cluster), "ports": service_ports(spec)},
     }
 
 

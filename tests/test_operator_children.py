@@ -82,7 +82,9 @@ SECURED = _with(_example("01-tiny-code.yaml"),
                                "metricsClients": [{"namespaceSelector": {"matchLabels": {
                                    "kubernetes.io/metadata.name": "monitoring"}}}]},
                 podDisruptionBudget={"maxUnavailable": 2}, replicas=3, placement={"gpusPerNode": 1})
-OPEN = _with(_example("01-tiny-code.yaml"), networkPolicy={"enabled": False}, podDisruptionBudget={"enabled": False})
+OPEN = _with(_example("01-tiny-code.yaml"), networkPolicy={"enabled": False}, podDisruptionBudget={"enabled": False},
+             service={"type": "LoadBalancer", "annotations": {"service.beta.kubernetes.io/aws-load-balancer-internal":
+                                                              "true"}, "labels": {"team": "ml"}})
 DOTTED = _example("01-tiny-code.yaml")
 DOTTED["metadata"]["name"] = "llama-3.1-8b-instruct." + "x" * 60
 CASES: dict[str, tuple[dict[str, Any], Context, str | None]] = {
