@@ -184,6 +184,9 @@ def reconcile(body: Any, patch: kopf.Patch, memo: Any, logger: Any, **_: Any) ->
         plan = view.plan(_now())
         outcomes = _apply(kube, owner, desired_children(owner, spec, ctx, plan.serving), ctx)
         outcomes.update(_advance(kube, owner, plan, logger))
+        serving = kube.get("RayCluster", owner.namespace, plan.serving)  # as just applied, for the status
+        if serving is not None:
+            view.clusters[plan.serving] = serving
     except KubeError as e:
         if e.status == 422:  # a child the API server refuses (e.g. an affinity KubeRay's schema rejects)
             raise invalid(SpecError(f"the API server refused a child: {e}")) from e
