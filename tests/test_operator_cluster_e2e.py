@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from typing_extensions import Self
 
 from tests.kube.api_server import KubeAPI, object_path
 from tests.kube.cluster_player import ClusterPlayer
@@ -28,8 +29,8 @@ from tests.test_operator_e2e import (
     InProcessOperator,
     child,
     conditions,
-    eventually,
     events,
+    eventually,
     infd,
     kube_api,  # noqa: F401  (fixture)
     operator_env,  # noqa: F401  (fixture)
@@ -83,7 +84,7 @@ class ClientLoop:
                     self.results.append((0, repr(e)))
                 time.sleep(self.interval)
 
-    def __enter__(self) -> ClientLoop:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 

@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 import yaml
+from typing_extensions import Self
 
 from tests.kube.api_server import KubeAPI, KubeAPIError, object_path
 
@@ -77,7 +78,7 @@ class ClusterPlayer:
                          threading.Thread(target=self._loop, daemon=True)]
 
     # --- lifecycle ---------------------------------------------------------------------------------------
-    def __enter__(self) -> ClusterPlayer:
+    def __enter__(self) -> Self:
         for t in self._threads:
             t.start()
         return self
