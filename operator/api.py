@@ -53,11 +53,11 @@ class RolloutSpec(SpecModel):
                     "once it serves; the old one is deleted this long after the switch")
 
 
-# hf://org/name[@revision], s3://bucket[/prefix], pvc://claim[/path], or a plain path in the image
+# hf://org/name[@revision], s3://bucket[/prefix], pvc://claim[/path], or a plain path in the image (no colon)
 MODEL_URI = (r"^(hf://([A-Za-z0-9][-A-Za-z0-9_.]*/)?[A-Za-z0-9][-A-Za-z0-9_.]*(@[-A-Za-z0-9_./]+)?"
              r"|s3://[a-z0-9][-a-z0-9.]{1,61}[a-z0-9](/[^\s]*)?"
              r"|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/[^\s]*)?"
-             r"|[^:\s][^\s]*)$")
+             r"|[^:\s]+)$")
 
 
 class ModelSource(SpecModel):

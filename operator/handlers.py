@@ -128,6 +128,15 @@ def _announce(body: Any, memo: kopf.Memo, old: dict[str, Any], new: dict[str, An
         kopf.warn(body, reason=reason["Scheduled"], message=message.get("Scheduled", ""))
 
 
+def _is_current(kube: KubeClient, body: Any) -> bool:
+    """Is ``body`` the live object's generation? A replica that was paused or lagged behind may still hold an
+    older body: acting on it would undo what a newer reconcile did (switch the Service back to a cluster being
+    retired, write an older observedGeneration). Such a body is skipped; the newer one is handled on its own."""
+    meta = body["metadata"]
+    live = kube.get("InferenceDeployment", meta.get("namespace") or "default", meta["name"])
+    return live is not None and live["metadata"].get("generation") == meta.get("generation")
+
+
 def _advance(kube: KubeClient, owner: Owner, plan: RolloutPlan, logger: Any) -> dict[str, str]:
     """Retire, un-retire and delete RayClusters as the plan says (with their engine ConfigMaps)."""
     done: dict[str, str] = {}
@@ -179,6 +188,9 @@ def reconcile(body: Any, patch: kopf.Patch, memo: Any, logger: Any, **_: Any) ->
     except SpecError as e:
         raise invalid(e) from e
     try:
+        if not _is_current(kube, body):
+            logger.info("generation %d is not the object's current one: skipped", generation)
+            return
         ctx = _context(memo)
         view = _view(memo, owner, spec, ctx)
         plan = view.plan(_now())
@@ -215,6 +227,8 @@ def mirror_status(body: Any, patch: kopf.Patch, memo: kopf.Memo, logger: Any, **
         return
     kube: KubeClient = memo.kube
     try:
+        if not _is_current(kube, body):
+            return
         ctx = _context(memo)
         view = _view(memo, owner, spec, ctx)
         plan = view.plan(_now())

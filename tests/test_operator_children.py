@@ -274,3 +274,22 @@ def test_the_operator_imports_neither_torch_nor_ray() -> None:
             "print(sorted(m for m in ('torch', 'ray', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kubernetes_validate_accepts_every_child_and_pod_template(case: str) -> None:
+    """Built-in children as they are; the RayCluster's head and worker pod templates as core/v1 PodTemplates
+    (KubeRay's CRD embeds that schema); strict: an unknown field fails."""
+    import kubernetes_validate
+
+    body, ctx, serving = CASES[case]
+    owner = Owner.of(body)
+    children = desired_children(owner, parse_spec(body), ctx, serving)
+    rc = children.ray_cluster["spec"]
+    templates = [rc["headGroupSpec"]["template"], *(g["template"] for g in rc["workerGroupSpecs"])]
+    objects = [o for o in children.all() if o["kind"] not in ("RayCluster", "PodMonitor")]
+    objects += [{"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": f"t{i}", "namespace": "default"},
+                 "template": t} for i, t in enumerate(templates)]
+    objects.append(desired_token_secret(owner, "0" * 64))
+    for obj in objects:
+        kubernetes_validate.validate(obj, "1.30.0", strict=True)

@@ -72,7 +72,11 @@ class ClusterPlayer:
             def log_message(self, *args: Any) -> None:
                 pass
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(http.server.ThreadingHTTPServer):
+            def handle_error(self, request: Any, client_address: Any) -> None:
+                pass  # a client that gave up (the operator's bounded /status read): nothing to report
+
+        self.server = Server(("127.0.0.1", 0), Handler)
         self.port = self.server.server_address[1]
         self._threads = [threading.Thread(target=self.server.serve_forever, daemon=True),
                          threading.Thread(target=self._loop, daemon=True)]
