@@ -112,7 +112,7 @@ class Watcher:
                 clusters = self.api.list_objects(*RAY, "default")
                 singles = max(len(self.api.list_objects(*plural, "default")) for plural in SINGLES.values())
                 status = self.api.get(object_path(*INFD, "default", "tiny-code")).get("status") or {}
-            except Exception:  # noqa: S112 (the server answering slowly: next sample)
+            except (OSError, ValueError, KeyError):  # noqa: S112 (the server answering slowly: next sample)
                 continue
             self.samples += 1
             self.max_clusters = max(self.max_clusters, len(clusters))
