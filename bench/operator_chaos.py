@@ -8,7 +8,7 @@ KubeRay, the heads and kube-proxy, and a client loop sending completions through
 Each round changes the worker image (a rollout to a new RayCluster), waits a random 0-2 s, SIGKILLs the
 active operator (the peer of highest priority) and starts a new process in its place, then waits until the
 deployment has converged: one RayCluster of the new revision, the Service on it, status Ready with the
-round's generation. Checked throughout (every 0.1 s): at most 2 RayClusters (the serving one and the new
+round's generation. Checked throughout (every 0.25 s): at most 2 RayClusters (the serving one and the new
 one), at most one of every other child, a status with conditions. Bounded: ``--round-timeout`` per round.
 Run inside the private network namespace as the tests are (``scripts/run-tests.sh`` shows how).
 """
@@ -107,7 +107,7 @@ class Watcher:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        while not self._stop.wait(0.1):
+        while not self._stop.wait(0.25):
             try:
                 clusters = self.api.list_objects(*RAY, "default")
                 singles = max(len(self.api.list_objects(*plural, "default")) for plural in SINGLES.values())
@@ -135,6 +135,13 @@ class Watcher:
 
 
 def converged(api: KubeAPI, player: ClusterPlayer, generation: int, image: str) -> bool:
+    try:
+        return _converged(api, player, generation, image)
+    except (KubeAPIError, OSError):
+        return False  # the emulated server busy: ask again
+
+
+def _converged(api: KubeAPI, player: ClusterPlayer, generation: int, image: str) -> bool:
     clusters = api.list_objects(*RAY, "default")
     if len(clusters) != 1:
         return False
@@ -176,7 +183,7 @@ def run(kills: int, round_timeout: float, seed: int) -> dict[str, Any]:
             stop = threading.Event()
 
             def client() -> None:
-                with httpx.Client(timeout=2.0) as c:
+                with httpx.Client(timeout=5.0) as c:
                     while not stop.is_set() and len(requests) < 100_000:
                         try:
                             r = c.post(player.service_url("tiny-code") + "/v1/completions", json={"prompt": "x"})
@@ -207,9 +214,10 @@ def run(kills: int, round_timeout: float, seed: int) -> dict[str, Any]:
                         ok = True
                         break
                     time.sleep(0.1)
-                failed = sum(1 for t, code in zip(list(times), list(requests)) if t >= t_round and code != 200)
+                codes = [code for t, code in zip(list(times), list(requests)) if t >= t_round]
                 rounds.append({"round": i, "killed": victim, "converged": ok,
-                               "seconds_to_converge": round(time.monotonic() - t_kill, 2), "client_failures": failed})
+                               "seconds_to_converge": round(time.monotonic() - t_kill, 2),
+                               "client_503": codes.count(503), "client_timeouts": codes.count(0)})
                 print(json.dumps(rounds[-1]), file=sys.stderr)
             stop.set()
             loop.join(10)
@@ -228,7 +236,9 @@ def run(kills: int, round_timeout: float, seed: int) -> dict[str, Any]:
                 "p50": statistics.median(times) if times else None,
                 "p95": times[min(len(times) - 1, int(0.95 * len(times)))] if times else None,
                 "max": times[-1] if times else None},
-            "client": {"requests": len(requests), "failed": sum(1 for c in requests if c != 200)},
+            # 503: the Service selected a cluster whose head was not serving (a gap); 0: the client's 5 s timeout
+            # (the harness itself starved of CPU), not an answer of any head
+            "client": {"requests": len(requests), "failed_503": requests.count(503), "timeouts": requests.count(0)},
             "tracebacks_in_operator_logs": log.count("Traceback"),
         }
     finally:
@@ -244,17 +254,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=18)
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
-    t0 = time.monotonic()
+    t0, load_before = time.monotonic(), os.getloadavg()
     numbers = run(args.kills, args.round_timeout, args.seed)
     record = {"date": datetime.date.today().isoformat(),
               "machine": f"{platform.machine()} {os.cpu_count()} CPUs, emulated API server (tests/kube)",
               "command": " ".join([Path(sys.executable).name, *sys.argv]), "wall_seconds": round(time.monotonic() - t0, 1),
+              "load_average_1m_before_after": [round(load_before[0], 1), round(os.getloadavg()[0], 1)],
               **numbers}
     text = json.dumps(record, indent=2) + "\n"
     if args.out:
         args.out.write_text(text)
     print(text)
     ok = numbers["all_converged"] and numbers["duplicate_children"]["duplicates"] == 0 and \
+        numbers["client"]["failed_503"] == 0 and \
         numbers["status"]["samples_without_conditions"] == 0 and numbers["status"]["observed_generation_regressions"] == 0
     return 0 if ok else 1
 

@@ -7,6 +7,7 @@ the body a size limit, so a slow or huge answer costs the operator at most ``TIM
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.error
@@ -43,7 +44,7 @@ def fetch_status(url: str, timeout: float = TIMEOUT_S, api_key: str | None = Non
         doc = json.loads(body.decode())
     except urllib.error.HTTPError as e:
         raise ControllerUnreachable(f"{url}: HTTP {e.code}") from e
-    except (TimeoutError, urllib.error.URLError, OSError, ValueError) as e:
+    except (TimeoutError, urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as e:
         raise ControllerUnreachable(f"{url}: {getattr(e, 'reason', e)}") from e
     if not isinstance(doc, dict):
         raise ControllerUnreachable(f"{url}: not a JSON object")

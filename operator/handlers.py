@@ -18,6 +18,7 @@ Run as ``fusedserve-operator`` (main.py) or ``kopf run -m fusedserve.operator.ha
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
 from datetime import datetime, timezone
@@ -37,6 +38,7 @@ from .operator_config import OperatorConfig
 from .pod_monitor import CRD_NAME as POD_MONITOR_CRD
 from .ray_auth import TOKEN_BYTES, desired_token_secret
 from .rollout import RolloutPlan
+from .service import selected_cluster
 from .status import Observation, compute_status, condition_map, rfc3339
 
 STARTUP_CONFIG = OperatorConfig.from_env()  # the timer's interval is fixed when the handlers are declared
@@ -137,6 +139,16 @@ def _is_current(kube: KubeClient, body: Any) -> bool:
     return live is not None and live["metadata"].get("generation") == meta.get("generation")
 
 
+def _settled(kube: KubeClient, owner: Owner, view: DeploymentView, plan: RolloutPlan) -> RolloutPlan:
+    """``plan``, unless another replica switched the Service to the desired cluster since ``view`` was read:
+    then that switch stands (never move the Service back from the cluster the spec wants)."""
+    if plan.serving == view.desired:
+        return plan
+    if selected_cluster(kube.get("Service", owner.namespace, owner.service)) == view.desired:
+        return dataclasses.replace(plan, serving=view.desired, pending=None)
+    return plan
+
+
 def _advance(kube: KubeClient, owner: Owner, plan: RolloutPlan, logger: Any) -> dict[str, str]:
     """Retire, un-retire and delete RayClusters as the plan says (with their engine ConfigMaps)."""
     done: dict[str, str] = {}
@@ -193,7 +205,7 @@ def reconcile(body: Any, patch: kopf.Patch, memo: Any, logger: Any, **_: Any) ->
             return
         ctx = _context(memo)
         view = _view(memo, owner, spec, ctx)
-        plan = view.plan(_now())
+        plan = _settled(kube, owner, view, view.plan(_now()))
         outcomes = _apply(kube, owner, desired_children(owner, spec, ctx, plan.serving), ctx)
         outcomes.update(_advance(kube, owner, plan, logger))
         serving = kube.get("RayCluster", owner.namespace, plan.serving)  # as just applied, for the status
@@ -231,7 +243,7 @@ def mirror_status(body: Any, patch: kopf.Patch, memo: kopf.Memo, logger: Any, **
             return
         ctx = _context(memo)
         view = _view(memo, owner, spec, ctx)
-        plan = view.plan(_now())
+        plan = _settled(kube, owner, view, view.plan(_now()))
         if applied == body["metadata"].get("generation") and plan.serving != view.serving_now:
             children = desired_children(owner, spec, ctx, plan.serving)  # switch the Service (and the budget)
             for obj in (children.service, children.disruption_budget):

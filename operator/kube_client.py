@@ -18,6 +18,8 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import urllib3
+
 log = logging.getLogger(__name__)
 
 Outcome = Literal["created", "updated", "unchanged"]
@@ -73,8 +75,11 @@ class KubeClient:
         headers = {"Accept": "application/json", "Content-Type": content_type}
         params = self.api.param_serialize(method, path, header_params=headers, body=body,
                                           auth_settings=["BearerToken"])
-        resp = self.api.call_api(*params, _request_timeout=timeout)
-        raw = resp.read() if hasattr(resp, "read") else resp.data
+        try:
+            resp = self.api.call_api(*params, _request_timeout=timeout)
+            raw = resp.read() if hasattr(resp, "read") else resp.data
+        except (urllib3.exceptions.HTTPError, OSError) as e:  # no answer (yet): a temporary error for the caller
+            raise KubeError(0, f"{method} {path}: {e}") from e
         text = raw.decode() if isinstance(raw, bytes) else (raw or "")
         if resp.status >= 400:
             try:

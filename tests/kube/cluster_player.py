@@ -39,6 +39,7 @@ class ClusterPlayer:
         self.up: set[str] = set()  # clusters whose head serves
         self.held: set[str] = set()
         self.max_clusters = 0  # most RayClusters of the namespace seen at once
+        self._targets: dict[str, str | None] = {}
         self.lock = threading.Lock()
         self._stop = threading.Event()
         player = self
@@ -114,11 +115,20 @@ class ClusterPlayer:
                 "groups": groups, "conditions": [], "creating": [], "last_failure": None}
 
     def service_target(self, service: str) -> str | None:
+        """The Service's cluster now; when the API server does not answer, the last one seen (as kube-proxy keeps
+        its last endpoints)."""
         try:
             svc = self.api.get(object_path("", "v1", "services", self.namespace, service))
-        except KubeAPIError:
-            return None
-        return ((svc.get("spec") or {}).get("selector") or {}).get("ray.io/cluster")
+        except KubeAPIError as e:
+            if e.status == 404:
+                self._targets.pop(service, None)
+                return None
+            return self._targets.get(service)
+        except OSError:
+            return self._targets.get(service)
+        target = ((svc.get("spec") or {}).get("selector") or {}).get("ray.io/cluster")
+        self._targets[service] = target
+        return target
 
     def _replicas(self, cluster: str) -> int:
         try:
