@@ -93,8 +93,10 @@ def _observation(body: Any, view: DeploymentView | None, plan: RolloutPlan | Non
                        view.download_failure)
 
 
-def _write_status(body: Any, patch: kopf.Patch, memo: kopf.Memo, obs: Observation) -> None:
-    old = dict(body.get("status") or {})
+def _write_status(body: Any, patch: kopf.Patch, memo: kopf.Memo, obs: Observation,
+                  live: dict[str, Any] | None = None) -> None:
+    """Patch the status from ``obs``: the difference to the live object's status (when read), else the body's."""
+    old = dict((live if live is not None else body).get("status") or {})
     new = compute_status(obs, old)
     for key in old.keys() - new.keys():
         patch.status[key] = None
@@ -130,13 +132,15 @@ def _announce(body: Any, memo: kopf.Memo, old: dict[str, Any], new: dict[str, An
         kopf.warn(body, reason=reason["Scheduled"], message=message.get("Scheduled", ""))
 
 
-def _is_current(kube: KubeClient, body: Any) -> bool:
-    """Is ``body`` the live object's generation? A replica that was paused or lagged behind may still hold an
-    older body: acting on it would undo what a newer reconcile did (switch the Service back to a cluster being
-    retired, write an older observedGeneration). Such a body is skipped; the newer one is handled on its own."""
+def _live(kube: KubeClient, body: Any) -> dict[str, Any] | None:
+    """The live object when ``body`` is its current generation, else None. A replica that was paused or lagged
+    behind may still hold an older body (or an older status): acting on it would undo what a newer reconcile
+    did (switch the Service back to a cluster being retired, write an older observedGeneration). Such a body is
+    skipped, the newer one is handled on its own; status is written against the live status."""
     meta = body["metadata"]
     live = kube.get("InferenceDeployment", meta.get("namespace") or "default", meta["name"])
-    return live is not None and live["metadata"].get("generation") == meta.get("generation")
+    current = live is not None and live["metadata"].get("generation") == meta.get("generation")
+    return live if current else None
 
 
 def _settled(kube: KubeClient, owner: Owner, view: DeploymentView, plan: RolloutPlan) -> RolloutPlan:
@@ -200,7 +204,8 @@ def reconcile(body: Any, patch: kopf.Patch, memo: Any, logger: Any, **_: Any) ->
     except SpecError as e:
         raise invalid(e) from e
     try:
-        if not _is_current(kube, body):
+        live = _live(kube, body)
+        if live is None:
             logger.info("generation %d is not the object's current one: skipped", generation)
             return
         ctx = _context(memo)
@@ -222,7 +227,7 @@ def reconcile(body: Any, patch: kopf.Patch, memo: Any, logger: Any, **_: Any) ->
         text = ", ".join(f"{kind} {v}" for kind, v in sorted(changed.items()))
         kopf.info(body, reason="Reconciled", message=f"generation {generation}: {text}")
         logger.info("generation %d: %s", generation, text)
-    _write_status(body, patch, memo, _observation(body, view, plan, generation))
+    _write_status(body, patch, memo, _observation(body, view, plan, generation), live)
     memo.metrics.reconciles.labels(result="success").inc()
     memo.metrics.reconcile_duration.observe(time.monotonic() - t0)
 
@@ -230,17 +235,21 @@ def reconcile(body: Any, patch: kopf.Patch, memo: Any, logger: Any, **_: Any) ->
 @kopf.timer(GROUP, VERSION, PLURAL, interval=STARTUP_CONFIG.status_interval_s,
             initial_delay=min(1.0, STARTUP_CONFIG.status_interval_s))
 def mirror_status(body: Any, patch: kopf.Patch, memo: kopf.Memo, logger: Any, **_: Any) -> None:
-    applied = (body.get("status") or {}).get("observedGeneration")
     owner = Owner.of(body)
+    kube: KubeClient = memo.kube
+    try:
+        live = _live(kube, body)
+    except KubeError as e:
+        raise kopf.TemporaryError(f"mirroring status: {e}", delay=memo.config.retry_delay_s) from e
+    if live is None:
+        return
+    applied = (live.get("status") or {}).get("observedGeneration")
     try:
         spec = parse_spec(body)
     except SpecError as e:
-        _write_status(body, patch, memo, _observation(body, None, None, applied, str(e)))
+        _write_status(body, patch, memo, _observation(body, None, None, applied, str(e)), live)
         return
-    kube: KubeClient = memo.kube
     try:
-        if not _is_current(kube, body):
-            return
         ctx = _context(memo)
         view = _view(memo, owner, spec, ctx)
         plan = _settled(kube, owner, view, view.plan(_now()))
@@ -255,7 +264,7 @@ def mirror_status(body: Any, patch: kopf.Patch, memo: kopf.Memo, logger: Any, **
             _advance(kube, owner, plan, logger)
     except KubeError as e:
         raise kopf.TemporaryError(f"mirroring status: {e}", delay=memo.config.retry_delay_s) from e
-    _write_status(body, patch, memo, _observation(body, view, plan, applied))
+    _write_status(body, patch, memo, _observation(body, view, plan, applied), live)
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL)
