@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fusedserve.worker.spec import DeploymentSpec, ServingSpec, SpecModel
+from fusedserve.worker.spec import DeploymentSpec, ModelSpec, ServingSpec, SpecModel
 
 from .pod_types import (
     DNS_SUBDOMAIN,
@@ -60,15 +60,14 @@ MODEL_URI = (r"^(hf://([A-Za-z0-9][-A-Za-z0-9_.]*/)?[A-Za-z0-9][-A-Za-z0-9_.]*(@
              r"|[^:\s]+)$")
 
 
-class ModelSource(SpecModel):
-    """Where the model comes from: ``uri`` (hf://, s3://, pvc:// or a path), or ``path`` (a path in the image)."""
+class ModelSource(ModelSpec):
+    """The runtime's model settings, located by ``uri`` (hf://, s3://, pvc:// or a path) or, as the runtime has
+    it, ``path`` (a path in the image). The runtime manifest gets ``path`` = where the pods mount the source."""
 
     uri: str | None = Field(default=None, min_length=1, max_length=1024, pattern=MODEL_URI,
                             description="hf://org/name[@revision], s3://bucket/prefix, pvc://claim/path, or a path")
-    path: str | None = Field(default=None, min_length=1, max_length=1024,
+    path: str | None = Field(default=None, min_length=1, max_length=1024,  # type: ignore[assignment]
                              description="checkpoint directory (HF layout) in the worker image")
-    name: str | None = Field(default=None, max_length=253, description="served model name (default: deployment name)")
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
 
     @model_validator(mode="after")
     def _one_location(self) -> ModelSource:
@@ -94,7 +93,7 @@ class MonitoringSpec(SpecModel):
 
 
 class InferenceDeploymentSpec(DeploymentSpec):
-    model: ModelSource  # type: ignore[assignment]  # a location (uri) where the runtime has a path
+    model: ModelSource
     serving: ServingSettings = ServingSettings()
     image: str | None = Field(default=None, min_length=1, max_length=512,
                               description="worker image of the head and the workers (default: the operator's)")

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from fusedserve.worker.spec import API_VERSION, KIND, DeploymentSpec, ServingSpec
+from fusedserve.worker.spec import API_VERSION, KIND, DeploymentSpec, ModelSpec, ServingSpec
 
 from .api import InferenceDeploymentSpec
 from .model_source import ModelSources
@@ -30,8 +30,8 @@ def runtime_manifest(owner: Owner, spec: InferenceDeploymentSpec) -> dict[str, A
     runtime = spec.model_dump(by_alias=True, mode="json", exclude_none=True,
                               include=set(DeploymentSpec.model_fields))
     sources = ModelSources.of(spec)
-    model = {"path": sources.model.local_path, "name": spec.model.name or owner.name, "dtype": spec.model.dtype}
-    runtime["model"] = model
+    model = spec.model.model_dump(by_alias=True, mode="json", exclude_none=True, include=set(ModelSpec.model_fields))
+    runtime["model"] = {**model, "path": sources.model.local_path, "name": spec.model.name or owner.name}
     runtime["serving"] = spec.serving.model_dump(by_alias=True, mode="json", exclude_none=True,
                                                  include=set(ServingSpec.model_fields))
     if sources.draft is not None:
