@@ -4,6 +4,8 @@
 # pytest's exit code 5 ("no tests ran") is a failure here.
 set -u
 cd "$(dirname "$0")/.."
+# Debian's Prometheus for the real-Prometheus tests, fetched here: inside the namespace apt has no network.
+bash scripts/ensure-prometheus.sh
 PYTEST=(.venv/bin/python -m pytest -q "$@")
 export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
 if [ "$(id -u)" = 0 ] && command -v unshare >/dev/null && unshare -n true 2>/dev/null; then

@@ -9,22 +9,22 @@ condition that is not set yet) come from the constants the code declares them in
 
 Every PromQL expression (dashboard targets, variable queries, rendered alert rules) must parse (promql-parser);
 every metric it selects must be exported, with the labels it filters, groups and matches on; ``rate``/``increase``
-only on counters; ``histogram_quantile`` over buckets kept by ``le``. Where ``promtool`` is installed (Debian
-package ``prometheus``), Prometheus's own engine also evaluates the alerts and key panels on synthetic series.
+only on counters; ``histogram_quantile`` over buckets kept by ``le``. ``promtool`` (Debian's ``prometheus``
+package, fetched by scripts/ensure-prometheus.sh) also evaluates the alerts and key panels with Prometheus's own
+engine on synthetic series; tests/test_prometheus_e2e.py evaluates them on a real server scraping real workers.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import helm_python
 import promql_parser as pq
 import pytest
 import yaml
@@ -32,8 +32,21 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
-CHART = ROOT / "charts" / "fusedserve"
-DASHBOARDS = sorted((CHART / "dashboards").glob("*.json"))
+if str(ROOT) not in sys.path:  # `tests.*` importable under a bare `pytest` too
+    sys.path.append(str(ROOT))
+
+from tests import prometheus_server
+from tests.chart_queries import (
+    CHART,
+    DASHBOARDS,
+    alert_rules,
+    dashboard_queries,
+    panel_expr,
+    render_rules,
+    substituted,
+)
+from tests.chart_queries import panels as _panels
+
 TARGET = str(ROOT / "examples/checkpoints/tiny-code")
 DRAFT = str(ROOT / "examples/checkpoints/tiny-code-eagle3")
 LABELS = {"deployment": "demo", "namespace": "ml", "engine_group": "0", "rank": "0", "tp_rank": "0",
@@ -43,7 +56,6 @@ WORKER_VARIABLES = ["datasource", "namespace", "deployment", "group"]
 TARGET_LABELS = {"namespace", "pod", "service", "endpoint", "job", "instance", "container"}
 # Labels whose values the expressions name: every value used must be one that is exported (or declared).
 ENUM_LABELS = {"op", "path", "result", "condition", "status", "finished_reason"}
-SUBSTITUTIONS = {"__rate_interval": "5m", "__range": "1h", "__interval": "1m"}
 
 
 # --- what is exported ----------------------------------------------------------------------------------------------
@@ -68,8 +80,8 @@ def _lead(engine: Any) -> str:
 
 
 def _rank_main(rank: int, world: int, backend: str) -> str | None:
-    from fusedserve.worker.parallel.rank import run_engine_group
     from fusedserve.worker.engine.config import EngineConfig
+    from fusedserve.worker.parallel.rank import run_engine_group
     from fusedserve.worker.spec_decode.config import SpeculativeConfig
 
     config = EngineConfig(num_blocks=48, max_num_seqs=4, max_batch_tokens=256,
@@ -101,8 +113,8 @@ class Exported:
 def exported() -> Exported:
     from fusedserve.models.parallel.ledger import OPS, PATHS
     from fusedserve.operator.metrics import CONDITIONS, RESULTS, STATUSES, OperatorMetrics
-    from fusedserve.worker.parallel.local_ranks import run_on_ranks
     from fusedserve.worker.engine.sequence import FinishReason
+    from fusedserve.worker.parallel.local_ranks import run_on_ranks
 
     out = Exported()
     out.add(run_on_ranks(_rank_main, 2, backend="gloo")[0])
@@ -116,42 +128,12 @@ def exported() -> Exported:
 
 # --- the expressions ------------------------------------------------------------------------------------------------
 
-def _panels(panels: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-    for panel in panels:
-        yield panel
-        yield from _panels(panel.get("panels", []))
-
-
-def dashboard_queries(board: dict[str, Any]) -> Iterator[tuple[str, str]]:
-    """(where, PromQL) of every target, and of every variable's label_values() selector."""
-    for panel in _panels(board["panels"]):
-        for t in panel.get("targets", []):
-            yield f"{board['uid']} / {panel['title']} / {t['refId']}", t["expr"]
-    for var in board["templating"]["list"]:
-        if var["type"] == "query":
-            match = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", var["definition"])
-            assert match, var["definition"]
-            yield f"{board['uid']} / ${var['name']}", f"group by ({match.group(2)}) ({match.group(1)})"
-
-
-def alert_rules() -> dict[str, str]:
-    with helm_python.Chart.load(CHART) as chart:
-        rendered = chart.render({"monitoring": {"enabled": True}}, name="fs", namespace="fusedserve-system")
-    rule = yaml.safe_load(rendered["fusedserve/templates/prometheusrule.yaml"])
-    return {r["alert"]: r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]}
-
-
 def all_queries() -> list[tuple[str, str]]:
     queries = [q for path in DASHBOARDS for q in dashboard_queries(json.loads(path.read_text()))]
     return queries + [(f"alert {name}", expr) for name, expr in alert_rules().items()]
 
 
 QUERIES = all_queries()
-
-
-def substituted(expr: str) -> str:
-    """Grafana's variables replaced: intervals by durations, the rest (inside matchers) by '.*'."""
-    return re.sub(r"\$\{?(\w+)\}?", lambda m: SUBSTITUTIONS.get(m.group(1), ".*"), expr)
 
 
 def _children(node: Any) -> list[Any]:
@@ -399,16 +381,13 @@ def _alerts_fire_as_designed() -> list[dict[str, Any]]:
     return [steady, drop]
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None,
-                    reason="promtool (Debian/Ubuntu package `prometheus`) is not installed")
 def test_alerts_fire_as_designed(tmp_path: Path) -> None:
     """`promtool check rules` on the rendered rules (expressions and annotation templates), then promtool's rule
     unit tests: each alert fires on the series it is for, with the labels it promises, and not on the others."""
-    with helm_python.Chart.load(CHART) as chart:
-        rendered = chart.render({"monitoring": {"enabled": True}}, name="fs", namespace="fusedserve-system")
-    groups = yaml.safe_load(rendered["fusedserve/templates/prometheusrule.yaml"])["spec"]["groups"]
+    promtool = prometheus_server.binary("promtool")
+    groups = render_rules()
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": groups}))
-    check = subprocess.run(["promtool", "check", "rules", str(tmp_path / "rules.yaml")], check=False,
+    check = subprocess.run([promtool, "check", "rules", str(tmp_path / "rules.yaml")], check=False,
                            capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
     for group in groups:  # the unit tests compare labels; the annotations were checked above
@@ -417,22 +396,18 @@ def test_alerts_fire_as_designed(tmp_path: Path) -> None:
     (tmp_path / "bare.yaml").write_text(yaml.safe_dump({"groups": groups}))
     tests = {"rule_files": ["bare.yaml"], "evaluation_interval": "1m", "tests": _alerts_fire_as_designed()}
     (tmp_path / "tests.yaml").write_text(yaml.safe_dump(tests))
-    result = subprocess.run(["promtool", "test", "rules", "tests.yaml"], check=False, cwd=tmp_path,
+    result = subprocess.run([promtool, "test", "rules", "tests.yaml"], check=False, cwd=tmp_path,
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def _panel_expr(stem: str, title: str, kind: str = "timeseries", ref: str = "A") -> str:
-    board = json.loads((CHART / "dashboards" / f"{stem}.json").read_text())
-    [expr] = [t["expr"] for p in _panels(board["panels"]) if p["title"] == title and p["type"] == kind
-              for t in p["targets"] if t["refId"] == ref]
-    return substituted(expr)
+    return substituted(panel_expr(json.loads((CHART / "dashboards" / f"{stem}.json").read_text()), title, kind, ref))
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None,
-                    reason="promtool (Debian/Ubuntu package `prometheus`) is not installed")
 def test_dashboard_panels_compute_what_they_say(tmp_path: Path) -> None:
     """Key panels evaluated by Prometheus's own engine (promtool's expression tests) on the series above."""
+    promtool = prometheus_server.binary("promtool")
     series = _alerts_fire_as_designed()[0]["input_series"]
     d1, d2 = {"deployment": "d1", "namespace": "ml"}, {"deployment": "d2", "namespace": "ml", "engine_group": "0"}
     # Accepted at positions 0, 1, 2 per draft: d1 0.2, 0.1, 0 (sum 0.3); d2 0.8, 0.5, 0.2 (sum 1.5).
@@ -467,6 +442,6 @@ def test_dashboard_panels_compute_what_they_say(tmp_path: Path) -> None:
     spec = {"rule_files": ["empty.yaml"], "evaluation_interval": "1m",
             "tests": [{"interval": "1m", "input_series": series, "promql_expr_test": tests}]}
     (tmp_path / "tests.yaml").write_text(yaml.safe_dump(spec))
-    result = subprocess.run(["promtool", "test", "rules", "tests.yaml"], check=False, cwd=tmp_path,
+    result = subprocess.run([promtool, "test", "rules", "tests.yaml"], check=False, cwd=tmp_path,
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
