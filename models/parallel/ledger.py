@@ -8,10 +8,15 @@ both (``fusedserve_collective_planned_calls_total`` and ``fusedserve_collective_
 
 A CUDA graph executes without Python: while a forward is captured (``capture()``) nothing is
 counted; each replay adds the captured forward's plan and records again (``replay``).
+
+Exporters read a ledger from another thread than the rank's (a follower's actor thread while the rank
+steps): ``settled()`` copies it consistently and leaves out a forward still running, so what is
+exported is always whole forwards and executed never runs ahead of planned by a partly counted one.
 """
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -52,6 +57,17 @@ class TimeHistogram:
 
 
 PlannedRow = tuple[str, str, str]  # (site, op, group), as ``ForwardPlan.expected()`` lists them
+SETTLE_ATTEMPTS = 1000
+
+
+@dataclass(frozen=True)
+class SettledCounts:
+    """A ledger's counters over whole forwards only (``CollectiveLedger.settled``)."""
+
+    calls: dict[tuple[str, str, str], int]
+    bytes: dict[tuple[str, str, str], int]
+    planned: dict[tuple[str, str], int]
+    forwards: int
 
 
 @dataclass
@@ -74,6 +90,8 @@ class CollectiveLedger:
     _forward_plan: list[PlannedRow] = field(default_factory=list)
     _capturing: CapturedForward | None = None
     forwards: int = 0
+    # Odd while the rank's thread is updating the counters (a sequence lock for readers on other threads).
+    _writes: int = 0
 
     def observe_time(self, key: tuple[str, str, str], seconds: float) -> None:
         h = self.seconds.get(key)
@@ -91,9 +109,11 @@ class CollectiveLedger:
             self._capturing.records.append(rec)
             return
         key = (op, group, path)
+        self._writes += 1
         self.calls[key] += 1
         self.bytes[key] += nbytes
         self._forward.append(rec)
+        self._writes += 1
 
     def begin_forward(self, planned: Iterable[PlannedRow] = ()) -> None:
         """A forward starts; ``planned``: its plan variant's collectives (``ForwardPlan.expected()``)."""
@@ -101,10 +121,12 @@ class CollectiveLedger:
         if self._capturing is not None:
             self._capturing.planned, self._capturing.records = rows, []
             return
+        self._writes += 1
         self._forward = []
         self._forward_plan = rows
         self.planned.update((op, group) for _site, op, group in rows)
         self.forwards += 1
+        self._writes += 1
 
     @contextmanager
     def capture(self) -> Iterator[CapturedForward]:
@@ -133,6 +155,37 @@ class CollectiveLedger:
     def forward_plan(self) -> list[PlannedRow]:
         """What the last forward planned, in order (compare with ``forward_records()``'s keys)."""
         return list(self._forward_plan)
+
+    def settled(self) -> SettledCounts:
+        """Calls, bytes, planned calls and forwards up to the last whole forward, safe to call from any thread.
+
+        The counters are copied between two updates of the rank's thread (retried while one is under way). A
+        forward that has run fewer collectives than its plan so far is still running: it is left out whole
+        (its plan, the collectives it ran, its count), so executed and planned compare forward by forward. One
+        that has run all its plan, or more, counts at once (an extra collective shows); one that ended short of
+        its plan shows from the next forward on. Raises RuntimeError if no quiet moment came.
+        """
+        for _ in range(SETTLE_ATTEMPTS):
+            start = self._writes
+            if start % 2 == 0:
+                try:
+                    calls, nbytes, planned = Counter(self.calls), Counter(self.bytes), Counter(self.planned)
+                    forwards, current, plan = self.forwards, list(self._forward), list(self._forward_plan)
+                except RuntimeError:  # a dict grew during the copy
+                    continue
+                if self._writes == start:
+                    break
+            time.sleep(0)  # let the writer finish its update
+        else:
+            raise RuntimeError(f"the ledger never held still over {SETTLE_ATTEMPTS} attempts")
+        if len(current) < len(plan):
+            for r in current:
+                calls[(r.op, r.group, r.path)] -= 1
+                nbytes[(r.op, r.group, r.path)] -= r.nbytes
+            planned.subtract((op, group) for _site, op, group in plan)
+            forwards -= 1
+        calls, planned = +calls, +planned  # without the series of a first forward left out
+        return SettledCounts(dict(calls), {k: nbytes[k] for k in calls}, dict(planned), forwards)
 
     def totals(self) -> list[tuple[str, str, str, int, int]]:
         """(op, group, path, calls, bytes) rows for exporters."""

@@ -23,7 +23,6 @@ import logging
 import os
 import socket
 import threading
-import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 from datetime import timedelta
@@ -101,6 +100,7 @@ class RankActor:
         self.error: str | None = None
         self.ready = False
         self._follower: threading.Thread | None = None
+        self._last_snapshot: MetricsSnapshot | None = None
 
     # --- start ------------------------------------------------------------------------------------
 
@@ -201,17 +201,17 @@ class RankActor:
         return [self._ledger_snapshot()] if self.ledger is not None else []
 
     def _ledger_snapshot(self) -> MetricsSnapshot:
-        """A follower's collectives (its ledger is written by the follower thread: copy with retries)."""
+        """A follower's collectives over whole forwards (its ledger is written by the follower thread;
+        ``ledger_snapshot`` copies it between two updates)."""
         from ..serving.engine_stats import ledger_snapshot
 
         if self.ledger is None:
             return MetricsSnapshot(labels=dict(self.labels))
-        for _ in range(5):
-            try:
-                return ledger_snapshot(self.ledger, self.labels)
-            except RuntimeError:  # changed during the copy
-                time.sleep(0.001)
-        return MetricsSnapshot(labels=dict(self.labels))
+        try:
+            self._last_snapshot = ledger_snapshot(self.ledger, self.labels)
+        except RuntimeError as e:  # never quiet: the last one again (an empty one would read as a counter reset)
+            log.warning("rank %d: collectives not read this time: %s", self.rank, e)
+        return self._last_snapshot or MetricsSnapshot(labels=dict(self.labels))
 
     # --- serving (leaders) ------------------------------------------------------------------------
 

@@ -15,11 +15,14 @@ from .engine_client import HistogramData, MetricsSnapshot
 
 
 def ledger_snapshot(ledger: CollectiveLedger, labels: Mapping[str, str]) -> MetricsSnapshot:
-    """A rank's collectives: executed calls and bytes, planned calls (each forward's own plan
-    variant), forwards and sampled times. Raises RuntimeError if the ledger changes mid-copy."""
-    return MetricsSnapshot(labels=dict(labels), collective_calls=dict(ledger.calls),
-                           collective_bytes=dict(ledger.bytes), collective_planned=dict(ledger.planned),
-                           forwards=ledger.forwards, collective_seconds=collective_seconds(ledger))
+    """A rank's collectives over whole forwards (``CollectiveLedger.settled``: a forward still running is
+    left out, so executed never runs ahead of planned mid-forward): executed calls and bytes, planned calls
+    (each forward's own plan variant), forwards, and sampled times. Safe from any thread; raises
+    RuntimeError if the ledger never held still."""
+    counts = ledger.settled()
+    return MetricsSnapshot(labels=dict(labels), collective_calls=counts.calls, collective_bytes=counts.bytes,
+                           collective_planned=counts.planned, forwards=counts.forwards,
+                           collective_seconds=collective_seconds(ledger))
 
 
 def spec_snapshot(engine: Engine) -> dict[str, Any]:
