@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch for development; installed before the package so no CUDA build is pulled.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup run test test-gpu lint clean
+.PHONY: setup run test test-gpu lint plots clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -25,9 +25,13 @@ test: setup
 test-gpu: setup
 	$(BIN)/python -m pytest -m gpu
 
+# PNG charts of bench/results/*.json into docs/images/ (a chart whose results are not recorded is skipped).
+plots: setup
+	$(BIN)/python bench/plots.py
+
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy fusedserve models
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) build dist *.egg-info .cache
