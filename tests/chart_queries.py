@@ -38,7 +38,7 @@ def dashboard_queries(board: dict[str, Any]) -> Iterator[tuple[str, str]]:
     """(where, PromQL) of every target, and of every variable's label_values() selector."""
     for panel in panels(board["panels"]):
         for t in panel.get("targets", []):
-            yield f"{board['uid']} / {panel['title']} / {t['refId']}", t["expr"]
+            yield f"{board['uid']} / {panel['title']} ({panel['type']}) / {t['refId']}", t["expr"]
     for var in board["templating"]["list"]:
         if var["type"] == "query":
             match = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", var["definition"])
