@@ -15,18 +15,18 @@ It loads the chart's PrometheusRule as helm renders it, with the shipped thresho
 and windows / ``for`` shortened to seconds (``RULE_VALUES``). The traffic is bounded (``PHASE_S`` twice):
 phase "high", greedy completions of repetitive code (acceptance length close to 1 + 3), then phase "low",
 sampled (temperature 1, seeded) completions of prose (about 1.6): a real acceptance drop. The MoE deployment
-serves requests on both DP groups all along. Then every dashboard query, every variable and every alert
-quantity is evaluated through the HTTP API and must return data (``LEGITIMATELY_EMPTY`` says which may not,
-and why); key panel values are compared with the engine counters read straight from ``/metrics``; and each
-alert must have fired on what it is for, and only there.
+serves requests on both DP groups all along. Then every dashboard query (Grafana's ``$__rate_interval`` and
+``$__range`` = the run, its other variables = All), every variable and every alert quantity is evaluated
+through the HTTP API and must return data (``LEGITIMATELY_EMPTY`` says which may not, and why; over an idle
+window only quantiles and ratios may be empty, ``IDLE_REASONS``); key panel values are compared with the
+engine counters read straight from ``/metrics``; and each alert must have fired on what it is for, and only
+there.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import re
-import subprocess
 import sys
 import threading
 import time
@@ -37,7 +37,6 @@ from typing import Any
 
 import httpx
 import pytest
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,8 +45,7 @@ if str(ROOT) not in sys.path:  # `tests.*` importable under a bare `pytest` too
 
 from tests import prometheus_server, serve_process
 from tests.chart_queries import alert_rules, boards, dashboard_queries, panel_expr, render_rules, substituted
-from tests.kube.api_server import KubeAPI, KubeAPIError, object_path
-from tests.kube.fixtures import CRDS_DIR
+from tests.operator_process import TP2, Operator, eventually
 from tests.planted_target import PlantedTarget
 from tests.prometheus_server import PrometheusServer
 from tests.serve_process import Server, free_port
@@ -55,7 +53,7 @@ from tests.serve_process import Server, free_port
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 ray_address = pytest.fixture(scope="module")(serve_process.ray_address)
 
-TP2, MOE, PLANTED = "tiny-code-tp2", "tiny-moe", "tiny-code-tp2-planted"
+MOE, PLANTED = "tiny-moe", "tiny-code-tp2-planted"
 OPERATOR_TARGET = {"namespace": "fusedserve-system", "pod": "fusedserve-operator-0", "service": "fusedserve",
                    "endpoint": "metrics", "container": "operator"}
 PHASE_S = 14.0
@@ -128,66 +126,6 @@ def scrape(server: Server) -> Samples:
 def counter(samples: Samples, name: str, **labels: str) -> float:
     """Sum of the samples of ``name`` whose labels include ``labels``."""
     return sum(v for n, have, v in samples if n == name and all(have.get(k) == x for k, x in labels.items()))
-
-
-def eventually(check: Callable[[], Any], timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = check()
-            if last:
-                return last
-        except (httpx.HTTPError, KeyError, RuntimeError, KubeAPIError) as e:
-            last = e
-        time.sleep(0.3)
-    raise AssertionError(f"not true within {timeout}s: last {last!r}")
-
-
-class Operator:
-    """``fusedserve-operator`` (the command the chart runs) against the emulated API server."""
-
-    def __init__(self, workdir: Path, status_url: str) -> None:
-        self.api = KubeAPI(workdir / "kube-api").start()
-        self.api.kubectl("apply", "-f", "crds/", cwd=ROOT)
-        self.api.kubectl("apply", "-f", str(CRDS_DIR), cwd=ROOT)
-        self.metrics_port, health = free_port(), free_port()
-        self.log_path = workdir / "operator.log"
-        env = {**os.environ, "KUBECONFIG": str(self.api.kubeconfig_path), "FUSEDSERVE_OPERATOR_RETRY_DELAY": "1"}
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "fusedserve.operator.main", "--all-namespaces", "--standalone",
-                 "--listen-address", "127.0.0.1", "--health-port", str(health),
-                 "--metrics-port", str(self.metrics_port), "--status-interval", "1",
-                 "--status-url-template", status_url],
-                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
-        eventually(lambda: httpx.get(f"http://127.0.0.1:{health}/healthz", timeout=2).status_code == 200)
-
-    def apply(self, tmp: Path) -> None:
-        """examples/02 (reaches Ready: the test plays KubeRay) and one with an invalid spec (a permanent error)."""
-        bad = yaml.safe_load((ROOT / "examples/02-tiny-code-tp2.yaml").read_text())
-        bad["metadata"]["name"] = "bad-parallelism"
-        bad["spec"]["parallelism"] = {"tensor": 3, "data": 2, "dataParallelAttention": True}
-        (tmp / "bad.yaml").write_text(yaml.safe_dump(bad))
-        self.api.kubectl("apply", "-f", "examples/02-tiny-code-tp2.yaml", cwd=ROOT)
-        self.api.kubectl("apply", "-f", str(tmp / "bad.yaml"))
-        path = object_path("ray.io", "v1", "rayclusters", "default", TP2)
-        eventually(lambda: self.api.get(path))
-        self.api.patch(path + "/status", {"status": {"state": "ready", "desiredWorkerReplicas": 1,
-                                                     "readyWorkerReplicas": 1}})
-
-    def ready(self) -> bool:
-        obj = self.api.get(object_path("fusedserve.io", "v1alpha1", "inferencedeployments", "default", TP2))
-        return any(c["type"] == "Ready" and c["status"] == "True" for c in obj.get("status", {}).get("conditions", []))
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.api.stop()
 
 
 def _traffic(observed_errors: list[str], until: float, send: Callable[[int], int]) -> tuple[threading.Thread, list[int]]:
