@@ -174,8 +174,14 @@ def _run_traffic(tp2: Server, moe: Server, low_at: float, end_at: float, errors:
 
 
 @pytest.fixture(scope="module")
-def observed(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
-    prometheus_server.binary("prometheus")  # skip (or fail in CI) before starting anything
+def prometheus() -> str:
+    """Skip (or fail where required, as in CI) before anything starts."""
+    prometheus_server.binary("promtool")
+    return prometheus_server.binary("prometheus")
+
+
+@pytest.fixture(scope="module")
+def observed(prometheus: str, ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
     tmp = tmp_path_factory.mktemp("prometheus-e2e")
     servers: dict[str, Server] = {}
     failures: list[BaseException] = []
