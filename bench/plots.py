@@ -4,16 +4,14 @@ Reads ``bench/results/*.json`` (``--results``) and writes ``docs/images/*.png`` 
 the newest file (by name: they start with the date) matching its patterns; a chart whose input is absent is
 skipped with a message, the others are still drawn (exit status 0). Charts and their inputs:
 
-- ``decode.png``: decode ms per step and tokens/s vs batch, with the weight-streaming roofline and the
-  same-run peer. ``*-decode-roofline-*``: ``variants[headline_variant].d_throughput`` rows (``batch``,
-  ``ms_per_step``, ``tok_per_s``, ``pct_of_roofline_weights``) and ``hf_eager`` (the peer, batch 1);
-  ``*-decode-tp2-*``: ``tp2.rank0.variants[headline.tp2_variant].throughput``. An engine benchmark
-  (``*-decode-engine-*``) plugs in with the same rows under ``throughput`` and its peer's under
-  ``peer.throughput`` (named ``peer.name``).
-- ``served-latency.png``: served TTFT and inter-token latency percentiles vs request rate.
-  ``*-served-load-*``: ``runs``, one per request rate, with vLLM's benchmark_serving names
-  (``request_rate``, ``p50_ttft_ms``, ``p90_ttft_ms``, ``p99_ttft_ms``, ``p50_itl_ms``, ...; any
-  ``pNN_`` percentiles found are drawn).
+- ``decode.png``: decode ms per step and tokens/s vs batch, with the roofline and the same-run peer.
+  ``*-decode-engine-*`` (through the engine's API): ``decode`` rows (``batch``, ``ms_per_step``, ``tok_per_s``,
+  ``roofline_ms``) and ``hf_peer.batches`` (HF transformers, same run). Without it, the older private-harness
+  files: ``*-decode-roofline-*`` (``variants[headline_variant].d_throughput`` rows with
+  ``pct_of_roofline_weights``; ``hf_eager`` at batch 1) and ``*-decode-tp2-*`` (tp=2 rows).
+- ``served-latency.png``: served TTFT and inter-token latency percentiles vs request rate, every
+  ``*-serve-*`` file of the newest date (``fusedserve run`` over HTTP, the engine in-process, ...):
+  ``rates`` rows with ``rate`` (``"inf"``: every request at once) and ``ttft_pNN_ms`` / ``itl_pNN_ms``.
 - ``acceptance.png``: acceptance rate per draft position (``*-spec-decode-cpu-*``:
   ``numbers[config].acceptance_rate_per_position``) and acceptance length per configuration and prompt
   set (every ``*-spec-decode-*`` file: ``numbers[config].acceptance_length`` or ``..._batch1``; a file with
@@ -28,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -39,6 +36,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # after the backend is chosen
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.ticker import NullFormatter, ScalarFormatter
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -61,6 +60,19 @@ def _source(fig: Figure, *paths: Path) -> None:
     fig.text(0.01, 0.005, "from " + ", ".join(p.name for p in paths), fontsize=7, color="0.4")
 
 
+def _plain_log_y(ax: Any) -> None:
+    """After plotting: a log y axis labelled with plain numbers when the data span a decade or more, else a
+    linear one from 0 (a log axis over less than a decade shows one label or none)."""
+    lo, hi = ax.dataLim.y0, ax.dataLim.y1
+    if lo > 0 and hi / lo >= 10:
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(ScalarFormatter())
+        ax.yaxis.set_minor_formatter(NullFormatter())
+    else:
+        ax.set_ylim(0, hi * 1.08)
+    ax.grid(True, which="both", alpha=0.3)
+
+
 def _log2_batches(ax: Any, batches: list[int]) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xticks(batches, [str(b) for b in batches])
@@ -68,77 +80,103 @@ def _log2_batches(ax: Any, batches: list[int]) -> None:
 
 # --- the charts ---------------------------------------------------------------------------------------------------
 
-def decode(results: Path) -> Figure:
+def _decode_series(results: Path) -> tuple[list[Path], str, list[tuple[str, list[dict[str, Any]], str]],
+                                          list[tuple[str, list[dict[str, Any]]]]]:
+    """(sources, title, [(label, rows with batch/ms_per_step/tok_per_s/roofline_ms, color)], [(peer, rows)])."""
+    try:
+        path, rec = newest(results, "decode-engine")
+        title = f"Decode through the engine, Llama-3-8B shape, {rec['dtype']}, {rec['machine']}"
+        return ([path], title, [("fusedserve engine", rec["decode"], "C0")],
+                [("HF transformers (StaticCache, compiled step), same run", rec["hf_peer"]["batches"])])
+    except Missing:
+        pass
     path, rec = newest(results, "decode-roofline")
-    variant = rec["variants"][rec["headline_variant"]]
-    series: list[tuple[str, list[dict[str, Any]], str]] = [(f"ours tp=1 ({rec['machine']})", variant["d_throughput"],
-                                                            "C0")]
+
+    def with_roofline(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{**r, "roofline_ms": r["ms_per_step"] * r["pct_of_roofline_weights"] / 100} for r in rows]
+
+    series = [(f"ours tp=1 ({rec['machine']})", with_roofline(rec["variants"][rec["headline_variant"]]["d_throughput"]),
+               "C0")]
     paths = [path]
     try:
         tp2_path, tp2 = newest(results, "decode-tp2")
         rows = tp2["tp2"]["rank0"]["variants"][tp2["headline"]["tp2_variant"]]["throughput"]
-        series.append((f"ours tp=2 ({tp2['machine']})", rows, "C1"))
+        series.append((f"ours tp=2 ({tp2['machine']})", with_roofline(rows), "C1"))
         paths.append(tp2_path)
     except Missing:
         pass
-    peers: list[tuple[str, list[dict[str, Any]]]] = [("HF transformers eager, same run", [
-        {"batch": 1, "ms_per_step": rec["hf_eager"]["ms_per_token"], "tok_per_s": rec["hf_eager"]["tok_per_s"]}])]
-    try:
-        engine_path, engine = newest(results, "decode-engine")
-        series.append((f"engine ({engine.get('machine', '')})", engine["throughput"], "C2"))
-        if "peer" in engine:
-            peers.append((str(engine["peer"].get("name", "peer")) + ", same run", engine["peer"]["throughput"]))
-        paths.append(engine_path)
-    except Missing:
-        pass
+    peer = [{"batch": 1, "ms_per_step": rec["hf_eager"]["ms_per_token"], "tok_per_s": rec["hf_eager"]["tok_per_s"]}]
+    return paths, f"Decode, Llama-3-8B shape, {rec['dtype']}, CUDA graphs", series, [
+        ("HF transformers eager, same run", peer)]
+
+
+def decode(results: Path) -> Figure:
+    paths, title, series, peers = _decode_series(results)
     fig, (lat, thr) = plt.subplots(1, 2, figsize=(11, 4.2))
     batches = sorted({r["batch"] for _, rows, _ in series for r in rows})
     for label, rows, color in series:
         b = [r["batch"] for r in rows]
         lat.plot(b, [r["ms_per_step"] for r in rows], "o-", color=color, label=label)
         thr.plot(b, [r["tok_per_s"] for r in rows], "o-", color=color, label=label)
-        if all("pct_of_roofline_weights" in r for r in rows):
-            roof = [r["ms_per_step"] * r["pct_of_roofline_weights"] / 100 for r in rows]
-            lat.plot(b, roof, "--", color=color, alpha=0.6, label=label.split(" (")[0] + ": weight roofline")
-            thr.plot(b, [n * 1000 / ms for n, ms in zip(b, roof)], "--", color=color, alpha=0.6)
+        roof = [r["roofline_ms"] for r in rows]
+        lat.plot(b, roof, "--", color=color, alpha=0.6, label=label.split(" (")[0] + ": memory roofline")
+        thr.plot(b, [n * 1000 / ms for n, ms in zip(b, roof)], "--", color=color, alpha=0.6)
     for i, (label, rows) in enumerate(peers):
         kw = {"marker": "s", "linestyle": ":", "color": f"C{3 + i}", "label": label}
         lat.plot([r["batch"] for r in rows], [r["ms_per_step"] for r in rows], **kw)
         thr.plot([r["batch"] for r in rows], [r["tok_per_s"] for r in rows], **kw)
     for ax in (lat, thr):
+        _plain_log_y(ax)
         _log2_batches(ax, batches)
-        ax.set_yscale("log")
         ax.set_xlabel("batch (sequences)")
-        ax.grid(True, which="both", alpha=0.3)
     lat.set_ylabel("ms per decode step")
     thr.set_ylabel("tokens/s")
     lat.set_title("Decode latency")
     thr.set_title("Decode throughput")
     lat.legend(fontsize=7)
-    fig.suptitle(f"Llama-3-8B shape, {rec['dtype']}, CUDA graphs")
+    fig.suptitle(title)
     _source(fig, *paths)
     return fig
 
 
+def _served_label(path: Path, rec: dict[str, Any]) -> str:
+    target = str(rec.get("target", path.stem))
+    label = "engine in-process" if target.startswith("engine") else "fusedserve run (HTTP)"
+    variant = path.stem[11:].removeprefix("serve-").rsplit("-", 1)[0].split("-", 1)  # e.g. ["http", "merged"]
+    return label + (f", {variant[1]}" if len(variant) > 1 else "")
+
+
 def served_latency(results: Path) -> Figure:
-    path, rec = newest(results, "served-load")
-    runs = sorted(rec["runs"], key=lambda r: float(r["request_rate"]))
-    rates = [float(r["request_rate"]) for r in runs]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    files = sorted(results.glob("*-serve-*.json"))
+    if not files:
+        raise Missing("no bench/results/*-serve-*.json")
+    day = max(p.name[:10] for p in files)
+    runs = [(p, json.loads(p.read_text())) for p in files if p.name.startswith(day)]
+    rates = sorted({str(r["rate"]) for _, rec in runs for r in rec["rates"]},
+                   key=lambda x: float("inf") if x == "inf" else float(x))
+    x_of = {rate: i for i, rate in enumerate(rates)}
+    styles: dict[int, Any] = {50: "-", 90: "--", 99: ":"}
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
     for ax, metric, title in ((axes[0], "ttft", "Time to first token"), (axes[1], "itl", "Inter-token latency")):
-        percentiles = sorted({int(m.group(1)) for r in runs for k in r
-                              if (m := re.fullmatch(rf"p(\d+)_{metric}_ms", k))})
-        if not percentiles:
-            raise Missing(f"{path.name}: no pNN_{metric}_ms in its runs")
-        for p in percentiles:
-            ax.plot(rates, [r.get(f"p{p}_{metric}_ms", float("nan")) for r in runs], "o-", label=f"p{p}")
+        for i, (_path, rec) in enumerate(runs):
+            for p, style in styles.items():
+                rows = [r for r in rec["rates"] if f"{metric}_p{p}_ms" in r]
+                ax.plot([x_of[str(r["rate"])] for r in rows], [r[f"{metric}_p{p}_ms"] for r in rows], style,
+                        marker="o", markersize=3, color=f"C{i}")
+        ax.set_xticks(range(len(rates)), [("all at once" if r == "inf" else f"{float(r):g}") for r in rates])
         ax.set_xlabel("request rate (requests/s)")
         ax.set_ylabel("ms")
+        _plain_log_y(ax)
         ax.set_title(title)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(f"Served through the HTTP API ({rec.get('machine', '')})")
-    _source(fig, path)
+    targets = [Line2D([], [], color=f"C{i}", label=_served_label(path, rec)) for i, (path, rec) in enumerate(runs)]
+    percentiles = [Line2D([], [], color="0.3", linestyle=style, label=f"p{p}") for p, style in styles.items()]
+    axes[0].add_artist(axes[0].legend(handles=targets, fontsize=7, loc="upper left"))
+    axes[1].legend(handles=percentiles, fontsize=7, loc="upper left")
+    dataset = runs[0][1].get("dataset", {})
+    fig.suptitle(f"Served, {runs[0][1].get('machine', '')}: {dataset.get('source', '').split(' ')[0]} requests "
+                 f"(mean {dataset.get('mean_prompt_len', '?')} prompt / {dataset.get('mean_output_len', '?')} "
+                 "output tokens)")
+    _source(fig, *(p for p, _ in runs))
     return fig
 
 
