@@ -18,8 +18,8 @@ skipped with a message, the others are still drawn (exit status 0). Charts and t
   ``benchmarks: {name: {config: acceptance_length}}``, e.g. MT-bench / HumanEval, adds one bar group each).
 - ``allreduce-fusion.png``: one fused all-reduce + add + RMSNorm boundary vs the unfused one (and the raw
   FlashInfer kernel, NCCL all-reduce alone) vs tokens, per hidden size. ``*-comm-fusion-*``: ``numbers``.
-- ``dp-combine.png``: the DP combine as one reduce-scatter vs all-reduce + slice: decode step time and
-  microseconds saved per combine vs tokens per DP rank. ``*-dp-ep-combine-*``: ``benchmark.summary``.
+- ``dp-combine.png``: the DP combine as one reduce-scatter vs all-reduce + slice: the decode step time ratio
+  and the microseconds saved per combine vs tokens per DP rank. ``*-dp-ep-combine-*``: ``benchmark.summary``.
 """
 
 from __future__ import annotations
