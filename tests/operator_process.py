@@ -67,8 +67,12 @@ class Operator:
         (tmp / "bad.yaml").write_text(yaml.safe_dump(bad))
         self.api.kubectl("apply", "-f", "examples/02-tiny-code-tp2.yaml", cwd=ROOT)
         self.api.kubectl("apply", "-f", str(tmp / "bad.yaml"))
-        path = object_path("ray.io", "v1", "rayclusters", "default", TP2)
-        eventually(lambda: self.api.get(path))
+        def cluster() -> str | None:  # named by the pod revision: found by the deployment's label
+            found = self.api.list_objects("ray.io", "v1", "rayclusters", "default",
+                                          label_selector=f"fusedserve.io/deployment={TP2}")
+            return str(found[0]["metadata"]["name"]) if len(found) == 1 else None
+
+        path = object_path("ray.io", "v1", "rayclusters", "default", eventually(cluster))
         self.api.patch(path + "/status", {"status": {"state": "ready", "desiredWorkerReplicas": 1,
                                                      "readyWorkerReplicas": 1}})
 
