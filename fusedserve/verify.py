@@ -249,15 +249,17 @@ def run_verify(opts: VerifyOptions) -> VerifyReport:
     from fusedserve.models.loader import CheckpointError, architecture_of, load_config
     from fusedserve.models.parallel.groups import ParallelConfig, ParallelConfigError
     from fusedserve.models.registry import UnsupportedArchitecture, model_class
+    from fusedserve.models.split_check import SplitError, check_split
 
     from .worker.parallel.local_ranks import RankFailed, run_on_ranks
 
     try:
-        ParallelConfig(opts.tp, opts.dp, opts.ep)
+        par = ParallelConfig(opts.tp, opts.dp, opts.ep)
         config = load_config(opts.model)
         arch = architecture_of(config)
         model_class(arch)
-    except (CheckpointError, ParallelConfigError, UnsupportedArchitecture) as e:
+        check_split(config, par)  # before any rank starts
+    except (CheckpointError, ParallelConfigError, UnsupportedArchitecture, SplitError) as e:
         raise VerifyError(str(e)) from e
     prompts = [list(p) for p in opts.prompts] if opts.prompts else default_prompts(config.vocab_size)
     bad = [t for p in prompts for t in p if not 0 <= t < config.vocab_size]
