@@ -14,7 +14,7 @@ def _verify(args: argparse.Namespace) -> int:
         opts = VerifyOptions(
             model=args.model, tp=args.tp, dp=args.dp, ep=args.ep, fusion=args.fusion, oracle=args.oracle,
             dtype=args.dtype, prompts=load_prompts_file(args.prompts) if args.prompts else None,
-            tolerance=args.tolerance, dp_padding=args.dp_padding,
+            tolerance=args.tolerance, dp_padding=args.dp_padding, continuation=args.continuation,
         )
         report = run_verify(opts)
     except VerifyError as e:
@@ -66,7 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compare with HF transformers or with our own tp=1 run (default hf)")
     v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     v.add_argument("--prompts", help="JSON file: a list of token-id lists")
-    v.add_argument("--tolerance", type=float, help="max abs logit difference (default 1e-4 fp32, 1e-1 bf16)")
+    v.add_argument("--tolerance", type=float,
+                   help="max abs logit difference (default: calibrated, max(10 x HF's own eager-vs-sdpa noise, "
+                   "1e-5 x max |logit|, 1e-5) in fp32; 1e-2 x max |logit| and 1e-1 in bf16)")
+    v.add_argument("--continuation", type=int, default=8,
+                   help="greedy tokens generated after each prompt and checked against the oracle (default 8)")
     v.add_argument("--dp-padding", default="auto", choices=["auto", "max_len", "sum_len"],
                    help="DP attention token padding (default: chosen per forward as sglang does)")
     v.add_argument("--json", action="store_true", help="print the report as JSON")
