@@ -39,8 +39,10 @@ SMOKE_CHAT = "import os"
 
 
 def resolve_paths(manifest: Manifest, manifest_path: str) -> Manifest:
-    """Relative checkpoint paths are relative to the working directory, else to the manifest's folder."""
+    """Relative checkpoint paths are relative to the working directory, else to the manifest's folder;
+    ``~`` is the user's home (``fusedserve fetch-model`` caches under ``~/.cache/fusedserve``)."""
     def resolve(field: str, p: str) -> str:
+        p = str(Path(p).expanduser())
         if Path(p).is_absolute():
             return p
         for base in (Path.cwd(), Path(manifest_path).resolve().parent):
