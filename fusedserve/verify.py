@@ -233,7 +233,8 @@ def _rank_main(rank: int, world: int, backend: str, opts: VerifyOptions,
     # Under DP attention each DP group serves its own prompts: prompt i goes to group i % dp.
     mine = prompts[groups.coords.dp_rank :: opts.dp]
     extra = opts.continuation
-    built = build_rank(opts.model, _engine_config(opts, mine, device, extra), groups, backend, opts.fusion)
+    # Cache blocks for every prompt, not only this DP group's: ranks agree on the smallest count.
+    built = build_rank(opts.model, _engine_config(opts, prompts, device, extra), groups, backend, opts.fusion)
     dp = opts.dp > 1
     counts = tuple(sum(map(len, prompts[d :: opts.dp])) for d in range(opts.dp)) if dp else None
     padding = _paddings()[opts.dp_padding] if dp else None

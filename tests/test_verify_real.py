@@ -118,3 +118,12 @@ def _doubled_rank_main(rank: int, world: int, backend: str, opts: VerifyOptions,
                        prompts: list[list[int]]) -> dict[str, Any]:
     plant_doubled_reduction("layers.1.mlp.in")
     return _rank_main(rank, world, backend, opts, prompts)
+
+
+def test_dp_attention_decode_steps_verify() -> None:
+    """Under DP attention each DP group decodes its own prompts (prompt i in group i % dp), all groups
+    in the same forwards; the cache holds every group's prompts (ranks agree on the smallest)."""
+    model = Path(__file__).resolve().parents[1] / "examples/checkpoints/tiny-moe"
+    report = run_verify(VerifyOptions(model=str(model), tp=2, dp=2, ep=2, continuation=3))
+    assert report.ok, report.to_text()
+    assert report.decode_forwards_off_plan == 0 and all(len(p.continuation) == 3 for p in report.prompts)
