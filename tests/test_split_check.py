@@ -62,7 +62,8 @@ def test_verify_refuses_an_impossible_split_before_spawning(nine_heads: Path) ->
     proc, seconds = _cli("verify", "--model", str(nine_heads), "--tp", "2")
     assert proc.returncode == 2 and proc.stdout == ""
     assert "num_attention_heads=9 does not split over 2 ranks" in proc.stderr
-    assert seconds < 30, seconds  # the interpreter, torch and transformers imports; no rank
+    assert "a rank failed" not in proc.stderr  # the check before spawning, not a rank's own
+    assert seconds < 120, seconds  # the interpreter, torch and transformers imports (slow on a loaded machine)
 
 
 def test_run_refuses_an_impossible_split_before_ray(nine_heads: Path, tmp_path: Path) -> None:
@@ -79,4 +80,4 @@ spec:
     assert "fusedserve run: invalid manifest: spec.parallelism: tp=2 dp=1 ep=1 cannot split this LlamaForCausalLM: " \
            "num_attention_heads=9 does not split over 2 ranks" in proc.stderr
     assert "ready" not in proc.stdout  # refused before Ray, actors or ranks
-    assert seconds < 30, seconds
+    assert seconds < 120, seconds
