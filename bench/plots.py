@@ -15,7 +15,12 @@ skipped with a message, the others are still drawn (exit status 0). Charts and t
 - ``acceptance.png``: acceptance rate per draft position (``*-spec-decode-cpu-*``:
   ``numbers[config].acceptance_rate_per_position``) and acceptance length per configuration and prompt
   set (every ``*-spec-decode-*`` file: ``numbers[config].acceptance_length`` or ``..._batch1``; a file with
-  ``benchmarks: {name: {config: acceptance_length}}``, e.g. MT-bench / HumanEval, adds one bar group each).
+  ``benchmarks: {name: {config: acceptance_length}}``, e.g. MT-bench / HumanEval, adds one bar group each;
+  ``*-spec-decode-real-*``, SmolLM2 and its own draft, is another model and is left out).
+- ``seed-bug-capture.png``: seed bug 1 measured, acceptance length per benchmark with the aux states captured
+  after the boundary (complete) vs before it (sglang before PR #28343), with the 95 % bootstrap intervals and
+  the paired difference. ``*-seed-bug-capture-*``: ``numbers[set].complete`` / ``.before_completion``
+  (``acceptance_length``, ``bootstrap_95``) and ``numbers[set].before_completion_vs_complete``.
 - ``allreduce-fusion.png``: one fused all-reduce + add + RMSNorm boundary vs the unfused one (and the raw
   FlashInfer kernel, NCCL all-reduce alone) vs tokens, per hidden size. ``*-comm-fusion-*``: ``numbers``.
 - ``dp-combine.png``: the DP combine as one reduce-scatter vs all-reduce + slice: the decode step time ratio
@@ -216,6 +221,8 @@ def acceptance(results: Path) -> Figure:
     for path in sorted(results.glob("*-spec-decode-*.json"), key=lambda p: p.name):
         if "graphs" in path.name:  # the same prompts and tokens as the eager GPU run
             continue
+        if "spec-decode-real" in path.name:  # SmolLM2 and its own draft: not the tiny code pair
+            continue
         rec = json.loads(path.read_text())
         paths.append(path)
         prompts = len(rec.get("prompt_files", [])) or "?"
@@ -236,6 +243,40 @@ def acceptance(results: Path) -> Figure:
     per_bench.grid(True, axis="y", alpha=0.3)
     fig.suptitle("EAGLE3 on the tiny code pair (greedy)")
     _source(fig, *paths)
+    return fig
+
+
+CAPTURES = {"complete": "complete (after the boundary)", "before_completion": "before completion (pre-#28343)"}
+
+
+def seed_bug_capture(results: Path) -> Figure:
+    path, rec = newest(results, "seed-bug-capture")
+    sets = {name: by for name, by in rec["numbers"].items() if all(c in by for c in CAPTURES)}
+    fig, (length, diff) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [3, 2]})
+    width = 0.8 / len(CAPTURES)
+    for i, (capture, label) in enumerate(CAPTURES.items()):
+        xs = [j + i * width for j in range(len(sets))]
+        values = [by[capture]["acceptance_length"] for by in sets.values()]
+        low_high = [by[capture]["bootstrap_95"] for by in sets.values()]
+        errors = [[v - lo for v, (lo, _) in zip(values, low_high)], [hi - v for v, (_, hi) in zip(values, low_high)]]
+        length.bar(xs, values, width, yerr=errors, capsize=4, label=label)
+    length.set_xticks([j + width * (len(CAPTURES) - 1) / 2 for j in range(len(sets))], list(sets))
+    length.set_ylabel("acceptance length (1 + accepted / drafts)")
+    length.set_title("Per benchmark (bars: 95 % bootstrap interval)")
+    length.legend(fontsize=8, loc="lower right")
+    pairs = [by["before_completion_vs_complete"] for by in sets.values()]
+    diff.errorbar(range(len(sets)), [p["pooled_difference"] for p in pairs], fmt="o", capsize=4,
+                  yerr=[[p["pooled_difference"] - p["bootstrap_95"][0] for p in pairs],
+                        [p["bootstrap_95"][1] - p["pooled_difference"] for p in pairs]])
+    diff.axhline(0, color="0.3", linewidth=0.8)
+    diff.set_xticks(range(len(sets)), [f"{n}\n({p['prompts']} prompts)" for n, p in zip(sets, pairs)])
+    diff.set_xlim(-0.5, len(sets) - 0.5)
+    diff.set_ylabel("before completion - complete")
+    diff.set_title("Paired difference (95 % bootstrap)")
+    for ax in (length, diff):
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(f"Seed bug 1: EAGLE3 aux capture after vs before the fused boundary ({_machine(rec)})")
+    _source(fig, path)
     return fig
 
 
@@ -295,6 +336,7 @@ CHARTS: dict[str, Callable[[Path], Figure]] = {
     "decode.png": decode,
     "served-latency.png": served_latency,
     "acceptance.png": acceptance,
+    "seed-bug-capture.png": seed_bug_capture,
     "allreduce-fusion.png": allreduce_fusion,
     "dp-combine.png": dp_combine,
 }

@@ -3,6 +3,7 @@ falls back to the older decode files where no engine decode run is recorded."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -50,3 +51,16 @@ def test_decode_falls_back_to_the_private_harness_files_and_skips_what_is_missin
     report = plots.render(results, tmp_path / "out")
     assert report["decode.png"].startswith("wrote")  # decode-roofline + decode-tp2
     assert report["served-latency.png"] == "skipped: no bench/results/*-serve-*.json"
+
+
+def test_the_smollm2_acceptance_record_stays_out_of_the_tiny_pair_chart(tmp_path: Path) -> None:
+    """bench/spec_decode_real.py's record (SmolLM2 and its draft; ``numbers`` holds engine runs, speed-ups and
+    a bool) is another model: the acceptance chart still draws the tiny pair's files only."""
+    results = tmp_path / "results"
+    shutil.copytree(plots.RESULTS, results)
+    real = {"machine": "NVIDIA H200", "numbers": {"engine": {"chain-5@T=0": {"mtbench": []}},
+                                                  "speedup_engine": {"chain-5@T=0": 1.7},
+                                                  "greedy_equal_to_no_speculation": True}}
+    (results / "2099-01-01-spec-decode-real.json").write_text(json.dumps(real))
+    report = plots.render(results, tmp_path / "out")
+    assert report["acceptance.png"] == f"wrote {tmp_path / 'out' / 'acceptance.png'}"
