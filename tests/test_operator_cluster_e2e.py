@@ -151,7 +151,7 @@ def test_a_failed_model_download_shows_in_status_and_an_event_until_it_succeeds(
         message = "hf://org/missing: RepositoryNotFoundError: 401 Client Error (is spec.modelStorage.huggingFace." \
                   "tokenSecret set and allowed to read it?)"
         player.fail_download(name, "tiny-code", message, restarts=3)
-        failed = eventually(lambda: conditions(o := infd(kube_api, "tiny-code")).get("Ready", ("",))[1] ==
+        failed = eventually(lambda: conditions(o := infd(kube_api, "tiny-code")).get("Ready", ("", ""))[1] ==
                             "ModelDownloadFailed" and o)
         text = {c["type"]: c["message"] for c in failed["status"]["conditions"]}
         assert "401 Client Error" in text["Ready"] and "3 restart(s)" in text["Ready"]
