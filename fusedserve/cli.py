@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--draft-vocab", type=int, default=16384)
     t.add_argument("--ttt-steps", type=int, default=7, help="training-time-test steps unrolled")
     t.add_argument("--batch-tokens", type=int, default=16384)
-    t.add_argument("--lr", type=float, default=8e-4)
+    t.add_argument("--lr", type=float, default=2e-3)
     t.add_argument("--device", default="auto")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--log", default=f"bench/results/{datetime.date.today()}-train-draft.json",
