@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .fp8_block import BlockFP8, dequantize_weight
+from .fp8_block import BlockFP8, dequantize_weight, quantize_activation
 
 BLOCK_M = 16
 
@@ -119,3 +119,27 @@ def fused_experts_fp8_torch(x: torch.Tensor, local_ids: torch.Tensor, weights: t
     computation above (tests/CPU only). Shapes as ``FusedFP8ExpertsFn``."""
     return fused_experts_torch(x, local_ids, weights, dequantize_weight(gate_up, gate_up_scale, fmt, x.dtype),
                                dequantize_weight(down, down_scale, fmt, x.dtype))
+
+
+def fused_experts_fp8_w8a8_reference(x: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor,
+                                     gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor,
+                                     down_scale: torch.Tensor, fmt: BlockFP8) -> torch.Tensor:
+    """What the FP8 expert kernels compute, in plain torch: x and the SwiGLU output quantized per token
+    and 1 x bk group, fp32 products (a loop over the local experts; tests only). Shapes as ``FusedFP8ExpertsFn``."""
+    n, k = local_ids.shape
+
+    def dq(t: torch.Tensor) -> torch.Tensor:
+        q, s = quantize_activation(t, fmt.block_k)
+        return q.float() * s.repeat_interleave(fmt.block_k, dim=-1)[:, : t.shape[1]]
+
+    xq = dq(x)
+    out = torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device)
+    for e in range(gate_up.shape[0]):
+        token, slot = (local_ids == e).nonzero(as_tuple=True)
+        if token.numel() == 0:
+            continue
+        gate, up = (xq[token] @ dequantize_weight(gate_up[e], gate_up_scale[e], fmt).t()).chunk(2, dim=-1)
+        h = (F.silu(gate) * up).to(x.dtype)
+        y = dq(h) @ dequantize_weight(down[e], down_scale[e], fmt).t()
+        out.index_add_(0, token, y * weights[token, slot, None].float())
+    return out.to(x.dtype)
