@@ -3,6 +3,12 @@
 Spawns the ranks (gloo on CPU, NCCL on GPUs), runs one prefill forward over a prompt batch,
 and checks (1) the logits against HF transformers or our own tp=1 run, and (2) on every rank,
 the collectives executed against the communication plan. Exit 0 only when both hold.
+
+A block-FP8 checkpoint (DeepSeek-V3 / Kimi-K2 releases) runs as ``--quantization`` says (auto: FP8
+weights where the GPU has FP8 GEMMs, else dequantized; fp8: FP8 weights, the dequantizing reference
+GEMMs on CPU; none: dequantized at load). The ``hf`` oracle is transformers' own fine-grained FP8
+support (it dequantizes on CPU; it needs every weight to be whole blocks); ``hf-dequantized``
+writes the checkpoint dequantized (``models/dequantized_checkpoint.py``) and runs HF on that.
 """
 
 from __future__ import annotations
@@ -17,10 +23,11 @@ import torch
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-DEFAULT_TOLERANCE = {"float32": 1e-4, "bfloat16": 1e-1}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_TOLERANCE = {"float32": 1e-4, "bfloat16": 1e-1, "float16": 2e-2}
 FUSION_MODES = ("off", "reference", "flashinfer")
-ORACLES = ("hf", "tp1")
+ORACLES = ("hf", "hf-dequantized", "tp1")
+QUANTIZATIONS = ("auto", "fp8", "none")
 DP_PADDINGS = ("auto", "max_len", "sum_len")
 
 
@@ -40,6 +47,7 @@ class VerifyOptions:
     prompts: tuple[tuple[int, ...], ...] | None = None
     tolerance: float | None = None
     dp_padding: str = "auto"
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         if self.fusion not in FUSION_MODES:
@@ -50,6 +58,8 @@ class VerifyOptions:
             raise VerifyError(f"--dp-padding must be one of {', '.join(DP_PADDINGS)}, not {self.dp_padding!r}")
         if self.dtype not in DTYPES:
             raise VerifyError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise VerifyError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, not {self.quantization!r}")
 
     @property
     def atol(self) -> float:
@@ -84,6 +94,7 @@ class VerifyReport:
     per_site: dict[str, dict[str, list[str]]]
     mismatches: list[str]
     paths: dict[str, int]
+    quantization: str = "none"
     prompts: list[PromptReport] = field(default_factory=list)
 
     @property
@@ -97,6 +108,7 @@ class VerifyReport:
         lines = [
             f"fusedserve verify: {self.architecture} tp={self.tp} dp={self.dp} ep={self.ep} "
             f"fusion={self.fusion} oracle={self.oracle} dtype={self.dtype}",
+            f"  quantization: {self.quantization}",
             f"  logits: max |diff| {self.max_abs_diff:.3e} (tolerance {self.tolerance:.1e})  "
             + ("OK" if self.logits_ok else "MISMATCH"),
             f"  collectives per forward: planned {self.planned_per_forward}, executed "
@@ -155,7 +167,7 @@ def _engine_config(opts: VerifyOptions, prompts: list[list[int]], device: torch.
     seqs = max(len(prompts), 1)
     return EngineConfig(block_size=BLOCK_SIZE, num_blocks=blocks, max_num_seqs=seqs,
                         max_batch_tokens=max(seqs, sum(map(len, prompts))), dtype=opts.dtype, device=str(device),
-                        cuda_graphs=False, skip_tokenizer=True)
+                        cuda_graphs=False, skip_tokenizer=True, quantization=opts.quantization)
 
 
 def _rank_main(rank: int, world: int, backend: str, opts: VerifyOptions,
@@ -180,15 +192,28 @@ def _rank_main(rank: int, world: int, backend: str, opts: VerifyOptions,
         "executed": [r.key for r in ledger.forward_records()],
         "paths": dict(ledger.calls),
         "fusion": built.fusion.value,
+        "quantization": built.quantization.describe(opts.dtype, built.kernels.kernels),
     }
 
 
 def _oracle_logits(opts: VerifyOptions, prompts: list[list[int]]) -> torch.Tensor:
     dtype = DTYPES[opts.dtype]
-    if opts.oracle == "hf":
+    if opts.oracle in ("hf", "hf-dequantized"):
+        import tempfile
+
         from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_pretrained(opts.model, dtype=dtype)
+        with tempfile.TemporaryDirectory(prefix="fusedserve-dequantized-") as tmp:
+            path = opts.model
+            if opts.oracle == "hf-dequantized":
+                from fusedserve.models.dequantized_checkpoint import write_dequantized
+
+                path = str(write_dequantized(opts.model, tmp))
+            try:
+                hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            except (ValueError, RuntimeError) as e:  # e.g. transformers cannot dequantize partial FP8 blocks
+                raise VerifyError(f"HF transformers cannot load {opts.model}: {e}"
+                                  + ("; try --oracle hf-dequantized" if opts.oracle == "hf" else "")) from e
         hf.eval()
         with torch.no_grad():
             return torch.cat([hf(torch.tensor([p])).logits[0].float() for p in prompts])
@@ -248,8 +273,14 @@ def _first_diff(a: list[Any], b: list[Any]) -> int:
 
 
 def run_verify(opts: VerifyOptions) -> VerifyReport:
-    from fusedserve.models.loader import CheckpointError, architecture_of, load_config
+    from fusedserve.models.loader import (
+        CheckpointError,
+        architecture_of,
+        checkpoint_quantization,
+        load_config,
+    )
     from fusedserve.models.parallel.groups import ParallelConfig, ParallelConfigError
+    from fusedserve.models.quantization import QuantizationError, choose_quantization
     from fusedserve.models.registry import UnsupportedArchitecture, model_class
 
     from .worker.parallel.local_ranks import RankFailed, run_on_ranks
@@ -259,7 +290,9 @@ def run_verify(opts: VerifyOptions) -> VerifyReport:
         config = load_config(opts.model)
         arch = architecture_of(config)
         model_class(arch)
-    except (CheckpointError, ParallelConfigError, UnsupportedArchitecture) as e:
+        capability = (8, 9) if torch.cuda.is_available() else None  # checked again on each rank's device
+        choose_quantization(opts.quantization, checkpoint_quantization(config), arch, capability)
+    except (CheckpointError, ParallelConfigError, UnsupportedArchitecture, QuantizationError) as e:
         raise VerifyError(str(e)) from e
     prompts = [list(p) for p in opts.prompts] if opts.prompts else default_prompts(config.vocab_size)
     bad = [t for p in prompts for t in p if not 0 <= t < config.vocab_size]
@@ -280,7 +313,7 @@ def run_verify(opts: VerifyOptions) -> VerifyReport:
         dtype=opts.dtype, max_abs_diff=max_diff, tolerance=opts.atol, logits_ok=max_diff <= opts.atol,
         collectives_ok=coll_ok, planned_per_forward=len(planned),
         executed_per_forward=[len(r["executed"]) for r in results], per_site=per_site,
-        mismatches=mismatches, paths=paths,
+        mismatches=mismatches, paths=paths, quantization=results[0]["quantization"],
     )
     start = 0
     for p in prompts:

@@ -29,6 +29,7 @@ from .layers.kernels import Kernels
 from .layers.linear import default_weight_loader
 from .layers.weight_source import DequantizedSource, WeightShapeError, WeightSource
 from .parallel.collectives import Collectives
+from .parallel.fusion.selection import device_capability
 from .parallel.groups import ParallelGroups
 from .quantization import Quantization, choose_quantization
 from .registry import model_class
@@ -137,7 +138,7 @@ def iter_checkpoint(files: list[Path], dequantize: BlockFP8 | None = None) -> It
                     yield SafetensorsSource(name, handle, file)
         return
     with ExitStack() as stack:  # a weight's scales may sit in another file: every file open at once
-        where = {name: (handle, file) for file in files for handle in [_open(file, stack)] for name in handle.keys()}
+        where = {name: (handle, file) for file in files for handle in [_open(file, stack)] for name in handle.keys()}  # noqa: SIM118
         for name, (handle, file) in where.items():
             if name.endswith(SCALE_SUFFIX):
                 continue
@@ -213,11 +214,6 @@ def _expected_loads(model: nn.Module, params: dict[str, torch.Tensor]) -> set[tu
     return out
 
 
-def capability_of(device: torch.device | str | None) -> tuple[int, int] | None:
-    dev = torch.device(device or "cpu")
-    return tuple(torch.cuda.get_device_capability(dev)) if dev.type == "cuda" else None  # type: ignore[return-value]
-
-
 def load_model(model_dir: str | Path, groups: ParallelGroups, collectives: Collectives,
                dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                kernels: Kernels | None = None, quantization: Quantization | None = None,
@@ -231,7 +227,8 @@ def load_model(model_dir: str | Path, groups: ParallelGroups, collectives: Colle
     cls = model_class(arch)
     files = checkpoint_files(model_dir)
     if quantization is None:
-        quantization = choose_quantization("auto", checkpoint_quantization(config), arch, capability_of(device))
+        quantization = choose_quantization("auto", checkpoint_quantization(config), arch,
+                                           device_capability(device or "cpu"))
     if quantization.fp8 is not None:
         model_kwargs["fp8"] = quantization.fp8
     # A shape the split cannot take (e.g. an FP8 shard boundary inside a scale block) raises WeightShapeError here.

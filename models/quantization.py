@@ -52,20 +52,22 @@ class Quantization:
     def weights(self) -> str:
         return "fp8" if self.fp8 is not None else "dequantized" if self.dequantize else "unquantized"
 
-    def describe(self, dtype: str) -> str:
+    def describe(self, dtype: str, kernels: str = "triton") -> str:
         """One line for logs, /status and the CR status, e.g. "fp8 e4m3, 128x128 weight blocks, ...: FP8
-        weights, block-scaled FP8 GEMMs"."""
+        weights, Triton block-scaled FP8 GEMMs". ``kernels``: the kernel set's name (``layers/kernels.py``)."""
         if self.fp8 is not None:
-            return f"{self.fp8.describe()}: FP8 weights, block-scaled FP8 GEMMs"
+            gemm = "Triton block-scaled FP8 GEMMs" if kernels in ("triton", "flashinfer") else \
+                "GEMMs by the dequantizing reference"
+            return f"{self.fp8.describe()}: FP8 weights, {gemm}"
         if self.checkpoint is not None:
             return f"{self.checkpoint.describe()}: dequantized to {dtype} at load"
         return f"none ({dtype} checkpoint weights)"
 
-    def to_json(self, dtype: str) -> dict[str, Any]:
+    def to_json(self, dtype: str, kernels: str = "triton") -> dict[str, Any]:
         fmt = self.fp8 or self.checkpoint
         return {"requested": self.requested, "checkpoint": None if self.checkpoint is None else "fp8",
                 "weight_block_size": None if fmt is None else list(fmt.block), "weights": self.weights,
-                "description": self.describe(dtype)}
+                "description": self.describe(dtype, kernels)}
 
 
 def choose_quantization(requested: str, checkpoint: BlockFP8 | None, architecture: str,

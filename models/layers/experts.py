@@ -126,10 +126,17 @@ class RoutedExperts(nn.Module):
         def param(*shape: int, dt: torch.dtype = wdtype) -> nn.Parameter:
             return nn.Parameter(torch.empty(self.num_local, *shape, dtype=dt, device=device), requires_grad=False)
 
-        setattr(self, self.up_name, param(up_rows, in_dim))
+        if gated:
+            self.gate_up_proj = param(up_rows, in_dim)
+        else:
+            self.up_proj = param(up_rows, in_dim)
         self.down_proj = param(in_dim, self.inter_local)
         if fp8 is not None:  # registered after the weights: named_parameters order stays weights first
-            setattr(self, self.up_name + SCALE, param(*fp8.scale_shape(up_rows, in_dim), dt=torch.float32))
+            up_scale = param(*fp8.scale_shape(up_rows, in_dim), dt=torch.float32)
+            if gated:
+                self.gate_up_proj_scale_inv = up_scale
+            else:
+                self.up_proj_scale_inv = up_scale
             self.down_proj_scale_inv = param(*fp8.scale_shape(in_dim, self.inter_local), dt=torch.float32)
         # The block computation (``fused_moe.py``: no host sync, CUDA-graph capturable) for gated
         # SiLU experts, chosen at construction; None = the per-expert loop below.

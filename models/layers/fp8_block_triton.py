@@ -67,7 +67,7 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, N, K,
     as_ptrs = as_ptr + rm.to(tl.int64) * stride_asm
     bs_ptrs = bs_ptr + (rn // GROUP_N).to(tl.int64) * stride_bsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+    for kb in range(tl.cdiv(K, BLOCK_K)):
         k_ok = rk + kb * BLOCK_K < K
         a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)

@@ -126,7 +126,7 @@ def fused_experts_fp8_w8a8_reference(x: torch.Tensor, local_ids: torch.Tensor, w
                                      down_scale: torch.Tensor, fmt: BlockFP8) -> torch.Tensor:
     """What the FP8 expert kernels compute, in plain torch: x and the SwiGLU output quantized per token
     and 1 x bk group, fp32 products (a loop over the local experts; tests only). Shapes as ``FusedFP8ExpertsFn``."""
-    n, k = local_ids.shape
+    n = local_ids.shape[0]
 
     def dq(t: torch.Tensor) -> torch.Tensor:
         q, s = quantize_activation(t, fmt.block_k)

@@ -58,7 +58,7 @@ def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, h_ptr, pairs_ptr, expert_ptr, 
     us_ptrs = ws_ptr + e * stride_wse + ((rn + INTER) // GROUP_N).to(tl.int64) * stride_wsn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for kb in range(0, K // BLOCK_K):
+    for kb in range(K // BLOCK_K):
         x = tl.load(x_ptrs, mask=valid[:, None], other=0.0)
         x_s = tl.load(xs_ptrs + kb, mask=valid, other=0.0)
         wg = tl.load(g_ptrs)
@@ -98,7 +98,7 @@ def _down_kernel(h_ptr, hs_ptr, w_ptr, ws_ptr, out_ptr, pairs_ptr, expert_ptr, r
     w_ptrs = w_ptr + e * stride_we + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
     ws_ptrs = ws_ptr + e * stride_wse + (rn // GROUP_N).to(tl.int64) * stride_wsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for kb in range(0, K // BLOCK_K):
+    for kb in range(K // BLOCK_K):
         h = tl.load(h_ptrs, mask=valid[:, None], other=0.0)
         h_s = tl.load(hs_ptrs + kb, mask=valid, other=0.0)
         w = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)

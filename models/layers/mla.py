@@ -91,9 +91,10 @@ class MLAttention(nn.Module):
             self.q_proj = named("q_proj", lambda: ColumnParallelLinear(h, q_out, group, dtype=dtype, device=device,
                                                                        fp8=fp8))
         else:
-            self.q_a_proj = ReplicatedLinear(h, d.q_lora_rank, d.bias, dtype, device, fp8)
-            self.q_a_layernorm = RMSNorm(d.q_lora_rank, d.latent_eps, dtype, device)
-            self.q_b_proj = named("q_b_proj", lambda: ColumnParallelLinear(d.q_lora_rank, q_out, group, dtype=dtype,
+            rank = d.q_lora_rank
+            self.q_a_proj = ReplicatedLinear(h, rank, d.bias, dtype, device, fp8)
+            self.q_a_layernorm = RMSNorm(rank, d.latent_eps, dtype, device)
+            self.q_b_proj = named("q_b_proj", lambda: ColumnParallelLinear(rank, q_out, group, dtype=dtype,
                                                                            device=device, fp8=fp8))
         self.kv_a_proj_with_mqa = ReplicatedLinear(h, d.kv_lora_rank + d.qk_rope_head_dim, d.bias, dtype, device,
                                                    fp8)
