@@ -252,8 +252,9 @@ def test_interp_decode_matmul_candidates_and_tuned_dispatch() -> None:
 @inner
 @pytest.mark.parametrize("m,n,k,block,dtype", [(3, 200, 96, (32, 32), torch.float32),
                                                (20, 72, 160, (16, 32), torch.bfloat16),
-                                               (1, 576, 256, (128, 128), torch.bfloat16)],
-                         ids=["partial-blocks-fp32", "bn-ne-bk-bf16", "kv_a-shape-bf16"])
+                                               (1, 576, 256, (128, 128), torch.bfloat16),
+                                               (2, 72, 1000, (128, 128), torch.float32)],
+                         ids=["partial-blocks-fp32", "bn-ne-bk-bf16", "kv_a-shape-bf16", "split-k-fp32"])
 def test_interp_block_fp8_linear_equals_the_w8a8_reference(m: int, n: int, k: int, block: tuple[int, int],
                                                            dtype: torch.dtype) -> None:
     """Per-token-group quantization and the block-scaled GEMM (partial last blocks, bn != bk, DeepSeek's
@@ -278,6 +279,10 @@ def test_interp_block_fp8_linear_equals_the_w8a8_reference(m: int, n: int, k: in
     assert torch.equal(q.float(), rq.float()) and torch.equal(qs, rs)
     want = block_fp8_linear_w8a8_reference(x, w, s, bias, fmt)
     _close(block_fp8_linear_triton(x, w, s, bias, fmt), want, 1e-6)
+    if k == 1000:  # 8 K blocks (the last partial) over one tile: split in 4
+        from fusedserve.models.layers.fp8_block_triton import k_splits
+
+        assert k_splits(tiles=2, k_blocks=8, sms=132) == 4
     _close(want, block_fp8_linear_reference(x, w, s, bias, fmt), 5e-2)  # e4m3 activations: ~3% on random data
 
 

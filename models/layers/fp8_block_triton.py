@@ -6,10 +6,11 @@ its scales [ceil(N/bn), ceil(K/bk)]:
 
 1. ``_group_quant_kernel``, a program per (row, group of bk columns): s = max(|x|, 1e-10 x 448) / 448,
    q = x / s in e4m3 -> q [M, K], s [M, ceil(K/bk)] (sglang's per-token-group quantization);
-2. ``_gemm_kernel``, a program per (BLOCK_M rows, BLOCK_N columns), grouped along M for L2 reuse:
-   K in steps of bk (one activation scale per row and one weight scale per column in each step),
-   acc += dot(q, W^T tile) * s[:, None] * scale_inv[n // bn][None, :], in fp32; bias added, stored
-   in x's dtype.
+2. ``_gemm_kernel``, a program per (BLOCK_M rows, BLOCK_N columns) and K split, grouped along M for
+   L2 reuse: K in steps of bk (one activation scale per row and one weight scale per column in each
+   step), acc += dot(q, W^T tile) * s[:, None] * scale_inv[n // bn][None, :], in fp32; bias added,
+   stored in x's dtype. Decode-sized products with few column tiles (kv_a_proj_with_mqa: 576 columns
+   = 9 tiles for 132 SMs) split K over up to 8 programs per tile; their fp32 partials are summed after.
 
 Tiles by rows: M <= 16 (decode) BLOCK_M 16 x BLOCK_N 64, up to 64 rows 32/64 x 64, larger 64/128
 x 128 (sglang's untuned defaults are of this kind). The weight scale of a column is looked up per
@@ -19,6 +20,7 @@ formats, non-2-D inputs or non-contiguous weights go to the w8a8 torch reference
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -45,11 +47,12 @@ def _group_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
 
 
 @triton.jit
-def _gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, N, K,
-                 stride_am, stride_bn, stride_cm, stride_asm, stride_bsn,
+def _gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, N, K, k_blocks_per_split,
+                 stride_am, stride_bn, stride_cs, stride_cm, stride_asm, stride_bsn,
                  GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr):
     pid = tl.program_id(0)
+    split = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * num_n
@@ -62,12 +65,14 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, N, K,
     rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
     n_ok = rn < N
-    a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + rk[None, :]
-    b_ptrs = b_ptr + rn[None, :].to(tl.int64) * stride_bn + rk[:, None]
+    kb_first = split * k_blocks_per_split
+    kb_last = tl.minimum(kb_first + k_blocks_per_split, tl.cdiv(K, BLOCK_K))
+    a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + rk[None, :] + kb_first * BLOCK_K
+    b_ptrs = b_ptr + rn[None, :].to(tl.int64) * stride_bn + rk[:, None] + kb_first * BLOCK_K
     as_ptrs = as_ptr + rm.to(tl.int64) * stride_asm
     bs_ptrs = bs_ptr + (rn // GROUP_N).to(tl.int64) * stride_bsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for kb in range(tl.cdiv(K, BLOCK_K)):
+    for kb in range(kb_first, kb_last):
         k_ok = rk + kb * BLOCK_K < K
         a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
@@ -82,7 +87,7 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, N, K,
         b_ptrs += BLOCK_K
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    c_ptrs = c_ptr + rm[:, None].to(tl.int64) * stride_cm + rn[None, :]
+    c_ptrs = c_ptr + split.to(tl.int64) * stride_cs + rm[:, None].to(tl.int64) * stride_cm + rn[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
@@ -102,6 +107,17 @@ def group_quant_triton(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
         _group_quant_kernel[(m, groups)](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), FP8_MAX, ACT_SCALE_MIN,
                                          GROUP=group, num_warps=1 if group <= 128 else 4)
     return q, s
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of the GPU (the interpreter: an H200's 132, to run the same splits)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def k_splits(tiles: int, k_blocks: int, sms: int) -> int:
+    """K splits per output tile: enough programs for the SMs, each at least two K blocks, at most 8."""
+    return max(1, min(8, k_blocks // 2, sms // max(tiles, 1)))
 
 
 def _tiles(m: int) -> tuple[int, int, int, int]:
@@ -131,10 +147,21 @@ def block_fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, scale_inv: to
         return out
     q, s = group_quant_triton(x, fmt.block_k)
     bm, bn, warps, stages = _tiles(m)
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    k_blocks = triton.cdiv(k, fmt.block_k)
+    split = k_splits(tiles, k_blocks, _sm_count(x.device)) if m <= 64 else 1
+    per_split = triton.cdiv(k_blocks, split)
+    split = triton.cdiv(k_blocks, per_split)  # no empty split
+    dest = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     scale_inv = scale_inv.contiguous()
-    _gemm_kernel[grid](q, weight, out, s, scale_inv, bias if bias is not None else out, m, n, k,
-                       q.stride(0), weight.stride(0), out.stride(0), s.stride(0), scale_inv.stride(0),
-                       GROUP_N=fmt.block_n, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=fmt.block_k, GROUP_M=8,
-                       HAS_BIAS=bias is not None, DOT_FP32=_INTERPRET, num_warps=warps, num_stages=stages)
-    return out
+    _gemm_kernel[(tiles, split)](
+        q, weight, dest, s, scale_inv, bias if bias is not None and split == 1 else out, m, n, k, per_split,
+        q.stride(0), weight.stride(0), dest.stride(0) if split > 1 else 0, dest.stride(-2), s.stride(0),
+        scale_inv.stride(0), GROUP_N=fmt.block_n, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=fmt.block_k, GROUP_M=8,
+        HAS_BIAS=bias is not None and split == 1, DOT_FP32=_INTERPRET, num_warps=warps, num_stages=stages)
+    if split == 1:
+        return out
+    total = dest.sum(0)
+    if bias is not None:
+        total += bias.float()
+    return total.to(x.dtype)
