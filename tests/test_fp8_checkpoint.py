@@ -318,6 +318,17 @@ def test_dummy_fp8_weights_at_config_shapes(tmp_path: Path) -> None:
     assert built.quantization.weights == "fp8" and experts.gate_up_proj.dtype == torch.float8_e4m3fn
     amax = experts.gate_up_proj[0].float().view(8, 8, 8, 8).abs().amax(dim=(1, 3))
     assert torch.equal(amax, torch.full_like(amax, 448.0))
+    # quantization none: the same weights, dequantized (what a benchmark compares the FP8 model with)
+    plain = build_rank(tmp_path, EngineConfig(num_blocks=4, load_format="dummy", quantization="none", seed=0))
+    twin = plain.model.layers[1].mlp.experts  # type: ignore[attr-defined]
+    assert plain.quantization.weights == "dequantized"
+    assert torch.equal(twin.gate_up_proj, dequantize_weight(experts.gate_up_proj, experts.gate_up_proj_scale_inv,
+                                                            BlockFP8(8, 8)))
+    from fusedserve.verify import _prefill_step
+
+    prompts = [[5, 9, 200, 3], [17]]
+    got, want = (b.executor.run(_prefill_step(prompts)).logits for b in (built, plain))
+    assert float((got - want).abs().max()) < 1e-5
 
 
 def test_verify_runs_fp8_checkpoints_and_names_the_oracle_to_use(checkpoints: dict[str, Path]) -> None:

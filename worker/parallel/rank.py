@@ -95,10 +95,11 @@ def build_rank(model_dir: str | Path, config: EngineConfig, groups: ParallelGrou
     dummy = config.load_format == "dummy"
     quant = choose_quantization(config.quantization, checkpoint_quantization(model_config),
                                 architecture_of(model_config), device_capability(device), dummy)
-    if dummy:
+    if dummy:  # random weights as the checkpoint config.json describes would hold them (FP8: kept or dequantized)
         fp8 = {"fp8": quant.fp8} if quant.fp8 is not None else {}
         model: CausalLM = random_model(model_config, groups, collectives, dtype, device, config.seed or 0,
-                                       kernels=kernels, **fp8, **model_kwargs)
+                                       dequantized=quant.checkpoint if quant.dequantize else None, kernels=kernels,
+                                       **fp8, **model_kwargs)
     else:
         model = load_model(model_dir, groups, collectives, dtype, device, kernels, quant, **model_kwargs)
     model.eval()
