@@ -91,6 +91,20 @@ def test_the_release_quantization_config_is_read_and_others_are_refused() -> Non
             BlockFP8.from_hf({"quantization_config": {**release["quantization_config"], **bad}})
 
 
+def test_kimi_k2_remote_code_config_keeps_its_quantization_config(tmp_path: Path) -> None:
+    """Kimi-K2's config.json (model_type kimi_k2, remote code) loads as DeepSeek-V3 with its FP8 format."""
+    import json
+
+    from fusedserve.models.loader import checkpoint_quantization, load_config
+    from fusedserve.tiny import DEEPSEEK_V3_DEFAULTS
+
+    quant = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+    (tmp_path / "config.json").write_text(json.dumps({
+        **DEEPSEEK_V3_DEFAULTS, "model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"],
+        "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config"}, "quantization_config": quant}))
+    assert checkpoint_quantization(load_config(tmp_path)) == BlockFP8(128, 128)
+
+
 def test_dequantization_equals_transformers_and_handles_partial_blocks() -> None:
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
