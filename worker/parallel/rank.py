@@ -75,10 +75,12 @@ def agree_min(value: int, group: Group) -> int:
 
 
 def build_rank(model_dir: str | Path, config: EngineConfig, groups: ParallelGroups | None = None,
-               backend: str | None = None, fusion: str = "off", **model_kwargs: Any) -> Rank:
+               backend: str | None = None, fusion: str = "off", aux_layers: tuple[int, ...] | None = None,
+               **model_kwargs: Any) -> Rank:
     """This rank's model shard, KV cache and executor. ``fusion``: what the spec or CLI asks for
-    (``fusion/selection.py``: auto | on | off | reference | flashinfer); ``model_kwargs`` go to the
-    model class (benchmarks only)."""
+    (``fusion/selection.py``: auto | on | off | reference | flashinfer); ``aux_layers``: the layers whose
+    input residual every forward returns (default: what ``config.speculative``'s draft reads; set
+    without a draft, e.g. to train one); ``model_kwargs`` go to the model class (benchmarks only)."""
     groups = groups or ParallelGroups.single_rank()
     device = torch.device(config.device)
     cuda = device.type == "cuda"
@@ -115,7 +117,8 @@ def build_rank(model_dir: str | Path, config: EngineConfig, groups: ParallelGrou
     cache = KVCache.allocate(model.kv_shapes(), num_blocks + reserved, config.block_size, dtype, device)
     state_cache = MambaStateCache.allocate(state_shapes, config.max_num_seqs, dtype, device) if state_shapes \
         else None
-    aux = draft_aux_layers(config.speculative, model_config) if config.speculative is not None else ()
+    aux = aux_layers if aux_layers is not None else \
+        draft_aux_layers(config.speculative, model_config) if config.speculative is not None else ()
     attention = None
     if kernels.planner is not None:
         dims = model.attention_dims()
@@ -148,11 +151,13 @@ def leads(groups: ParallelGroups) -> bool:
 
 
 def run_engine_group(rank: int, world: int, backend: str, model_dir: str | Path, config: EngineConfig,
-                     lead: Callable[[Engine], T], fusion: str = "off", dp: int = 1, ep: int = 1) -> T | None:
+                     lead: Callable[[Engine], T], fusion: str = "off", dp: int = 1, ep: int = 1,
+                     **model_kwargs: Any) -> T | None:
     """Run one rank of a ``world``-rank engine (torch.distributed already initialised): the leader
-    returns ``lead(engine)``; followers serve its forwards and return None."""
+    returns ``lead(engine)``; followers serve its forwards and return None. ``model_kwargs``: the
+    model class's benchmark-only alternatives (as ``build_rank``)."""
     groups = build_groups(ParallelConfig(world, dp, ep), rank, backend) if world > 1 else ParallelGroups.single_rank()
-    built = build_rank(model_dir, config, groups, backend, fusion)
+    built = build_rank(model_dir, config, groups, backend, fusion, **model_kwargs)
     if not leads(groups):
         forwards = follow(built.executor, follower_channel(groups))
         log.info("rank %d: leader stopped after %d forwards", rank, forwards)

@@ -39,8 +39,10 @@ SMOKE_CHAT = "import os"
 
 
 def resolve_paths(manifest: Manifest, manifest_path: str) -> Manifest:
-    """Relative checkpoint paths are relative to the working directory, else to the manifest's folder."""
+    """Relative checkpoint paths are relative to the working directory, else to the manifest's folder;
+    ``~`` is the user's home (``fusedserve fetch-model`` caches under ``~/.cache/fusedserve``)."""
     def resolve(field: str, p: str) -> str:
+        p = str(Path(p).expanduser())
         if Path(p).is_absolute():
             return p
         for base in (Path.cwd(), Path(manifest_path).resolve().parent):
@@ -58,7 +60,26 @@ def resolve_paths(manifest: Manifest, manifest_path: str) -> Manifest:
 
 
 def load_runtime_config(manifest_path: str) -> RuntimeConfig:
-    return RuntimeConfig.from_manifest(resolve_paths(load_manifest(manifest_path), manifest_path))
+    rc = RuntimeConfig.from_manifest(resolve_paths(load_manifest(manifest_path), manifest_path))
+    check_checkpoint_split(rc)
+    return rc
+
+
+def check_checkpoint_split(rc: RuntimeConfig) -> None:
+    """Refuse, before any rank actor starts, a parallelism the checkpoint cannot split (e.g. 9
+    attention heads over tensor: 2). Here the runtime first sees the checkpoint; where it cannot
+    (the checkpoint only on the workers' nodes) the ranks refuse it themselves."""
+    if not (Path(rc.model_path) / "config.json").is_file():
+        log.info("%s: no config.json here; the ranks check the split", rc.model_path)
+        return
+    from ...models.loader import CheckpointError, load_config
+    from ...models.parallel.groups import ParallelConfig
+    from ...models.split_check import SplitError, check_split
+
+    try:
+        check_split(load_config(rc.model_path), ParallelConfig(rc.tensor, rc.data, rc.expert))
+    except (CheckpointError, SplitError) as e:
+        raise SpecError(f"spec.parallelism: {e}") from e
 
 
 def connect_ray(rc: RuntimeConfig, address: str | None) -> ClusterShape:
