@@ -410,9 +410,9 @@ def prepare(opts: VerifyOptions) -> tuple[str, list[list[int]]]:
         config = load_config(opts.model)
         arch = architecture_of(config)
         model_class(arch)
-        check_split(config, par)  # before any rank starts
         capability = (8, 9) if torch.cuda.is_available() else None  # checked again on each rank's device
-        choose_quantization(opts.quantization, checkpoint_quantization(config), arch, capability)
+        quant = choose_quantization(opts.quantization, checkpoint_quantization(config), arch, capability)
+        check_split(config, par, quant.fp8)  # before any rank starts
     except (CheckpointError, ParallelConfigError, UnsupportedArchitecture, SplitError, QuantizationError) as e:
         raise VerifyError(str(e)) from e
     prompts = [list(p) for p in opts.prompts] if opts.prompts else default_prompts(config.vocab_size)

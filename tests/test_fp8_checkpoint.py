@@ -207,6 +207,34 @@ def test_shards_that_cut_a_block_are_refused_with_the_reason(checkpoints: dict[s
     assert build(4, 4).layers[0].mlp.experts.inter_local == 32  # ep=4: experts whole on their rank
 
 
+def test_a_split_that_cuts_a_block_is_refused_before_any_rank_starts(checkpoints: dict[str, Path],
+                                                                     tmp_path: Path) -> None:
+    """verify and `fusedserve run` (quantization fp8) refuse b16 at tp=4 from the meta build, with the
+    layer's message; dequantized (none) it splits."""
+    from fusedserve.models.loader import load_config
+    from fusedserve.models.parallel.groups import ParallelConfig
+    from fusedserve.models.split_check import SplitError, check_split
+    from fusedserve.verify import VerifyError, prepare
+    from fusedserve.worker.ray.launcher import load_runtime_config
+    from fusedserve.worker.spec import SpecError
+
+    path, cut = checkpoints["b16"], r"q_b_proj: output rows 96: a shard of 24 per rank over 4 ranks"
+    with pytest.raises(SplitError, match=cut):
+        check_split(load_config(path), ParallelConfig(4), BlockFP8(16, 16))
+    with pytest.raises(VerifyError, match=cut):
+        prepare(VerifyOptions(str(path), tp=4, quantization="fp8"))
+    prepare(VerifyOptions(str(path), tp=4, quantization="none"))
+    manifest = tmp_path / "b16.yaml"
+    for quant in ("fp8", "none"):
+        manifest.write_text("apiVersion: fusedserve.io/v1alpha1\nkind: InferenceDeployment\nmetadata: {name: b16}\n"
+                            f"spec:\n  model: {{path: {path}, quantization: {quant}}}\n  parallelism: {{tensor: 4}}\n")
+        if quant == "fp8":
+            with pytest.raises(SpecError, match="spec.parallelism: .*" + cut):
+                load_runtime_config(str(manifest))
+        else:
+            assert load_runtime_config(str(manifest)).quantization == "none"
+
+
 def test_format_mismatches_are_named(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     """An FP8 layer given a plain weight, or a plain model given an FP8 weight without scales, says so."""
     import json
