@@ -29,6 +29,13 @@ graphed: bf16 cuBLAS, the FP8 Triton kernel, torch's cuBLASLt blockwise ``scaled
 shape), and with ``--flashinfer`` FlashInfer's ``fp8_blockscale_gemm_sm90`` (JIT-compiles on first use);
 each FP8 result's error against the w8a8 reference.
 
+Order, so that a problem shows before the long parts: a preflight (CUDA with FP8 tensor cores, Triton,
+the bf16 build's weights fit the free memory, and the FP8 GEMM and fused MoE equal their w8a8 references
+on this device at DeepSeek-V3's shapes: else it exits at once, saying why), the FP8 slice, the bf16
+slice, then the GEMM table. The record is written after each stage (``"complete": false`` until the
+last), so a run stopped by a time limit still leaves what it measured. Non-finite logits, an FP8 Triton
+GEMM that raises or misses its reference by more than 5e-2 stop the run with an error.
+
 Goals (issue #19): FP8 decode step <= 0.6 x bf16 at every batch 1..64; FP8 prefill faster than bf16;
 logits within the stated tolerance of the dequantized bf16 reference: relative L2 error <= 0.1 over the
 tokens whose routed experts agree in every layer (the FP8 activations can move a token's top-8 across the
@@ -39,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -88,6 +96,7 @@ GEMMS: dict[str, tuple[int, int]] = {  # (N, K) of DeepSeek-V3's dense projectio
     "kv_b_proj": (32768, 512), "o_proj": (7168, 16384), "shared_experts.gate_up_proj": (4096, 7168),
     "shared_experts.down_proj": (7168, 2048)}
 GEMM_M = (1, 4, 16, 64, 256, 1024, 4096)
+GEMM_REL_ERR_MAX = 5e-2  # the FP8 Triton GEMM against the w8a8 reference (the GPU tests ask 1e-2)
 FP8_KINDS: Kinds = (("fp8_gemm", ("_gemm_kernel",)), ("fp8_activation_quant", ("_group_quant_kernel",)),
                     *SLICE_KINDS)
 progress = Progress("fp8_slice")
@@ -149,12 +158,95 @@ def gemm_table(device: torch.device, tiny: bool, flashinfer: bool) -> list[dict[
                     row[f"{label}_us"] = graphed_us(partial(fn, x, w, s, None, fmt), device)
                     row[f"{label}_rel_err_vs_w8a8"] = rel(got, want)
                     row[f"{label}_speedup_vs_bf16"] = row["bf16_cublas_us"] / row[f"{label}_us"]
-                except Exception as e:  # noqa: BLE001  (a candidate that does not take this shape says why)
+                except Exception as e:  # a candidate that does not take this shape says why
+                    if label == "fp8_triton":  # ours: a failure is the result, stop
+                        raise
                     row[f"{label}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            err = row.get("fp8_triton_rel_err_vs_w8a8", 0.0)
+            if not err <= GEMM_REL_ERR_MAX:  # also NaN
+                raise RuntimeError(f"FP8 Triton GEMM {name} M={m}: rel err {err:.3g} vs the w8a8 reference "
+                                   f"(> {GEMM_REL_ERR_MAX})")
             rows.append(row)
             best = {k_: v for k_, v in row.items() if k_.endswith("_us")}
             progress(f"{name} M={m:>4}: " + ", ".join(f"{k_[:-3]} {v:.1f}us" for k_, v in best.items()))
     return rows
+
+
+# --- preflight ------------------------------------------------------------------------------------
+
+
+def weight_bytes(path: str, fp8: bool) -> int:
+    """Bytes of the slice's weights (built on the meta device: no memory), plain bf16 or in the
+    checkpoint's block FP8."""
+    from fusedserve.models.loader import checkpoint_quantization, load_config
+    from fusedserve.models.parallel.collectives import Collectives
+    from fusedserve.models.parallel.groups import ParallelConfig, unconnected_groups
+    from fusedserve.models.registry import model_class
+
+    config = load_config(path)
+    kwargs = {"fp8": checkpoint_quantization(config)} if fp8 else {}
+    model = model_class(config.architectures[0])(config, unconnected_groups(ParallelConfig(1), 0),
+                                                 Collectives("gloo"), dtype=torch.bfloat16, device="meta", **kwargs)
+    return nbytes(model)
+
+
+def preflight(path: str, device: torch.device, layers: int) -> dict[str, Any]:
+    """Stop (SystemExit, with the reason) before the builds if this machine cannot run the benchmark."""
+    out: dict[str, Any] = {"bf16_weight_GB": weight_bytes(path, False) / 1e9,
+                           "fp8_weight_GB": weight_bytes(path, True) / 1e9}
+    if device.type != "cuda":
+        return out
+    cap = torch.cuda.get_device_capability(device)
+    if cap < (8, 9):
+        raise SystemExit(f"fp8_slice: {torch.cuda.get_device_name(device)} (SM{cap[0]}{cap[1]}) has no FP8 tensor "
+                         "cores (needs SM89+)")
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        raise SystemExit(f"fp8_slice: Triton does not import: {e}") from e
+    free, total = torch.cuda.mem_get_info(device)
+    need = 1e9 * out["bf16_weight_GB"] * 1.03 + 6e9  # + KV cache, activations of the 2048-token prefill, graphs
+    out.update(free_GB=free / 1e9, total_GB=total / 1e9, bf16_build_needs_GB=need / 1e9)
+    if need > free:
+        fit = int(layers * (free - 6e9) / (need - 6e9))  # layers dominate the weights
+        raise SystemExit(f"fp8_slice: the bf16 build needs ~{need / 1e9:.1f} GB, {free / 1e9:.1f} GB free on "
+                         f"{torch.cuda.get_device_name(device)}: use --layers {max(fit, 1)}")
+    out.update(check_kernels(device))
+    return out
+
+
+def check_kernels(device: torch.device, gemms: tuple[tuple[int, int], ...] = ((576, 7168), (7168, 2048)),
+                  moe: tuple[int, int, int, int] = (16, 1024, 256, 8), block: int = 128) -> dict[str, float]:
+    """The FP8 Triton GEMM (``gemms``: (N, K); default a partial row block, and the experts' down
+    projection's K) and fused MoE (``moe``: experts, hidden, intermediate, top-k) against their w8a8
+    references on ``device``; SystemExit on a miss."""
+    from fusedserve.models.layers.fp8_block_triton import block_fp8_linear_triton
+    from fusedserve.models.layers.fused_moe import fused_experts_fp8_w8a8_reference
+    from fusedserve.models.layers.fused_moe_fp8_triton import fused_experts_fp8_triton
+
+    out: dict[str, float] = {}
+    fmt, gen = BlockFP8(block, block), torch.Generator(device=device).manual_seed(11)
+    for n, k in gemms:
+        w, s_ = quantize_weight(torch.randn(n, k, device=device, generator=gen) * 0.02, fmt)
+        for m in (1, 300):
+            x = torch.randn(m, k, device=device, generator=gen).bfloat16()
+            err = rel(block_fp8_linear_triton(x, w, s_, None, fmt), block_fp8_linear_w8a8_reference(x, w, s_, None, fmt))
+            out[f"triton_gemm_{n}x{k}_m{m}_rel_err"] = err
+            if not err < 1e-2:
+                raise SystemExit(f"fp8_slice: the FP8 Triton GEMM misses its w8a8 reference at M={m} N={n} K={k}: "
+                                 f"rel err {err:.3g}")
+    (experts, hidden, inter, topk), n = moe, 64
+    x = torch.randn(n, hidden, device=device, generator=gen).bfloat16()
+    gu, gu_s = quantize_weight(torch.randn(experts, 2 * inter, hidden, device=device, generator=gen) * 0.05, fmt)
+    dn, dn_s = quantize_weight(torch.randn(experts, hidden, inter, device=device, generator=gen) * 0.05, fmt)
+    ids = torch.randint(0, experts, (n, topk), device=device, generator=gen)
+    wts = torch.rand(n, topk, device=device, generator=gen)
+    err = rel(fused_experts_fp8_triton(x, ids, wts, gu, gu_s, dn, dn_s, fmt),
+              fused_experts_fp8_w8a8_reference(x, ids, wts, gu, gu_s, dn, dn_s, fmt))
+    out["triton_fused_moe_rel_err"] = err
+    if not err < 2e-2:
+        raise SystemExit(f"fp8_slice: the FP8 fused MoE misses its w8a8 reference: rel err {err:.3g}")
+    return out
 
 
 # --- the slice ------------------------------------------------------------------------------------
@@ -180,6 +272,11 @@ def build(path: str, quantization: str, device: torch.device, kernels: str, grap
     built = build_rank(path, config)
     randomize_kv(built.executor, BLOCK * max(BATCH_SIZES) * SEQ_BLOCKS, 7)
     return built
+
+
+def eager_forward(built: Rank, step: Step) -> Any:
+    """The model's eager forward of ``step`` (outside the graphs: the routers' hooks see it)."""
+    return built.model(built.executor.forward_batch(step))
 
 
 def slice_run(path: str, quantization: str, opts: dict[str, Any], bw: float) -> dict[str, Any]:
@@ -215,7 +312,7 @@ def slice_run(path: str, quantization: str, opts: dict[str, Any], bw: float) -> 
         run = partial(ex.run, step)
         timed(run, 3, device)
         ms = 1000 * statistics.median(timed(run, back_to_back, device) / back_to_back for _ in range(reps))
-        ids, _ = routed_ids(model, lambda step=step: model(ex.forward_batch(step)))  # eager, read-only hooks
+        ids, _ = routed_ids(model, partial(eager_forward, built, step))  # eager, read-only hooks
         distinct = [int(torch.unique(i[i >= 0]).numel()) for i in ids]
         roof = 1000 * (fixed + sum(distinct) * expert_bytes) / bw
         decode.append({"batch": bs, "ms_per_step": ms, "tok_per_s": 1000 * bs / ms, "roofline_ms": roof,
@@ -233,7 +330,7 @@ def slice_run(path: str, quantization: str, opts: dict[str, Any], bw: float) -> 
                      f"{json.dumps({k: round(v) for k, v in p['by_kind_us'].items()})}")
     check = decode_step(tokens_of(4, vocab, 99), CONTEXT + 1, SEQ_BLOCKS)
     logits: dict[str, Any] = {"decode": ex.run(check).logits.float().cpu()}
-    logits["decode_routing"], _ = routed_ids(model, lambda: model(ex.forward_batch(check)))
+    logits["decode_routing"], _ = routed_ids(model, partial(eager_forward, built, check))
     first_block = max(BATCH_SIZES) * SEQ_BLOCKS
     prefill = []
     check = prefill_step(PREFILL[0], vocab, first_block, num_logits=PREFILL[0])  # every row's logits
@@ -247,6 +344,9 @@ def slice_run(path: str, quantization: str, opts: dict[str, Any], bw: float) -> 
         prefill.append({"tokens": length, "ms": ms, "tok_per_s": 1000 * length / ms})
         progress(f"{quantization} prefill {length}: {ms:.1f} ms ({1000 * length / ms:,.0f} tok/s)")
     out["prefill"] = prefill
+    for what in ("decode", "prefill"):
+        if not bool(torch.isfinite(logits[what]).all()):
+            raise RuntimeError(f"{quantization}: non-finite {what} logits")
     if device.type == "cuda":
         out["peak_memory_GB"] = torch.cuda.max_memory_allocated(device) / 1e9
     out["_logits"] = logits
@@ -270,6 +370,20 @@ def compare(fp8: dict[str, Any], bf16: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def summarize(fp8: dict[str, Any], bf16: dict[str, Any]) -> dict[str, Any]:
+    check = compare(fp8, bf16)
+    decode = [{"batch": a["batch"], "bf16_ms": b["ms_per_step"], "fp8_ms": a["ms_per_step"],
+               "fp8_over_bf16": a["ms_per_step"] / b["ms_per_step"],
+               "goal_met": a["ms_per_step"] <= DECODE_GOAL * b["ms_per_step"],
+               "bf16_pct_of_roofline": b["pct_of_roofline"], "fp8_pct_of_roofline": a["pct_of_roofline"]}
+              for a, b in zip(fp8["decode"], bf16["decode"])]
+    prefill = [{"tokens": a["tokens"], "bf16_ms": b["ms"], "fp8_ms": a["ms"], "fp8_speedup": b["ms"] / a["ms"],
+                "goal_met": a["ms"] < b["ms"]} for a, b in zip(fp8["prefill"], bf16["prefill"])]
+    return {"decode": decode, "prefill": prefill, "logits": check,
+            "all_goals_met": all(r["goal_met"] for r in decode + prefill)
+            and all(c["within_tolerance"] for c in (check["decode"], check["prefill"]))}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -282,45 +396,52 @@ def main() -> None:
     device = torch.device("cuda") if cuda else torch.device("cpu")
     shape = {**(TINY if args.tiny else DEEPSEEK_V3), "num_hidden_layers": args.layers,
              "quantization_config": {**RELEASE_QUANT, "weight_block_size": [16, 16] if args.tiny else [128, 128]}}
-    bw = copy_bandwidth(device, (4 << 30) if cuda else (64 << 20))
-    progress(f"copy bandwidth {bw / 1e12:.3f} TB/s")
-    gemms = [] if args.skip_gemms else gemm_table(device, args.tiny, args.flashinfer)
-    opts = {"device": device, "tiny": args.tiny, "vocab": shape["vocab_size"], "kernels": "triton" if cuda else "torch"}
-    with tempfile.TemporaryDirectory() as tmp:
-        path = model_dir({k: v for k, v in shape.items() if k != "quantization_config"}, Path(tmp))
-        config = json.loads((path / "config.json").read_text())
-        (path / "config.json").write_text(json.dumps({**config, "quantization_config": shape["quantization_config"]}))
-        bf16 = slice_run(str(path), "none", opts, bw)
-        free(device)
-        fp8 = slice_run(str(path), "fp8", opts, bw)
-        free(device)
-    check = compare(fp8, bf16)
-    decode = [{"batch": a["batch"], "bf16_ms": b["ms_per_step"], "fp8_ms": a["ms_per_step"],
-               "fp8_over_bf16": a["ms_per_step"] / b["ms_per_step"],
-               "goal_met": a["ms_per_step"] <= DECODE_GOAL * b["ms_per_step"],
-               "bf16_pct_of_roofline": b["pct_of_roofline"], "fp8_pct_of_roofline": a["pct_of_roofline"]}
-              for a, b in zip(fp8["decode"], bf16["decode"])]
-    prefill = [{"tokens": a["tokens"], "bf16_ms": b["ms"], "fp8_ms": a["ms"], "fp8_speedup": b["ms"] / a["ms"],
-                "goal_met": a["ms"] < b["ms"]} for a, b in zip(fp8["prefill"], bf16["prefill"])]
-    for run in (fp8, bf16):
-        run.pop("_logits")
-    record = {
-        **record_header(), "model_shape": shape,
+    record: dict[str, Any] = {
+        **record_header(), "complete": False, "model_shape": shape,
         "layers": f"{args.layers} full-width MoE layers (first_k_dense_replace=0), embedding and LM head",
         "parallel": "one GPU: tp=1, ep=1 (all 256 experts here; the ep=2 slice needs 2 GPUs)",
         "context": f"decode: {CONTEXT} cached tokens per sequence (random K/V), one new; prefill: one prompt",
         "timing": "decode: CUDA graphs, 5 executor.run calls back to back, median of 10; prefill: eager, "
-                  "executor.run with the last row's logits, median of 3; GEMMs: 10 calls in a CUDA graph, median of 10 replays",
+                  "executor.run with the last row's logits, median of 3; GEMMs: 10 calls in a CUDA graph, "
+                  "median of 10 replays",
         "goals": {"decode_fp8_over_bf16_at_most": DECODE_GOAL, "prefill": "fp8 faster than bf16",
                   "logits": f"rel L2 <= {TOLERANCE} vs the dequantized bf16 reference, tokens with the same experts"},
-        "summary": {"decode": decode, "prefill": prefill, "logits": check,
-                    "all_goals_met": all(r["goal_met"] for r in decode + prefill)
-                    and all(c["within_tolerance"] for c in (check["decode"], check["prefill"]))},
-        "fp8": fp8, "bf16": bf16, "gemms": gemms,
+        "peer": "the bf16 slice (the same weights dequantized, cuBLAS GEMMs, bf16 fused MoE) built and timed in "
+                "this run; in the GEMM table, bf16 cuBLAS on the same matrices",
     }
     out = args.out or f"bench/results/{record['date']}-fp8-slice-{'h200' if cuda else 'cpu'}.json"
-    progress(f"wrote {write_record(record, out)}")
-    print(json.dumps(record["summary"], indent=1))
+
+    def save(stage: str) -> None:  # after every stage: a run stopped later keeps what it measured
+        record["stage"] = stage
+        write_record(record, out)
+        progress(f"{stage}: wrote {out}")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = model_dir({k: v for k, v in shape.items() if k != "quantization_config"}, Path(tmp))
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, "quantization_config": shape["quantization_config"]}))
+        record["preflight"] = preflight(str(path), device, args.layers)
+        progress(f"preflight: {json.dumps({k: round(v, 4) for k, v in record['preflight'].items()})}")
+        bw = copy_bandwidth(device, (4 << 30) if cuda else (64 << 20))
+        record["copy_bandwidth_TBps"] = bw / 1e12
+        progress(f"copy bandwidth {bw / 1e12:.3f} TB/s")
+        opts = {"device": device, "tiny": args.tiny, "vocab": shape["vocab_size"],
+                "kernels": "triton" if cuda else "torch"}
+        runs: dict[str, dict[str, Any]] = {}
+        for quantization in ("fp8", "none"):  # the new path first: its problems show before the long bf16 build
+            runs[quantization] = slice_run(str(path), quantization, opts, bw)
+            free(device)
+            record["fp8" if quantization == "fp8" else "bf16"] = {k: v for k, v in runs[quantization].items()
+                                                                  if k != "_logits"}
+            save(f"{quantization} slice")
+    record["summary"] = summarize(runs["fp8"], runs["none"])
+    save("summary")
+    print(json.dumps(record["summary"], indent=1), flush=True)
+    record["gemms"] = [] if args.skip_gemms else gemm_table(device, args.tiny, args.flashinfer)
+    record["complete"] = True
+    save("complete")
+    if not all(math.isfinite(r.get("fp8_triton_us", 0.0)) for r in record["gemms"]):
+        raise SystemExit("fp8_slice: a GEMM time is not finite")
 
 
 if __name__ == "__main__":
