@@ -17,6 +17,9 @@ skipped with a message, the others are still drawn (exit status 0). Charts and t
   set (every ``*-spec-decode-*`` file: ``numbers[config].acceptance_length`` or ``..._batch1``; a file with
   ``benchmarks: {name: {config: acceptance_length}}``, e.g. MT-bench / HumanEval, adds one bar group each;
   ``*-spec-decode-real-*``, SmolLM2 and its own draft, is another model and is left out).
+- ``spec-decode-real.png``: EAGLE3 on a real model (SmolLM2 and its trained draft): acceptance length and
+  engine speed-up over plain decoding per configuration and prompt set (MT-bench turns, HumanEval).
+  ``*-spec-decode-real-*``: ``numbers.speedup_engine[config@T=t][set]`` (``acceptance_length``, ``speedup``).
 - ``seed-bug-capture.png``: seed bug 1 measured, acceptance length per benchmark with the aux states captured
   after the boundary (complete) vs before it (sglang before PR #28343), with the 95 % bootstrap intervals and
   the paired difference. ``*-seed-bug-capture-*``: ``numbers[set].complete`` / ``.before_completion``
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -246,6 +250,36 @@ def acceptance(results: Path) -> Figure:
     return fig
 
 
+def spec_decode_real(results: Path) -> Figure:
+    path, rec = newest(results, "spec-decode-real")
+    runs = {c: by_set for c, by_set in rec["numbers"]["speedup_engine"].items() if not c.startswith("none@")}
+    sets = list(dict.fromkeys(name for by_set in runs.values() for name in by_set))
+    fig, (length, speedup) = plt.subplots(1, 2, figsize=(12, 4.4))
+    width = 0.8 / max(1, len(sets))
+    for i, name in enumerate(sets):
+        xs = [j + i * width for j in range(len(runs))]
+        label = name.replace("mtbench_turn", "MT-bench turn ").replace("humaneval_turn1", "HumanEval")
+        length.bar(xs, [(by.get(name) or {}).get("acceptance_length") or 0 for by in runs.values()], width,
+                   label=label)
+        speedup.bar(xs, [(by.get(name) or {}).get("speedup") or 0 for by in runs.values()], width, label=label)
+    for ax in (length, speedup):
+        ax.set_xticks([j + width * (len(sets) - 1) / 2 for j in range(len(runs))],
+                      [c.replace("@", "\n") for c in runs], fontsize=8)
+        ax.axhline(1, color="0.3", linewidth=0.8)
+        ax.grid(True, axis="y", alpha=0.3)
+    length.set_ylabel("mean acceptance length (1 + accepted / drafts)")
+    length.set_title("Acceptance length per configuration and prompt set")
+    length.legend(fontsize=8)
+    speedup.set_ylabel("engine tokens/s with / without speculation")
+    speedup.set_title("Speed-up over plain decoding (same run; < 1: slower)")
+    partial = " (partial run)" if rec.get("partial") else ""
+    target = re.search(r"\bon (\S+)", str(rec.get("what", "")))
+    model = Path(target.group(1)).name if target else "the target"
+    fig.suptitle(f"EAGLE3 on {model} with its trained draft, batch 1, {rec['machine']}{partial}")
+    _source(fig, path)
+    return fig
+
+
 CAPTURES = {"complete": "complete (after the boundary)", "before_completion": "before completion (pre-#28343)"}
 
 
@@ -336,6 +370,7 @@ CHARTS: dict[str, Callable[[Path], Figure]] = {
     "decode.png": decode,
     "served-latency.png": served_latency,
     "acceptance.png": acceptance,
+    "spec-decode-real.png": spec_decode_real,
     "seed-bug-capture.png": seed_bug_capture,
     "allreduce-fusion.png": allreduce_fusion,
     "dp-combine.png": dp_combine,

@@ -53,14 +53,18 @@ def test_decode_falls_back_to_the_private_harness_files_and_skips_what_is_missin
     assert report["served-latency.png"] == "skipped: no bench/results/*-serve-*.json"
 
 
-def test_the_smollm2_acceptance_record_stays_out_of_the_tiny_pair_chart(tmp_path: Path) -> None:
-    """bench/spec_decode_real.py's record (SmolLM2 and its draft; ``numbers`` holds engine runs, speed-ups and
-    a bool) is another model: the acceptance chart still draws the tiny pair's files only."""
+def test_the_smollm2_record_has_its_own_chart_and_stays_out_of_the_tiny_pair_one(tmp_path: Path) -> None:
+    """bench/spec_decode_real.py's record (SmolLM2 and its draft; ``numbers`` holds per-configuration speed-ups,
+    lists and a bool, not ``{config: {acceptance_length}}``) is another model: the acceptance chart draws the tiny
+    pair's files only, and spec-decode-real.png the newest real record."""
     results = tmp_path / "results"
     shutil.copytree(plots.RESULTS, results)
-    real = {"machine": "NVIDIA H200", "numbers": {"engine": {"chain-5@T=0": {"mtbench": []}},
-                                                  "speedup_engine": {"chain-5@T=0": 1.7},
-                                                  "greedy_equal_to_no_speculation": True}}
+    run = {"mtbench_turn1": {"tok_per_s": 500.0, "acceptance_length": 2.1, "speedup": 0.6}}
+    real = {"machine": "1x NVIDIA H200", "what": "EAGLE3 d on /m/other-model through the engine",
+            "numbers": {"speedup_engine": {"none@T=0": {"mtbench_turn1": {"tok_per_s": 800.0, "speedup": 1.0}},
+                                           "chain-5@T=0": run},
+                        "engine_done": ["none@T=0", "chain-5@T=0"], "greedy_equal_to_no_speculation": True}}
     (results / "2099-01-01-spec-decode-real.json").write_text(json.dumps(real))
     report = plots.render(results, tmp_path / "out")
-    assert report["acceptance.png"] == f"wrote {tmp_path / 'out' / 'acceptance.png'}"
+    for name in ("acceptance.png", "spec-decode-real.png"):
+        assert report[name] == f"wrote {tmp_path / 'out' / name}"
