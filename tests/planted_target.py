@@ -81,8 +81,11 @@ class PlantedTarget:
                 self.send_response(200)
                 self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
                 self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                try:
+                    self.end_headers()
+                    self.wfile.write(body)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # Prometheus gave up on this scrape (its timeout): it records it as up == 0 itself
 
             def log_message(self, *args: Any) -> None:
                 pass
