@@ -4,12 +4,25 @@ Without ``--ray-address`` it starts an embedded local Ray sized from the spec: w
 ``GPU`` per rank; without, CPU ranks (gloo), each holding one unit of the custom resource
 ``fake_gpu`` (``replicas x ranks`` plus one group's worth, so a spec change can roll with a surge
 group). With ``--ray-address`` (or ``RAY_ADDRESS``) it joins a running cluster and, on exit,
-removes only what it created. Ctrl-C or SIGTERM shuts down cleanly: HTTP server, rank actors,
-placement groups, then Ray. SIGHUP re-reads the manifest and rolls the engine groups.
+removes only what it created. SIGHUP re-reads the manifest and rolls the engine groups.
 
-Ray binds every interface and probes an outside address to learn its own IP; the embedded Ray
-registers 127.0.0.1 as its node address, and `make run` (scripts/run-main.sh) runs the CLI inside
-a private network namespace with only loopback when it is root (TESTING.md).
+Ctrl-C or SIGTERM drains (``serving/drain.py``): ``/health`` turns 503 at once, new ``/v1``
+requests get 503 + ``Retry-After``, the requests in flight get ``spec.serving.
+drainGracePeriodSeconds`` to finish and are then ended with a JSON error or an SSE error event
+and ``[DONE]``; a second signal ends the grace period early. Then the HTTP server, rank actors,
+placement groups and Ray stop (``ServingSpec.termination_grace_period_seconds`` covers both).
+
+The embedded Ray listens on 127.0.0.1 only (its node address), without a dashboard, and with
+Ray's token authentication (a fresh token per run, in the environment of its own processes
+only) unless ``RAY_AUTH_MODE`` says otherwise; joining a cluster uses whatever ``RAY_AUTH_MODE``
+/ ``RAY_AUTH_TOKEN`` the environment holds. `make run` (scripts/run-main.sh) runs the CLI inside
+a private network namespace with only loopback when it is root (TESTING.md): Ray probes an
+outside address to learn its own IP.
+
+The API key (``--api-key`` or ``$FUSEDSERVE_API_KEY``) guards ``/v1/*`` and ``/status``
+(``serving/access.py``); without one, ``/status`` shows rank PIDs, node addresses and failure
+texts only when the API listens on loopback. ``replicas: 0`` serves ``/health`` (503, not
+ready) and answers 503 "no ready engine groups" until scaled up.
 
 ``--smoke`` sends a completion and a chat request with the openai client, prints them and the
 key metrics, and exits 0 (what `make run` does).
@@ -20,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import secrets
 import signal
 import threading
 import time
@@ -36,6 +50,8 @@ SMOKE_PROMPT = "def fibonacci(n):"
 RAY_CONNECT_TIMEOUT_S = 300.0
 WATCH_INTERVAL_S = 2.0
 SMOKE_CHAT = "import os"
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+NO_GROUPS_MARK = "no engine groups (replicas: 0)"
 
 
 def resolve_paths(manifest: Manifest, manifest_path: str) -> Manifest:
@@ -61,12 +77,21 @@ def load_runtime_config(manifest_path: str) -> RuntimeConfig:
     return RuntimeConfig.from_manifest(resolve_paths(load_manifest(manifest_path), manifest_path))
 
 
+def embedded_ray_auth() -> str:
+    """Token authentication for the embedded Ray unless ``RAY_AUTH_MODE`` is set; returns the mode.
+    The token is this run's own, handed to Ray's processes through the environment (no file)."""
+    if "RAY_AUTH_MODE" not in os.environ:
+        os.environ["RAY_AUTH_MODE"] = "token"
+        if not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")):
+            os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    return os.environ["RAY_AUTH_MODE"]
+
+
 def connect_ray(rc: RuntimeConfig, address: str | None) -> ClusterShape:
     """Join the cluster at ``address``, or start an embedded one sized for ``rc``."""
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if address:
         deadline = time.monotonic() + RAY_CONNECT_TIMEOUT_S
         while True:  # in a pod, the head's `ray start` may still be coming up
@@ -81,6 +106,7 @@ def connect_ray(rc: RuntimeConfig, address: str | None) -> ClusterShape:
         return _shape_of(ray.nodes())
     import torch
 
+    embedded_ray_auth()
     gpus = torch.cuda.device_count() if rc.gpus_per_rank else 0
     common: dict[str, Any] = {"include_dashboard": False, "namespace": RAY_NAMESPACE, "log_to_driver": False,
                               "_node_ip_address": "127.0.0.1"}
@@ -101,10 +127,12 @@ def _shape_of(nodes: list[dict[str, Any]]) -> ClusterShape:
 
 
 def run(manifest_path: str, smoke: bool = False, port: int | None = None, ray_address: str | None = None,
-        host: str = "127.0.0.1", watch: bool = False) -> int:
+        host: str = "127.0.0.1", watch: bool = False, api_key: str | None = None) -> int:
     rc = load_runtime_config(manifest_path)  # before the heavy imports: a bad manifest fails fast
     import ray
 
+    from ..serving.access import ApiAccess
+    from ..serving.drain import Drain
     from ..serving.http_api import build_app
     from ..serving.http_server import HttpServer
     from ..serving.metrics import MetricsRegistry
@@ -115,6 +143,7 @@ def run(manifest_path: str, smoke: bool = False, port: int | None = None, ray_ad
     t0 = time.time()
     cluster = connect_ray(rc, address)
     controller = GroupController(rc, cluster)
+    drain = Drain(rc.limits.drain_grace_s)
     servers: list[Any] = []
     try:
         try:
@@ -123,29 +152,68 @@ def run(manifest_path: str, smoke: bool = False, port: int | None = None, ray_ad
             print(f"fusedserve run: {rc.name}: {e.reason}", flush=True)
             return 1
         labels = {"deployment": rc.name, "namespace": rc.namespace}
-        app = build_app(controller, MetricsRegistry(labels, model_name=rc.model_name))
-        server = HttpServer(app, host=host, port=port if port is not None else rc.port).start()
+        access = ApiAccess(api_key or None, rc.limits.health_needs_key, rc.limits.metrics_needs_key,
+                           status_details=host in LOOPBACK_HOSTS)
+        app = build_app(controller, MetricsRegistry(labels, model_name=rc.model_name), limits=rc.limits,
+                        access=access, drain=drain)
+        server = HttpServer(app, host=host, port=port if port is not None else rc.port, limits=rc.limits).start()
         servers.append(server)
         url = metrics_url = server.url
         if rc.metrics_port is not None and rc.metrics_port != server.port:  # a separate scrape port
-            servers.append(HttpServer(app, host=host, port=rc.metrics_port).start())
+            servers.append(HttpServer(app, host=host, port=rc.metrics_port, limits=rc.limits).start())
             metrics_url = servers[-1].url
-        print(f"fusedserve: {rc.name} ready in {time.time() - t0:.1f}s: {rc.replicas} engine group(s) x "
-              f"{rc.ranks} rank(s) (tp={rc.tensor} dp={rc.data} ep={rc.expert}) on "
-              f"{'GPUs' if cluster.gpus else 'CPU (gloo)'}", flush=True)
-        print(f"  OpenAI API: {url}/v1   status: {url}/status   metrics: {metrics_url}/metrics", flush=True)
-        print(first_request(url, rc, smoke), flush=True)
+        print(banner(rc, cluster.gpus, time.time() - t0, url, metrics_url, address), flush=True)
+        if api_key is None and host not in LOOPBACK_HOSTS:
+            print(f"fusedserve: warning: no API key; anyone who reaches {host}:{server.port} can use the API "
+                  "(--api-key or $FUSEDSERVE_API_KEY)", flush=True)
+        if rc.replicas == 0:
+            print(f"  {NO_GROUPS_MARK}: /health answers 503 and /v1 'no ready engine groups' until scaled up",
+                  flush=True)
+        else:
+            print(first_request(url, rc, smoke, api_key), flush=True)
         if smoke:
             return 0
-        wait_for_signals(lambda: controller.apply(load_runtime_config(manifest_path)),
-                         manifest_path if watch else None)
-        print("fusedserve: shutting down", flush=True)
+        wait_for_signals(lambda: reload(controller, manifest_path), manifest_path if watch else None)
         return 0
     finally:
+        if servers:
+            shutdown_http(drain, quiet=smoke)
         for server in servers:
             server.stop()
         controller.shutdown()
         ray.shutdown()
+
+
+def banner(rc: RuntimeConfig, gpus: int, seconds: float, url: str, metrics_url: str, address: str | None) -> str:
+    import ray
+
+    auth = "token authentication" if os.environ.get("RAY_AUTH_MODE", "").lower() == "token" else "no authentication"
+    ray_line = f"joined {address}" if address else f"embedded at {ray.get_runtime_context().gcs_address}, no dashboard"
+    return "\n".join([
+        f"fusedserve: {rc.name} ready in {seconds:.1f}s: {rc.replicas} engine group(s) x {rc.ranks} rank(s) "
+        f"(tp={rc.tensor} dp={rc.data} ep={rc.expert}) on {'GPUs' if gpus else 'CPU (gloo)'}",
+        f"  OpenAI API: {url}/v1   status: {url}/status   metrics: {metrics_url}/metrics",
+        f"  Ray: {ray_line}, {auth}"])
+
+
+def reload(controller: Any, manifest_path: str) -> None:
+    new = load_runtime_config(manifest_path)
+    if new.limits != controller.config.limits:
+        print("fusedserve: spec.serving limits take effect at the next start", flush=True)
+    controller.apply(new)
+
+
+def shutdown_http(drain: Any, quiet: bool = False) -> None:
+    """Drain the API (a second SIGINT/SIGTERM ends the grace period early)."""
+    stop_early = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop_early.set())
+    busy = drain.in_flight()
+    if busy or not quiet:
+        print(f"fusedserve: draining: {busy} request(s) in flight, grace period {drain.grace_s:.0f}s", flush=True)
+    ended = drain.shutdown(stop_early)
+    if busy or not quiet:
+        print(f"fusedserve: shutting down ({ended} request(s) ended at the end of the grace period)", flush=True)
 
 
 def _interrupt(*_: object) -> None:
@@ -184,13 +252,13 @@ def wait_for_signals(reload: Any, watched: str | None = None) -> None:
                 print(f"fusedserve: reload refused: {e}", flush=True)
 
 
-def first_request(url: str, rc: RuntimeConfig, smoke: bool) -> str:
+def first_request(url: str, rc: RuntimeConfig, smoke: bool, api_key: str | None = None) -> str:
     """A warm-up completion (and with ``smoke`` a chat too) with the openai client, and the key metrics."""
     import httpx
     from openai import OpenAI
     from prometheus_client.parser import text_string_to_metric_families
 
-    client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
+    client = OpenAI(base_url=f"{url}/v1", api_key=api_key or "none", max_retries=0, timeout=300)
     comp = client.completions.create(model=rc.model_name, prompt=SMOKE_PROMPT, max_tokens=32, temperature=0)
     lines = [f"  completion: {SMOKE_PROMPT + comp.choices[0].text!r}"]
     if smoke:
@@ -198,7 +266,8 @@ def first_request(url: str, rc: RuntimeConfig, smoke: bool) -> str:
                                               max_tokens=24, temperature=0)
         lines.append(f"  chat:       {chat.choices[0].message.content!r}")
     values: dict[str, float] = {}
-    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", headers=headers, timeout=30).text):
         for s in fam.samples:
             values[s.name] = values.get(s.name, 0.0) + s.value
     drafts = values.get("fusedserve_spec_decode_drafts_total", 0.0)

@@ -18,6 +18,7 @@ every later call. The same class runs inside a Ray group-leader actor, so it kno
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import threading
 from collections import Counter, deque
@@ -29,8 +30,8 @@ from typing_extensions import Self
 
 from ..engine.engine import Engine
 from ..engine.outputs import RequestOutput
-from ..engine.sequence import FinishReason, InvalidRequest, SamplingParams
-from ..engine.tokenizer import TokenizerError
+from ..engine.sequence import FinishReason, SamplingParams
+from ..engine.tokenizer import Tokenizer
 from .engine_client import SNAPSHOT_LABELS, EngineDead, MetricsSnapshot
 from .engine_stats import ledger_snapshot, spec_snapshot
 
@@ -122,14 +123,9 @@ class LocalEngineClient:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+    def load_tokenizer(self) -> Tokenizer | None:
         tokenizer = self.engine.tokenizer
-        if tokenizer is None:
-            raise InvalidRequest("chat needs a tokenizer; this engine runs with skip_tokenizer")
-        try:
-            return tokenizer.apply_chat_template(messages)
-        except TokenizerError as e:
-            raise InvalidRequest(str(e)) from e
+        return None if tokenizer is None else copy.deepcopy(tokenizer)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str
                        ) -> AsyncIterator[RequestOutput]:

@@ -1,0 +1,27 @@
+"""``/status`` for callers who may not see internals (pure).
+
+The full document names rank PIDs, node addresses, Ray actor ids and failure texts (exception
+messages, Ray's OOM reports). The public view keeps what an operator or a dashboard needs —
+readiness, replicas, phases, revisions, acceptance length, collectives against the plan, failure
+kinds and times — and drops the rest:
+
+    public_status({"groups": [{"ranks": [{"rank": 0, "pid": 4711, "node": "10.0.0.3"}]}],
+                   "last_failure": {"group": 0, "kind": "RankFailed", "reason": "ActorDiedError: ..."}})
+    -> {"groups": [{"ranks": [{"rank": 0}]}], "last_failure": {"group": 0, "kind": "RankFailed"}}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+PRIVATE_KEYS = frozenset({"pid", "node", "actor_id", "error", "reason"})
+
+
+def public_status(doc: Any) -> Any:
+    """``doc`` without the PRIVATE_KEYS, at any depth (conditions keep their own messages: ours, not
+    exception texts, e.g. "1/2 engine groups ready")."""
+    if isinstance(doc, dict):
+        return {k: public_status(v) for k, v in doc.items() if k not in PRIVATE_KEYS}
+    if isinstance(doc, list):
+        return [public_status(v) for v in doc]
+    return doc
