@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from fusedserve.worker.spec import (
     SHUTDOWN_MARGIN_S,
     RuntimeConfig,

@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+
 from fusedserve.worker.engine.config import EngineConfig
 from fusedserve.worker.engine.engine import Engine
 from fusedserve.worker.serving.access import ApiAccess, bearer_token

@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
+
 from fusedserve.worker.engine.config import EngineConfig
 from fusedserve.worker.engine.engine import Engine
 from fusedserve.worker.serving.drain import FLUSH_S, Drain

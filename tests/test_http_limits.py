@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
+
 from fusedserve.worker.engine.config import EngineConfig
 from fusedserve.worker.engine.engine import Engine
 from fusedserve.worker.serving.http_api import build_app
@@ -89,7 +90,7 @@ class SmallRequests:
             if r.status_code != 200:
                 self.failures.append(r.text)
 
-    def __enter__(self) -> SmallRequests:
+    def __enter__(self) -> SmallRequests:  # noqa: PYI034
         self._thread.start()
         return self
 
@@ -139,7 +140,7 @@ def test_hostile_requests_get_4xx_in_bounded_time_while_a_small_request_finishes
 
 
 def test_max_tokens_defaults_to_what_the_context_leaves_and_an_explicit_one_must_fit(server: Any) -> None:
-    srv, client = server
+    srv, _ = server
     prompt = [5] * (MAX_MODEL_LEN - 3)
     r = post(srv.url, {"prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3

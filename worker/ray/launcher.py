@@ -79,7 +79,8 @@ def load_runtime_config(manifest_path: str) -> RuntimeConfig:
 
 def embedded_ray_auth() -> str:
     """Token authentication for the embedded Ray unless ``RAY_AUTH_MODE`` is set; returns the mode.
-    The token is this run's own, handed to Ray's processes through the environment (no file)."""
+    The token is this run's own, handed to Ray's processes through the environment (no file).
+    Call it before ``ray`` is imported: Ray reads the mode once."""
     if "RAY_AUTH_MODE" not in os.environ:
         os.environ["RAY_AUTH_MODE"] = "token"
         if not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")):
@@ -106,7 +107,6 @@ def connect_ray(rc: RuntimeConfig, address: str | None) -> ClusterShape:
         return _shape_of(ray.nodes())
     import torch
 
-    embedded_ray_auth()
     gpus = torch.cuda.device_count() if rc.gpus_per_rank else 0
     common: dict[str, Any] = {"include_dashboard": False, "namespace": RAY_NAMESPACE, "log_to_driver": False,
                               "_node_ip_address": "127.0.0.1"}
@@ -129,6 +129,9 @@ def _shape_of(nodes: list[dict[str, Any]]) -> ClusterShape:
 def run(manifest_path: str, smoke: bool = False, port: int | None = None, ray_address: str | None = None,
         host: str = "127.0.0.1", watch: bool = False, api_key: str | None = None) -> int:
     rc = load_runtime_config(manifest_path)  # before the heavy imports: a bad manifest fails fast
+    address = ray_address or os.environ.get("RAY_ADDRESS")
+    if not address:
+        embedded_ray_auth()
     import ray
 
     from ..serving.access import ApiAccess
@@ -139,7 +142,6 @@ def run(manifest_path: str, smoke: bool = False, port: int | None = None, ray_ad
     from .group_controller import GroupController, GroupError
 
     signal.signal(signal.SIGTERM, _interrupt)  # while starting: unwind through the cleanup below
-    address = ray_address or os.environ.get("RAY_ADDRESS")
     t0 = time.time()
     cluster = connect_ray(rc, address)
     controller = GroupController(rc, cluster)
@@ -189,9 +191,10 @@ def banner(rc: RuntimeConfig, gpus: int, seconds: float, url: str, metrics_url: 
 
     auth = "token authentication" if os.environ.get("RAY_AUTH_MODE", "").lower() == "token" else "no authentication"
     ray_line = f"joined {address}" if address else f"embedded at {ray.get_runtime_context().gcs_address}, no dashboard"
+    ready = (f"fusedserve: {rc.name} ready in {seconds:.1f}s: {rc.replicas} engine group(s) x {rc.ranks} rank(s) "
+             f"(tp={rc.tensor} dp={rc.data} ep={rc.expert}) on {'GPUs' if gpus else 'CPU (gloo)'}")
     return "\n".join([
-        f"fusedserve: {rc.name} ready in {seconds:.1f}s: {rc.replicas} engine group(s) x {rc.ranks} rank(s) "
-        f"(tp={rc.tensor} dp={rc.data} ep={rc.expert}) on {'GPUs' if gpus else 'CPU (gloo)'}",
+        ready,
         f"  OpenAI API: {url}/v1   status: {url}/status   metrics: {metrics_url}/metrics",
         f"  Ray: {ray_line}, {auth}"])
 
