@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import statistics
 import threading
 import time
 from collections.abc import Iterator
@@ -21,12 +22,14 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from fusedserve.worker.engine.config import EngineConfig
 from fusedserve.worker.engine.engine import Engine
 from fusedserve.worker.serving.http_api import build_app
 from fusedserve.worker.serving.http_server import HttpServer
 from fusedserve.worker.serving.local_engine_client import LocalEngineClient
+from fusedserve.worker.serving.metrics import MetricsRegistry
 from fusedserve.worker.serving.request_body import RequestBodyMiddleware, SlowClient
 from fusedserve.worker.spec import ServingLimits
 
@@ -41,7 +44,7 @@ def server() -> Iterator[tuple[HttpServer, LocalEngineClient]]:
     engine = Engine(MODEL_DIR, EngineConfig(num_blocks=64, max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
                                             max_batch_tokens=512, dtype="float32", seed=0))
     client = LocalEngineClient(engine, model_name="tiny-code")
-    with HttpServer(build_app(client, limits=LIMITS), limits=LIMITS) as srv:
+    with HttpServer(build_app(client, MetricsRegistry(), limits=LIMITS), limits=LIMITS) as srv:
         yield srv, client
     client.close()
 
@@ -61,8 +64,8 @@ class SmallRequests:
     """A 4-token completion after another, beside whatever the test does; their latencies.
 
     ``bound`` is the issue's 2 s, unless the machine is so loaded that small requests alone (the
-    baseline, measured first) come near it: then 4x the baseline's slowest (the old failure was a
-    28 s stall)."""
+    baseline, measured first) are slow: then 10x the baseline's median. A request that waits for a
+    hostile one's tokenisation, as before (28 s for a 20 MB prompt), exceeds either by far."""
 
     def __init__(self, url: str, baseline_s: float = 1.0) -> None:
         self.url = url
@@ -72,14 +75,14 @@ class SmallRequests:
         self._thread = threading.Thread(target=self._run, daemon=True)
         baseline = []
         deadline = time.monotonic() + baseline_s
-        while time.monotonic() < deadline or len(baseline) < 3:
+        while time.monotonic() < deadline or len(baseline) < 5:
             t0 = time.monotonic()
             post(url, SMALL).raise_for_status()
             baseline.append(time.monotonic() - t0)
-        self.bound = max(2.0, 4 * max(baseline))
+        self.bound = max(2.0, 10 * statistics.median(baseline))
 
     def check(self) -> None:
-        assert self.failures == [] and len(self.latencies) >= 2, (self.failures, self.latencies)
+        assert self.failures == [] and self.latencies, (self.failures, self.latencies)
         assert max(self.latencies) < self.bound, (self.latencies, self.bound)
 
     def _run(self) -> None:
@@ -134,9 +137,13 @@ def test_hostile_requests_get_4xx_in_bounded_time_while_a_small_request_finishes
             r, seconds = timed(send)
             err = error_of(r, status)
             assert err["code"] == code, (name, err)
-            assert seconds < 5, (name, seconds)
+            assert seconds < 2.5 * small.bound, (name, seconds)  # 5 s, more on a machine too loaded for that
         time.sleep(0.5)
     small.check()
+    errors = {s.labels["code"]: s.value for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text)
+              for s in fam.samples if s.name == "fusedserve_api_errors_total"}
+    assert errors.get("request_too_large", 0) >= 2 and errors.get("too_many_sequences", 0) >= 1, errors
+    assert errors.get("context_length_exceeded", 0) >= 4, errors
 
 
 def test_max_tokens_defaults_to_what_the_context_leaves_and_an_explicit_one_must_fit(server: Any) -> None:

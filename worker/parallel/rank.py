@@ -30,7 +30,6 @@ from ...models.interface import CausalLM
 from ...models.layers.mamba_state import MambaStateCache
 from ...models.loader import architecture_of, load_config, load_model
 from ...models.parallel.collectives import Collectives
-from ...models.random_init import random_model
 from ...models.parallel.fusion.selection import (
     FusionMode,
     device_capability,
@@ -40,6 +39,7 @@ from ...models.parallel.fusion.selection import (
     mode_of,
 )
 from ...models.parallel.groups import Group, ParallelConfig, ParallelGroups, build_groups
+from ...models.random_init import random_model
 from ..engine.config import EngineConfig
 from ..engine.engine import Engine
 from ..executor.executor import StepExecutor

@@ -246,10 +246,9 @@ class GroupController:
     @property
     def max_model_len(self) -> int | None:
         """What the ready groups of the current revision accept (None while none is ready)."""
-        rc = self.config
-        lens = [g.max_model_len for _, g in self._snapshot() if g.revision == rc.revision and g.max_model_len]
-        lens = lens or [g.max_model_len for _, g in self._snapshot() if g.max_model_len]
-        return min(lens) if lens else None  # type: ignore[type-var]
+        ready = [g for _, g in self._snapshot() if g.max_model_len is not None]
+        current = [g for g in ready if g.revision == self.config.revision] or ready
+        return min((g.max_model_len for g in current if g.max_model_len is not None), default=None)
 
     def load_tokenizer(self) -> Tokenizer | None:
         """From the checkpoint's tokenizer files here: prompts are tokenised in this process, not by a rank."""

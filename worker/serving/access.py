@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .api_error import ApiError, send_error
+from .api_error import ApiError, ErrorSink, ignore, send_error
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +74,10 @@ def unauthorized() -> ApiError:
 class AccessMiddleware:
     """ASGI: refuses (401) a request to a route that needs the key when it does not carry it."""
 
-    def __init__(self, app: Any, access: ApiAccess) -> None:
+    def __init__(self, app: Any, access: ApiAccess, sink: ErrorSink = ignore) -> None:
         self.app = app
         self.access = access
+        self.sink = sink
         self._key = _digest(access.api_key.encode()) if access.api_key else b""
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[[], Any], send: Callable[..., Any]) -> None:
@@ -84,6 +85,6 @@ class AccessMiddleware:
             token = bearer_token(scope.get("headers", []))
             matches = hmac.compare_digest(_digest(token or b""), self._key)
             if token is None or not matches:
-                await send_error(send, unauthorized(), extra_headers={"WWW-Authenticate": "Bearer"})
+                await send_error(send, unauthorized(), extra_headers={"WWW-Authenticate": "Bearer"}, sink=self.sink)
                 return
         await self.app(scope, receive, send)

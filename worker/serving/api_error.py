@@ -40,9 +40,17 @@ class ApiError(Exception):
         return {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}
 
 
+ErrorSink = Callable[[ApiError], None]  # told of every error answered (metrics count them by code)
+
+
+def ignore(_error: ApiError) -> None:
+    return None
+
+
 async def send_error(send: Callable[[dict[str, Any]], Awaitable[None]], error: ApiError, close: bool = False,
-                     extra_headers: dict[str, str] | None = None) -> None:
+                     extra_headers: dict[str, str] | None = None, sink: ErrorSink = ignore) -> None:
     """``error`` as a whole ASGI response; ``close`` ends the connection after it."""
+    sink(error)
     body = json.dumps(error.body()).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in {**error.headers(), **(extra_headers or {})}.items()]

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .api_error import ApiError, send_error
+from .api_error import ApiError, ErrorSink, ignore, send_error
 
 log = logging.getLogger(__name__)
 
@@ -147,10 +147,11 @@ class DrainMiddleware:
     """ASGI: admits the requests ``guarded(path)`` says are work (``/v1/...``) while not draining,
     and ends the ones the grace period did not see finish."""
 
-    def __init__(self, app: Any, drain: Drain, guarded: Callable[[str], bool]) -> None:
+    def __init__(self, app: Any, drain: Drain, guarded: Callable[[str], bool], sink: ErrorSink = ignore) -> None:
         self.app = app
         self.drain = drain
         self.guarded = guarded
+        self.sink = sink
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not self.guarded(scope["path"]):
@@ -158,7 +159,7 @@ class DrainMiddleware:
             return
         ticket = self.drain.admit()
         if ticket is None:
-            await send_error(send, shutting_down(), close=True)
+            await send_error(send, shutting_down(), close=True, sink=self.sink)
             return
         state = _ResponseState()
 
@@ -180,7 +181,7 @@ class DrainMiddleware:
                 return
             task.cancel()  # aborts its engine requests (their streams close)
             await asyncio.gather(task, return_exceptions=True)
-            await _end(state, send)
+            await _end(state, send, self.sink)
         finally:
             if not task.done():
                 task.cancel()
@@ -198,7 +199,7 @@ def _is_event_stream(headers: list[tuple[bytes, bytes]]) -> bool:
     return any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
 
 
-async def _end(state: _ResponseState, send: Send) -> None:
+async def _end(state: _ResponseState, send: Send, sink: ErrorSink) -> None:
     """The last bytes of a request ended by the drain."""
     if state.finished:
         return
@@ -206,8 +207,9 @@ async def _end(state: _ResponseState, send: Send) -> None:
                      code="shutting_down", retry_after=RETRY_AFTER_S)
     try:
         if not state.started:
-            await send_error(send, error, close=True)
+            await send_error(send, error, close=True, sink=sink)
         elif state.stream:
+            sink(error)
             body = f"data: {json.dumps(error.body())}\n\ndata: [DONE]\n\n".encode()
             await send({"type": "http.response.body", "body": body, "more_body": False})
         else:  # a JSON body half sent: nothing well-formed can follow, end it

@@ -67,7 +67,7 @@ class _Choice:
     completion_tokens: int = 0
 
 
-def _error(err: ApiError) -> JSONResponse:
+def _response(err: ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
 
 
@@ -84,6 +84,19 @@ class _Api:
         self.access = access
         self.drain = drain
         self.tokens = PromptTokenizer(client.load_tokenizer)
+
+    def count(self, err: ApiError) -> None:
+        """Every error answered passes here (counted by code)."""
+        if self.metrics is not None:
+            self.metrics.count_error(err.code or "invalid_request")
+
+    def response(self, err: ApiError) -> JSONResponse:
+        self.count(err)
+        return _response(err)
+
+    def event(self, err: ApiError) -> str:
+        self.count(err)
+        return _sse(err.body())
 
     # --- running requests ------------------------------------------------------------------------
 
@@ -243,9 +256,9 @@ class _Api:
                     yield _sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
                                 "usage": _usage(choices, body.n)})
             except EngineDead as e:
-                yield _sse(engine_unavailable(e).body())
+                yield self.event(engine_unavailable(e))
             except Exception as e:  # noqa: BLE001 (the stream has started: end it with an error event)
-                yield _sse(internal_error(e).body())
+                yield self.event(internal_error(e))
             finally:
                 await close_all(streams)
             yield _sse("[DONE]")
@@ -304,30 +317,30 @@ def build_app(client: EngineClient, metrics: MetricsRegistry | None = None, *, l
     app = FastAPI(title="fusedserve", description="OpenAI-compatible API", docs_url=None, redoc_url=None)
     app.state.api = api
     app.add_middleware(RequestBodyMiddleware, max_bytes=limits.max_request_bytes,
-                       body_timeout_s=limits.body_timeout_s, send_timeout_s=limits.send_timeout_s)
+                       body_timeout_s=limits.body_timeout_s, send_timeout_s=limits.send_timeout_s, sink=api.count)
     if drain is not None:
-        app.add_middleware(DrainMiddleware, drain=drain, guarded=is_work)
-    app.add_middleware(AccessMiddleware, access=access)
+        app.add_middleware(DrainMiddleware, drain=drain, guarded=is_work, sink=api.count)
+    app.add_middleware(AccessMiddleware, access=access, sink=api.count)
 
     @app.exception_handler(ApiError)
     async def on_api_error(_request: Request, exc: ApiError) -> JSONResponse:
-        return _error(exc)
+        return api.response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = validation_message(exc)
-        return _error(ApiError(400, message, param=param))
+        return api.response(ApiError(400, message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         route = exc.status_code in (404, 405)
         message = f"no route {request.method} {request.url.path}" if route else str(exc.detail)
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _error(ApiError(exc.status_code, message, type=kind))
+        return api.response(ApiError(exc.status_code, message, type=kind))
 
     @app.exception_handler(Exception)
     async def on_unexpected(_request: Request, exc: Exception) -> JSONResponse:
-        return _error(internal_error(exc))
+        return api.response(internal_error(exc))
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -101,6 +101,8 @@ class LocalEngineClient:
         self.engine = engine
         self.labels = {k: str((labels or {}).get(k, "")) for k in SNAPSHOT_LABELS}
         self._model_name = model_name
+        # a copy the engine thread never touches, copied again for each HTTP tokenizer thread
+        self._tokenizer = None if engine.tokenizer is None else copy.deepcopy(engine.tokenizer)
         self._cond = threading.Condition()
         self._commands: deque[_Command[Any]] = deque()
         self._stopping = False
@@ -124,8 +126,7 @@ class LocalEngineClient:
         return self.engine.max_model_len
 
     def load_tokenizer(self) -> Tokenizer | None:
-        tokenizer = self.engine.tokenizer
-        return None if tokenizer is None else copy.deepcopy(tokenizer)
+        return None if self._tokenizer is None else copy.deepcopy(self._tokenizer)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str
                        ) -> AsyncIterator[RequestOutput]:

@@ -23,7 +23,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from .api_error import ApiError, send_error
+from .api_error import ApiError, ErrorSink, ignore, send_error
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +50,10 @@ def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
 
 
 class RequestBodyMiddleware:
-    def __init__(self, app: Any, max_bytes: int, body_timeout_s: float, send_timeout_s: float) -> None:
+    def __init__(self, app: Any, max_bytes: int, body_timeout_s: float, send_timeout_s: float,
+                 sink: ErrorSink = ignore) -> None:
         self.app = app
+        self.sink = sink
         self.max_bytes = max_bytes
         self.body_timeout_s = body_timeout_s
         self.send_timeout_s = send_timeout_s
@@ -64,12 +66,12 @@ class RequestBodyMiddleware:
         declared = _header(headers, b"content-length")
         if declared is not None:
             if not declared.strip().isdigit():
-                await send_error(send, ApiError(400, "Content-Length is not a number"), close=True)
+                await send_error(send, ApiError(400, "Content-Length is not a number"), close=True, sink=self.sink)
                 return
             if int(declared) > self.max_bytes:
                 if (_header(headers, b"expect") or b"").lower() != b"100-continue":
                     await _discard(receive, int(declared))
-                await send_error(send, too_large(self.max_bytes), close=True)
+                await send_error(send, too_large(self.max_bytes), close=True, sink=self.sink)
                 return
         body = await self._read(receive, send)
         if body is None:
@@ -106,7 +108,7 @@ class RequestBodyMiddleware:
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
             except asyncio.TimeoutError:
-                await send_error(send, too_slow(self.body_timeout_s), close=True)
+                await send_error(send, too_slow(self.body_timeout_s), close=True, sink=self.sink)
                 return None
             if message["type"] == "http.disconnect":
                 return None
@@ -115,7 +117,7 @@ class RequestBodyMiddleware:
             if size > self.max_bytes:
                 if message.get("more_body", False):
                     await _discard(receive, LINGER_BYTES)
-                await send_error(send, too_large(self.max_bytes), close=True)
+                await send_error(send, too_large(self.max_bytes), close=True, sink=self.sink)
                 return None
             chunks.append(chunk)
             if not message.get("more_body", False):
