@@ -19,6 +19,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+
 from fusedserve.worker.parallel.local_ranks import RankFailed, run_on_ranks
 
 

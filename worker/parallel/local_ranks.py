@@ -56,7 +56,7 @@ def _entry(rank: int, world: int, port: int, backend: str, fn: Callable[..., Any
             code = 0
         finally:
             dist.destroy_process_group()
-    except BaseException as e:  # KeyboardInterrupt too: a rank stopped by a signal did not succeed
+    except BaseException as e:  # noqa: BLE001 (KeyboardInterrupt too: a rank stopped by a signal did not succeed)
         (Path(out_dir) / f"rank{rank}.err").write_text(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
     finally:
         sys.stdout.flush()
