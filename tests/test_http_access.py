@@ -80,10 +80,11 @@ def test_status_hides_pids_nodes_and_failure_texts_from_those_who_may_not_see_th
         "last_failure": {"group": 0, "time": 1.0, "kind": "RankFailed",
                          "reason": "ActorDiedError: The actor died ... node 7f3e ... OOM killer"},
         "failures": [{"group": 0, "time": 1.0, "kind": "RankFailed", "reason": "x"}],
-        "conditions": [{"type": "Ready", "status": False, "message": "0/1 engine groups ready"}]}
+        "conditions": [{"type": "Ready", "status": False, "message": "0/1 engine groups ready"},
+                       {"type": "Scheduled", "status": False, "reason": "Unschedulable", "message": "needs 8 GPU"}]}
     view: dict[str, Any] = public_status(full)
     assert view["groups"][0]["ranks"] == [{"rank": 0, "role": "leader"}]
-    assert view["last_failure"] == {"group": 0, "time": 1.0, "kind": "RankFailed"}
+    assert view["last_failure"]["kind"] == "RankFailed" and view["last_failure"]["reason"].startswith("RankFailed (")
     assert view["conditions"] == full["conditions"] and "OOM" not in str(view) and "10.1.2.3" not in str(view)
 
 
