@@ -43,6 +43,7 @@ def free_port() -> int:
 def _entry(rank: int, world: int, port: int, backend: str, fn: Callable[..., Any], args: tuple[Any, ...],
            out_dir: str, timeout_s: float) -> None:
     faulthandler.enable(all_threads=True)
+    error = Path(out_dir) / f"rank{rank}.err"
     code = 1
     try:
         torch.set_num_threads(1)
@@ -54,10 +55,15 @@ def _entry(rank: int, world: int, port: int, backend: str, fn: Callable[..., Any
             out = fn(rank, world, backend, *args)
             torch.save(out, Path(out_dir) / f"rank{rank}.pt")
             code = 0
+        except BaseException as e:  # noqa: BLE001 (KeyboardInterrupt too: a rank stopped by a signal failed)
+            # written before the group goes: a peer that then fails on the closed connection finds it
+            error.write_text(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
         finally:
             dist.destroy_process_group()
-    except BaseException as e:  # noqa: BLE001 (KeyboardInterrupt too: a rank stopped by a signal did not succeed)
-        (Path(out_dir) / f"rank{rank}.err").write_text(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+    except BaseException as e:  # noqa: BLE001 (the rendezvous or the teardown failed)
+        if not error.exists():
+            error.write_text(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+        code = 1
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
