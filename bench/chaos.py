@@ -40,7 +40,7 @@ import fusedserve.worker  # noqa: F401  (the installed package first: bench/comm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT))
 
-from bench.common import Progress, record_header, write_record  # noqa: E402
+from bench.common import Progress, record_header, write_record
 
 EXAMPLES = ("examples/02-tiny-code-tp2.yaml", "examples/03-tiny-moe-dp-ep.yaml")
 RETRYABLE = {"engine_dead", "no_ready_engine", "shutting_down"}
@@ -121,10 +121,10 @@ def wait_ready(dep: Deployment, restarts: int, timeout: float) -> float | None:
     while time.monotonic() - t0 < timeout:
         try:
             s = dep.server.status()
-            if s["ready"] and s["ready_replicas"] >= 1 and s["restarts"] >= restarts:
-                return time.monotonic() - t0
         except Exception:  # noqa: BLE001 (a status read during a restart may fail: poll on)
-            pass
+            s = {}
+        if s.get("ready") and s.get("ready_replicas", 0) >= 1 and s.get("restarts", 0) >= restarts:
+            return time.monotonic() - t0
         time.sleep(0.2)
     return None
 
@@ -238,7 +238,9 @@ def main() -> int:
                             args.request_timeout, args.recovery_timeout, log)
     finally:
         ray.shutdown()
-    record = {**record_header(), "machine": f"{record_header()['machine']}, nproc {os.cpu_count()}",
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            check=False).stdout.strip()
+    record = {**record_header(), "machine": f"{record_header()['machine']}, nproc {os.cpu_count()}", "commit": commit,
               "what": "random rank kills under steady load, examples/02 (tp=2) and examples/03 (dp=2 + ep=2) on one "
                       "CPU Ray (fake_gpu), one `fusedserve run` each; recovery = kill -> /status ready again",
               "clients_per_deployment": args.clients, "seed": args.seed, "wall_s": round(time.time() - t0, 1),
