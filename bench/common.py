@@ -95,9 +95,15 @@ def spread(samples: list[float]) -> dict[str, float]:
             "spread": (max(samples) - min(samples)) / med if med else 0.0, "n": len(samples)}
 
 
-def profile(fn: Callable[[], Any], device: torch.device, reps: int = 3, top: int = 20) -> dict[str, Any]:
-    """Kernels of ``reps`` calls of fn (per call): the top kernels and the device time per kind."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+Kinds = tuple[tuple[str, tuple[str, ...]], ...]  # (kind, marks): a kernel whose name holds a mark is of that kind
+
+
+def profile(fn: Callable[[], Any], device: torch.device, reps: int = 3, top: int = 20,
+            kinds: Kinds | None = None) -> dict[str, Any]:
+    """Kernels of ``reps`` calls of fn (per call): the top kernels and the device time per kind
+    (``kinds``, first match wins; default ``KINDS``)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     sync(device)
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -110,15 +116,16 @@ def profile(fn: Callable[[], Any], device: torch.device, reps: int = 3, top: int
         if us > 0 and getattr(evt, "device_type", None) is not None and "CUDA" in str(evt.device_type):
             rows.append({"name": evt.key[:120], "calls_per_step": evt.count / reps, "us_per_step": us / reps})
     rows.sort(key=lambda r: -r["us_per_step"])
-    kinds: dict[str, float] = {}
+    by_kind: dict[str, float] = {}
     for r in rows:
-        kinds[kernel_kind(r["name"])] = kinds.get(kernel_kind(r["name"]), 0.0) + r["us_per_step"]
+        kind = kernel_kind(r["name"], kinds or KINDS)
+        by_kind[kind] = by_kind.get(kind, 0.0) + r["us_per_step"]
     total = sum(r["us_per_step"] for r in rows)
     return {"kernel_us_per_step": total, "kernels_per_step": sum(r["calls_per_step"] for r in rows),
-            "by_kind_us": dict(sorted(kinds.items(), key=lambda kv: -kv[1])), "top": rows[:top]}
+            "by_kind_us": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])), "top": rows[:top]}
 
 
-KINDS = (
+KINDS: Kinds = (
     ("comm", ("allreduce", "all_reduce", "nccl", "fusion", "lamport", "oneshot", "twoshot")),
     ("attention", ("_decode_kernel", "_combine_kernel", "batchdecode", "batchprefill", "prefill", "decode",
                    "mla", "attention", "flashinfer")),
@@ -128,9 +135,9 @@ KINDS = (
 )
 
 
-def kernel_kind(name: str) -> str:
+def kernel_kind(name: str, kinds: Kinds = KINDS) -> str:
     n = name.lower()
-    for kind, marks in KINDS:
+    for kind, marks in kinds:
         if any(m in n for m in marks):
             return kind
     return "other"

@@ -38,7 +38,7 @@ from fusedserve.worker.spec_decode.stats import SpecDecodeStats
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT))  # bench.*, after the installed package is imported (bench/common.py says why)
 
-from bench.train_tiny_pair import read, stdlib_files  # noqa: E402
+from bench.train_tiny_pair import read, stdlib_files
 
 TARGET = ROOT / "examples/checkpoints/tiny-code"
 DRAFT = str(ROOT / "examples/checkpoints/tiny-code-eagle3")

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-import fusedserve.worker  # noqa: F401,E402  (the installed package, before the checkout joins sys.path)
+import fusedserve.worker  # noqa: F401  (the installed package, before the checkout joins sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT))  # bench.*; fusedserve stays the installed one (bench/common.py)

@@ -9,6 +9,7 @@
 ARG CUDA_IMAGE=nvidia/cuda:13.0.0-devel-ubuntu24.04
 FROM ${CUDA_IMAGE}
 
+# boto3: the s3:// model download of the pods' init container (python -m fusedserve.model_download).
 # Keep these in step: RAY_VERSION = the CRD default of spec.rayVersion (operator/api.py), TORCH_INDEX = the
 # CUDA version of the base image.
 ARG TORCH_VERSION=2.11.0
@@ -36,7 +37,7 @@ RUN apt-get update \
  && echo 'export PATH=/opt/venv/bin:$PATH' > /etc/profile.d/fusedserve.sh
 
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}" \
- && pip install "flashinfer-python==${FLASHINFER_VERSION}" "ray[default]==${RAY_VERSION}"
+ && pip install "flashinfer-python==${FLASHINFER_VERSION}" "ray[default]==${RAY_VERSION}" "boto3>=1.34"
 
 WORKDIR /opt/fusedserve
 COPY pyproject.toml README.md ./

@@ -10,6 +10,12 @@ stream *after* layer i's input boundary completed every sum owed to it (the comp
 layer i-1, pre-norm) — never ``hidden + residual`` before it, which under a deferred all-reduce
 is each rank's own partial sum. Boundaries return a fresh residual that nothing writes into
 later, so the captured tensor needs no copy.
+
+Benchmark-only: ``aux_capture="before_completion"`` captures ``incoming.partial + residual`` in front
+of the boundary instead — sglang's capture before PR #28343, each rank's own partial sum wherever the
+plan defers a sum into the boundary — so ``bench/seed_bug_capture.py`` can measure what the rule is
+worth. A model keyword like ``dp_combine`` (``build_rank(**model_kwargs)``): no spec, config or CLI
+reaches it.
 """
 
 from __future__ import annotations
@@ -26,6 +32,15 @@ from .parallel.layouts import Unreduced
 
 Stacked = tuple[tuple[str, str, object], ...]  # (our fused name part, HF name part, shard id)
 
+# Where the EAGLE3 aux state is read: "complete" is the rule; "before_completion" exists for benchmarks only.
+AUX_CAPTURES = ("complete", "before_completion")
+
+
+def check_aux_capture(aux_capture: str) -> str:
+    if aux_capture not in AUX_CAPTURES:
+        raise ValueError(f"aux_capture must be one of {AUX_CAPTURES}, not {aux_capture!r}")
+    return aux_capture
+
 
 class DecoderLayer(Protocol):
     """A layer after its input boundary: ``input_boundary`` (its index in the plan) and
@@ -41,18 +56,24 @@ class DecoderLayer(Protocol):
                  ctx: ForwardContext) -> tuple[Unreduced, torch.Tensor]: ...
 
 
-def decoder_forward(batch: ForwardBatch, comm: Communicator, embed: Any, layers: Iterable[DecoderLayer],
-                    final_boundary: int, final_norm: Any, lm_head: Any, vocab_size: int) -> ModelOutput:
+def decoder_forward(batch: ForwardBatch, comm: Communicator, embed: Any, layers: Iterable[Any],
+                    final_boundary: int, final_norm: Any, lm_head: Any, vocab_size: int,
+                    aux_capture: str = "complete") -> ModelOutput:
     """Logits for ``batch.logits_indices`` rows (all rows if None), [n, vocab_size], and the aux
-    states of ``batch.aux_layers`` ([num_tokens, hidden] each, in that order)."""
+    states of ``batch.aux_layers`` ([num_tokens, hidden] each, in that order). ``layers``: each a
+    ``DecoderLayer`` (an ``nn.ModuleList`` of them). ``aux_capture``: benchmark-only (see the
+    module's docstring)."""
     ctx = comm.begin_forward(batch.num_tokens, batch.dp_num_tokens, batch.dp_padding, batch.dp_real_tokens)
     wanted = frozenset(batch.aux_layers)
     aux: dict[int, torch.Tensor] = {}
     x: Unreduced = embed(batch.input_ids)
     residual: torch.Tensor | None = None
+    early = aux_capture == "before_completion"
     for layer in layers:
+        if early and layer.layer_id in wanted:  # benchmark-only: the pre-#28343 capture
+            aux[layer.layer_id] = x.partial if residual is None else x.partial + residual
         h, residual = ctx.boundary(layer.input_boundary, x, residual, layer.input_norm)
-        if layer.layer_id in wanted:
+        if layer.layer_id in wanted and not early:
             aux[layer.layer_id] = residual  # the complete stream entering this layer
         x, residual = layer(h, residual, batch, ctx)
     h, _ = ctx.boundary(final_boundary, x, residual, final_norm)

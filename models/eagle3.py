@@ -27,6 +27,7 @@ from torch import nn
 from .forward_batch import ForwardBatch
 from .interface import ModelOutput
 from .layers.attention import AttentionBackend
+from .layers.attention_layout import AttentionDims
 from .layers.mamba_state import MambaStateShape
 from .layers.mlp import GatedMLP
 from .layers.norm import RMSNorm
@@ -87,6 +88,9 @@ class Eagle3Draft(nn.Module):
 
     def state_shapes(self) -> dict[int, MambaStateShape]:
         return {}
+
+    def attention_dims(self) -> AttentionDims:
+        return self.self_attn.attention_dims()
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch) -> ModelOutput:

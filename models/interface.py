@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from .forward_batch import ForwardBatch
+from .layers.attention_layout import AttentionDims
 from .layers.kernels import Kernels
 from .layers.mamba_state import MambaStateShape
 from .parallel.communicator import Communicator
@@ -55,3 +56,7 @@ class CausalLM(StepModel, Protocol):
     config: Any
     kernels: Kernels
     comm: Communicator
+
+    def attention_dims(self) -> AttentionDims:
+        """Heads and head dims on this rank (GQA models; what an attention planner needs)."""
+        ...

@@ -11,9 +11,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .decoder_stack import decoder_forward, stacked_name
+from .decoder_stack import check_aux_capture, decoder_forward, stacked_name
 from .forward_batch import ForwardBatch
 from .interface import ModelOutput
+from .layers.attention_layout import AttentionDims
 from .layers.kernels import Kernels
 from .layers.linear import use_matmul
 from .layers.mamba_state import MambaStateShape
@@ -72,7 +73,8 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config: Any, groups: ParallelGroups, collectives: Collectives,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                 kernels: Kernels | None = None, *, dp_combine: str = "reduce_scatter") -> None:
+                 kernels: Kernels | None = None, *, dp_combine: str = "reduce_scatter",
+                 aux_capture: str = "complete") -> None:
         super().__init__()
         self.config = config
         self.kernels = kernels or Kernels.reference()
@@ -91,7 +93,9 @@ class LlamaForCausalLM(nn.Module):
         if self.kernels.matmul is not None:
             use_matmul(self, self.kernels.matmul)
         # The plan fuses exactly when this rank has a fused kernel (fusion/selection.py decided it);
-        # dp_combine is benchmark-only (see comm_plan.py): no spec or CLI reaches it.
+        # dp_combine and aux_capture are benchmark-only (comm_plan.py, decoder_stack.py): no spec or CLI
+        # reaches them.
+        self.aux_capture = check_aux_capture(aux_capture)
         plan = plan_communication(groups.config, self.blocks(config), collectives.fused is not None,
                                   dp_combine=dp_combine)
         self.comm = Communicator(plan, groups, collectives, norms=self.kernels.norms)
@@ -110,6 +114,9 @@ class LlamaForCausalLM(nn.Module):
 
     def state_shapes(self) -> dict[int, MambaStateShape]:
         return {}
+
+    def attention_dims(self) -> AttentionDims:
+        return self.layers[0].self_attn.attention_dims()  # type: ignore[union-attr, operator, no-any-return]
 
     # HF checkpoint names -> (our parameter, shard id) for stacked parameters.
     stacked_params = (
@@ -134,4 +141,4 @@ class LlamaForCausalLM(nn.Module):
         """Logits for ``batch.logits_indices`` rows (all rows if None), [n, vocab_size], and the aux
         states of ``batch.aux_layers``."""
         return decoder_forward(batch, self.comm, self.embed_tokens, self.layers, len(self.layers) * 2, self.norm,
-                               self.lm_head, self.config.vocab_size)
+                               self.lm_head, self.config.vocab_size, self.aux_capture)

@@ -184,8 +184,9 @@ def load_model(model_dir: str | Path, groups: ParallelGroups, collectives: Colle
     config = load_config(model_dir)
     cls = model_class(architecture_of(config))
     files = checkpoint_files(model_dir)
-    model: CausalLM = cls(config, groups, collectives, dtype=dtype, device=device, kernels=kernels, **model_kwargs)
-    load_weights(model, iter_checkpoint(files))
+    module: nn.Module = cls(config, groups, collectives, dtype=dtype, device=device, kernels=kernels, **model_kwargs)
+    load_weights(module, iter_checkpoint(files))
+    model: CausalLM = module  # type: ignore[assignment]
     log.info("loaded %s from %s (%d files) on rank %d", type(model).__name__, model_dir, len(files),
              groups.coords.rank)
     return model

@@ -1,16 +1,20 @@
-"""The Service in front of a deployment's head pod: the OpenAI API and /metrics (pure)."""
+"""The Service in front of a deployment's head pod: the OpenAI API and /metrics (pure).
+
+It selects the head of one RayCluster, the one serving (rollout.py): switching a rollout to a new
+cluster is changing this selector.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from .api import InferenceDeploymentSpec
-from .naming import Owner
+from .naming import LABEL_CLUSTER, LABEL_NODE_TYPE, Owner
 
 
-def head_selector(owner: Owner) -> dict[str, str]:
-    """KubeRay's labels on the head pod of the deployment's RayCluster."""
-    return {"ray.io/cluster": owner.ray_cluster, "ray.io/node-type": "head"}
+def head_selector(ray_cluster: str) -> dict[str, str]:
+    """KubeRay's labels on the head pod of a RayCluster."""
+    return {LABEL_CLUSTER: ray_cluster, LABEL_NODE_TYPE: "head"}
 
 
 def service_ports(spec: InferenceDeploymentSpec) -> list[dict[str, Any]]:
@@ -21,12 +25,22 @@ def service_ports(spec: InferenceDeploymentSpec) -> list[dict[str, Any]]:
     return ports
 
 
-def desired_service(owner: Owner, spec: InferenceDeploymentSpec) -> dict[str, Any]:
+def desired_service(owner: Owner, spec: InferenceDeploymentSpec, ray_cluster: str) -> dict[str, Any]:
+    settings = spec.service
+    meta = owner.metadata(owner.service, "api", dict(settings.annotations) or None)
+    meta["labels"] = {**settings.labels, **meta["labels"]}
     return {
         "apiVersion": "v1", "kind": "Service",
-        "metadata": owner.metadata(owner.service, "api"),
-        "spec": {"type": "ClusterIP", "selector": head_selector(owner), "ports": service_ports(spec)},
+        "metadata": meta,
+        "spec": {"type": settings.type, "selector": head_selector(ray_cluster), "ports": service_ports(spec)},
     }
+
+
+def selected_cluster(service: dict[str, Any] | None) -> str | None:
+    """The RayCluster a live Service sends requests to (None: no Service yet)."""
+    if service is None:
+        return None
+    return ((service.get("spec") or {}).get("selector") or {}).get(LABEL_CLUSTER)
 
 
 def endpoint(owner: Owner, spec: InferenceDeploymentSpec) -> str:

@@ -9,7 +9,11 @@ only when a condition's status changes; every condition carries the observed gen
     Ready        True when every desired engine group serves (readyReplicas >= replicas > 0)
     Scheduled    True when the RayCluster's worker pods are up; False/Unschedulable with the reason
     Progressing  True while children are being applied or engine groups created or rolled
-    Degraded     True when a group is down or a rank failed in the last few minutes
+    Degraded     True when a group is down, a rank failed in the last few minutes, or a model download fails
+
+During a rollout to a new RayCluster (rollout.py) the engine figures are the serving cluster's, and
+Progressing says how far the new one is. A model download that fails (an init container that exited
+non-zero, retried by the kubelet with backoff) shows as reason ``ModelDownloadFailed`` with its message.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from .api import InferenceDeploymentSpec
+from .model_source import INIT_CONTAINER
 from .naming import Owner
 from .service import endpoint
 
@@ -46,6 +51,40 @@ class RayClusterObservation:
 
 
 @dataclass(frozen=True)
+class DownloadFailure:
+    pod: str
+    message: str
+    restarts: int
+
+    @classmethod
+    def of(cls, pods: list[dict[str, Any]]) -> DownloadFailure | None:
+        """The first pod whose model download failed (its init container exited non-zero), if any."""
+        for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
+            for st in (pod.get("status") or {}).get("initContainerStatuses") or []:
+                if st.get("name") != INIT_CONTAINER:
+                    continue
+                for state in (st.get("state") or {}, st.get("lastState") or {}):
+                    done = state.get("terminated") or {}
+                    if done and int(done.get("exitCode") or 0) != 0:
+                        message = str(done.get("message") or done.get("reason") or "exit code "
+                                      f"{done.get('exitCode')}").strip().splitlines()
+                        return cls(pod["metadata"]["name"], (message[-1] if message else "")[:1024],
+                                   int(st.get("restartCount") or 0))
+        return None
+
+    def text(self) -> str:
+        return (f"pod {self.pod}: {self.message} (retried with backoff by the kubelet, {self.restarts} "
+                f"restart(s) so far)")
+
+
+@dataclass(frozen=True)
+class RolloutObservation:
+    serving: str | None  # the RayCluster the Service selects
+    pending: str | None = None  # a new RayCluster coming up
+    pending_ready: int = 0  # its engine groups ready
+
+
+@dataclass(frozen=True)
 class Observation:
     owner: Owner
     generation: int
@@ -54,8 +93,10 @@ class Observation:
     spec_error: str | None = None
     applied_generation: int | None = None  # children applied for this generation
     ray_cluster: RayClusterObservation | None = None
-    controller: dict[str, Any] | None = None  # the group controller's /status
+    controller: dict[str, Any] | None = None  # the serving cluster's group controller's /status
     controller_error: str | None = None
+    rollout: RolloutObservation | None = None
+    download_failure: DownloadFailure | None = None
 
 
 def rfc3339(t: datetime) -> str:
@@ -114,11 +155,18 @@ def _engine_conditions(obs: Observation, spec: InferenceDeploymentSpec, ready: i
                        controller: dict[str, Any] | None) -> list[dict[str, Any]]:
     want = spec.replicas
     behind = obs.applied_generation != obs.generation
+    failed_download = obs.download_failure
+    rollout = obs.rollout
     if controller is None:
         why = obs.controller_error or "not read yet"
-        ready_c = _cond("Ready", None, "ControllerUnreachable", f"the group controller's /status: {why}")
+        if failed_download is not None:
+            ready_c = _cond("Ready", False, "ModelDownloadFailed", failed_download.text())
+        else:
+            ready_c = _cond("Ready", None, "ControllerUnreachable", f"the group controller's /status: {why}")
         progressing = _cond("Progressing", True, "ControllerStarting", "waiting for the group controller")
-        return [ready_c, progressing, _cond("Degraded", False, "AsExpected")]
+        degraded = (_cond("Degraded", True, "ModelDownloadFailed", failed_download.text())
+                    if failed_download is not None else _cond("Degraded", False, "AsExpected"))
+        return [ready_c, progressing, degraded]
     ok = ready >= want
     ready_c = _cond("Ready", ok, "EngineGroupsReady" if ok else "EngineGroupsStarting",
                     f"{ready}/{want} engine groups ready")
@@ -126,6 +174,10 @@ def _engine_conditions(obs: Observation, spec: InferenceDeploymentSpec, ready: i
     outdated = sum(1 for g in controller.get("groups") or [] if g.get("outdated"))
     if behind:
         progressing = _cond("Progressing", True, "Reconciling", "applying the spec's generation")
+    elif rollout is not None and rollout.pending is not None:
+        progressing = _cond("Progressing", True, "ClusterRollout",
+                            f"RayCluster {rollout.pending} coming up ({rollout.pending_ready}/{want} engine groups "
+                            f"ready); the Service stays on {rollout.serving} until it serves")
     elif creating or outdated or len(controller.get("groups") or []) != want:
         progressing = _cond("Progressing", True, "RollingUpdate",
                             f"{creating} group(s) being created, {outdated} outdated")
@@ -137,7 +189,9 @@ def _engine_conditions(obs: Observation, spec: InferenceDeploymentSpec, ready: i
     ago = obs.now.timestamp() - float(failure.get("time", 0))
     recent = bool(failure) and ago < DEGRADED_WINDOW_S
     failed = [g for g in controller.get("groups") or [] if g.get("phase") == "Failed"]
-    if failed or (recent and not ok):
+    if failed_download is not None:
+        degraded = _cond("Degraded", True, "ModelDownloadFailed", failed_download.text())
+    elif failed or (recent and not ok):
         why = str(failure["reason"]) if failure else f"group {failed[0].get('index')} failed"
         degraded = _cond("Degraded", True, str(failure.get("kind", "GroupFailed")), why)
     elif recent:
@@ -187,6 +241,9 @@ def compute_status(obs: Observation, old: dict[str, Any] | None) -> dict[str, An
         if "speculative" not in status and old.get("speculative") and spec.speculative is not None:
             status["speculative"] = old["speculative"]
         status["endpoint"] = endpoint(obs.owner, spec)
+        if obs.rollout is not None:
+            status["rayCluster"] = obs.rollout.serving
+            status["pendingRayCluster"] = obs.rollout.pending
         engine = _engine_conditions(obs, spec, ready, ctl)
         conds = [engine[0], _scheduled(obs), *engine[1:]]
     status["conditions"] = merge_conditions(old.get("conditions") or [], conds, obs.now, gen)

@@ -6,6 +6,11 @@ set -u
 cd "$(dirname "$0")/.."
 PYTEST=(.venv/bin/python -m pytest -q "$@")
 export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
+# Tests on the real SmolLM2 use its converted checkpoint, made once per machine into the cache
+# (~/.cache/fusedserve): a download, so here, before the private network namespace.
+if [ -z "${FUSEDSERVE_NO_FETCH:-}" ]; then
+  .venv/bin/fusedserve fetch-model smollm2 >/dev/null || echo "run-tests: fetch-model smollm2 failed (tests on it fail)" >&2
+fi
 if [ "$(id -u)" = 0 ] && command -v unshare >/dev/null && unshare -n true 2>/dev/null; then
   unshare -n sh -c 'ip link set lo up 2>/dev/null || true; exec "$@"' sh "${PYTEST[@]}"
 else

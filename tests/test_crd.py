@@ -108,9 +108,28 @@ def test_minimal_and_full_manifests_are_valid() -> None:
         placement={"nodeSelector": {"gpu": "h200"}, "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
                                                                      "effect": "NoSchedule"}],
                    "gpusPerNode": 8},
-        rollout={"maxUnavailable": 0, "maxSurge": 1}, suspend=False, restartToken="r1",
-        monitoring={"podMonitor": True})
+        rollout={"maxUnavailable": 0, "maxSurge": 1, "clusterDeletionDelaySeconds": 30}, suspend=False,
+        restartToken="r1", monitoring={"podMonitor": True}, image="ghcr.io/fusedserve/worker:0.1.0",
+        imagePullPolicy="IfNotPresent",
+        modelStorage={"cache": {"claimName": "models", "sizeLimit": "500Gi"},
+                      "huggingFace": {"tokenSecret": {"name": "hf", "key": "token"}, "endpoint": "https://hf.example"},
+                      "s3": {"credentialsSecret": {"name": "s3"}, "endpoint": "https://s3.example", "region": "us-east-1"}},
+        head={"resources": {"requests": {"cpu": 4, "memory": "16Gi"}, "limits": {"cpu": "4", "memory": "16Gi"}},
+              "affinity": {"nodeAffinity": {}}, "priorityClassName": "high", "serviceAccountName": "llm",
+              "env": [{"name": "A", "value": "1"}, {"name": "B", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}],
+              "securityContext": {"readOnlyRootFilesystem": True}},
+        workers={"schedulerName": "volcano", "topologySpreadConstraints": [{"maxSkew": 1}],
+                 "volumes": [{"name": "cache", "emptyDir": {}}], "volumeMounts": [{"name": "cache", "mountPath": "/c"}],
+                 "imagePullSecrets": [{"name": "regcred"}], "tolerations": [{"key": "k", "operator": "Exists"}]},
+        service={"type": "LoadBalancer", "annotations": {"a": "b"}},
+        networkPolicy={"enabled": True, "apiClients": [{"namespaceSelector": {"matchLabels": {"a": "b"}},
+                                                        "podSelector": {}}, {"ipBlock": {"cidr": "10.0.0.0/8"}}]},
+        podDisruptionBudget={"enabled": True, "maxUnavailable": 2})
+    full["spec"]["model"] = {"uri": "hf://meta-llama/Llama-3.1-8B-Instruct@main", "dtype": "bfloat16"}
+    full["spec"]["serving"]["apiKeySecret"] = {"name": "api-keys", "key": "default"}
     assert validate(full) == []
+    for uri in ("s3://bucket/prefix/x", "pvc://models/llama", "pvc://models", "/models/llama", "hf://gpt2"):
+        assert validate(manifest(model={"uri": uri})) == [], uri
 
 
 INVALID: list[tuple[dict[str, Any], str]] = [
@@ -140,6 +159,24 @@ INVALID: list[tuple[dict[str, Any], str]] = [
     ({"rollout": {"maxSurge": -1}}, "-1 is less than the minimum of 0"),
     ({"restartToken": "t" * 100}, "is too long"),
     ({"suspend": "yes"}, "'yes' is not of type 'boolean'"),
+    ({"model": {"uri": "ftp://host/model"}}, "does not match"),
+    ({"model": {"uri": "hf://org/name@"}}, "does not match"),
+    ({"model": {"uri": "s3://UPPER/x"}}, "does not match"),
+    ({"model": {"uri": "hf://org/name", "path": "/m"}}, "exactly one of uri"),
+    ({"model": {"dtype": "float32"}}, "exactly one of uri"),
+    ({"serving": {"apiKeySecret": {"name": "Keys", "key": "k"}}}, "does not match"),
+    ({"serving": {"apiKeySecret": {"name": "keys"}}}, "'key' is a required property"),
+    ({"modelStorage": {"cache": {"sizeLimit": "lots"}}}, "does not match"),
+    ({"modelStorage": {"huggingFace": {"tokenSecret": {"name": "t", "key": "a b"}}}}, "does not match"),
+    ({"head": {"priorityClassName": "Not_Valid"}}, "does not match"),
+    ({"workers": {"env": [{"name": "1X", "value": "v"}]}}, "does not match"),
+    ({"workers": {"volumeMounts": [{"name": "v"}]}}, "'mountPath' is a required property"),
+    ({"service": {"type": "ExternalName"}}, "is not one of ['ClusterIP', 'NodePort', 'LoadBalancer']"),
+    ({"networkPolicy": {"apiClients": [{"podSelector": {"matchExpressions": [{"key": "a", "operator": "Is"}]}}]}},
+     "is not one of ['In', 'NotIn', 'Exists', 'DoesNotExist']"),
+    ({"podDisruptionBudget": {"maxUnavailable": -1}}, "-1 is less than the minimum of 0"),
+    ({"rollout": {"clusterDeletionDelaySeconds": 7200}}, "7200 is greater than the maximum of 3600"),
+    ({"imagePullPolicy": "Sometimes"}, "is not one of ['Always', 'IfNotPresent', 'Never']"),
 ]
 
 

@@ -134,138 +134,51 @@ def test_mla_decode_attention_and_fused_experts_equal_references() -> None:
         assert torch.isfinite(out).all() and _rel(out, ref) < 1e-2, (n, _rel(out, ref))
 
 
-def _small_config() -> Any:
-    from transformers import LlamaConfig
-
-    return LlamaConfig(vocab_size=1000, hidden_size=1024, intermediate_size=2048, num_hidden_layers=4,
-                       num_attention_heads=8, num_key_value_heads=2, head_dim=128, rope_theta=500000.0,
-                       architectures=["LlamaForCausalLM"])
-
-
-def _decode_inputs(tables: torch.Tensor, lens: torch.Tensor, n: int, step: int) -> tuple[torch.Tensor, ...]:
-    dev = tables.device
-    pos = lens[:n] + step
-    ids = (torch.arange(n, device=dev) * 37 + step * 11) % 1000
-    slots = tables[:n].long().gather(1, (pos // BLOCK)[:, None])[:, 0] * BLOCK + pos % BLOCK
-    return ids, pos, slots, tables[:n], (pos + 1).to(torch.int32)
-
-
-def _eager(model: Any, kv: Any, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
-           ctx: torch.Tensor) -> torch.Tensor:
-    from fusedserve.models.forward_batch import ForwardBatch
-
-    n = ids.shape[0]
-    tl = tables.tolist()
-    return model(ForwardBatch(ids, pos, [1] * n, ctx.tolist(), slots, tl, kv)).logits
-
-
-def _prefill(model: Any, kv: Any, tables: torch.Tensor, lens: list[int]) -> None:
-    from fusedserve.models.forward_batch import ForwardBatch
-
-    dev = tables.device
-    ids = torch.cat([(torch.arange(n, device=dev) * 7 + i) % 1000 for i, n in enumerate(lens)])
-    pos = torch.cat([torch.arange(n, device=dev) for n in lens])
-    slots = torch.cat([tables[i].long()[torch.arange(n, device=dev) // BLOCK] * BLOCK
-                       + torch.arange(n, device=dev) % BLOCK for i, n in enumerate(lens)])
-    model(ForwardBatch(ids, pos, lens, lens, slots, tables.tolist(), kv))
-
-
-@needs_gpu
-def test_graph_replay_equals_eager_and_reference() -> None:
-    from fusedserve.models.forward_batch import KVCache
-    from fusedserve.models.layers.kernels import Kernels
-    from fusedserve.models.parallel.collectives import Collectives
-    from fusedserve.models.parallel.groups import ParallelGroups
-    from fusedserve.models.random_init import random_model
-    from fusedserve.worker.executor.cuda_graph_runner import CudaGraphRunner
-
-    dev = torch.device("cuda")
-    models = {name: random_model(_small_config(), ParallelGroups.single_rank(), Collectives("nccl"),
-                                 dtype=torch.bfloat16, device=dev, seed=3, kernels=Kernels.named(name))
-              for name in ("triton", "reference")}
-    lens = [5, 40, 17, 100, 1, 64, 33, 9]
-    tables = torch.arange(8 * 8, dtype=torch.int32, device=dev).view(8, 8)  # 8 blocks (128 tokens) each
-    caches = {}
-    for name, model in models.items():
-        caches[name] = KVCache.allocate(model.kv_shapes(), 8 * 8 + 1, BLOCK, torch.bfloat16, dev)
-        _prefill(model, caches[name], tables, lens)
-    lens_t = torch.tensor(lens, device=dev)
-    runner = CudaGraphRunner(models["triton"], caches["triton"], max_blocks_per_seq=8, batch_sizes=(1, 2, 4, 8))
-    assert runner.use_graphs and set(runner.captured) == {1, 2, 4, 8}
-    ledger = runner.ledger
-    forwards = ledger.forwards
-    for step, n in enumerate((3, 8, 1, 5)):
-        inputs = _decode_inputs(tables, lens_t, n, step)
-        eager = _eager(models["triton"], caches["triton"], *inputs)
-        ref = _eager(models["reference"], caches["reference"], *inputs)
-        graph = runner.run(*inputs).clone()
-        assert graph.shape == (n, 1000) and torch.isfinite(graph).all()
-        assert _rel(graph, eager) < 1e-2, (step, _rel(graph, eager))
-        assert _rel(graph, ref) < 3e-2, (step, _rel(graph, ref))
-        assert [r.key for r in ledger.forward_records()] == runner.planned(n) == []
-    assert ledger.forwards == forwards + 2 * 4  # each step: an eager forward and a replay
-
-
-def _tp2_rank(rank: int, world: int, backend: str) -> dict[str, Any]:
-    from fusedserve.models.forward_batch import KVCache
-    from fusedserve.models.layers.kernels import Kernels
-    from fusedserve.models.parallel.collectives import Collectives
-    from fusedserve.models.parallel.fusion.selection import FusionMode, fused_kernel
+def _tp2_rank(rank: int, world: int, backend: str, model_dir: str) -> dict[str, Any] | None:
+    """A tp=2 engine on two GPUs: CUDA graphs captured on both ranks (the leader announces them), NCCL and
+    FlashInfer's fused all-reduce + RMSNorm inside them; planned == executed on every rank."""
     from fusedserve.models.parallel.groups import ParallelConfig, build_groups
-    from fusedserve.models.random_init import random_model
-    from fusedserve.worker.executor.cuda_graph_runner import CudaGraphRunner
+    from fusedserve.worker.engine.config import EngineConfig
+    from fusedserve.worker.engine.sequence import SamplingParams
+    from fusedserve.worker.parallel.rank import build_rank, follower_channel, lead_engine, leads
+    from fusedserve.worker.parallel.step_channel import follow
 
-    dev = torch.device("cuda", rank)
-    config = _small_config()
+    torch.cuda.set_device(rank)
     groups = build_groups(ParallelConfig(tp=world), rank, backend)
-    fused = make_fused_allreduce_norm("flashinfer", groups, config.hidden_size, torch.bfloat16)
-    collectives = Collectives(backend, fused=fused)
-    model = random_model(config, groups, collectives, dtype=torch.bfloat16, device=dev, seed=5,
-                         kernels=Kernels.triton())
-    lens = [5, 40, 17]
-    tables = torch.arange(3 * 8, dtype=torch.int32, device=dev).view(3, 8)
-    kv = KVCache.allocate(model.kv_shapes(), 3 * 8 + 1, BLOCK, torch.bfloat16, dev)
-    _prefill(model, kv, tables, lens)
-    runner = CudaGraphRunner(model, kv, max_blocks_per_seq=8, batch_sizes=(1, 2, 4))
-    lens_t = torch.tensor(lens, device=dev)
-    out: dict[str, Any] = {"path": fused.path, "errors": [], "planned": [], "executed": [], "eager_planned": []}
-    calls_before = dict(collectives.ledger.calls)
-    replays = 0
-    for step, n in enumerate((3, 1, 2, 3)):
-        inputs = _decode_inputs(tables, lens_t, n, step)
-        eager = _eager(model, kv, *inputs)
-        out["eager_planned"].append(model.comm.active.expected() == [r.key for r in collectives.ledger.forward_records()])
-        graph = runner.run(*inputs).clone()
-        replays += 1
-        out["errors"].append(_rel(graph, eager))
-        out["planned"].append(runner.planned(n))
-        out["executed"].append([r.key for r in collectives.ledger.forward_records()])
-    torch.cuda.synchronize()
-    calls = collectives.ledger.calls
-    # per op: eager forwards + replays, each exactly the planned count (capture not counted)
-    out["calls_delta"] = {}
-    for (op, group, _path), count in calls.items():
-        key = f"{op}|{group}"
-        out["calls_delta"][key] = out["calls_delta"].get(key, 0) + count - calls_before.get((op, group, _path), 0)
-    out["per_forward"] = {}
-    for _site, op, group in runner.planned(1):
-        out["per_forward"][f"{op}|{group}"] = out["per_forward"].get(f"{op}|{group}", 0) + 1
-    out["forwards"] = 4 + replays
+    config = EngineConfig(num_blocks=64, max_num_seqs=4, skip_tokenizer=True, dtype="bfloat16", device=f"cuda:{rank}",
+                          load_format="dummy", seed=5, cuda_graph_batch_sizes=(1, 2, 4))
+    built = build_rank(model_dir, config, groups, backend, "flashinfer")
+    out: dict[str, Any] = {"fusion": built.fusion.value, "tokens": None}
+    if leads(groups):
+        engine, runner = lead_engine(built, model_dir, config)
+        try:
+            done = engine.generate([[5, 6, 7, 8], [9, 10], [11, 12, 13]],
+                                   SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        finally:
+            runner.stop()
+        out["tokens"] = [c.token_ids for c in done]
+    else:
+        follow(built.executor, follower_channel(groups))
+    ledger = built.executor.ledger
+    assert ledger is not None
+    executed: dict[tuple[str, str], int] = {}
+    for (op, group, _path), n in ledger.calls.items():
+        executed[(op, group)] = executed.get((op, group), 0) + n
+    out.update(planned=dict(ledger.planned), executed=executed, paths=sorted({k[2] for k in ledger.calls}),
+               graph_runs=built.executor.graphs.runs if built.executor.graphs is not None else 0)
     return out
 
 
 @needs_two_gpus
-def test_tp2_graph_capture_runs_the_planned_collectives() -> None:
+def test_tp2_engine_graphs_run_the_planned_collectives(tmp_path: Any) -> None:
+    import json
+
     from fusedserve.worker.parallel.local_ranks import run_on_ranks
 
-    for rank, res in enumerate(run_on_ranks(_tp2_rank, 2, backend="nccl", timeout_s=600)):
-        assert max(res["errors"]) < 1e-2, (rank, res["errors"])
-        assert all(res["eager_planned"])
-        for planned, executed in zip(res["planned"], res["executed"]):
-            assert planned and executed == planned, (rank, executed, planned)
-        assert res["path"] == "flashinfer_fused", res["path"]
-        assert any(key.startswith("fused_ar_add_rmsnorm|") for key in res["per_forward"])
-        ran = {key: delta for key, delta in res["calls_delta"].items() if delta}
-        assert set(ran) == set(res["per_forward"]), (ran, res["per_forward"])
-        for key, delta in ran.items():
-            assert delta == res["forwards"] * res["per_forward"][key], (rank, key, delta, res["per_forward"])
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1000, "hidden_size": 1024,
+        "intermediate_size": 2048, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+        "head_dim": 128, "rope_theta": 500000.0, "max_position_embeddings": 512}))
+    for rank, res in enumerate(run_on_ranks(_tp2_rank, 2, str(tmp_path), backend="nccl", timeout_s=600)):
+        assert res["fusion"] == "flashinfer" and "flashinfer_fused" in res["paths"], res
+        assert res["planned"] == res["executed"] and res["graph_runs"] > 0, (rank, res)

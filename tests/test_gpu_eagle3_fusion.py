@@ -38,17 +38,17 @@ def _capture(rank: int, world: int, backend: str, model_dir: str) -> dict[str, A
 
     dev = torch.device("cuda", rank)
     groups = build_groups(ParallelConfig(world), rank, backend) if world > 1 else ParallelGroups.single_rank()
-    kernel = "flashinfer" if world > 1 else "off"
-    fused = make_fused_allreduce_norm(kernel, groups, 256, torch.bfloat16)
-    model = load_model(model_dir, groups, Collectives(backend, fused=fused), fusion=world > 1,
-                       dtype=torch.bfloat16, device=dev)
-    model.comm.capture_inputs_of(aux_layers(NUM_LAYERS))
+    mode = FusionMode.FLASHINFER if world > 1 else FusionMode.OFF
+    fused = fused_kernel(mode, groups, 256, torch.bfloat16)
+    model = load_model(model_dir, groups, Collectives(backend, fused=fused), dtype=torch.bfloat16, device=dev)
     kv = KVCache.allocate(model.kv_shapes(), 8, 4, torch.bfloat16, device=dev)
-    model(ForwardBatch.prefill(PROMPTS, kv, device=dev))
+    batch = ForwardBatch.prefill(PROMPTS, kv, device=dev)
+    batch.aux_layers = tuple(aux_layers(NUM_LAYERS))
+    out = model(batch)
     records = model.comm.ledger.forward_records()
-    return {"aux": torch.cat(model.comm.captured, dim=-1).float().cpu(),
+    return {"aux": torch.cat(out.hidden, dim=-1).float().cpu(),
             "paths": sorted({r.path for r in records}),
-            "plan_ok": [r.key for r in records] == model.comm.active.expected()}
+            "plan_ok": [r.key for r in records] == model.comm.ledger.forward_plan()}
 
 
 @needs_two_gpus
@@ -81,11 +81,11 @@ def _spec_run(rank: int, world: int, backend: str, dtype: str) -> dict[str, Any]
 
     def lead(engine: Any) -> dict[str, Any]:
         out = engine.generate(prompts, greedy)
-        paths = sorted({k[2] for k in engine.runner.model.comm.ledger.calls})
+        paths = sorted({k[2] for k in engine.collective_ledger().calls})
         return {"tokens": [c.token_ids for c in out], "accept": engine.stats().spec.acceptance_length,
                 "paths": paths}
 
-    return run_engine_group(rank, world, backend, TARGET, config, lead, fusion=world > 1, kernel="flashinfer")
+    return run_engine_group(rank, world, backend, TARGET, config, lead, fusion="flashinfer" if world > 1 else "off")
 
 
 @needs_two_gpus

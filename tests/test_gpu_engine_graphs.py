@@ -1,6 +1,6 @@
 """GPU (-m gpu): the engine with CUDA graphs (decode, verify and draft steps replayed at padded
 batch sizes) gives the eager engine's greedy outputs, with and without EAGLE3 speculation
-(tiny-code + tiny-code-eagle3, float32).
+(tiny-code + tiny-code-eagle3, float32: the GPU's kernel set for fp32 is the Triton one).
 
 Run outside the checkout (the source folder fusedserve/ would shadow the package), e.g.
 ``cd /tmp && python -m pytest <repo>/tests/test_gpu_engine_graphs.py -m gpu``.
@@ -44,7 +44,7 @@ def test_graph_engine_equals_eager_engine() -> None:
     for name, spec in specs.items():
         eager, _ = _generate(spec, False)
         graphed, engine = _generate(spec, True)
-        runner = engine.runner  # type: ignore[attr-defined]
+        runner = engine.executor  # type: ignore[attr-defined]
         assert runner.graphs is not None and runner.graphs.use_graphs and runner.graphs.runs > 0, name
         if engine.speculator is not None:  # type: ignore[attr-defined]
             draft = engine.speculator.draft  # type: ignore[attr-defined]

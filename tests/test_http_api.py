@@ -311,3 +311,13 @@ def test_dead_engine_gives_503_with_an_error_id_and_no_internals(caplog: pytest.
 
     with pytest.raises(EngineDead, match="a rank died"):
         asyncio.run(generate_after_close())
+
+
+def test_merged_outputs_keep_tokens_text_and_the_last_state() -> None:
+    from fusedserve.worker.engine.outputs import RequestOutput, merge_outputs
+    from fusedserve.worker.engine.sequence import FinishReason
+
+    a = RequestOutput("r", [1, 2], "ab", False, None, 5, 2)
+    b = RequestOutput("r", [3], "c", True, FinishReason.LENGTH, 5, 3)
+    assert merge_outputs([a]) is a
+    assert merge_outputs([a, b]) == RequestOutput("r", [1, 2, 3], "abc", True, FinishReason.LENGTH, 5, 3)

@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import copy
 import os
+import random
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from fusedserve.operator.children import desired_children, parse_spec
+from fusedserve.operator.children import Context, desired_children, parse_spec
 from fusedserve.operator.engine_config import runtime_manifest
 from fusedserve.operator.naming import Owner
+from fusedserve.operator.ray_auth import desired_token_secret
 from fusedserve.operator.ray_cluster import worker_sizing
 from fusedserve.worker.spec import RuntimeConfig, SpecError, parse_manifest
 
@@ -41,12 +44,63 @@ PLACED = _with(_example("02-tiny-code-tp2.yaml"), replicas=3, image="registry.ex
                           "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
                rollout={"maxSurge": 1}, resources={"gpusPerRank": 1, "cpu": "16", "memory": "128Gi"},
                restartToken="2026-11-30")
-CASES: dict[str, tuple[dict[str, Any], bool]] = {
-    "01-tiny-code": (_example("01-tiny-code.yaml"), True),
-    "02-tiny-code-tp2": (_example("02-tiny-code-tp2.yaml"), True),
-    "03-tiny-moe-dp-ep": (_example("03-tiny-moe-dp-ep.yaml"), False),  # no PodMonitor CRD in the cluster
-    "placed-tp2x3": (PLACED, True),
-    "suspended": (_with(_example("01-tiny-code.yaml"), suspend=True), True),
+MODEL_SOURCES = _with(_example("01-tiny-code.yaml"),
+                      model={"uri": "hf://meta-llama/Llama-3.1-8B-Instruct@0e9e39f", "dtype": "bfloat16"},
+                      speculative={"draftModel": "s3://models-bucket/drafts/llama-eagle3", "numSteps": 3},
+                      modelStorage={"cache": {"claimName": "model-cache"},
+                                    "huggingFace": {"tokenSecret": {"name": "hf-token", "key": "token"},
+                                                    "endpoint": "https://hf-mirror.example"},
+                                    "s3": {"credentialsSecret": {"name": "s3-creds"},
+                                           "endpoint": "https://minio.example:9000", "region": "eu-west-1"}})
+MODEL_PVC = _with(_example("01-tiny-code.yaml"), model={"uri": "pvc://models/llama/3.1-8b"},
+                  speculative={"draftModel": "hf://org/draft", "numSteps": 3},
+                  modelStorage={"cache": {"sizeLimit": "50Gi"}})
+POD_SETTINGS = _with(_example("02-tiny-code-tp2.yaml"), imagePullPolicy="Always", head={
+    "resources": {"requests": {"cpu": 2, "memory": "8Gi"}, "limits": {"memory": "8Gi"}},
+    "nodeSelector": {"pool": "cpu"}, "tolerations": [{"key": "dedicated", "operator": "Exists"}],
+    "priorityClassName": "inference-critical", "serviceAccountName": "llm-head",
+    "imagePullSecrets": [{"name": "regcred"}], "env": [{"name": "LOG_LEVEL", "value": "debug"}],
+    "envFrom": [{"configMapRef": {"name": "extra-env"}}],
+    "annotations": {"example.com/team": "ml"}, "labels": {"team": "ml"},
+}, workers={
+    "resources": {"requests": {"ephemeral-storage": "100Gi"}, "limits": {"rdma/ib": 1}},
+    "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}]}}},
+    "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+                                   "whenUnsatisfiable": "ScheduleAnyway",
+                                   "labelSelector": {"matchLabels": {"fusedserve.io/deployment": "tiny-code-tp2"}}}],
+    "schedulerName": "volcano", "volumes": [{"name": "flashinfer-cache", "emptyDir": {}}],
+    "volumeMounts": [{"name": "flashinfer-cache", "mountPath": "/home/ray/.cache/flashinfer"}],
+    "env": [{"name": "NCCL_DEBUG", "valueFrom": {"configMapKeyRef": {"name": "nccl", "key": "debug"}}}],
+    "securityContext": {"capabilities": {"add": ["IPC_LOCK"], "drop": ["ALL"]}},
+    "podSecurityContext": {"runAsUser": 2000, "runAsGroup": 2000, "fsGroup": 2000},
+})
+SECURED = _with(_example("01-tiny-code.yaml"),
+                serving={"port": 8000, "metricsPort": 9090, "apiKeySecret": {"name": "api-keys", "key": "default"}},
+                networkPolicy={"apiClients": [{"namespaceSelector": {"matchLabels": {"team": "apps"}}},
+                                              {"ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.1.0.0/16"]}}],
+                               "metricsClients": [{"namespaceSelector": {"matchLabels": {
+                                   "kubernetes.io/metadata.name": "monitoring"}}}]},
+                podDisruptionBudget={"maxUnavailable": 2}, replicas=3, placement={"gpusPerNode": 1})
+OPEN = _with(_example("01-tiny-code.yaml"), networkPolicy={"enabled": False}, podDisruptionBudget={"enabled": False},
+             service={"type": "LoadBalancer", "annotations": {"service.beta.kubernetes.io/aws-load-balancer-internal":
+                                                              "true"}, "labels": {"team": "ml"}})
+DOTTED = _example("01-tiny-code.yaml")
+DOTTED["metadata"]["name"] = "llama-3.1-8b-instruct." + "x" * 60
+CASES: dict[str, tuple[dict[str, Any], Context, str | None]] = {
+    "01-tiny-code": (_example("01-tiny-code.yaml"), Context(), None),
+    "02-tiny-code-tp2": (_example("02-tiny-code-tp2.yaml"), Context(), None),
+    "03-tiny-moe-dp-ep": (_example("03-tiny-moe-dp-ep.yaml"), Context(pod_monitor_crd=False), None),  # no CRD
+    "placed-tp2x3": (PLACED, Context(), None),
+    "suspended": (_with(_example("01-tiny-code.yaml"), suspend=True), Context(), None),
+    "model-sources": (MODEL_SOURCES, Context(), None),
+    "model-pvc": (MODEL_PVC, Context(), None),
+    "pod-settings": (POD_SETTINGS, Context(worker_image="mirror.example/fusedserve/worker@sha256:" + "a" * 64), None),
+    "secured": (SECURED, Context(operator_namespace="fusedserve-system"), None),
+    "no-policy-no-budget": (OPEN, Context(), None),
+    "rolling": (_with(_example("01-tiny-code.yaml"), image="ghcr.io/fusedserve/worker:0.2.0"), Context(),
+                "tiny-code-0a1b2"),  # the Service and the budget stay on the serving (older) cluster
+    "dotted-long-name": (DOTTED, Context(), None),
 }
 
 
@@ -58,15 +112,16 @@ _Dumper.add_representer(str, lambda d, s: d.represent_scalar("tag:yaml.org,2002:
                                                              style="|" if "\n" in s else None))
 
 
-def _render(body: dict[str, Any], monitor_crd: bool) -> str:
-    children = desired_children(Owner.of(body), parse_spec(body), monitor_crd)
-    return yaml.dump_all(children.all(), Dumper=_Dumper, sort_keys=True)
+def _render(body: dict[str, Any], ctx: Context, serving: str | None) -> str:
+    owner = Owner.of(body)
+    children = desired_children(owner, parse_spec(body), ctx, serving)
+    return yaml.dump_all([*children.all(), desired_token_secret(owner, "0" * 64)], Dumper=_Dumper, sort_keys=True)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_children_match_golden_files(case: str) -> None:
-    body, monitor_crd = CASES[case]
-    text = _render(body, monitor_crd)
+    body, ctx, serving = CASES[case]
+    text = _render(body, ctx, serving)
     path = GOLDEN / f"{case}.yaml"
     if os.environ.get("FUSEDSERVE_REGEN_GOLDEN"):
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -77,7 +132,7 @@ def test_children_match_golden_files(case: str) -> None:
 
 def test_every_child_is_owned_and_labelled() -> None:
     body = CASES["placed-tp2x3"][0]
-    for obj in desired_children(Owner.of(body), parse_spec(body), True).all():
+    for obj in desired_children(Owner.of(body), parse_spec(body), Context()).all():
         meta = obj["metadata"]
         assert meta["namespace"] == "default"
         assert meta["ownerReferences"] == [{
@@ -88,7 +143,7 @@ def test_every_child_is_owned_and_labelled() -> None:
 
 def test_config_map_is_a_manifest_the_runtime_accepts() -> None:
     body = CASES["placed-tp2x3"][0]
-    children = desired_children(Owner.of(body), parse_spec(body), True)
+    children = desired_children(Owner.of(body), parse_spec(body), Context())
     manifest = parse_manifest(yaml.safe_load(children.config_map["data"]["deployment.yaml"]))
     rc = RuntimeConfig.from_manifest(manifest)
     assert (rc.tensor, rc.replicas, rc.restart_token) == (2, 3, "2026-11-30")
@@ -119,7 +174,7 @@ def test_long_names_are_cut_with_a_hash_and_stay_unique() -> None:
     a["metadata"]["name"] = "a" * 60 + "-x1"
     b = copy.deepcopy(a)
     b["metadata"]["name"] = "a" * 60 + "-x2"
-    ca, cb = (desired_children(Owner.of(x), parse_spec(x), True) for x in (a, b))
+    ca, cb = (desired_children(Owner.of(x), parse_spec(x), Context()) for x in (a, b))
     for x, y in zip(ca.all(), cb.all()):
         assert len(x["metadata"]["name"]) <= 63 and x["metadata"]["name"] != y["metadata"]["name"]
     assert len(ca.ray_cluster["metadata"]["name"]) <= 40
@@ -144,11 +199,71 @@ def test_invalid_specs_name_the_field(spec: Any, message: str) -> None:
         parse_spec(body)
 
 
-def test_a_name_the_runtime_cannot_use_is_a_spec_error() -> None:
+DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+RFC1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+
+
+def _admitted_names() -> list[str]:
+    """Names the API server accepts for a custom resource (DNS subdomains), edge cases and random ones."""
+    names = ["a", "0", "9abc", "a.b", "a-b", "a.b.c", "1.2.3", "llama-3.1-8b-instruct", "x" * 63, "x" * 64,
+             "a." * 126 + "a", "z" * 253, "a" * 40, "a" * 41, "a--b", "a-" * 30 + "a"]
+    rng = random.Random(17)
+    while len(names) < 120:
+        labels = ["".join(rng.choice("abc019-") for _ in range(rng.randint(1, 40))).strip("-") or "q"
+                  for _ in range(rng.randint(1, 4))]
+        name = ".".join(labels)[:253].strip(".-")
+        if DNS_SUBDOMAIN.match(name):
+            names.append(name)
+    assert all(DNS_SUBDOMAIN.match(n) and len(n) <= 253 for n in names)
+    return names
+
+
+def test_every_name_the_api_server_admits_is_served_with_valid_distinct_children() -> None:
+    """Issue #18 item 5: no admitted name is refused; children fit their kinds' name rules, never collide."""
+    seen: dict[str, str] = {}
+    for name in _admitted_names():
+        body = _example("01-tiny-code.yaml")
+        body["metadata"]["name"] = name
+        spec = parse_spec(body)  # never a SpecError
+        owner = Owner.of(body)
+        children = desired_children(owner, spec, Context())
+        manifest = parse_manifest(yaml.safe_load(children.config_map["data"]["deployment.yaml"]))
+        assert RuntimeConfig.from_manifest(manifest).model_name == "tiny-code"
+        cluster = children.ray_cluster["metadata"]["name"]
+        assert RFC1035.match(cluster) and len(cluster) <= 40, cluster  # + "-head-svc" is a Service name
+        assert RFC1035.match(children.service["metadata"]["name"]) and len(children.service["metadata"]["name"]) <= 63
+        for obj in [*children.all(), {"metadata": {"name": owner.ray_token_secret, "labels": {}}}]:
+            child_name = obj["metadata"]["name"]
+            assert DNS_SUBDOMAIN.match(child_name) and len(child_name) <= 63, child_name
+            assert all(len(v) <= 63 and LABEL_VALUE.match(v) for v in obj["metadata"]["labels"].values())
+            key = f"{obj.get('kind')}/{child_name}"
+            assert seen.setdefault(key, name) == name, f"{name!r} and {seen[key]!r} share {key}"
+        plain = RFC1035.match(name) and len(name) <= 63
+        assert (owner.base == name) == bool(plain)  # names that fit are kept as they are
+
+
+def test_a_change_that_needs_new_pods_is_a_new_ray_cluster_and_engine_config_changes_are_not() -> None:
     body = _example("01-tiny-code.yaml")
-    body["metadata"]["name"] = "Not_A_DNS_Label"
-    with pytest.raises(SpecError, match="metadata.name"):
-        parse_spec(body)
+    first = desired_children(Owner.of(body), parse_spec(body), Context())
+    name = first.ray_cluster["metadata"]["name"]
+    for change in ({"image": "registry.example/worker:2"}, {"resources": {"cpu": "8"}},
+                   {"placement": {"nodeSelector": {"pool": "b"}}}, {"model": {"uri": "hf://org/other"}},
+                   {"head": {"env": [{"name": "X", "value": "1"}]}}, {"rayVersion": "2.61.0"},
+                   {"workers": {"schedulerName": "volcano"}}):
+        other = desired_children(Owner.of(body), parse_spec(_with(body, **change)), Context())
+        assert other.ray_cluster["metadata"]["name"] != name, change
+        assert other.config_map["metadata"]["name"] == f"{other.ray_cluster['metadata']['name']}-engine-config"
+    for change in ({"restartToken": "r2"}, {"serving": {"port": 8000, "maxSequences": 8}}, {"suspend": True},
+                   {"speculative": {"draftModel": "examples/checkpoints/tiny-code-eagle3", "numSteps": 2}},
+                   {"rollout": {"maxSurge": 1, "clusterDeletionDelaySeconds": 5}}):
+        other = desired_children(Owner.of(body), parse_spec(_with(body, **change)), Context())
+        assert other.ray_cluster["metadata"]["name"] == name, change
+    # The worker image default comes from the operator (the chart's workerImage) unless the spec sets one.
+    custom = desired_children(Owner.of(body), parse_spec(body), Context(worker_image="mirror.example/w:1"))
+    assert custom.ray_cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["image"] == \
+        "mirror.example/w:1"
+    assert custom.ray_cluster["metadata"]["name"] != name
 
 
 def test_the_operator_imports_neither_torch_nor_ray() -> None:
@@ -159,3 +274,22 @@ def test_the_operator_imports_neither_torch_nor_ray() -> None:
             "print(sorted(m for m in ('torch', 'ray', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kubernetes_validate_accepts_every_child_and_pod_template(case: str) -> None:
+    """Built-in children as they are; the RayCluster's head and worker pod templates as core/v1 PodTemplates
+    (KubeRay's CRD embeds that schema); strict: an unknown field fails."""
+    import kubernetes_validate
+
+    body, ctx, serving = CASES[case]
+    owner = Owner.of(body)
+    children = desired_children(owner, parse_spec(body), ctx, serving)
+    rc = children.ray_cluster["spec"]
+    templates = [rc["headGroupSpec"]["template"], *(g["template"] for g in rc["workerGroupSpecs"])]
+    objects = [o for o in children.all() if o["kind"] not in ("RayCluster", "PodMonitor")]
+    objects += [{"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": f"t{i}", "namespace": "default"},
+                 "template": t} for i, t in enumerate(templates)]
+    objects.append(desired_token_secret(owner, "0" * 64))
+    for obj in objects:
+        kubernetes_validate.validate(obj, "1.30.0", strict=True)

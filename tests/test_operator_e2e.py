@@ -39,7 +39,9 @@ ray_address = pytest.fixture(scope="module")(serve_process.ray_address)
 
 INFD = ("fusedserve.io", "v1alpha1", "inferencedeployments")
 CHILDREN = {"RayCluster": ("ray.io", "v1", "rayclusters"), "ConfigMap": ("", "v1", "configmaps"),
-            "Service": ("", "v1", "services"), "PodMonitor": ("monitoring.coreos.com", "v1", "podmonitors")}
+            "Service": ("", "v1", "services"), "PodMonitor": ("monitoring.coreos.com", "v1", "podmonitors"),
+            "NetworkPolicy": ("networking.k8s.io", "v1", "networkpolicies"),
+            "PodDisruptionBudget": ("policy", "v1", "poddisruptionbudgets")}
 
 
 def eventually(check: Callable[[], Any], timeout: float = 30.0, interval: float = 0.2) -> Any:
@@ -62,6 +64,18 @@ def infd(api: KubeAPI, name: str) -> dict[str, Any]:
 
 def child(api: KubeAPI, kind: str, name: str) -> dict[str, Any]:
     return api.get(object_path(*CHILDREN[kind], "default", name))  # type: ignore[no-any-return]
+
+
+def cluster_of(api: KubeAPI, deployment: str) -> str:
+    """The deployment's one RayCluster (named by its pod revision)."""
+    found = api.list_objects(*CHILDREN["RayCluster"], "default", label_selector=f"fusedserve.io/deployment={deployment}")
+    assert len(found) == 1, [c["metadata"]["name"] for c in found]
+    return str(found[0]["metadata"]["name"])
+
+
+def config_of(api: KubeAPI, deployment: str) -> str:
+    """The engine ConfigMap of the deployment's RayCluster."""
+    return f"{cluster_of(api, deployment)}-engine-config"
 
 
 def conditions(obj: dict[str, Any]) -> dict[str, tuple[str, str]]:
@@ -132,8 +146,10 @@ def test_deployment_reaches_ready_with_a_real_acceptance_length_scales_and_is_de
     with InProcessOperator():
         kube_api.kubectl("apply", "-f", "examples/01-tiny-code.yaml", cwd=REPO)
         uid = infd(kube_api, "tiny-code")["metadata"]["uid"]
-        for kind, name in (("RayCluster", "tiny-code"), ("ConfigMap", "tiny-code-engine-config"),
-                           ("Service", "tiny-code"), ("PodMonitor", "tiny-code")):
+        rc = eventually(lambda: cluster_of(kube_api, "tiny-code"))
+        for kind, name in (("RayCluster", rc), ("ConfigMap", f"{rc}-engine-config"),
+                           ("Service", "tiny-code"), ("PodMonitor", "tiny-code"), ("NetworkPolicy", "tiny-code"),
+                           ("PodDisruptionBudget", "tiny-code")):
             obj = eventually(lambda kind=kind, name=name: child(kube_api, kind, name))
             [ref] = obj["metadata"]["ownerReferences"]
             assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == ("InferenceDeployment", "tiny-code",
@@ -143,8 +159,8 @@ def test_deployment_reaches_ready_with_a_real_acceptance_length_scales_and_is_de
         assert conditions(waiting)["Ready"] == ("Unknown", "ControllerUnreachable")
         assert "fusedserve.io/finalizer" in infd(kube_api, "tiny-code")["metadata"]["finalizers"]
 
-        play_kuberay(kube_api, "tiny-code")
-        play_kubelet(kube_api, "tiny-code-engine-config", manifest)
+        play_kuberay(kube_api, rc)
+        play_kubelet(kube_api, f"{rc}-engine-config", manifest)
         server = Server(manifest, ray_address, port=port, extra_args=("--watch",))
         try:
             ready = eventually(lambda: (o := infd(kube_api, "tiny-code"))["status"].get("speculative") and
@@ -163,16 +179,22 @@ def test_deployment_reaches_ready_with_a_real_acceptance_length_scales_and_is_de
             assert ("Normal", "Ready") in events(kube_api, "tiny-code")
             assert "Ready" in kube_api.kubectl("get", "events").stdout
 
-            # Scale through the scale subresource: the ConfigMap follows, the controller adds a group.
+            # Scale through the scale subresource. The worker pod needs a third GPU (2 groups + 1 surge group):
+            # new pods, so a new RayCluster; the Service stays on the old one until the new one serves.
             kube_api.kubectl("scale", "infd/tiny-code", "--replicas=2")
-            eventually(lambda: "replicas: 2" in child(kube_api, "ConfigMap", "tiny-code-engine-config")["data"]
+            new = eventually(lambda: (c := [x["metadata"]["name"] for x in kube_api.list_objects(
+                *CHILDREN["RayCluster"], "default") if x["metadata"]["name"] != rc]) and c[0])
+            eventually(lambda: "replicas: 2" in child(kube_api, "ConfigMap", f"{new}-engine-config")["data"]
                        ["deployment.yaml"])
-            worker_group = child(kube_api, "RayCluster", "tiny-code")["spec"]["workerGroupSpecs"][0]
+            worker_group = child(kube_api, "RayCluster", new)["spec"]["workerGroupSpecs"][0]
             assert worker_group["rayStartParams"]["num-gpus"] == "3"  # 2 groups + 1 surge group of 1 GPU
-            play_kubelet(kube_api, "tiny-code-engine-config", manifest)
+            play_kuberay(kube_api, new)
+            play_kubelet(kube_api, f"{new}-engine-config", manifest)  # one controller plays both heads here
             scaled = eventually(lambda: (o := infd(kube_api, "tiny-code"))["status"].get("readyReplicas") == 2 and o,
                                 timeout=90)
             assert scaled["status"]["observedGeneration"] == 2 and conditions(scaled)["Ready"][0] == "True"
+            eventually(lambda: infd(kube_api, "tiny-code")["status"].get("rayCluster") == new)
+            assert child(kube_api, "Service", "tiny-code")["spec"]["selector"]["ray.io/cluster"] == new
             assert [g["index"] for g in scaled["status"]["groups"]] == [0, 1]
             scale = kube_api.get(object_path(*INFD, "default", "tiny-code", "scale"))
             assert (scale["spec"]["replicas"], scale["status"]["replicas"]) == (2, 2)
@@ -210,12 +232,12 @@ def test_invalid_and_malformed_objects_are_reported_and_never_stop_the_operator(
             assert conditions(obj)["Ready"] == ("False", "InvalidSpec")
             assert message in next(c["message"] for c in obj["status"]["conditions"] if c["type"] == "Ready")
             assert ("Warning", "InvalidSpec") in eventually(lambda name=name: events(kube_api, name))
-        assert eventually(lambda: child(kube_api, "RayCluster", "tiny-code-tp2"))  # the valid one still reconciles
-        with pytest.raises(KubeAPIError):
-            child(kube_api, "RayCluster", "bad-parallelism")
+        assert eventually(lambda: cluster_of(kube_api, "tiny-code-tp2"))  # the valid one still reconciles
+        with pytest.raises(AssertionError):
+            cluster_of(kube_api, "bad-parallelism")
         fixed = {"spec": {"parallelism": {"tensor": 2, "data": 1, "dataParallelAttention": False}}}
         kube_api.patch(object_path(*INFD, "default", "bad-parallelism"), fixed)
-        assert eventually(lambda: child(kube_api, "RayCluster", "bad-parallelism"))  # fixed -> reconciled
+        assert eventually(lambda: cluster_of(kube_api, "bad-parallelism"))  # fixed -> reconciled
         kube_api.kubectl("delete", "infd", "--all", "--timeout=30s")
         assert kube_api.list_objects(*INFD, "default") == []
 
@@ -224,16 +246,18 @@ def test_suspend_restart_token_and_monitoring_toggle(kube_api: KubeAPI, operator
     with InProcessOperator():
         kube_api.kubectl("apply", "-f", "examples/01-tiny-code.yaml", cwd=REPO)
         eventually(lambda: child(kube_api, "PodMonitor", "tiny-code"))
+        rc = cluster_of(kube_api, "tiny-code")
         kube_api.kubectl("patch", "infd", "tiny-code", "--type=merge", "-p", '{"spec": {"suspend": true}}')
-        eventually(lambda: child(kube_api, "RayCluster", "tiny-code")["spec"]["suspend"] is True)
-        group = child(kube_api, "RayCluster", "tiny-code")["spec"]["workerGroupSpecs"][0]
+        eventually(lambda: child(kube_api, "RayCluster", rc)["spec"]["suspend"] is True)
+        assert cluster_of(kube_api, "tiny-code") == rc  # suspending keeps the cluster (KubeRay deletes its pods)
+        group = child(kube_api, "RayCluster", rc)["spec"]["workerGroupSpecs"][0]
         assert group["replicas"] == 0
         eventually(lambda: conditions(infd(kube_api, "tiny-code"))["Ready"] == ("False", "Suspended"))
         kube_api.kubectl("patch", "infd", "tiny-code", "--type=merge",
                          "-p", '{"spec": {"suspend": false, "restartToken": "again-1"}}')
         eventually(lambda: "fusedserve.io/restart-token: again-1" in
-                   child(kube_api, "ConfigMap", "tiny-code-engine-config")["data"]["deployment.yaml"])
-        assert child(kube_api, "RayCluster", "tiny-code")["spec"]["suspend"] is False
+                   child(kube_api, "ConfigMap", f"{rc}-engine-config")["data"]["deployment.yaml"])
+        assert child(kube_api, "RayCluster", rc)["spec"]["suspend"] is False
         kube_api.kubectl("patch", "infd", "tiny-code", "--type=merge",
                          "-p", '{"spec": {"monitoring": {"podMonitor": false}}}')
         eventually(lambda: kube_api.list_objects(*CHILDREN["PodMonitor"], "default") == [])
@@ -256,19 +280,22 @@ def test_an_operator_restart_creates_no_duplicates_and_keeps_status(
     try:
         eventually(lambda: httpx.get(f"http://127.0.0.1:{health}/healthz", timeout=2).status_code == 200)
         kube_api.kubectl("apply", "-f", "examples/01-tiny-code.yaml", cwd=REPO)
-        play = eventually(lambda: child(kube_api, "RayCluster", "tiny-code"))
-        play_kuberay(kube_api, play["metadata"]["name"], workers=1)
+        play = eventually(lambda: cluster_of(kube_api, "tiny-code"))
+        play_kuberay(kube_api, play, workers=1)
         first = eventually(lambda: conditions(o := infd(kube_api, "tiny-code")).get("Scheduled", ("",))[0] == "True"
                            and o)
         proc.send_signal(signal.SIGKILL)  # mid-way: no cleanup
         proc.wait(10)
         kube_api.kubectl("scale", "infd/tiny-code", "--replicas=2")  # a change while nobody watches
         proc = start()
-        eventually(lambda: "replicas: 2" in child(kube_api, "ConfigMap", "tiny-code-engine-config")["data"]
-                   ["deployment.yaml"])
+        eventually(lambda: any("replicas: 2" in cm["data"]["deployment.yaml"] for cm in kube_api.list_objects(
+            *CHILDREN["ConfigMap"], "default")))
         again = eventually(lambda: (o := infd(kube_api, "tiny-code"))["status"].get("observedGeneration") == 2 and o)
+        # A third GPU in the worker pod is a new RayCluster (and its engine config) beside the serving one,
+        # which stays until the new one serves (nobody plays its head here): exactly those two, no duplicate.
         for kind, plural in CHILDREN.items():
-            assert len(kube_api.list_objects(*plural, "default")) == 1, kind
+            assert len(kube_api.list_objects(*plural, "default")) == (2 if kind in ("RayCluster", "ConfigMap")
+                                                                       else 1), kind
         since = {c["type"]: c["lastTransitionTime"] for c in first["status"]["conditions"]}
         now = {c["type"]: c["lastTransitionTime"] for c in again["status"]["conditions"]}
         assert now["Scheduled"] == since["Scheduled"] and now["Ready"] == since["Ready"]  # no transition: kept
@@ -290,10 +317,10 @@ def test_a_cluster_without_kuberay_is_retried_until_its_crd_appears(kube_api: Ku
     kube_api.kubectl("apply", "-f", "crds/", cwd=REPO)  # ours only: no RayCluster kind yet
     with InProcessOperator() as op:
         kube_api.kubectl("apply", "-f", "examples/01-tiny-code.yaml", cwd=REPO)
-        eventually(lambda: child(kube_api, "ConfigMap", "tiny-code-engine-config"))  # made before the RayCluster
+        eventually(lambda: kube_api.list_objects(*CHILDREN["ConfigMap"], "default"))  # made before the RayCluster
         time.sleep(2.0)  # a few retries (1 s apart) fail on the missing kind
         assert kube_api.list_objects(*INFD, "default")  # the object is untouched
         kube_api.kubectl("apply", "-f", str(fixtures.CRDS_DIR / "raycluster.yaml"))
-        assert eventually(lambda: child(kube_api, "RayCluster", "tiny-code"))
-        assert child(kube_api, "Service", "tiny-code")
+        assert eventually(lambda: cluster_of(kube_api, "tiny-code"))
+        assert eventually(lambda: child(kube_api, "Service", "tiny-code"))
     assert "is KubeRay installed?" in op.runner.output  # the temporary error, retried after its delay

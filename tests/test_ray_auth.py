@@ -1,40 +1,129 @@
-"""The embedded Ray of `fusedserve run` (issue 18: Ray's dashboard on 0.0.0.0, ports open, no
-authentication, so anyone on the network could submit jobs, i.e. run code).
+"""Ray's token authentication, asked of Ray itself with its own GCS client (issue 18: the head started Ray
+with its dashboard on 0.0.0.0, ports open and no authentication, so anyone on the network could submit
+jobs, i.e. run code).
 
-`fusedserve run` without ``--ray-address`` and without ``RAY_AUTH_MODE`` in its environment starts
-Ray with token authentication (a fresh token of the run) and no dashboard, on 127.0.0.1. Ray itself
-is asked, with its own GCS client: a call without the token or with a wrong one is refused
-(``AuthenticationError: InvalidAuthToken``), the same call with the run's token is answered;
-``ray.init`` without a token is refused.
+- As the operator configures it (``operator/ray_auth.py``): a real Ray head started with the head
+  container's environment and the token Secret's value admits a client that has the token and refuses one
+  without it, or with another.
+- The embedded Ray of `fusedserve run` (no ``--ray-address``, no ``RAY_AUTH_MODE`` in its environment): a
+  fresh token of the run; no dashboard, 127.0.0.1 only; a call without the token or with a wrong one is
+  refused (``AuthenticationError: InvalidAuthToken``), the same call with the run's token is answered;
+  ``ray.init`` without a token is refused.
+
+Runs in the suite's private network namespace (TESTING.md).
 """
 
 from __future__ import annotations
 
+import base64
 import os
 import re
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.append(str(ROOT))
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # `tests.*` importable under a bare `pytest` too
+    sys.path.append(str(REPO))
 
-from tests.serve_process import Server
+from fusedserve.operator.children import Context, desired_children, parse_spec
+from fusedserve.operator.naming import Owner
+from fusedserve.operator.ray_auth import TOKEN_DIR, TOKEN_KEY, desired_token_secret
+from tests.serve_process import Server, free_port
 
 pytestmark = pytest.mark.ray
+RAY = str(Path(sys.executable).with_name("ray"))
+PROBE = """
+import sys
+from ray._raylet import GcsClient
+try:
+    nodes = GcsClient(address=sys.argv[1]).get_all_node_info(timeout=20)
+except Exception as e:
+    print("refused", type(e).__name__, str(e).splitlines()[0][:300])
+else:
+    print("ok", len(nodes), "node(s)")
+"""
+
+
+def _probe(address: str, env: dict[str, Any]) -> str:
+    """Ray's own GCS client (a process of its own: Ray reads its auth settings once per process)."""
+    out = subprocess.run([sys.executable, "-c", PROBE, address], check=False, capture_output=True, text=True,
+                         timeout=120, env=env)
+    return out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-500:]
+
+
+def _base_env(home: Path) -> dict[str, str]:
+    """This environment without any Ray auth setting, and a home without anyone's ~/.ray/auth_token."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH") and k != "RAY_ADDRESS"}
+    return env | {"HOME": str(home), "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def _refused(answer: str) -> bool:
+    return answer.startswith("refused AuthenticationError") and "InvalidAuthToken" in answer
+
+
+# --- as the operator starts it -------------------------------------------------------------------
+
+
+def _pod_env(tmp_path: Path) -> dict[str, str]:
+    """The head container's Ray environment, its token file mounted from the Secret into ``tmp_path``."""
+    body = yaml.safe_load((REPO / "examples" / "01-tiny-code.yaml").read_text())
+    owner = Owner.of(body)
+    head = desired_children(owner, parse_spec(body), Context()).ray_cluster["spec"]["headGroupSpec"]
+    env = {e["name"]: e["value"] for e in head["template"]["spec"]["containers"][0]["env"] if "value" in e}
+    secret = desired_token_secret(owner, os.urandom(32).hex())
+    mount = tmp_path / "ray-token"
+    mount.mkdir()
+    (mount / TOKEN_KEY).write_bytes(base64.b64decode(secret["data"][TOKEN_KEY]))
+    assert env["RAY_AUTH_TOKEN_PATH"] == f"{TOKEN_DIR}/{TOKEN_KEY}"
+    env["RAY_AUTH_TOKEN_PATH"] = str(mount / TOKEN_KEY)
+    return env
+
+
+def test_ray_as_the_operator_starts_it_refuses_a_client_without_the_token(tmp_path: Path) -> None:
+    pod = _pod_env(tmp_path)
+    assert pod["RAY_AUTH_MODE"] == "token"
+    base = _base_env(tmp_path)
+    port = free_port()
+    temp = tempfile.mkdtemp(prefix="ra-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    head = subprocess.Popen([RAY, "start", "--head", "--port", str(port), "--num-cpus", "1",
+                             "--include-dashboard", "false", "--block", "--temp-dir", temp],
+                            env=base | pod, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    address = f"127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while not (seen := _probe(address, base | pod)).startswith("ok"):
+            assert time.monotonic() < deadline and head.poll() is None, seen
+            time.sleep(1)
+        assert _refused(_probe(address, base | {"RAY_AUTH_MODE": "disabled"}))
+        assert _refused(_probe(address, base | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64}))
+    finally:
+        try:  # only the Ray this test started (its own session); nothing in it to drain
+            os.killpg(head.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        head.wait(10)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+# --- the embedded Ray of `fusedserve run` ---------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def embedded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, str, str]]:
-    home = tmp_path_factory.mktemp("home")  # no ~/.ray/auth_token of anyone else
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH") and k != "RAY_ADDRESS"}
-    env.update(HOME=str(home), RAY_USAGE_STATS_ENABLED="0")
-    server = Server(ROOT / "examples/01-tiny-code.yaml", None, timeout=240, env=env)
+    home = tmp_path_factory.mktemp("home")
+    server = Server(REPO / "examples/01-tiny-code.yaml", None, timeout=240, env=_base_env(home))
     try:
         banner = "".join(server.output)
         match = re.search(r"Ray: embedded at (127\.0\.0\.1:\d+), no dashboard, token authentication", banner)
@@ -59,35 +148,14 @@ def _token_of_children(pid: int) -> str:
     raise AssertionError(f"no child of {pid} holds RAY_AUTH_TOKEN")
 
 
-GCS_PROBE = """
-import sys
-from ray._raylet import GcsClient
-try:
-    nodes = GcsClient(address=sys.argv[1]).get_all_node_info(timeout=20)
-except Exception as e:
-    print("REFUSED", type(e).__name__, str(e).splitlines()[0][:300])
-else:
-    print("OK", len(nodes), "node(s)")
-"""
-
-
-def _gcs_call(address: str, mode: str, token: str | None, home: Path) -> str:
-    """Ray's own GCS client (a process of its own: Ray reads its auth settings once per process)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
-    env.update(RAY_AUTH_MODE=mode, HOME=str(home), **({"RAY_AUTH_TOKEN": token} if token is not None else {}))
-    out = subprocess.run([sys.executable, "-c", GCS_PROBE, address], env=env, capture_output=True, text=True,
-                         timeout=120, check=False)
-    return out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-500:]
-
-
 def test_embedded_ray_refuses_a_client_without_the_token(embedded: tuple[Server, str, str], tmp_path: Path) -> None:
     server, address, token = embedded
-    for mode, wrong in (("disabled", None), ("token", "0" * 64)):
-        answer = _gcs_call(address, mode, wrong, tmp_path)
-        assert answer.startswith("REFUSED AuthenticationError") and "InvalidAuthToken" in answer, answer
-    assert _gcs_call(address, "token", token, tmp_path) == "OK 1 node(s)"  # the same call with the run's token
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
-    env.update(RAY_AUTH_MODE="token", HOME=str(tmp_path))  # no token anywhere
+    base = _base_env(tmp_path)
+    for wrong in ({"RAY_AUTH_MODE": "disabled"}, {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64}):
+        answer = _probe(address, base | wrong)
+        assert _refused(answer), answer
+    assert _probe(address, base | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}) == "ok 1 node(s)"
+    env = base | {"RAY_AUTH_MODE": "token"}  # no token anywhere
     out = subprocess.run([sys.executable, "-c", f"import ray; ray.init(address='{address}')"], env=env,
                          capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode != 0 and "AuthenticationError" in out.stderr, out.stderr[-2000:]

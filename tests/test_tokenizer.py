@@ -138,3 +138,25 @@ def test_push_after_stop_is_an_error(tok: Tokenizer) -> None:
     assert d.push(tok.encode("foo")).stopped
     with pytest.raises(RuntimeError):
         d.push([5])
+
+
+def test_fallback_reads_the_chat_template_from_chat_template_jinja(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers 5 saves the template to chat_template.jinja. When AutoTokenizer cannot load a
+    checkpoint (e.g. transformers 4 and a transformers-5 tokenizer_config.json naming the class
+    "TokenizersBackend"), the loader falls back to tokenizer.json and must find the template there too."""
+    import transformers
+
+    d = make_tiny_tokenizer(tmp_path, chat_template=None)
+    (d / "chat_template.jinja").write_text("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+                                           "{% if add_generation_prompt %}[assistant]{% endif %}")
+
+    def unusable(*args: object, **kwargs: object) -> None:
+        raise ValueError("Tokenizer class TokenizersBackend does not exist or is not currently imported.")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", unusable)
+    with caplog.at_level("WARNING"):
+        t = Tokenizer.from_dir(d)
+    assert "loading tokenizer.json directly" in caplog.text  # the fallback path ran
+    assert t.apply_chat_template([{"role": "user", "content": "hi"}]) == "[user]hi[assistant]"
+    assert t.decode(t.encode(TEXT)) == TEXT

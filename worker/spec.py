@@ -56,6 +56,10 @@ class ModelSpec(SpecModel):
     path: str = Field(min_length=1, max_length=1024, description="checkpoint directory (HF layout) in the worker")
     name: str | None = Field(default=None, max_length=253, description="served model name (default: deployment name)")
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # dummy: random weights from config.json alone (benchmarks at real shapes; vLLM's --load-format dummy)
+    load_format: Literal["auto", "dummy"] = "auto"
+    # serve token ids only, no tokenizer (vLLM's --skip-tokenizer-init): prompts must be token-id lists
+    skip_tokenizer: bool = False
 
 
 class ParallelismSpec(SpecModel):
@@ -282,6 +286,8 @@ class RuntimeConfig:
     model_name: str  # served name (``spec.model.name``, default the deployment's name)
     model_path: str
     dtype: str
+    load_format: str  # "auto" | "dummy"
+    skip_tokenizer: bool
     replicas: int
     tensor: int  # ranks per engine group
     data: int
@@ -311,7 +317,7 @@ class RuntimeConfig:
         return cls(
             name=manifest.metadata.name, namespace=manifest.metadata.namespace,
             model_name=spec.model.name or manifest.metadata.name, model_path=spec.model.path,
-            dtype=spec.model.dtype, replicas=spec.replicas, tensor=par.tensor, data=par.data,
+            dtype=spec.model.dtype, load_format=spec.model.load_format, skip_tokenizer=spec.model.skip_tokenizer, replicas=spec.replicas, tensor=par.tensor, data=par.data,
             expert=par.expert, dp_attention=par.data_parallel_attention,
             all_reduce_fusion=spec.communication.all_reduce_fusion.value,
             speculative=None if s is None else SpeculativeRuntime(s.draft_model, s.num_steps, s.top_k,

@@ -2,18 +2,22 @@
 
 Three sets, each op's fast version checked against its plain reference in tests:
 
-==========  =====================================  ==========================================
-name        attention                              norms, RoPE, SiLU-and-mul; routed experts
-==========  =====================================  ==========================================
-reference   ``paged_attention_reference``          the torch references; per-expert loop
-torch       ``paged_attention_torch`` (graphable)  the torch references; ``fused_experts_torch``
-triton      ``paged_decode_attention_triton``      Triton kernels (``*_triton.py``; GPU only);
-                                                   matmuls stay cuBLAS unless ``skinny_matmul``;
-                                                   ``fused_experts_triton``
-==========  =====================================  ==========================================
+===========  =====================================  ==========================================
+name         attention                              norms, RoPE, SiLU-and-mul; routed experts
+===========  =====================================  ==========================================
+reference    ``paged_attention_reference``          the torch references; per-expert loop
+torch        ``paged_attention_torch`` (graphable)  the torch references; ``fused_experts_torch``
+triton       ``paged_decode_attention_triton``      Triton kernels (``*_triton.py``; GPU only);
+             (decode; other steps: the torch one)   matmuls stay cuBLAS unless ``skinny_matmul``;
+                                                    ``fused_experts_triton``
+flashinfer   ``flashinfer_attention``, planned      as ``triton``
+             once per forward (``planner``)
+===========  =====================================  ==========================================
 
-``graph_safe`` says whether a forward reads its layout from device tensors only, so that
-``worker/cuda_graph_runner.py`` may capture it. Triton is imported only by ``Kernels.triton()``.
+``graph_safe`` says whether a forward reads its layout from device tensors (or a plan made before
+it) only, so that the executor may capture it as a CUDA graph (``worker/executor/step_graphs.py``).
+``planner`` makes the attention's per-forward planner (``attention_layout.AttentionPlanner``) for a
+KV cache; None = the attention needs none. Triton and FlashInfer are imported only by their sets.
 """
 
 from __future__ import annotations
@@ -25,13 +29,14 @@ import torch
 
 from ..parallel.fusion.reference import NormKernels
 from .attention import AttentionBackend, paged_attention_reference
+from .attention_layout import PlannerFactory
 from .fused_moe import FusedExpertsFn, fused_experts_torch
 from .linear import MatmulFn
 from .mlp import silu_and_mul
 from .paged_attention_torch import paged_attention_torch
 from .rotary import RopeKernel
 
-KERNEL_SETS = ("reference", "torch", "triton")
+KERNEL_SETS = ("reference", "torch", "triton", "flashinfer")
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,7 @@ class Kernels:
     # Routed MoE experts (``fused_moe.py``); None = RoutedExperts' per-expert loop (host sync).
     fused_moe: FusedExpertsFn | None = None
     graph_safe: bool = False
+    planner: PlannerFactory | None = None
 
     @staticmethod
     def reference() -> Kernels:
@@ -73,7 +79,21 @@ class Kernels:
                        graph_safe=True)
 
     @staticmethod
+    def flashinfer() -> Kernels:
+        """The GPU's fast set: FlashInfer paged attention (planned per forward) and the Triton
+        norm / RoPE / activation kernels; raises ImportError without FlashInfer or Triton."""
+        import flashinfer  # noqa: F401
+
+        from .attention_flashinfer import flashinfer_attention, flashinfer_planner
+
+        base = Kernels.triton()
+        return Kernels(name="flashinfer", attention=flashinfer_attention, norms=base.norms, rope=base.rope,
+                       silu_and_mul=base.silu_and_mul, matmul=None, fused_moe=base.fused_moe, graph_safe=True,
+                       planner=flashinfer_planner)
+
+    @staticmethod
     def named(name: str) -> Kernels:
         if name not in KERNEL_SETS:
             raise ValueError(f"unknown kernel set {name!r}; choose one of {', '.join(KERNEL_SETS)}")
-        return {"reference": Kernels.reference, "torch": Kernels.torch_native, "triton": Kernels.triton}[name]()
+        return {"reference": Kernels.reference, "torch": Kernels.torch_native, "triton": Kernels.triton,
+                "flashinfer": Kernels.flashinfer}[name]()

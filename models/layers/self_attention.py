@@ -14,6 +14,7 @@ from ..forward_batch import ForwardBatch
 from ..parallel.groups import Group
 from ..parallel.layouts import Unreduced
 from .attention import AttentionBackend, paged_attention_reference
+from .attention_layout import AttentionDims
 from .linear import QKVParallelLinear, RowParallelLinear
 from .rotary import RotaryEmbedding
 
@@ -34,6 +35,10 @@ class SelfAttention(nn.Module):
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, group, bias=o_bias, dtype=dtype, device=device)
         self.rotary = rotary
         self.scale = head_dim ** -0.5
+
+    def attention_dims(self) -> AttentionDims:
+        """Heads and dims on this rank (what an attention planner needs)."""
+        return AttentionDims(self.qkv_proj.q_heads, self.qkv_proj.kv_heads, self.head_dim, self.scale)
 
     def kv_shape(self) -> tuple[int, int]:
         """(kv_heads, head_dim) this rank caches."""

@@ -148,6 +148,15 @@ class ParallelGroups:
         )
 
 
+def unconnected_groups(config: ParallelConfig, rank: int = 0) -> ParallelGroups:
+    """One rank's groups of the grid without process groups: for building a model to check that it
+    splits (``models/split_check.py``), never for running collectives."""
+    grid = plan_group_ranks(config)
+    mine = {name: next(Group(name, ranks.index(rank), tuple(ranks)) for ranks in grid[name] if rank in ranks)
+            for name in GROUP_NAMES}
+    return ParallelGroups(config=config, coords=rank_coordinates(config, rank), **mine)
+
+
 def build_groups(config: ParallelConfig, rank: int, device_backend: str) -> ParallelGroups:
     """Create every process group of the grid. Requires an initialised default group.
 

@@ -20,8 +20,9 @@ from typing import Any
 import aiohttp.web
 import attrs
 import kmock
+import yaml
 
-from tests.kube import objects, printing
+from tests.kube import field_ownership, objects, printing
 from tests.kube.paths import parse_api_path
 from tests.kube.resources import (
     BUILTIN_TYPES,
@@ -52,6 +53,14 @@ def api_error(code: int, reason: str, message: str, rtype: ResourceType | None =
 def status_body(code: int, reason: str, message: str, details: Any = None) -> dict[str, Any]:
     return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
             "reason": reason, "details": details or {}, "code": code}
+
+
+def _is_apply(request: kmock.Request) -> bool:
+    return request.method == "PATCH" and request.headers.get("Content-Type", "").startswith(objects.APPLY_PATCH)
+
+
+def _manager(request: kmock.Request) -> str:
+    return field_ownership.manager_of(request.params.get("fieldManager"), request.headers.get("User-Agent", ""))
 
 
 def now_rfc3339() -> str:
@@ -117,6 +126,11 @@ class KubeEmulator(kmock.KubernetesScaffold):
             data = json.loads(body) if body else None
         except ValueError:
             data = None
+            if raw.headers.get("Content-Type", "").startswith(objects.APPLY_PATCH):
+                try:  # server-side apply takes YAML (JSON is YAML too)
+                    data = yaml.safe_load(body)
+                except yaml.YAMLError:
+                    data = None
         parsed = parse_api_path(raw.path)
         group, version, namespace, plural, name, subresource = parsed or (None,) * 6
         action = {"GET": kmock.action.FETCH if name else kmock.action.LIST, "POST": kmock.action.CREATE,
@@ -147,7 +161,8 @@ class KubeEmulator(kmock.KubernetesScaffold):
         if request.params.get("dryRun"):
             raise api_error(400, "BadRequest", "dryRun is not emulated")
         content_type = request.headers.get("Content-Type", "")
-        if request.method in ("POST", "PUT", "PATCH") and request.body and "json" not in content_type:
+        readable = "json" in content_type or content_type.startswith(objects.APPLY_PATCH)
+        if request.method in ("POST", "PUT", "PATCH") and request.body and not readable:
             raise api_error(415, "UnsupportedMediaType", f"the emulated API server reads JSON bodies only, not "
                             f"{content_type!r} (kubectl: use `apply -f` rather than `create <kind>`)")
         status, body = self._serve(request, rtype)
@@ -188,7 +203,7 @@ class KubeEmulator(kmock.KubernetesScaffold):
             if method == "GET":
                 return 200, self._list(rtype, namespace, self._selector(request))
             if method == "POST":
-                return 201, self._create(rtype, namespace, request.data)
+                return 201, self._create(rtype, namespace, request.data, _manager(request))
             if method == "DELETE":
                 found = self._matching(rtype, namespace, None, self._selector(request))
                 deleted = [self._delete(rtype, (rtype.key, namespace, o["metadata"]["name"]), None) for o in found]
@@ -197,6 +212,9 @@ class KubeEmulator(kmock.KubernetesScaffold):
         if sub is not None and sub not in rtype.subresources():
             raise api_error(404, "NotFound", "the server could not find the requested resource", rtype, name)
         key = (rtype.key, namespace, name)
+        if method == "PATCH" and sub is None and _is_apply(request) and (
+                key not in self._objects or self._objects[key].deleted):
+            return 201, self._apply_create(rtype, namespace, name, request)
         if method == "GET":
             current = self._current(rtype, key)
             return 200, objects.scale_of(current, rtype) if sub == "scale" else current
@@ -233,7 +251,8 @@ class KubeEmulator(kmock.KubernetesScaffold):
             raise api_error(404, "NotFound", f'{rtype.group_resource} "{key[2]}" not found', rtype, key[2])
         return self._objects[key].raw
 
-    def _create(self, rtype: ResourceType, namespace: str | None, body: Any) -> dict[str, Any]:
+    def _create(self, rtype: ResourceType, namespace: str | None, body: Any,
+                manager: str = "unknown") -> dict[str, Any]:
         if not isinstance(body, dict):
             raise api_error(400, "BadRequest", "the body of the request must be a JSON object")
         meta = body.get("metadata") or {}
@@ -253,7 +272,28 @@ class KubeEmulator(kmock.KubernetesScaffold):
             raise api_error(409, "AlreadyExists", f'{rtype.group_resource} "{name}" already exists', rtype, name)
         obj = objects.new_object(body, rtype, name=name, namespace=namespace, uid=str(uuid.uuid4()),
                                  now=now_rfc3339())
+        obj = field_ownership.record_update(None, obj, manager, tracks_status=not rtype.has_status,
+                                            now=now_rfc3339())
         return self._commit(rtype, key, "ADDED", obj, None)
+
+    def _apply_create(self, rtype: ResourceType, namespace: str | None, name: str,
+                      request: kmock.Request) -> dict[str, Any]:
+        """Server-side apply of an object that does not exist yet: created from the configuration."""
+        config = self._apply_config(rtype, name, request)
+        owned = field_ownership.apply(None, config, _manager(request), force=True,
+                                      tracks_status=not rtype.has_status, now=now_rfc3339())
+        obj = objects.new_object(owned, rtype, name=name, namespace=namespace, uid=str(uuid.uuid4()),
+                                 now=now_rfc3339())
+        obj["metadata"]["managedFields"] = owned["metadata"].get("managedFields", [])
+        return self._commit(rtype, (rtype.key, namespace, name), "ADDED", obj, None)
+
+    def _apply_config(self, rtype: ResourceType, name: str, request: kmock.Request) -> dict[str, Any]:
+        if not request.params.get("fieldManager"):
+            raise api_error(422, "Invalid", "PATCH: fieldManager is required for apply requests", rtype, name)
+        try:
+            return field_ownership.checked_config(request.data, rtype.api_version, rtype.kind, name)
+        except ValueError as exc:
+            raise api_error(400, "BadRequest", str(exc), rtype, name) from exc
 
     def _update(self, rtype: ResourceType, key: tuple[kmock.resource, str | None, str],
                 request: kmock.Request) -> dict[str, Any]:
@@ -266,10 +306,17 @@ class KubeEmulator(kmock.KubernetesScaffold):
             body_name = (desired.get("metadata") or {}).get("name")
             if body_name and body_name != key[2]:
                 raise api_error(400, "BadRequest", "the name of the object does not match the name on the URL")
+        elif _is_apply(request):
+            if sub is not None:
+                raise api_error(415, "UnsupportedMediaType", "server-side apply of a subresource is not emulated")
+            try:
+                desired = field_ownership.apply(old, self._apply_config(rtype, key[2], request), _manager(request),
+                                                force=request.params.get("force") in ("true", "1"),
+                                                tracks_status=not rtype.has_status, now=now_rfc3339())
+            except field_ownership.ApplyConflict as exc:
+                raise api_error(409, "Conflict", str(exc), rtype, key[2]) from exc
         else:
             content_type = request.headers.get("Content-Type", "")
-            if content_type.startswith(objects.APPLY_PATCH):
-                raise api_error(415, "UnsupportedMediaType", "server-side apply is not emulated")
             try:
                 base = objects.scale_of(old, rtype) if sub == "scale" else old
                 desired = objects.apply_patch(base, request.data, content_type)
@@ -287,7 +334,16 @@ class KubeEmulator(kmock.KubernetesScaffold):
                 raise api_error(422, "Invalid", str(exc), rtype, key[2]) from exc
         else:
             new = objects.next_version(old, desired, rtype, sub)
-        if new == old:
+        if sub is None:
+            if _is_apply(request):
+                new["metadata"]["managedFields"] = desired["metadata"].get("managedFields", [])
+            else:
+                new["metadata"]["managedFields"] = old["metadata"].get("managedFields", [])
+                new = field_ownership.record_update(old, new, _manager(request), tracks_status=not rtype.has_status,
+                                                    now=now_rfc3339())
+            if not new["metadata"]["managedFields"]:
+                del new["metadata"]["managedFields"]
+        if field_ownership.same_object(new, old):
             return old  # nothing changed: no new resourceVersion, no event
         meta = new["metadata"]
         deleting = bool(meta.get("deletionTimestamp")) and not meta.get("finalizers")

@@ -138,6 +138,8 @@ BUILTIN_TYPES: tuple[ResourceType, ...] = (
              has_status=True, scale=_WORKLOAD_SCALE),
     _builtin("apps", "v1", "statefulsets", "StatefulSet", short_names=("sts",), categories=("all",),
              has_status=True, scale=_WORKLOAD_SCALE),
+    _builtin("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy", short_names=("netpol",)),
+    _builtin("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", short_names=("pdb",), has_status=True),
     _builtin("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition",
              namespaced=False, short_names=("crd", "crds"), has_status=True),
 )

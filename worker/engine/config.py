@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...models.layers.kernels import KERNEL_SETS
 from ..spec_decode.config import SpeculativeConfig
 from .block_manager import BlockManager
 from .scheduler import SchedulerConfig
@@ -42,6 +43,9 @@ class EngineConfig:
     # static-shape forwards eagerly (tests).
     cuda_graphs: bool | None = None
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    # The kernel set: "auto" = the device's choice (executor/kernel_set.py: the fast set on a GPU, the
+    # references on CPU); or a name of models/layers/kernels.py (tests and benchmarks compare sets).
+    kernels: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -55,6 +59,8 @@ class EngineConfig:
                                     f"({self.max_num_seqs}): every running sequence needs a token per step")
         if self.dtype not in DTYPES:
             raise EngineConfigError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        if self.kernels != "auto" and self.kernels not in KERNEL_SETS:
+            raise EngineConfigError(f"kernels must be auto or one of {', '.join(KERNEL_SETS)}, not {self.kernels!r}")
         if self.load_format not in LOAD_FORMATS:
             raise EngineConfigError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, not {self.load_format!r}")
         try:

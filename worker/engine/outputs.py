@@ -26,6 +26,15 @@ class RequestOutput:
     num_output_tokens: int  # generated so far, including new_token_ids
 
 
+def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive outputs of one request as one (tokens and text in order; the last one's state)."""
+    if len(outs) == 1:
+        return outs[0]
+    last = outs[-1]
+    return RequestOutput(last.request_id, [t for o in outs for t in o.new_token_ids], "".join(o.text_delta for o in outs),
+                         last.finished, last.finish_reason, last.num_prompt_tokens, last.num_output_tokens)
+
+
 @dataclass
 class Completion:
     """A whole request's result (``Engine.generate``)."""

@@ -1,4 +1,5 @@
-"""The checkpoint's tokenizer and chat template (``tokenizer.json`` + ``tokenizer_config.json``).
+"""The checkpoint's tokenizer and chat template (``tokenizer.json`` + ``tokenizer_config.json``,
+the template in ``chat_template.jinja`` where transformers 5 writes it, else in ``tokenizer_config.json``).
 
 A thin wrapper over transformers' fast tokenizer, loaded from the checkpoint directory only
 (never the network). It knows the end-of-sequence ids of the checkpoint: the tokenizer's EOS
@@ -17,6 +18,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 
 class TokenizerError(RuntimeError):
@@ -68,8 +70,7 @@ class Tokenizer:
                 raise TokenizerError(f"{path}: cannot load the tokenizer: {auto_error}") from auto_error
             log.warning("%s: AutoTokenizer failed (%s); loading tokenizer.json directly", path, auto_error)
             try:
-                hf = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"),
-                                             **_special_tokens(path / "tokenizer_config.json"))
+                hf = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), **_special_tokens(path))
             except Exception as e:
                 raise TokenizerError(f"{path}/tokenizer.json: cannot load: {e}") from e
         return Tokenizer(hf, generation_eos_ids(path))
@@ -92,7 +93,8 @@ class Tokenizer:
                             **kwargs: Any) -> str:
         """The prompt text of a conversation (OpenAI-style ``{"role", "content"}`` messages)."""
         if not self.has_chat_template:
-            raise TokenizerError("the checkpoint's tokenizer_config.json has no chat_template")
+            raise TokenizerError(f"the checkpoint has no chat_template (neither {CHAT_TEMPLATE_FILE} nor "
+                                 "tokenizer_config.json holds one)")
         try:
             return str(self.hf.apply_chat_template(messages, tokenize=False,
                                                    add_generation_prompt=add_generation_prompt, **kwargs))
@@ -106,9 +108,14 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=False)
 
 
-def _special_tokens(config_file: Path) -> dict[str, Any]:
-    if not config_file.is_file():
-        return {}
-    config = json.loads(config_file.read_text())
+def _special_tokens(model_dir: Path) -> dict[str, Any]:
+    """The fallback's keyword arguments: special tokens from ``tokenizer_config.json``, the chat
+    template from ``chat_template.jinja`` (transformers 5) or else from ``tokenizer_config.json``."""
+    config_file = model_dir / "tokenizer_config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
     keys = ("bos_token", "eos_token", "unk_token", "pad_token", "chat_template")
-    return {k: config[k] for k in keys if isinstance(config.get(k), str)}
+    out = {k: config[k] for k in keys if isinstance(config.get(k), str)}
+    template = model_dir / CHAT_TEMPLATE_FILE
+    if template.is_file():
+        out["chat_template"] = template.read_text()
+    return out

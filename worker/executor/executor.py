@@ -29,6 +29,8 @@ import torch
 
 from ...models.forward_batch import ForwardBatch, KVCache
 from ...models.interface import ModelOutput, StepModel
+from ...models.layers.attention_layout import AttentionPlanner
+from ...models.layers.kernels import Kernels
 from ...models.layers.mamba_state import MambaStateCache
 from ...models.parallel.ledger import CollectiveLedger
 from .step import SeqRows, Step
@@ -46,7 +48,8 @@ class StepExecutor:
     def __init__(self, model: StepModel, kv_cache: KVCache, device: torch.device,
                  ledger: CollectiveLedger | None = None, state_cache: MambaStateCache | None = None,
                  reserved_blocks: int = 0, aux_layers: tuple[int, ...] = (), dp: int = 0,
-                 graph_ready: bool = False) -> None:
+                 graph_ready: bool = False, attention: AttentionPlanner | None = None,
+                 kernels: Kernels | None = None) -> None:
         if graph_ready and reserved_blocks < 1:
             raise ValueError("CUDA graphs need a reserved cache block for padding rows")
         self.model = model
@@ -58,6 +61,8 @@ class StepExecutor:
         self.aux_layers = aux_layers
         self.dp = dp
         self.graph_ready = graph_ready
+        self.attention = attention  # the attention backend's planner (FlashInfer); None = it needs none
+        self.kernels = kernels  # the model's kernel set (the EAGLE3 draft takes the target's)
         self.graphs: StepGraphs | None = None
 
     @property
@@ -110,6 +115,8 @@ class StepExecutor:
             dp_real_tokens=None if counts is None else torch.tensor(counts, dtype=torch.long, device=dev),
             aux_layers=self.aux_layers,
             input_hidden=None if hidden is None else hidden.to(dev),
+            attention=self.attention.plan(step.attention_layout()) if self.attention is not None and step.seqs
+            else None,
         )
 
     # --- the one entry point --------------------------------------------------------------------
@@ -169,7 +176,8 @@ class StepExecutor:
             raise ValueError("this executor was not built for CUDA graphs (graph-safe kernels, a padding block)")
         dtype = next(self.model.parameters()).dtype
         self.graphs = StepGraphs(self.model, self.kv_cache, shapes, max_blocks, dtype, self.ledger,
-                                 self.aux_layers, self.dp, use_graphs=self.device.type == "cuda")
+                                 self.aux_layers, self.dp, use_graphs=self.device.type == "cuda",
+                                 attention=self.attention)
         log.info("captured %d step shapes (%s) %s", len(shapes), ", ".join(str(s) for s in sorted(shapes)[:4]),
                  "as CUDA graphs" if self.graphs.use_graphs else "(run eagerly off CUDA)")
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...models.layers.attention_layout import AttentionLayout
 from ...models.parallel.dp_geometry import Padding
 from .step_shape import StepShape
 
@@ -103,3 +104,10 @@ class Step:
     @property
     def num_logits(self) -> int:
         return sum(s.num_logits for s in self.seqs)
+
+    def attention_layout(self) -> AttentionLayout:
+        """The forward's attention layout, for a backend that plans before the forward runs."""
+        masks = tuple(s.tail_mask for s in self.seqs)
+        return AttentionLayout(tuple(s.rows for s in self.seqs), tuple(s.context_len for s in self.seqs),
+                               tuple(s.block_table for s in self.seqs),
+                               masks if any(m is not None for m in masks) else None)

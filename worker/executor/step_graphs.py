@@ -28,10 +28,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ...models.forward_batch import ForwardBatch, KVCache, PagedAttentionMetadata
 from ...models.interface import ModelOutput
+from ...models.layers.attention_layout import AttentionLayout, AttentionPlanner, GraphSlot
 from ...models.parallel.dp_geometry import Padding
 from ...models.parallel.ledger import CapturedForward, CollectiveLedger
 from .step_shape import ShapeKey, StepShape
@@ -83,6 +85,7 @@ class _Captured:
     graph: Any  # torch.cuda.CUDAGraph; None when running eagerly
     outputs: tuple[torch.Tensor, ...]
     forward: CapturedForward
+    attention: Any  # the attention backend's static plan for this shape (None: it needs none)
 
 
 class StepGraphs:
@@ -91,7 +94,8 @@ class StepGraphs:
 
     def __init__(self, fn: StepFn, kv_cache: KVCache, shapes: Sequence[StepShape], max_blocks: int,
                  hidden_dtype: torch.dtype, ledger: CollectiveLedger | None = None,
-                 aux_layers: tuple[int, ...] = (), dp: int = 0, use_graphs: bool | None = None) -> None:
+                 aux_layers: tuple[int, ...] = (), dp: int = 0, use_graphs: bool | None = None,
+                 attention: AttentionPlanner | None = None) -> None:
         if not shapes:
             raise ValueError("no step shapes to capture")
         self.fn = fn
@@ -100,6 +104,7 @@ class StepGraphs:
         self.ledger = ledger if ledger is not None else CollectiveLedger()
         self.aux_layers = aux_layers
         self.dp = dp
+        self.attention = attention
         self.pad_slot = kv_cache.num_blocks * kv_cache.block_size - 1
         device = next(iter(kv_cache.k.values())).device
         self.device = device
@@ -107,7 +112,14 @@ class StepGraphs:
         if self.use_graphs and device.type != "cuda":
             raise ValueError("CUDA graphs need the model and its KV cache on a CUDA device")
         ordered = sorted(set(shapes), key=lambda s: (s.rows, s.tail, s.batch), reverse=True)
-        self._meta = torch.zeros(max(self._layout_size(s) for s in ordered), dtype=torch.long, device=device)
+        meta_size = max(self._layout_size(s) for s in ordered)
+        self._meta = torch.zeros(meta_size, dtype=torch.long, device=device)
+        # The host twin of _meta that each step is packed into (pinned on CUDA: an asynchronous copy).
+        self._host_t = torch.zeros(meta_size, dtype=torch.long, pin_memory=device.type == "cuda")
+        self._host = self._host_t.numpy()
+        # The last copy out of the pinned buffer: the next packing waits for it (a follower rank never
+        # reads its outputs, so nothing else would hold its host back from its stream).
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
         self._hidden = {h: torch.zeros(max(s.rows for s in ordered if s.hidden == h), h, dtype=hidden_dtype,
                                        device=device) for h in {s.hidden for s in ordered if s.hidden}}
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
@@ -148,7 +160,7 @@ class StepGraphs:
                       last_rows=torch.arange(b, device=dev) * q + q - 1,
                       hidden=self._hidden[shape.hidden][:t] if shape.hidden else None)
 
-    def _forward(self, shape: StepShape, v: _Views) -> tuple[torch.Tensor, ...]:
+    def _forward(self, shape: StepShape, v: _Views, attention: Any = None) -> tuple[torch.Tensor, ...]:
         """The padded forward on the static views (captured: everything here is replayed)."""
         b = shape.batch
         meta = PagedAttentionMetadata(block_tables=v.tables, context_lens=v.context_lens, token_seq=v.token_seq,
@@ -162,68 +174,89 @@ class StepGraphs:
             logits_indices=v.last_rows if shape.last_only else None, paged=meta,
             dp_num_tokens=[shape.rows] * self.dp if self.dp else None,
             dp_padding=Padding.MAX_LEN if self.dp else None, dp_real_tokens=v.dp_real,
-            aux_layers=self.aux_layers, input_hidden=v.hidden)
+            aux_layers=self.aux_layers, input_hidden=v.hidden, attention=attention)
         out = self.fn(batch)
         return (out.logits, *out.hidden)
 
     def _capture(self, shape: StepShape) -> _Captured:
         views = self._views(shape)
         packed = self._packed(shape, [], [0] * self.dp)
-        self._meta[: packed.shape[0]].copy_(packed)
+        self._meta[: packed.shape[0]].copy_(packed)  # synchronous
+        attention = None
+        if self.attention is not None:
+            attention = self.attention.graph_state(GraphSlot(shape.batch, shape.tokens, shape.tail, self.max_blocks))
+            self.attention.plan_graph(attention, self._layout(shape, []))
         if not self.use_graphs:
             with self.ledger.capture() as forward:
-                self._forward(shape, views)
-            return _Captured(views, None, (), forward)
+                self._forward(shape, views, attention)
+            return _Captured(views, None, (), forward, attention)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(WARMUP_RUNS):  # these really run: their collectives stay in the ledger
-                self._forward(shape, views)
+                self._forward(shape, views, attention)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with self.ledger.capture() as forward, torch.cuda.graph(graph, pool=self._pool):
-            outputs = self._forward(shape, views)
+            outputs = self._forward(shape, views, attention)
         log.debug("captured %s (%d collectives)", shape, len(forward.records))
-        return _Captured(views, graph, outputs, forward)
+        return _Captured(views, graph, outputs, forward, attention)
+
+    def _layout(self, shape: StepShape, seqs: Sequence[PackedSeq]) -> AttentionLayout:
+        """The padded forward's attention layout: every sequence ``tokens`` rows (real rows last),
+        padding sequences over a few slots of block 0 (their outputs are dropped)."""
+        q, tail = shape.tokens, shape.tail
+        pad_kv = max(q, tail, 1)
+        pad_mask = (True,) * (q * tail) if tail else None
+        qo = (q,) * shape.batch
+        kv = tuple(s.context_len for s in seqs) + (pad_kv,) * (shape.batch - len(seqs))
+        tables = tuple(tuple(s.block_table) for s in seqs) + ((0,),) * (shape.batch - len(seqs))
+        masks = None
+        if tail:
+            masks = tuple((True,) * ((q - len(s.token_ids)) * tail) + tuple(s.tail_mask or ()) for s in seqs) \
+                + (pad_mask,) * (shape.batch - len(seqs))
+        return AttentionLayout(qo, kv, tables, masks)
 
     # --- replay -----------------------------------------------------------------------------
 
     def _packed(self, shape: StepShape, seqs: Sequence[PackedSeq], dp_real: Sequence[int]) -> torch.Tensor:
-        """The shape's int64 layout on the host: real sequences first, then padding."""
-        q, m, tail = shape.tokens, self.max_blocks, shape.tail
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        index: list[int] = []
-        dest: list[int] = []
-        ctx: list[int] = []
-        tables: list[int] = []
-        masks: list[int] = []
-        pad_mask = [1] * (q * tail)
+        """The shape's int64 layout on the host (one pinned buffer, numpy slices: a step's host cost
+        follows its real rows, not the captured width): real sequences first, then padding."""
+        q, m, tail, b = shape.tokens, self.max_blocks, shape.tail, shape.batch
+        t = shape.rows
+        size = self._layout_size(shape)
+        if self._copied is not None:
+            self._copied.synchronize()
+        buf = self._host[:size]
+        buf[:] = 0
+        ids, pos, slots, index, dest = (buf[i * t:(i + 1) * t] for i in range(5))
+        ctx = buf[5 * t:5 * t + b]
+        tables = buf[5 * t + b:5 * t + b + b * m].reshape(b, m)
+        masks = buf[5 * t + b + b * m:5 * t + b + b * m + t * tail].reshape(t, tail) if tail else None
+        slots[:] = self.pad_slot
+        ctx[:] = 1
+        if masks is not None:
+            masks[:] = 1
+        real = 0
         for i, s in enumerate(seqs):
             k = len(s.token_ids)
+            lo, hi = i * q + q - k, i * q + q
             first = s.context_len - k
-            pad = q - k
-            ids += [0] * pad + list(s.token_ids)
-            pos += [0] * pad + list(s.positions)
-            slots += [self.pad_slot] * pad + list(s.slots)
-            index += [first] * pad + list(range(first, s.context_len))
-            dest += range(i * q + pad, i * q + q)
-            ctx.append(s.context_len)
-            tables += list(s.block_table) + [0] * (m - len(s.block_table))
-            if tail:
-                masks += [1] * (pad * tail) + [int(x) for x in (s.tail_mask or ())]
-        n_pad = shape.batch - len(seqs)
-        ids += [0] * (q * n_pad)
-        pos += [0] * (q * n_pad)
-        slots += [self.pad_slot] * (q * n_pad)
-        index += [0] * (q * n_pad)
-        dest += [0] * (shape.rows - len(dest))
-        ctx += [1] * n_pad
-        tables += [0] * (m * n_pad)
-        masks += pad_mask * n_pad
-        return torch.tensor(ids + pos + slots + index + dest + ctx + tables + masks + list(dp_real), dtype=torch.long)
+            ids[lo:hi] = s.token_ids
+            pos[lo:hi] = s.positions
+            slots[lo:hi] = s.slots
+            index[i * q:lo] = first
+            index[lo:hi] = np.arange(first, s.context_len)
+            dest[real:real + k] = np.arange(lo, hi)
+            real += k
+            ctx[i] = s.context_len
+            tables[i, :len(s.block_table)] = s.block_table
+            if masks is not None and s.tail_mask is not None:
+                masks[lo:hi] = np.asarray(s.tail_mask, dtype=np.int64).reshape(k, tail)
+        if self.dp:
+            buf[size - self.dp:size] = dp_real
+        return self._host_t[:size]
 
     def run(self, shape: StepShape, seqs: Sequence[PackedSeq], hidden: torch.Tensor | None = None,
             dp_real: Sequence[int] = ()) -> list[torch.Tensor]:
@@ -243,15 +276,19 @@ class StepGraphs:
             raise ValueError(f"{len(dp_real)} DP token counts for {self.dp} DP groups")
         packed = self._packed(shape, seqs, dp_real)
         self._meta[: packed.shape[0]].copy_(packed, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
         num_real = sum(len(s.token_ids) for s in seqs)
         dest = v.dest[:num_real]
         if v.hidden is not None:
             if hidden is None:
                 raise ValueError(f"{shape} takes a hidden input")
             v.hidden.index_copy_(0, dest, hidden.to(v.hidden.dtype))
+        if self.attention is not None:
+            self.attention.plan_graph(entry.attention, self._layout(shape, seqs))
         if entry.graph is None:
             with self.ledger.capture() as again:
-                outputs = self._forward(shape, v)
+                outputs = self._forward(shape, v, entry.attention)
             if [r.key for r in again.records] != [r.key for r in entry.forward.records]:
                 raise GraphReplayMismatch(f"{shape}: ran {[r.key for r in again.records]}, captured "
                                           f"{[r.key for r in entry.forward.records]}")

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ...models.forward_batch import KVCache
 from ...models.interface import CausalLM
 from ...models.layers.mamba_state import MambaStateCache
-from ...models.loader import architecture_of, load_config, load_model
+from ...models.loader import load_config, load_model
 from ...models.parallel.collectives import Collectives
 from ...models.parallel.fusion.selection import (
     FusionMode,
@@ -43,7 +43,7 @@ from ...models.random_init import random_model
 from ..engine.config import EngineConfig
 from ..engine.engine import Engine
 from ..executor.executor import StepExecutor
-from ..executor.kernel_set import KernelChoice, kernel_choice
+from ..executor.kernel_set import KernelChoice, kernel_choice, libraries
 from ..executor.kv_cache import KVCacheSizeError, available_memory, blocks_for
 from ..spec_decode.draft_model import draft_aux_layers
 from .dp_rounds import DPEngine, DPRounds
@@ -73,10 +73,12 @@ def agree_min(value: int, group: Group) -> int:
 
 
 def build_rank(model_dir: str | Path, config: EngineConfig, groups: ParallelGroups | None = None,
-               backend: str | None = None, fusion: str = "off", **model_kwargs: Any) -> Rank:
+               backend: str | None = None, fusion: str = "off", aux_layers: tuple[int, ...] | None = None,
+               **model_kwargs: Any) -> Rank:
     """This rank's model shard, KV cache and executor. ``fusion``: what the spec or CLI asks for
-    (``fusion/selection.py``: auto | on | off | reference | flashinfer); ``model_kwargs`` go to the
-    model class (benchmarks only)."""
+    (``fusion/selection.py``: auto | on | off | reference | flashinfer); ``aux_layers``: the layers whose
+    input residual every forward returns (default: what ``config.speculative``'s draft reads; set
+    without a draft, e.g. to train one); ``model_kwargs`` go to the model class (benchmarks only)."""
     groups = groups or ParallelGroups.single_rank()
     device = torch.device(config.device)
     cuda = device.type == "cuda"
@@ -87,12 +89,14 @@ def build_rank(model_dir: str | Path, config: EngineConfig, groups: ParallelGrou
     mode = fusion_mode(fusion, par.tp, par.dp_attention, device_capability(device), cuda and flashinfer_importable())
     kernel = fused_kernel(mode, groups, int(model_config.hidden_size), dtype)
     collectives = Collectives("nccl" if backend == "nccl" else "gloo", fused=kernel)
-    choice = kernel_choice(device, config.cuda_graphs, architecture_of(model_config))
+    choice = kernel_choice(device, config.cuda_graphs, model_config, dtype, libraries() if cuda else frozenset(),
+                           config.kernels)
+    kernels = choice.kernel_set()
     if config.load_format == "dummy":
         model: CausalLM = random_model(model_config, groups, collectives, dtype, device, config.seed or 0,
-                                       kernels=choice.kernel_set(), **model_kwargs)
+                                       kernels=kernels, **model_kwargs)
     else:
-        model = load_model(model_dir, groups, collectives, dtype, device, choice.kernel_set(), **model_kwargs)
+        model = load_model(model_dir, groups, collectives, dtype, device, kernels, **model_kwargs)
     model.eval()
     state_shapes = model.state_shapes()
     num_blocks = config.num_blocks
@@ -106,9 +110,15 @@ def build_rank(model_dir: str | Path, config: EngineConfig, groups: ParallelGrou
     cache = KVCache.allocate(model.kv_shapes(), num_blocks + reserved, config.block_size, dtype, device)
     state_cache = MambaStateCache.allocate(state_shapes, config.max_num_seqs, dtype, device) if state_shapes \
         else None
-    aux = draft_aux_layers(config.speculative, model_config) if config.speculative is not None else ()
+    aux = aux_layers if aux_layers is not None else \
+        draft_aux_layers(config.speculative, model_config) if config.speculative is not None else ()
+    attention = None
+    if kernels.planner is not None:
+        dims = model.attention_dims()
+        attention = kernels.planner(dims.num_qo_heads, dims.num_kv_heads, dims.head_dim, dims.scale, cache)
     executor = StepExecutor(model, cache, device, collectives.ledger, state_cache, reserved, aux,
-                            dp=par.dp if par.dp_attention else 0, graph_ready=choice.graphs)
+                            dp=par.dp if par.dp_attention else 0, graph_ready=choice.graphs, attention=attention,
+                            kernels=kernels)
     log.info("rank %d: %s, %d KV blocks of %d, fusion %s, kernels %s%s", groups.coords.rank, type(model).__name__,
              num_blocks, config.block_size, mode_of(kernel).value, choice.kernels,
              ", CUDA graphs" if choice.graphs else "")
@@ -134,11 +144,13 @@ def leads(groups: ParallelGroups) -> bool:
 
 
 def run_engine_group(rank: int, world: int, backend: str, model_dir: str | Path, config: EngineConfig,
-                     lead: Callable[[Engine], T], fusion: str = "off", dp: int = 1, ep: int = 1) -> T | None:
+                     lead: Callable[[Engine], T], fusion: str = "off", dp: int = 1, ep: int = 1,
+                     **model_kwargs: Any) -> T | None:
     """Run one rank of a ``world``-rank engine (torch.distributed already initialised): the leader
-    returns ``lead(engine)``; followers serve its forwards and return None."""
+    returns ``lead(engine)``; followers serve its forwards and return None. ``model_kwargs``: the
+    model class's benchmark-only alternatives (as ``build_rank``)."""
     groups = build_groups(ParallelConfig(world, dp, ep), rank, backend) if world > 1 else ParallelGroups.single_rank()
-    built = build_rank(model_dir, config, groups, backend, fusion)
+    built = build_rank(model_dir, config, groups, backend, fusion, **model_kwargs)
     if not leads(groups):
         forwards = follow(built.executor, follower_channel(groups))
         log.info("rank %d: leader stopped after %d forwards", rank, forwards)

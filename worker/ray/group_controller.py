@@ -254,6 +254,8 @@ class GroupController:
         """From the checkpoint's tokenizer files here: prompts are tokenised in this process, not by a rank."""
         from ..engine.tokenizer import Tokenizer, TokenizerError
 
+        if self.config.skip_tokenizer:  # model.skipTokenizer: token-id prompts only, text and chat get a 400
+            return None
         try:
             return Tokenizer.from_dir(self.config.model_path)
         except TokenizerError as e:

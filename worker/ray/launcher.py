@@ -24,7 +24,7 @@ The API key (``--api-key`` or ``$FUSEDSERVE_API_KEY``) guards ``/v1/*`` and ``/s
 texts only when the API listens on loopback. ``replicas: 0`` serves ``/health`` (503, not
 ready) and answers 503 "no ready engine groups" until scaled up.
 
-``--smoke`` sends a completion and a chat request with the openai client, prints them and the
+``--smoke`` sends a completion and a chat request through the OpenAI API, prints them and the
 key metrics, and exits 0 (what `make run` does).
 """
 
@@ -55,8 +55,10 @@ NO_GROUPS_MARK = "no engine groups (replicas: 0)"
 
 
 def resolve_paths(manifest: Manifest, manifest_path: str) -> Manifest:
-    """Relative checkpoint paths are relative to the working directory, else to the manifest's folder."""
+    """Relative checkpoint paths are relative to the working directory, else to the manifest's folder;
+    ``~`` is the user's home (``fusedserve fetch-model`` caches under ``~/.cache/fusedserve``)."""
     def resolve(field: str, p: str) -> str:
+        p = str(Path(p).expanduser())
         if Path(p).is_absolute():
             return p
         for base in (Path.cwd(), Path(manifest_path).resolve().parent):
@@ -74,7 +76,26 @@ def resolve_paths(manifest: Manifest, manifest_path: str) -> Manifest:
 
 
 def load_runtime_config(manifest_path: str) -> RuntimeConfig:
-    return RuntimeConfig.from_manifest(resolve_paths(load_manifest(manifest_path), manifest_path))
+    rc = RuntimeConfig.from_manifest(resolve_paths(load_manifest(manifest_path), manifest_path))
+    check_checkpoint_split(rc)
+    return rc
+
+
+def check_checkpoint_split(rc: RuntimeConfig) -> None:
+    """Refuse, before any rank actor starts, a parallelism the checkpoint cannot split (e.g. 9
+    attention heads over tensor: 2). Here the runtime first sees the checkpoint; where it cannot
+    (the checkpoint only on the workers' nodes) the ranks refuse it themselves."""
+    if not (Path(rc.model_path) / "config.json").is_file():
+        log.info("%s: no config.json here; the ranks check the split", rc.model_path)
+        return
+    from ...models.loader import CheckpointError, load_config
+    from ...models.parallel.groups import ParallelConfig
+    from ...models.split_check import SplitError, check_split
+
+    try:
+        check_split(load_config(rc.model_path), ParallelConfig(rc.tensor, rc.data, rc.expert))
+    except (CheckpointError, SplitError) as e:
+        raise SpecError(f"spec.parallelism: {e}") from e
 
 
 def embedded_ray_auth() -> str:
@@ -255,22 +276,45 @@ def wait_for_signals(reload: Any, watched: str | None = None) -> None:
                 print(f"fusedserve: reload refused: {e}", flush=True)
 
 
+def _auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _post(url: str, body: dict[str, Any], api_key: str | None = None) -> dict[str, Any]:
+    """One JSON request with the standard library (the runtime needs no HTTP client package)."""
+    import json
+    import urllib.request
+
+    headers = {"Content-Type": "application/json", **_auth_headers(api_key)}
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        out: dict[str, Any] = json.loads(resp.read())
+    return out
+
+
 def first_request(url: str, rc: RuntimeConfig, smoke: bool, api_key: str | None = None) -> str:
-    """A warm-up completion (and with ``smoke`` a chat too) with the openai client, and the key metrics."""
-    import httpx
-    from openai import OpenAI
+    """A warm-up completion (and with ``smoke`` a chat too) through the OpenAI API, and the key metrics."""
+    import urllib.request
+
     from prometheus_client.parser import text_string_to_metric_families
 
-    client = OpenAI(base_url=f"{url}/v1", api_key=api_key or "none", max_retries=0, timeout=300)
-    comp = client.completions.create(model=rc.model_name, prompt=SMOKE_PROMPT, max_tokens=32, temperature=0)
-    lines = [f"  completion: {SMOKE_PROMPT + comp.choices[0].text!r}"]
-    if smoke:
-        chat = client.chat.completions.create(model=rc.model_name, messages=[{"role": "user", "content": SMOKE_CHAT}],
-                                              max_tokens=24, temperature=0)
-        lines.append(f"  chat:       {chat.choices[0].message.content!r}")
+    if rc.skip_tokenizer:  # token ids in, token ids out: a token-id prompt, no chat
+        comp = _post(f"{url}/v1/completions", {"model": rc.model_name, "prompt": [1, 2, 3, 4], "max_tokens": 8,
+                                                 "temperature": 0}, api_key)
+        lines = [f"  completion (token ids, no tokenizer): {comp['usage']['completion_tokens']} tokens"]
+    else:
+        comp = _post(f"{url}/v1/completions", {"model": rc.model_name, "prompt": SMOKE_PROMPT, "max_tokens": 32,
+                                                 "temperature": 0}, api_key)
+        lines = [f"  completion: {SMOKE_PROMPT + comp['choices'][0]['text']!r}"]
+    if smoke and not rc.skip_tokenizer:
+        chat = _post(f"{url}/v1/chat/completions", {"model": rc.model_name, "max_tokens": 24, "temperature": 0,
+                                                      "messages": [{"role": "user", "content": SMOKE_CHAT}]}, api_key)
+        lines.append(f"  chat:       {chat['choices'][0]['message']['content']!r}")
+    metrics_req = urllib.request.Request(f"{url}/metrics", headers=_auth_headers(api_key))
+    with urllib.request.urlopen(metrics_req, timeout=30) as resp:
+        metrics_text = resp.read().decode()
     values: dict[str, float] = {}
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", headers=headers, timeout=30).text):
+    for fam in text_string_to_metric_families(metrics_text):
         for s in fam.samples:
             values[s.name] = values.get(s.name, 0.0) + s.value
     drafts = values.get("fusedserve_spec_decode_drafts_total", 0.0)

@@ -72,7 +72,7 @@ def engine_config(rc: RuntimeConfig, device: str) -> Any:
     return EngineConfig(
         block_size=rc.block_size, num_blocks=None if cuda else CPU_KV_BLOCKS, kv_memory_fraction=rc.kv_cache_fraction,
         max_num_seqs=rc.max_sequences, max_batch_tokens=rc.max_batch_tokens, max_model_len=rc.max_model_len,
-        dtype=rc.dtype_on(cuda), device=device,
+        dtype=rc.dtype_on(cuda), device=device, load_format=rc.load_format, skip_tokenizer=rc.skip_tokenizer,
         speculative=None if s is None else SpeculativeConfig(s.draft_model, s.num_steps, s.top_k, s.num_draft_tokens))
 
 
@@ -223,7 +223,9 @@ class RankActor:
                        ) -> AsyncIterator[dict[str, Any]]:
         from ..engine.sequence import SamplingParams
 
-        async for out in self.client.generate(prompt, SamplingParams(**params), request_id):
+        # Merged: what queued up while this generator waited goes as one Ray item (one per wake-up, not
+        # one per engine step per request: the stream's cost would otherwise grow with the load).
+        async for out in self.client.generate_merged(prompt, SamplingParams(**params), request_id):
             yield asdict(out)
 
     async def abort(self, request_id: str) -> None:

@@ -250,7 +250,9 @@ class _Api:
                 async for index, out in merge(streams, firsts):
                     _apply(choices[index], out)
                     reason = out.finish_reason.value if out.finished and out.finish_reason else None
-                    if out.text_delta or reason:
+                    # A chunk for every step that produced tokens (vLLM's rule), even when the text
+                    # delta is empty (a partial character held back, or a deployment without tokenizer).
+                    if out.new_token_ids or out.text_delta or reason:
                         yield emit(chunk(index, out.text_delta, reason))
                 if include_usage:
                     yield _sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [],

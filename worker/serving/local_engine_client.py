@@ -29,7 +29,7 @@ from typing import Any, Generic, TypeVar
 from typing_extensions import Self
 
 from ..engine.engine import Engine
-from ..engine.outputs import RequestOutput
+from ..engine.outputs import RequestOutput, merge_outputs
 from ..engine.sequence import FinishReason, SamplingParams
 from ..engine.tokenizer import Tokenizer
 from .engine_client import SNAPSHOT_LABELS, EngineDead, MetricsSnapshot
@@ -130,6 +130,21 @@ class LocalEngineClient:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str
                        ) -> AsyncIterator[RequestOutput]:
+        async for chunk in self._chunks(prompt, params, request_id):
+            for item in chunk:
+                yield item
+
+    async def generate_merged(self, prompt: str | list[int], params: SamplingParams, request_id: str
+                              ) -> AsyncIterator[RequestOutput]:
+        """``generate``, with the outputs that queued up while the consumer was busy merged into one
+        (a consumer across a process boundary, e.g. a Ray stream, then carries one item per wake-up
+        instead of one per engine step)."""
+        async for chunk in self._chunks(prompt, params, request_id):
+            yield merge_outputs(chunk)
+
+    async def _chunks(self, prompt: str | list[int], params: SamplingParams, request_id: str
+                      ) -> AsyncIterator[list[RequestOutput]]:
+        """The request's outputs, each time as many as have queued up (at least one)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[_Item] = asyncio.Queue()
         track = _Track(_Stream(loop, queue))
@@ -142,11 +157,16 @@ class LocalEngineClient:
         try:
             await self._call(add)
             while not finished:
-                item = await queue.get()
-                if isinstance(item, EngineDead):
-                    raise item
-                finished = item.finished
-                yield item
+                items = [await queue.get()]
+                while not queue.empty() and not (isinstance(items[-1], RequestOutput) and items[-1].finished):
+                    items.append(queue.get_nowait())
+                dead = next((i for i in items if isinstance(i, EngineDead)), None)
+                outs = [i for i in items if isinstance(i, RequestOutput)]
+                if outs:
+                    finished = outs[-1].finished
+                    yield outs
+                if dead is not None:
+                    raise dead
         finally:
             if not finished:
                 self._detach(request_id, track)

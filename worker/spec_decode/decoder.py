@@ -95,7 +95,7 @@ class SpecDecoder:
                                          "rejected drafts cannot be taken back out of it")
         model, draft = build_draft(config.draft_model, target_dir, target_config, local.kv_cache.num_blocks,
                                    local.kv_cache.block_size, dtype, local.device, local.graph_ready,
-                                   local.reserved_blocks)
+                                   local.reserved_blocks, local.kernels)
         if config.topk > model.draft_vocab:
             raise SpeculativeConfigError(f"topk {config.topk} exceeds the draft vocabulary ({model.draft_vocab})")
         log.info("EAGLE3 draft %s: aux layers %s, %d steps, topk %d, %d verified tokens", config.draft_model,

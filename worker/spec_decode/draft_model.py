@@ -26,6 +26,8 @@ import torch
 
 from ...models.eagle3 import Eagle3Draft, aux_layers, load_eagle3_draft
 from ...models.forward_batch import KVCache
+from ...models.layers.attention_layout import flashinfer_supports
+from ...models.layers.kernels import Kernels
 from ...models.layers.paged_attention_torch import paged_attention_torch
 from ...models.loader import CheckpointError, checkpoint_files, iter_checkpoint, load_config
 from ..executor.executor import StepExecutor
@@ -51,24 +53,33 @@ def draft_aux_layers(spec: SpeculativeConfig, target_config: Any) -> tuple[int, 
 
 def build_draft(draft_dir: str | Path, target_dir: str | Path, target_config: Any, num_blocks: int, block_size: int,
                 dtype: torch.dtype, device: torch.device, graph_ready: bool = False,
-                reserved_blocks: int = 0) -> tuple[Eagle3Draft, StepExecutor]:
+                reserved_blocks: int = 0, kernels: Kernels | None = None) -> tuple[Eagle3Draft, StepExecutor]:
     """The draft (its embedding from the target checkpoint when it has none) and its executor.
     ``num_blocks``: the target cache's, its ``reserved_blocks`` padding block included; ``graph_ready``:
-    graph-safe attention (the engine captures the draft's steps)."""
+    graph-safe attention (the engine captures the draft's steps); ``kernels``: the target's set, whose
+    attention (and planner) the draft takes when its heads fit, else the graph-safe torch attention."""
     embedding = None
     if checkpoint_tensor(draft_dir, EMBEDDING_NAMES, read=False) is None:
         embedding = checkpoint_tensor(target_dir, EMBEDDING_NAMES)
         if embedding is None:
             raise CheckpointError(f"{draft_dir}: the draft has no embed_tokens and {target_dir} has none to share")
-    model = load_eagle3_draft(str(draft_dir), int(target_config.hidden_size), embedding, dtype, device,
-                              paged_attention_torch if graph_ready else None)
+    draft_config = load_config(draft_dir)
+    head_dim = int(getattr(draft_config, "head_dim", None) or draft_config.hidden_size // draft_config.num_attention_heads)
+    fast = kernels is not None and kernels.planner is not None and flashinfer_supports(head_dim, dtype)
+    attention = kernels.attention if fast and kernels is not None else (paged_attention_torch if graph_ready else None)
+    model = load_eagle3_draft(str(draft_dir), int(target_config.hidden_size), embedding, dtype, device, attention)
     model.eval()
     mapped = model.to_target_ids(torch.arange(model.draft_vocab, device=device))
     if int(mapped.min()) < 0 or int(mapped.max()) >= int(target_config.vocab_size):
         raise CheckpointError(f"{draft_dir}: d2t maps draft ids outside the target vocabulary "
                               f"[0, {target_config.vocab_size})")
     cache = KVCache.allocate(model.kv_shapes(), num_blocks, block_size, dtype, device)  # type: ignore[arg-type]
-    return model, StepExecutor(model, cache, device, reserved_blocks=reserved_blocks, graph_ready=graph_ready)
+    planner = None
+    if fast and kernels is not None and kernels.planner is not None:
+        dims = model.attention_dims()
+        planner = kernels.planner(dims.num_qo_heads, dims.num_kv_heads, dims.head_dim, dims.scale, cache)
+    return model, StepExecutor(model, cache, device, reserved_blocks=reserved_blocks, graph_ready=graph_ready,
+                               attention=planner)
 
 
 def draft_shapes(model: Eagle3Draft, batch_sizes: list[int], num_steps: int, width: int) -> list[StepShape]:

@@ -43,6 +43,9 @@ app.kubernetes.io/instance: {{ .Release.Name | trunc 63 | trimSuffix "-" }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | trunc 63 | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: fusedserve
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
 {{- end -}}
 
 {{/* The operator pod's selector (also the metrics Service's and ServiceMonitor's). */}}
@@ -60,8 +63,29 @@ app.kubernetes.io/component: operator
 {{- end -}}
 {{- end -}}
 
+{{/*
+An image reference from {registry, repository, tag, digest}: include "fusedserve.imageRef" (list . .Values.image)
+global.imageRegistry replaces the registry; a digest replaces the tag; an empty tag is the appVersion.
+*/}}
+{{- define "fusedserve.imageRef" -}}
+{{- $root := index . 0 -}}
+{{- $image := index . 1 -}}
+{{- $registry := default $image.registry ($root.Values.global).imageRegistry -}}
+{{- $name := ternary (printf "%s/%s" $registry $image.repository) $image.repository (ne $registry "") -}}
+{{- if $image.digest -}}
+{{- printf "%s@%s" $name $image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" $name (default $root.Chart.AppVersion $image.tag) -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "fusedserve.image" -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- include "fusedserve.imageRef" (list . .Values.image) -}}
+{{- end -}}
+
+{{/* The worker image InferenceDeployments run unless they set spec.image. */}}
+{{- define "fusedserve.workerImage" -}}
+{{- include "fusedserve.imageRef" (list . .Values.workerImage) -}}
 {{- end -}}
 
 {{/*
@@ -79,6 +103,8 @@ true
 The operator's permissions, exactly what it uses. Namespaced rules go into a Role per watched namespace (or the
 ClusterRole when it watches all); cluster rules (CRDs, namespaces: cluster-scoped) always into the ClusterRole.
 InferenceDeployments' scale subresource is not here: the operator never uses it (see the -edit role).
+Secrets: it creates each deployment's Ray token, reads the API key a spec names, deletes them with it; pods:
+it reads their init containers' status (failed model downloads); kopf.dev: the replicas' peering objects.
 */}}
 {{- define "fusedserve.namespacedRules" -}}
 - apiGroups: ["fusedserve.io"]
@@ -94,11 +120,26 @@ InferenceDeployments' scale subresource is not here: the operator never uses it 
   resources: ["configmaps", "services"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "list", "create", "delete"]
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list"]
+- apiGroups: [""]
   resources: ["events"]
   verbs: ["create", "patch"]
 - apiGroups: ["monitoring.coreos.com"]
   resources: ["podmonitors"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["kopf.dev"]
+  resources: ["kopfpeerings"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 {{- end -}}
 
 {{- define "fusedserve.clusterRules" -}}
@@ -108,4 +149,7 @@ InferenceDeployments' scale subresource is not here: the operator never uses it 
 - apiGroups: [""]
   resources: ["namespaces"]
   verbs: ["get", "list", "watch"]
+- apiGroups: ["kopf.dev"]
+  resources: ["clusterkopfpeerings"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 {{- end -}}

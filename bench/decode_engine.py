@@ -1,0 +1,342 @@
+"""Decode and prefill through the engine's public API, against HF transformers in the same run.
+
+    . bench/device_env.sh && python -P bench/decode_engine.py --out $OUT/decode-engine.json
+    python bench/decode_engine.py --tiny          # a small model on CPU: checks the script only
+
+A Llama-3-8B-shaped model (random bf16 weights: ``load_format="dummy"``, the engine's defaults
+otherwise: CUDA graphs and the fast kernel set on the GPU) is driven only through
+``Engine.add_request`` / ``Engine.step``; every figure is wall time of ``step()`` (it returns
+sampled tokens, so each step is synchronised), after a warm-up. In one run:
+
+1. ceilings: copy bandwidth (read + write counted) and a large bf16 matmul;
+2. decode at batch 1 .. 64: each sequence a 128-token prompt, then ``--steps`` greedy decode
+   steps; ms per step (median, with min/max/spread over the steps) and tok/s; the honest roofline
+   of that step = bytes it must stream (every weight except the embedding table, one embedding
+   row per sequence, the K/V of each sequence's real context, the new K/V) over the copy bandwidth;
+3. a profile of one batch-1 decode step (kernels by kind);
+4. prefill: time to first token of one 1k- and one 8k-token prompt, at the default
+   ``max_batch_tokens`` (chunked prefill) and with one chunk; model FLOPs (2 x non-embedding
+   parameters x tokens + causal attention 2 x layers x L^2 x q_heads x head_dim) over the time,
+   against the datasheet dense bf16 peak (989 TFLOP/s) and the matmul measured here;
+5. the peer a user would otherwise pick on one GPU: HF transformers with a ``StaticCache`` and a
+   ``torch.compile``d one-token step (``cudagraph_mark_step_begin`` before each call) at the same
+   batches and prompt length;
+6. the fast kernel set's greedy tokens against the reference set's (same weights, eager) for
+   ``--check-tokens`` steps at batch 1: first divergence, and the max |logit| difference of the
+   first step (bf16 tolerance).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import fusedserve.worker  # noqa: F401  (the installed package, before the checkout joins sys.path)
+from fusedserve.worker.engine.config import EngineConfig
+from fusedserve.worker.engine.engine import Engine
+from fusedserve.worker.engine.sequence import SamplingParams
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+from bench.common import (
+    Progress,
+    copy_bandwidth,
+    matmul_peak,
+    profile,
+    record_header,
+    spread,
+    sync,
+    write_record,
+)
+
+LLAMA3_8B: dict[str, Any] = {
+    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "vocab_size": 128256, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 8192, "tie_word_embeddings": False}
+TINY: dict[str, Any] = {
+    "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
+    "num_key_value_heads": 1, "vocab_size": 500, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 2048, "tie_word_embeddings": False}
+BATCHES = (1, 2, 4, 8, 16, 32, 64)
+PROMPT_LEN = 128
+DENSE_BF16_PEAK = 989e12  # H200 SXM datasheet, dense bf16
+progress = Progress("decode_engine")
+
+
+def model_dir(shape: dict[str, Any], root: Path) -> Path:
+    """A checkpoint directory with only config.json: the engine draws the weights (load_format dummy)."""
+    d = root / "llama-shape"
+    d.mkdir(parents=True, exist_ok=True)
+    config = {**shape, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "bfloat16",
+              "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu"}
+    (d / "config.json").write_text(json.dumps(config))
+    return d
+
+
+def weight_bytes(shape: dict[str, Any], dtype_bytes: int = 2) -> tuple[int, int]:
+    """(streamed weight bytes per decode step excluding the embedding table, embedding row bytes)."""
+    h, i, n, v = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"], shape["vocab_size"]
+    hd = h // shape["num_attention_heads"]
+    kv = shape["num_key_value_heads"] * hd
+    per_layer = h * (h + 2 * kv) + h * h + 3 * h * i + 2 * h
+    lm_head = v * h
+    return (n * per_layer + h + lm_head) * dtype_bytes, h * dtype_bytes
+
+
+def kv_bytes_per_token(shape: dict[str, Any], dtype_bytes: int = 2) -> int:
+    hd = shape["hidden_size"] // shape["num_attention_heads"]
+    return shape["num_hidden_layers"] * 2 * shape["num_key_value_heads"] * hd * dtype_bytes
+
+
+def engine_for(path: Path, device: str, **cfg: Any) -> Engine:
+    config = EngineConfig(device=device, dtype="bfloat16" if device == "cuda" else "float32", load_format="dummy",
+                          seed=0, skip_tokenizer=True, **cfg)
+    return Engine(path, config)
+
+
+def prompts_of(batch: int, length: int, vocab: int, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(batch)]
+
+
+def decode_run(engine: Engine, batch: int, steps: int, vocab: int, dev: torch.device) -> dict[str, Any]:
+    """``batch`` sequences prefilled, then ``steps`` decode steps timed one by one (wall time of step())."""
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
+    pending = {engine.add_request(p, params) for p in prompts_of(batch, PROMPT_LEN, vocab)}
+    while pending:  # prefill (chunked) until every sequence has its first token: all decode from here
+        pending -= {o.request_id for o in engine.step() if o.new_token_ids}
+    for _ in range(3):
+        engine.step()  # warm-up decode steps
+    times = []
+    for _ in range(steps):
+        sync(dev)
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    while engine.has_unfinished():
+        engine.step()
+    s = spread(times)
+    return {"batch": batch, "ms_per_step": 1000 * s["median"], "ms_min": 1000 * s["min"], "ms_max": 1000 * s["max"],
+            "spread": s["spread"], "steps": steps, "tok_per_s": batch / s["median"],
+            "context_at_midpoint": PROMPT_LEN + 3 + steps // 2}
+
+
+def host_profile(engine: Engine, batch: int, steps: int, vocab: int, top: int = 25) -> list[str]:
+    """cProfile of ``steps`` decode steps at ``batch``: where the host's time per step goes."""
+    import cProfile
+    import io
+    import pstats
+
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    pending = {engine.add_request(p, params) for p in prompts_of(batch, PROMPT_LEN, vocab, seed=5)}
+    while pending:
+        pending -= {o.request_id for o in engine.step() if o.new_token_ids}
+    for _ in range(3):
+        engine.step()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    prof.disable()
+    while engine.has_unfinished():
+        engine.step()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return [line for line in buf.getvalue().splitlines() if line.strip()][:top + 12]
+
+
+def ttft(engine: Engine, length: int, vocab: int, dev: torch.device) -> float:
+    [prompt] = prompts_of(1, length, vocab, seed=length)
+    sync(dev)
+    t = time.perf_counter()
+    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    while not any(o.new_token_ids for o in engine.step()):
+        pass
+    seconds = time.perf_counter() - t
+    while engine.has_unfinished():
+        engine.step()
+    return seconds
+
+
+def prefill_run(engine: Engine, length: int, shape: dict[str, Any], dev: torch.device, peak: float
+                ) -> dict[str, Any]:
+    ttft(engine, length, shape["vocab_size"], dev)  # warm-up at this shape
+    s = spread([ttft(engine, length, shape["vocab_size"], dev) for _ in range(3)])
+    flops = prefill_flops(shape, length)
+    r = {"prompt_tokens": length, "max_batch_tokens": engine.config.max_batch_tokens, "ttft_ms": 1000 * s["median"],
+         "spread": s["spread"], "model_flops": flops, "TFLOPs": flops / s["median"] / 1e12,
+         "fraction_of_datasheet_peak": flops / s["median"] / DENSE_BF16_PEAK,
+         "fraction_of_measured_matmul": flops / s["median"] / peak}
+    progress(f"prefill {length} (chunks of {engine.config.max_batch_tokens}): TTFT {r['ttft_ms']:.1f} ms = "
+             f"{r['TFLOPs']:.0f} TFLOP/s ({100 * r['fraction_of_datasheet_peak']:.0f}% of the datasheet peak)")
+    return r
+
+
+def prefill_flops(shape: dict[str, Any], length: int) -> float:
+    weights, _ = weight_bytes(shape, 1)
+    lm_head = shape["vocab_size"] * shape["hidden_size"]
+    hd = shape["hidden_size"] // shape["num_attention_heads"]
+    attention = 2 * shape["num_hidden_layers"] * length * length * shape["num_attention_heads"] * hd
+    return 2 * (weights - lm_head) * length + 2 * lm_head + attention  # the LM head runs on the last row only
+
+
+def hf_peer(shape: dict[str, Any], batches: tuple[int, ...], steps: int, dev: torch.device) -> dict[str, Any]:
+    """HF transformers, StaticCache + a compiled one-token step, random bf16 weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+
+    config = LlamaConfig(**shape)
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    try:
+        with torch.device(dev):
+            hf = LlamaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(default)
+    out: dict[str, Any] = {"what": "transformers LlamaForCausalLM, StaticCache, torch.compile(mode='reduce-overhead') "
+                                   "one-token step", "batches": []}
+    for batch in batches:
+        cache = StaticCache(config=hf.config, max_cache_len=PROMPT_LEN + steps + 8)
+        ids = torch.tensor(prompts_of(batch, PROMPT_LEN, shape["vocab_size"]), device=dev)
+        with torch.no_grad():
+            logits = hf(input_ids=ids, past_key_values=cache, use_cache=True,
+                        cache_position=torch.arange(PROMPT_LEN, device=dev)).logits[:, -1]
+        tok = logits.argmax(-1)[:, None]
+
+        def one(tok: torch.Tensor, pos: torch.Tensor, model: Any = hf, kv: Any = cache) -> torch.Tensor:
+            return model(input_ids=tok, past_key_values=kv, use_cache=True, cache_position=pos).logits[:, -1]
+
+        step = torch.compile(one, mode="reduce-overhead" if dev.type == "cuda" else None, fullgraph=False)
+        pos = torch.tensor([PROMPT_LEN], device=dev)
+        times = []
+        with torch.no_grad():
+            for i in range(steps + 3):
+                if dev.type == "cuda":
+                    torch.compiler.cudagraph_mark_step_begin()
+                sync(dev)
+                t = time.perf_counter()
+                logits = step(tok, pos)
+                tok = logits.argmax(-1)[:, None].clone()
+                int(tok[0, 0])  # a user reads the token: synchronise
+                if i >= 3:
+                    times.append(time.perf_counter() - t)
+                pos = pos + 1
+        s = spread(times)
+        out["batches"].append({"batch": batch, "ms_per_step": 1000 * s["median"], "spread": s["spread"],
+                               "tok_per_s": batch / s["median"]})
+        progress(f"HF peer batch {batch}: {1000 * s['median']:.2f} ms/step = {batch / s['median']:.0f} tok/s")
+        torch.compiler.reset()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def token_check(path: Path, device: str, steps: int, vocab: int) -> dict[str, Any]:
+    """Greedy tokens of the default (fast) set vs the reference set, same random weights, batch 1."""
+    [prompt] = prompts_of(1, PROMPT_LEN, vocab, seed=7)
+    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    runs = {}
+    for name, cfg in (("fast", {}), ("reference", {"kernels": "reference", "cuda_graphs": False})):
+        e = engine_for(path, device, max_num_seqs=4, **cfg)
+        [c] = e.generate([prompt], params)
+        runs[name] = c.token_ids
+        del e
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    same = next((i for i, (a, b) in enumerate(zip(runs["fast"], runs["reference"])) if a != b), steps)
+    return {"steps": steps, "first_divergence": same, "identical": runs["fast"] == runs["reference"],
+            "fast": runs["fast"][:16], "reference": runs["reference"][:16]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--steps", type=int, default=64, help="timed decode steps per batch size")
+    ap.add_argument("--check-tokens", type=int, default=32)
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    ap.add_argument("--peer-batches", default="1,16,64", help="HF peer batch sizes (each compiles once)")
+    ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--host-profile", action="store_true", help="cProfile the host side of decode steps")
+    ap.add_argument("--tiny", action="store_true", help="small model (CPU if no GPU): checks the script")
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    device = "cuda" if cuda else "cpu"
+    shape = TINY if args.tiny else LLAMA3_8B
+    batches = tuple(int(b) for b in args.batches.split(","))
+    record: dict[str, Any] = {**record_header(), "model_shape": shape, "dtype": "bfloat16" if cuda else "float32",
+                              "prompt_len": PROMPT_LEN}
+    bw = copy_bandwidth(dev, (4 << 30) if cuda and not args.tiny else (64 << 20))
+    peak = matmul_peak(dev, 8192 if cuda and not args.tiny else 512)
+    record["ceilings"] = {"copy_bandwidth_TBps": bw / 1e12, "matmul_bf16_TFLOPs": peak / 1e12,
+                          "datasheet_dense_bf16_TFLOPs": DENSE_BF16_PEAK / 1e12}
+    progress(f"copy bandwidth {bw / 1e12:.3f} TB/s, matmul {peak / 1e12:.0f} TFLOP/s")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = model_dir(shape, Path(tmp))
+        t = time.perf_counter()
+        engine = engine_for(path, device)
+        record["engine"] = {"build_s": time.perf_counter() - t, "kernels": engine.executor.kernels.name
+                            if engine.executor.kernels else None, "graphs": engine.executor.graphs is not None,
+                            "kv_blocks": engine.blocks.num_blocks, "max_model_len": engine.max_model_len}
+        progress(f"engine ready in {record['engine']['build_s']:.1f}s: {record['engine']}")
+        weights, row = weight_bytes(shape)
+        per_token_kv = kv_bytes_per_token(shape)
+        rows = []
+        for batch in batches:
+            r = decode_run(engine, batch, args.steps, shape["vocab_size"], dev)
+            streamed = weights + batch * row + batch * r["context_at_midpoint"] * per_token_kv
+            r["bytes_per_step"] = streamed
+            r["roofline_ms"] = 1000 * streamed / bw
+            r["fraction_of_roofline"] = r["roofline_ms"] / r["ms_per_step"]
+            rows.append(r)
+            progress(f"batch {batch}: {r['ms_per_step']:.2f} ms/step ({r['tok_per_s']:.0f} tok/s), roofline "
+                     f"{r['roofline_ms']:.2f} ms = {100 * r['fraction_of_roofline']:.1f}%, spread {r['spread']:.2f}")
+        record["decode"] = rows
+        if cuda:
+            params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+            engine.add_request(prompts_of(1, PROMPT_LEN, shape["vocab_size"])[0], params)
+            for _ in range(6):
+                engine.step()
+            record["profile_batch1_step"] = profile(engine.step, dev, reps=5)
+            progress(f"profile: {json.dumps(record['profile_batch1_step']['by_kind_us'])}")
+            while engine.has_unfinished():
+                engine.step()
+        if args.host_profile:
+            record["host_profile"] = {b: host_profile(engine, b, 30, shape["vocab_size"]) for b in (1, 64)}
+            for b, lines in record["host_profile"].items():
+                progress(f"host profile, batch {b}:\n" + "\n".join(lines[:30]))
+        lengths = (1024, 8191) if not args.tiny else (256, 1023)  # 8191 + 1 sampled = max_position_embeddings
+        prefill = [prefill_run(engine, n, shape, dev, peak) for n in lengths]  # chunked at max_batch_tokens
+        del engine
+        if cuda:
+            torch.cuda.empty_cache()
+        one_chunk = engine_for(path, device, max_batch_tokens=max(lengths))
+        prefill += [prefill_run(one_chunk, n, shape, dev, peak) for n in lengths]
+        del one_chunk
+        record["prefill"] = prefill
+        if cuda:
+            torch.cuda.empty_cache()
+        record["greedy_fast_vs_reference"] = token_check(path, device, args.check_tokens, shape["vocab_size"])
+        progress(f"fast vs reference greedy: {record['greedy_fast_vs_reference']}")
+    if not args.no_peer:
+        peer_batches = tuple(int(b) for b in args.peer_batches.split(",") if int(b) in batches)
+        record["hf_peer"] = hf_peer(shape, peer_batches, min(args.steps, 32), dev)
+        peer = {r["batch"]: r for r in record["hf_peer"]["batches"]}
+        record["speedup_vs_peer"] = {r["batch"]: peer[r["batch"]]["ms_per_step"] / r["ms_per_step"] for r in rows
+                                     if r["batch"] in peer}
+        progress(f"speed-up over the HF peer by batch: {record['speedup_vs_peer']}")
+    out = args.out or f"bench/results/{record['date']}-decode-engine-{'h200' if cuda else 'cpu'}.json"
+    progress(f"wrote {write_record(record, out)}")
+    print(json.dumps({"decode": [{k: r[k] for k in ('batch', 'ms_per_step', 'tok_per_s', 'fraction_of_roofline')}
+                                 for r in rows], "prefill": prefill,
+                      "speedup_vs_peer": record.get("speedup_vs_peer")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The real pair of issue #15 on the GPU machine: nothing can be downloaded there and one device call carries
+# 64 MiB (the project's files included), so `python bench/real_data.py` packs everything into .whl/real/
+# (ignored) beforehand, and the calls below carry it in pieces. /tmp survives between calls only while the
+# machine stays warm (calls at most ~30 s apart); every command first copies what its call carried into
+# /tmp/real and unpacks a carried .whl/serving-site-cp312.tar.xz.
+#
+#   bash bench/gpu_real.sh stage            carry e.g. .whl/real/part1 .whl/real/part2
+#   bash bench/gpu_real.sh train [MINUTES [ARGS]]  carry .whl/real/part3 .whl/real/part4 .whl/real/wheels
+#                                           .whl/real/data-train: joins and checks the GGUF, converts it
+#                                           (fusedserve fetch-model --gguf), trains the draft (fusedserve
+#                                           train-draft, MINUTES, default 6.5) into /tmp/real/smollm2-eagle3;
+#                                           $OUT/smollm2-eagle3/ and $OUT/train-draft.json come back
+#   bash bench/gpu_real.sh bench [ARGS...]  bench/spec_decode_real.py ARGS on /tmp/real/smollm2 and the draft
+#                                           ($DRAFT, else /tmp/real/smollm2-eagle3, else
+#                                           examples/checkpoints/smollm2-eagle3) -> $OUT/spec-decode-real.json;
+#                                           needs .whl/real/data carried once, and for --http the serving site
+#                                           (.whl/serving-site-cp312.tar.xz) and .whl/real/wheels-http
+set -euo pipefail
+cmd=${1:?usage: gpu_real.sh stage|train|bench [args]}
+shift
+T=${GPU_REAL_TMP:-/tmp}  # where the staged files live (the device: /tmp)
+R=$T/real
+OUT=${OUT:-/tmp/out}
+mkdir -p "$R" "$OUT"
+
+stage() {
+  for d in part1 part2 part3 part4 wheels wheels-http data data-train; do
+    if [ -d ".whl/real/$d" ]; then mkdir -p "$R/$d" && cp -r ".whl/real/$d/." "$R/$d/"; fi
+  done
+  if [ -f .whl/serving-site-cp312.tar.xz ] && [ ! -d $T/serving/ray ]; then
+    mkdir -p $T/serving && tar -C $T/serving -xJf .whl/serving-site-cp312.tar.xz
+    echo $T/serving > "$(python3 -c 'import site; print(site.getsitepackages()[0])')/zz-serving.pth"
+  fi
+  du -sh "$R"/* $T/serving 2>/dev/null || true
+}
+
+layout() {  # the package as `fusedserve` without installing it (as bench/device_env.sh)
+  mkdir -p $T/pkg/fusedserve && cp fusedserve/*.py $T/pkg/fusedserve/
+  for d in models worker operator; do ln -sfn "$PWD/$d" "$T/pkg/fusedserve/$d"; done
+  for w in wheels wheels-http; do
+    if [ -d "$R/$w" ] && [ ! -f "$T/site/.$w" ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --target $T/site "$R/$w"/*.whl && touch "$T/site/.$w"
+    fi
+  done
+  export PYTHONPATH=$T/pkg:$T/site NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 TOKENIZERS_PARALLELISM=false
+}
+
+model() {  # the converted checkpoint /tmp/real/smollm2 (once per warm machine); -P: not the checkout's fusedserve/
+  if [ ! -f "$R/smollm2/fusedserve-fetch.json" ]; then
+    cat "$R"/part1/*.part1 "$R"/part2/*.part2 "$R"/part3/*.part3 "$R"/part4/*.part4 > "$R/smollm2.gguf"
+    python3 -P -m fusedserve.cli fetch-model smollm2 --gguf "$R/smollm2.gguf" --out "$R/smollm2"
+    rm -f "$R/smollm2.gguf"
+  fi
+}
+
+stage
+case "$cmd" in
+  stage) ;;
+  train)
+    layout && model
+    python3 -P -m fusedserve.cli train-draft --target "$R/smollm2" --data "$R/data-train/sharegpt.json" \
+      --out "$R/smollm2-eagle3" --budget-minutes "${1:-6.5}" --log "$OUT/train-draft.json" "${@:2}"
+    cp -r "$R/smollm2-eagle3" "$OUT/"
+    ;;
+  bench)
+    layout && model
+    draft=${DRAFT:-$R/smollm2-eagle3}
+    [ -d "$draft" ] || draft=$PWD/examples/checkpoints/smollm2-eagle3
+    python3 -P bench/spec_decode_real.py --target "$R/smollm2" --draft "$draft" --data-dir "$R/data" \
+      --out "$OUT/spec-decode-real.json" "$@"
+    ;;
+  *) echo "unknown command $cmd" >&2; exit 2 ;;
+esac

@@ -1,0 +1,336 @@
+"""EAGLE3 on a real pair through the product: acceptance length on MT-bench and HumanEval, and tok/s
+with vs without speculation, through the engine and through the HTTP server.
+
+    python bench/spec_decode_real.py --target DIR --draft DIR [--data-dir .whl/real/data]
+        [--mtbench 80] [--humaneval 164] [--turns 2] [--max-new-tokens 256] [--temperatures 0,1]
+        [--configs none,chain-3,chain-5,chain-7,tree] [--http none,chain-5] [--hf-peer 8] [--out FILE]
+    python bench/spec_decode_real.py --tiny        # CPU, the tiny pair, a few prompts: checks the script
+
+Engine (``worker/engine/``, CUDA graphs on a GPU): batch 1, one fresh engine per (configuration,
+temperature), warmed up on one prompt; each prompt's drafts and accepted tokens are the difference
+of the engine's counters around it (``bench/acceptance_stats.py``: pooled acceptance length, per-prompt
+spread, bootstrap intervals). MT-bench: first turns, and with ``--turns 2`` the second turn asked after
+the configuration's own first answer. HumanEval: the problem's prompt as the user message.
+tok/s = generated tokens / wall time of the prompts of a set (after warm-up), the same run for every
+configuration. Configurations: chains of 3/5/7 steps, a tree of topK 4 over 5 steps verifying 8 tokens.
+
+HTTP (``--http``): ``fusedserve run`` on a manifest per configuration, the prompts sent one at a time with
+the openai client (chat completions), tok/s from the client's wall time, acceptance from /metrics.
+``--hf-peer N``: HF transformers' ``generate`` (greedy) on the first N MT-bench prompts, tok/s — a peer
+measured in the same run. The record (JSON) has date, machine, command and every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import fusedserve.worker  # noqa: F401  (the installed package, before the checkout joins sys.path)
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.append(str(ROOT))  # bench.*; fusedserve stays the installed one (bench/common.py)
+
+from bench.acceptance_stats import Counts, summary
+from bench.common import Progress, record_header, write_record
+from bench.real_prompts import DEFAULT_DIR, humaneval, mtbench
+
+CONFIGS: dict[str, dict[str, int] | None] = {
+    "none": None,
+    "chain-3": {"num_steps": 3},
+    "chain-5": {"num_steps": 5},
+    "chain-7": {"num_steps": 7},
+    "tree": {"num_steps": 5, "topk": 4, "num_draft_tokens": 8},
+}
+progress = Progress("spec_decode_real")
+
+
+def spec_config(draft: str, name: str) -> Any:
+    from fusedserve.worker.spec_decode.config import SpeculativeConfig
+
+    cfg = CONFIGS[name]
+    return None if cfg is None else SpeculativeConfig(draft, **cfg)
+
+
+def prompt_sets(args: argparse.Namespace) -> dict[str, list[tuple[str, list[str]]]]:
+    """name -> [(prompt id, user turns)]."""
+    sets: dict[str, list[tuple[str, list[str]]]] = {}
+    if args.mtbench:
+        rows = mtbench(args.data_dir, args.mtbench)
+        sets["mtbench"] = [(f"mt{q}", turns[: args.turns]) for q, _cat, turns in rows]
+    if args.humaneval:
+        sets["humaneval"] = [(tid, [p]) for tid, p in humaneval(args.data_dir, args.humaneval)]
+    return sets
+
+
+def run_engine(args: argparse.Namespace, name: str, temperature: float,
+               sets: dict[str, list[tuple[str, list[str]]]]) -> dict[str, Any]:
+    from fusedserve.worker.engine.config import EngineConfig
+    from fusedserve.worker.engine.engine import Engine
+    from fusedserve.worker.engine.sequence import SamplingParams
+
+    cuda = args.device == "cuda"
+    engine = Engine(args.target, EngineConfig(
+        device=args.device, dtype="bfloat16" if cuda else "float32", max_num_seqs=1, num_blocks=args.num_blocks,
+        speculative=spec_config(args.draft, name), seed=0, kv_memory_fraction=0.2))
+    tok = engine.tokenizer
+    assert tok is not None
+
+    def generate(messages: list[dict[str, str]], seed: int) -> tuple[list[int], float, Counts]:
+        params = SamplingParams(temperature=temperature, max_tokens=args.max_new_tokens, seed=seed)
+        before = engine.stats().spec
+        t = time.perf_counter()
+        [c] = engine.generate([tok.encode_chat(messages)], params)
+        if cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t
+        after = engine.stats().spec
+        counts = (after.drafts - before.drafts, after.accepted_tokens - before.accepted_tokens) if after and before else (0, 0)
+        return c.token_ids, seconds, counts
+
+    generate([{"role": "user", "content": "Hello!"}], 0)  # warm-up
+    out: dict[str, Any] = {}
+    for set_name, prompts in sets.items():
+        turns_out: list[dict[str, Any]] = []
+        for turn in range(max(len(t) for _, t in prompts)):
+            rows, tokens, seconds, per_prompt = [], 0, 0.0, []
+            for i, (pid, user_turns) in enumerate(prompts):
+                if turn >= len(user_turns):
+                    continue
+                history = per_prompt_history(turns_out, pid, user_turns, turn, tok)
+                ids, secs, counts = generate(history, 1000 * i + turn)
+                rows.append(counts)
+                tokens += len(ids)
+                seconds += secs
+                per_prompt.append({"id": pid, "tokens": len(ids), "seconds": round(secs, 4), "drafts": counts[0],
+                                   "accepted": counts[1], "text_ids": ids})
+            turns_out.append({"turn": turn + 1, "tokens": tokens, "seconds": round(seconds, 3),
+                              "tok_per_s": round(tokens / seconds, 2) if seconds else None,
+                              "acceptance": summary(rows) if name != "none" else None, "per_prompt": per_prompt})
+            progress(f"engine {name:8s} T={temperature:g} {set_name} turn {turn + 1}: {tokens} tokens, "
+                     f"{tokens / max(seconds, 1e-9):.1f} tok/s"
+                     + (f", acceptance length {turns_out[-1]['acceptance']['acceptance_length']:.3f}"
+                        if name != "none" else ""))
+        out[set_name] = turns_out
+    return out
+
+
+def per_prompt_history(turns_out: list[dict[str, Any]], pid: str, user_turns: list[str], turn: int,
+                       tok: Any) -> list[dict[str, str]]:
+    """The conversation up to ``turn``: earlier user turns and this configuration's own answers."""
+    messages: list[dict[str, str]] = []
+    for k in range(turn):
+        answer = next(p for p in turns_out[k]["per_prompt"] if p["id"] == pid)["text_ids"]
+        messages += [{"role": "user", "content": user_turns[k]},
+                     {"role": "assistant", "content": tok.decode(answer, skip_special_tokens=True)}]
+    return messages + [{"role": "user", "content": user_turns[turn]}]
+
+
+def run_http(args: argparse.Namespace, name: str, temperature: float,
+             sets: dict[str, list[tuple[str, list[str]]]]) -> dict[str, Any]:
+    """``fusedserve run`` serving the pair; the prompts' first turns one at a time with the openai client."""
+    import httpx
+    from openai import OpenAI
+
+    from fusedserve.worker.parallel.local_ranks import free_port
+
+    cfg = CONFIGS[name]
+    tokens = f", numDraftTokens: {cfg['num_draft_tokens']}" if cfg and "num_draft_tokens" in cfg else ""
+    spec = "" if cfg is None else (f"  speculative: {{draftModel: {args.draft}, numSteps: {cfg['num_steps']}, "
+                                   f"topK: {cfg.get('topk', 1)}{tokens}}}\n")
+    manifest = Path(tempfile.mkdtemp(prefix="spec-real-")) / "pair.yaml"
+    manifest.write_text(f"""apiVersion: fusedserve.io/v1alpha1
+kind: InferenceDeployment
+metadata: {{name: real-pair}}
+spec:
+  model: {{path: {args.target}}}
+{spec}  serving: {{maxSequences: 1, kvCacheFraction: 0.2}}
+""")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "fusedserve.cli", "run", str(manifest), "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=manifest.parent)  # not the checkout: its fusedserve/ would shadow the package
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "acceptance length:" in line or proc.poll() is not None:
+            break
+    url = f"http://127.0.0.1:{port}"
+    out: dict[str, Any] = {}
+    try:
+        if "acceptance length:" not in "".join(lines):
+            raise RuntimeError("fusedserve run did not start:\n" + "".join(lines[-30:]))
+        client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
+        for set_name, prompts in sets.items():
+            before = _metric_totals(httpx.get(f"{url}/metrics", timeout=30).text)
+            tokens, seconds = 0, 0.0
+            for i, (_pid, turns) in enumerate(prompts):
+                t = time.perf_counter()
+                r = client.chat.completions.create(model="real-pair", messages=[{"role": "user", "content": turns[0]}],
+                                                   max_tokens=args.max_new_tokens, temperature=temperature, seed=i)
+                seconds += time.perf_counter() - t
+                tokens += r.usage.completion_tokens if r.usage else 0
+            after = _metric_totals(httpx.get(f"{url}/metrics", timeout=30).text)
+            drafts = after["drafts"] - before["drafts"]
+            row: dict[str, Any] = {"prompts": len(prompts), "tokens": tokens, "seconds": round(seconds, 3),
+                                   "tok_per_s": round(tokens / seconds, 2) if seconds else None}
+            if drafts:
+                row["acceptance_length"] = round(1 + (after["accepted"] - before["accepted"]) / drafts, 4)
+            out[set_name] = row
+            progress(f"http   {name:8s} T={temperature:g} {set_name}: {json.dumps(row)}")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return out
+
+
+def _metric_totals(text: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    vals = {"drafts": 0.0, "accepted": 0.0}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "fusedserve_spec_decode_drafts_total":
+                vals["drafts"] += s.value
+            elif s.name == "fusedserve_spec_decode_accepted_tokens_total":
+                vals["accepted"] += s.value
+    return vals
+
+
+def hf_peer(args: argparse.Namespace, sets: dict[str, list[tuple[str, list[str]]]]) -> dict[str, Any]:
+    """HF transformers' greedy ``generate`` on the first prompts (the same device and dtype)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cuda = args.device == "cuda"
+    hf = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.bfloat16 if cuda else torch.float32)
+    hf = hf.to(args.device).eval()
+    tok = AutoTokenizer.from_pretrained(args.target)
+    prompts = [t[0] for _, t in next(iter(sets.values()))[: args.hf_peer]]
+    tokens, seconds = 0, 0.0
+    for i, text in enumerate(prompts):
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)["input_ids"].to(args.device)
+        t = time.perf_counter()
+        with torch.no_grad():
+            out = hf.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
+        if cuda:
+            torch.cuda.synchronize()
+        if i:  # the first is a warm-up
+            seconds += time.perf_counter() - t
+            tokens += int(out.shape[1] - ids.shape[1])
+    return {"what": "HF transformers generate (greedy, default dynamic cache, eager), batch 1",
+            "prompts_timed": max(len(prompts) - 1, 0), "tokens": tokens,
+            "tok_per_s": round(tokens / seconds, 2) if seconds else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target")
+    ap.add_argument("--draft")
+    ap.add_argument("--data-dir", default=str(DEFAULT_DIR))
+    ap.add_argument("--mtbench", type=int, default=80, help="MT-bench questions (first n; 0 = none)")
+    ap.add_argument("--humaneval", type=int, default=164, help="HumanEval problems (first n; 0 = none)")
+    ap.add_argument("--turns", type=int, default=2, choices=[1, 2], help="MT-bench turns")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--http", default="", help="configurations also measured through the HTTP server")
+    ap.add_argument("--hf-peer", type=int, default=0, help="HF generate on this many MT-bench prompts")
+    ap.add_argument("--num-blocks", type=int, default=None)
+    ap.add_argument("--tiny", action="store_true", help="CPU check of the script: the tiny pair, a few prompts")
+    ap.add_argument("--out", default=f"bench/results/{datetime.date.today()}-spec-decode-real.json")
+    args = ap.parse_args()
+    if args.tiny:
+        args.target = args.target or str(ROOT / "examples/checkpoints/tiny-code")
+        args.draft = args.draft or str(ROOT / "examples/checkpoints/tiny-code-eagle3")
+        args.mtbench, args.humaneval, args.max_new_tokens = min(args.mtbench, 2), min(args.humaneval, 2), 16
+        args.num_blocks = args.num_blocks or 64
+    if not args.target or not args.draft:
+        ap.error("--target and --draft are needed (or --tiny)")
+    args.device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+    temperatures = [float(t) for t in args.temperatures.split(",") if t]
+    configs = [c for c in args.configs.split(",") if c]
+    unknown = [c for c in configs + [c for c in args.http.split(",") if c] if c not in CONFIGS]
+    if unknown:
+        ap.error(f"unknown configurations {unknown}; known: {', '.join(CONFIGS)}")
+    sets = prompt_sets(args)
+    progress(f"{args.device}: {', '.join(f'{k} {len(v)}' for k, v in sets.items())} prompts, configs {configs}, "
+             f"temperatures {temperatures}")
+    engine: dict[str, Any] = {}
+    for temp in temperatures:
+        for name in configs:
+            engine[f"{name}@T={temp:g}"] = run_engine(args, name, temp, sets)
+    numbers: dict[str, Any] = {"engine": engine, "speedup_engine": speedups(engine, temperatures, configs)}
+    numbers["greedy_equal_to_no_speculation"] = greedy_equal(engine, configs)
+    if args.http:
+        numbers["http"] = {f"{name}@T={temp:g}": run_http(args, name, temp, sets)
+                           for temp in temperatures for name in args.http.split(",") if name}
+    if args.hf_peer:
+        numbers["hf_peer"] = hf_peer(args, sets)
+    for runs in engine.values():  # keep the record readable: token ids out, counts in
+        for turns in runs.values():
+            for t in turns:
+                for p in t["per_prompt"]:
+                    p.pop("text_ids", None)
+    record = {**record_header(), "what": f"EAGLE3 {args.draft} on {args.target} through the engine "
+              f"({args.device}), batch 1, max {args.max_new_tokens} new tokens; MT-bench (first {args.mtbench}, "
+              f"{args.turns} turn(s)) and HumanEval (first {args.humaneval})",
+              "peers": {"sglang_llama31_8b_eagle3_speedup": 2.36, "seed_pr_28343_acceptance_gain":
+                        {"mt_bench": 0.025, "humaneval": 0.031}},
+              "numbers": numbers}
+    path = write_record(record, args.out)
+    progress(f"wrote {path}")
+    print(json.dumps(numbers["speedup_engine"], indent=1))
+
+
+def speedups(engine: dict[str, Any], temperatures: list[float], configs: list[str]) -> dict[str, Any]:
+    """tok/s of each configuration / no speculation's, per set and turn (the same run)."""
+    out: dict[str, Any] = {}
+    for temp in temperatures:
+        base = engine.get(f"none@T={temp:g}")
+        for name in configs:
+            run = engine[f"{name}@T={temp:g}"]
+            row: dict[str, Any] = {}
+            for set_name, turns in run.items():
+                for t in turns:
+                    key = f"{set_name}_turn{t['turn']}"
+                    row[key] = {"tok_per_s": t["tok_per_s"],
+                                "acceptance_length": t["acceptance"]["acceptance_length"] if t["acceptance"] else None}
+                    if base is not None and t["tok_per_s"]:
+                        b = next(x for x in base[set_name] if x["turn"] == t["turn"])
+                        row[key]["speedup"] = round(t["tok_per_s"] / b["tok_per_s"], 3) if b["tok_per_s"] else None
+            out[f"{name}@T={temp:g}"] = row
+    return out
+
+
+def greedy_equal(engine: dict[str, Any], configs: list[str]) -> dict[str, bool]:
+    """At temperature 0 every configuration must give no speculation's tokens (first turns)."""
+    base = engine.get("none@T=0")
+    if base is None:
+        return {}
+    out = {}
+    for name in configs:
+        run = engine.get(f"{name}@T=0")
+        if run is not None:
+            out[name] = all([p["text_ids"] for p in run[s][0]["per_prompt"]] ==
+                            [p["text_ids"] for p in base[s][0]["per_prompt"]] for s in run)
+    return out
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

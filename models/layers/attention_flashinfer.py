@@ -1,0 +1,180 @@
+"""Paged attention through FlashInfer (GPU, bf16/fp16): planned once per forward, run by every layer.
+
+Plain reference: ``attention.paged_attention_reference`` (and its capturable torch twin
+``paged_attention_torch``); tests compare them on the GPU. The KV cache stays ours: each layer's
+``[slots, kv_heads, dim]`` tensors are FlashInfer's NHD pages ``[num_blocks, block_size, kv_heads,
+dim]`` as a view, and a block table is a page list.
+
+``FlashInferPlanner`` (one per executor and KV cache) plans each forward from its
+``AttentionLayout`` on the host — page indptr / indices / last-page lengths, the query rows, a
+tree's custom mask — and returns the planned wrapper, which every layer's
+``flashinfer_attention`` runs after writing its new K/V into the cache:
+
+- one causal row per sequence (decode): at most ``TRITON_DECODE_MAX_BATCH`` sequences, the project's
+  Triton split-KV decode kernel (no plan at all; measured faster there: 7.5 vs 11.3 us per layer at
+  batch 1, bench/results/2026-12-01-attention-kernels-h200.json); above, FlashInfer's
+  ``BatchDecodeWithPagedKVCacheWrapper`` (tensor cores when a KV head serves >= 4 query heads);
+- anything else (prefill chunks, mixed batches, a chain verify, draft steps): the paged prefill
+  wrapper, causal; a tree verify (or tree draft step): the same with its custom mask.
+
+Under CUDA graphs each captured shape gets its own wrapper with static buffers sized for the
+graph's padded batch (``graph_state``); ``plan_graph`` refills them before the capture and before
+every replay, so the work follows the real context lengths, never the captured maximum. The FA2
+backend is pinned (the prebuilt modules of ``shared/gpu`` are FA2; README says how to rebuild).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..forward_batch import ForwardBatch, KVCache
+from .attention_layout import SUPPORTED_HEAD_DIMS, AttentionLayout, GraphSlot, flashinfer_supports
+from .decode_attention_triton import paged_decode_attention_triton
+from .kv_write_triton import write_kv_triton
+
+WORKSPACE_BYTES = 256 << 20
+TRITON_DECODE_MAX_BATCH = 16
+
+
+class TritonDecodePlan:
+    """The plan of a small decode batch: the Triton kernel reads the batch's paged metadata itself."""
+
+
+def flashinfer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch,
+                         scale: float) -> torch.Tensor:
+    """Store the new K/V, then attend with the forward's plan (``batch.attention``); the scale was
+    planned. q: [T, heads, dim]; k, v: [T, kv_heads, dim] -> [T, heads, dim]"""
+    cache, planned = batch.kv_cache, batch.attention
+    if cache is None:
+        raise ValueError("attention needs a KV cache in the forward batch")
+    kc, vc = cache.k[layer_id], cache.v[layer_id]
+    if q.shape[0] == 0:  # an idle DP group's empty forward
+        return q.new_empty((0, q.shape[1], vc.shape[-1]))
+    if planned is None:
+        raise ValueError("FlashInfer attention needs the forward's plan (ForwardBatch.attention)")
+    if isinstance(planned, TritonDecodePlan):
+        return paged_decode_attention_triton(q, k, v, layer_id, batch, scale)
+    write_kv_triton(kc, vc, batch.slot_mapping, k, v)
+    bs = cache.block_size
+    pages = (kc.view(-1, bs, kc.shape[1], kc.shape[2]), vc.view(-1, bs, vc.shape[1], vc.shape[2]))
+    out: torch.Tensor = planned.run(q.contiguous(), pages)
+    return out
+
+
+class FlashInferPlanner:
+    def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, scale: float, kv_cache: KVCache) -> None:
+        import flashinfer
+
+        self._fi = flashinfer
+        first = next(iter(kv_cache.k.values()))
+        self.device = first.device
+        self.dtype = first.dtype
+        if not flashinfer_supports(head_dim, self.dtype):
+            raise ValueError(f"FlashInfer attention here takes head dims {SUPPORTED_HEAD_DIMS} in bf16/fp16, "
+                             f"not {head_dim} in {self.dtype}")
+        self.heads, self.kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.block_size = kv_cache.block_size
+        self.tensor_cores = num_qo_heads // num_kv_heads >= 4
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2",
+                                                                     use_tensor_cores=self.tensor_cores)
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
+
+    # --- host-side layout -------------------------------------------------------------------------
+
+    def _pages(self, layout: AttentionLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        bs = self.block_size
+        indptr, indices, last = [0], [], []
+        for kv, table in zip(layout.kv_lens, layout.block_tables):
+            n = max(-(-kv // bs), 1)
+            pages = list(table[:n])
+            pages += [0] * (n - len(pages))  # padding sequences (a graph's) read block 0
+            indices += pages
+            indptr.append(indptr[-1] + n)
+            last.append(kv - (n - 1) * bs if kv > 0 else 1)
+        i32 = torch.int32
+        return torch.tensor(indptr, dtype=i32), torch.tensor(indices or [0], dtype=i32), torch.tensor(last, dtype=i32)
+
+    @staticmethod
+    def _qo_indptr(layout: AttentionLayout) -> torch.Tensor:
+        out = [0]
+        for q in layout.qo_lens:
+            out.append(out[-1] + q)
+        return torch.tensor(out, dtype=torch.int32)
+
+    def _mask(self, layout: AttentionLayout) -> torch.Tensor | None:
+        """Every sequence's [qo_len, kv_len] mask, flattened and concatenated (built with torch ops:
+        contexts are long)."""
+        if not layout.has_masks or layout.tail_masks is None:
+            return None
+        parts = []
+        for q, kv, tail in zip(layout.qo_lens, layout.kv_lens, layout.tail_masks):
+            if tail is None:  # causal
+                m = torch.ones(q, kv, dtype=torch.bool).tril(kv - q)
+            else:
+                m = torch.ones(q, kv, dtype=torch.bool)
+                width = len(tail) // q
+                m[:, kv - width:] = torch.tensor(tail, dtype=torch.bool).view(q, width)
+            parts.append(m.flatten())
+        return torch.cat(parts).to(self.device, non_blocking=True)
+
+    def _plan_decode(self, wrapper: Any, layout: AttentionLayout) -> None:
+        indptr, indices, last = self._pages(layout)
+        wrapper.plan(indptr, indices, last, self.heads, self.kv_heads, self.head_dim, self.block_size,
+                     pos_encoding_mode="NONE", q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
+
+    def _plan_prefill(self, wrapper: Any, layout: AttentionLayout) -> None:
+        indptr, indices, last = self._pages(layout)
+        mask = self._mask(layout)
+        wrapper.plan(self._qo_indptr(layout), indptr, indices, last, self.heads, self.kv_heads, self.head_dim,
+                     self.block_size, custom_mask=mask, causal=mask is None, pos_encoding_mode="NONE",
+                     q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
+
+    # --- AttentionPlanner -------------------------------------------------------------------------
+
+    def plan(self, layout: AttentionLayout) -> Any:
+        if layout.is_decode and len(layout.qo_lens) <= TRITON_DECODE_MAX_BATCH:
+            return TritonDecodePlan()
+        if layout.is_decode:
+            self._plan_decode(self._decode, layout)
+            return self._decode
+        self._plan_prefill(self._prefill, layout)
+        return self._prefill
+
+    def graph_state(self, slot: GraphSlot) -> Any:
+        fi, dev, i32 = self._fi, self.device, torch.int32
+        b = slot.batch
+        if slot.tokens == 1 and slot.tail == 0 and b <= TRITON_DECODE_MAX_BATCH:
+            return TritonDecodePlan()
+        indptr = torch.zeros(b + 1, dtype=i32, device=dev)
+        indices = torch.zeros(b * max(slot.max_blocks, 1), dtype=i32, device=dev)
+        last = torch.ones(b, dtype=i32, device=dev)
+        if slot.tokens == 1 and slot.tail == 0:
+            return fi.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.tensor_cores, backend="fa2",
+                paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last)
+        qo = torch.arange(b + 1, dtype=i32, device=dev) * slot.tokens
+        extra: dict[str, torch.Tensor] = {}
+        if slot.tail:
+            mask_bits = b * slot.tokens * max(slot.max_blocks, 1) * self.block_size
+            extra = {"custom_mask_buf": torch.zeros(-(-mask_bits // 8), dtype=torch.uint8, device=dev),
+                     "mask_indptr_buf": torch.zeros(b + 1, dtype=i32, device=dev)}
+        return fi.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=qo, paged_kv_indptr_buf=indptr,
+            paged_kv_indices_buf=indices, paged_kv_last_page_len_buf=last, backend="fa2", **extra)
+
+    def plan_graph(self, state: Any, layout: AttentionLayout) -> None:
+        if isinstance(state, TritonDecodePlan):
+            return
+        if isinstance(state, self._fi.BatchDecodeWithPagedKVCacheWrapper):
+            self._plan_decode(state, layout)
+        else:
+            self._plan_prefill(state, layout)
+
+
+def flashinfer_planner(num_qo_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                       kv_cache: KVCache) -> FlashInferPlanner:
+    return FlashInferPlanner(num_qo_heads, num_kv_heads, head_dim, scale, kv_cache)

@@ -1,0 +1,106 @@
+"""The issue-#15 benchmarks run at tiny scale (their real runs are recorded under bench/results/): the
+acceptance benchmark through the engine, the seed-bug capture comparison, and the benchmark-only
+capture itself (a model keyword no spec or CLI reaches)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """MT-bench and HumanEval in the files bench/real_data.py writes (two questions each)."""
+    d = tmp_path_factory.mktemp("real-data")
+    rows = [{"question_id": 81, "category": "writing", "turns": ["Write a haiku about the sea.", "Now make it rhyme."]},
+            {"question_id": 82, "category": "coding", "turns": ["Reverse a list in Python.", "Explain it."]}]
+    (d / "mt_bench.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    problems = [{"task_id": "HumanEval/0", "prompt": "def add(a, b):\n    \"\"\"Add two numbers.\"\"\"\n"},
+                {"task_id": "HumanEval/1", "prompt": "def is_even(n):\n    \"\"\"True if n is even.\"\"\"\n"}]
+    with gzip.open(d / "HumanEval.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps(p) + "\n" for p in problems)
+    return d
+
+
+def _bench(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, f"bench/{script}", *args], check=False, capture_output=True, text=True,
+                          timeout=900, cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_spec_decode_real_tiny(data_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "record.json"
+    proc = _bench("spec_decode_real.py", "--tiny", "--data-dir", str(data_dir), "--configs", "none,tree",
+                  "--temperatures", "0,1", "--mtbench", "2", "--humaneval", "1", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert {"date", "machine", "command", "numbers"} <= record.keys()
+    numbers = record["numbers"]
+    assert numbers["greedy_equal_to_no_speculation"] == {"none": True, "tree": True}
+    chain = numbers["engine"]["tree@T=0"]
+    assert [t["turn"] for t in chain["mtbench"]] == [1, 2] and len(chain["humaneval"]) == 1
+    acc = chain["mtbench"][0]["acceptance"]
+    assert acc["prompts"] == 2 and acc["drafts"] > 0 and 1.0 <= acc["acceptance_length"] <= 4.0
+    assert "bootstrap_95" in acc and "per_prompt_std" in acc
+    assert numbers["speedup_engine"]["tree@T=1"]["humaneval_turn1"]["speedup"] > 0
+
+
+def test_seed_bug_capture_tiny(data_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "record.json"
+    proc = _bench("seed_bug_capture.py", "--tiny", "--data-dir", str(data_dir), "--mtbench", "2", "--humaneval", "2",
+                  "--max-new-tokens", "12", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    numbers = json.loads(out.read_text())["numbers"]
+    for name in ("mtbench", "humaneval"):
+        row = numbers[name]
+        assert row["same_tokens"]  # greedy verification is exact: only acceptance may differ
+        assert row["complete"]["prompts"] == row["before_completion"]["prompts"] == 2
+        assert row["before_completion_vs_complete"]["prompts"] == 2
+
+
+def _aux(rank: int, world: int, backend: str, model_dir: str) -> dict[str, Any]:
+    from fusedserve.models.parallel.groups import ParallelConfig, build_groups
+    from fusedserve.verify import VerifyOptions, _engine_config, _prefill_step
+    from fusedserve.worker.parallel.rank import build_rank
+
+    groups = build_groups(ParallelConfig(world), rank, backend)
+    prompts = [[5, 9, 17, 3, 44, 8, 100], [7, 7, 1]]
+    out = {}
+    for capture in ("complete", "before_completion"):
+        built = build_rank(model_dir, _engine_config(VerifyOptions(model=model_dir), prompts, torch.device("cpu")),
+                           groups, backend, "reference", aux_layers=(2, 4, 5), aux_capture=capture)
+        res = built.executor.run(_prefill_step(prompts))
+        out[capture] = (res.logits, torch.cat(res.hidden, -1))
+    return out
+
+
+def test_before_completion_capture_reads_each_ranks_partial_sum(tmp_path: Path) -> None:
+    from fusedserve.tiny import make_tiny_llama
+    from fusedserve.worker.parallel.local_ranks import run_on_ranks
+
+    model = str(make_tiny_llama(tmp_path / "m", num_hidden_layers=8))
+    r0, r1 = run_on_ranks(_aux, 2, model)
+    for r in (r0, r1):
+        torch.testing.assert_close(r["complete"][0], r["before_completion"][0])  # the forward is the same
+    torch.testing.assert_close(r0["complete"][1], r1["complete"][1])  # complete: the same on every rank
+    assert not torch.allclose(r0["before_completion"][1], r1["before_completion"][1], atol=1e-3)  # partial sums
+    assert not torch.allclose(r0["complete"][1], r0["before_completion"][1], atol=1e-3)
+
+
+def test_the_benchmark_only_capture_is_reachable_from_no_spec_or_cli() -> None:
+    for path in ("worker/spec.py", "fusedserve/cli.py", "worker/ray/rank_actor.py", "worker/engine/config.py",
+                 "worker/spec_decode/config.py"):
+        assert "aux_capture" not in (REPO_ROOT / path).read_text(), path
+    from fusedserve.models.decoder_stack import check_aux_capture
+
+    with pytest.raises(ValueError, match="aux_capture must be one of"):
+        check_aux_capture("early")
