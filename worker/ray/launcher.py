@@ -13,11 +13,11 @@ and ``[DONE]``; a second signal ends the grace period early. Then the HTTP serve
 placement groups and Ray stop (``ServingSpec.termination_grace_period_seconds`` covers both).
 
 The embedded Ray listens on 127.0.0.1 only (its node address), without a dashboard, and with
-Ray's token authentication (a fresh token per run, in the environment of its own processes
-only) unless ``RAY_AUTH_MODE`` says otherwise; joining a cluster uses whatever ``RAY_AUTH_MODE``
-/ ``RAY_AUTH_TOKEN`` the environment holds. `make run` (scripts/run-main.sh) runs the CLI inside
-a private network namespace with only loopback when it is root (TESTING.md): Ray probes an
-outside address to learn its own IP.
+Ray's token authentication (``auth_token.py``, as on Kubernetes: a fresh token per run in a file
+only its user can read, removed at exit) unless ``RAY_AUTH_MODE`` says otherwise; joining a
+cluster uses whatever ``RAY_AUTH_MODE`` / ``RAY_AUTH_TOKEN_PATH`` the environment holds. `make run`
+(scripts/run-main.sh) runs the CLI inside a private network namespace with only loopback when it
+is root (TESTING.md): Ray probes an outside address to learn its own IP.
 
 The API key (``--api-key`` or ``$FUSEDSERVE_API_KEY``) guards ``/v1/*`` and ``/status``
 (``serving/access.py``); without one, ``/status`` shows rank PIDs, node addresses and failure
@@ -33,14 +33,16 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import secrets
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from ..spec import Manifest, RuntimeConfig, SpecError, load_manifest
+from . import auth_token
 from .engine_group import RAY_NAMESPACE
 from .placement import LOCAL_GPU_RESOURCE, ClusterShape
 
@@ -98,15 +100,20 @@ def check_checkpoint_split(rc: RuntimeConfig) -> None:
         raise SpecError(f"spec.parallelism: {e}") from e
 
 
-def embedded_ray_auth() -> str:
-    """Token authentication for the embedded Ray unless ``RAY_AUTH_MODE`` is set; returns the mode.
-    The token is this run's own, handed to Ray's processes through the environment (no file).
-    Call it before ``ray`` is imported: Ray reads the mode once."""
-    if "RAY_AUTH_MODE" not in os.environ:
-        os.environ["RAY_AUTH_MODE"] = "token"
-        if not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")):
-            os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
-    return os.environ["RAY_AUTH_MODE"]
+def embedded_ray_auth() -> Path | None:
+    """Token authentication for the embedded Ray unless ``RAY_AUTH_MODE`` is set, the way the operator's
+    pods have it (``auth_token.py``): a fresh token of this run in a file only this user can read, named
+    by ``RAY_AUTH_TOKEN_PATH`` in the environment Ray's processes inherit. Returns the file's directory,
+    to remove when the run ends (None: the environment's own settings, or its token, are used). Call it
+    before ``ray`` is imported: Ray reads the mode once."""
+    if auth_token.MODE_ENV in os.environ:
+        return None
+    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get(auth_token.TOKEN_PATH_ENV):
+        os.environ[auth_token.MODE_ENV] = "token"
+        return None
+    directory = Path(tempfile.mkdtemp(prefix="fusedserve-ray-auth-"))  # mode 0700
+    os.environ.update(auth_token.token_env(str(auth_token.write_token_file(directory, auth_token.new_token()))))
+    return directory
 
 
 def connect_ray(rc: RuntimeConfig, address: str | None) -> ClusterShape:
@@ -151,8 +158,16 @@ def run(manifest_path: str, smoke: bool = False, port: int | None = None, ray_ad
         host: str = "127.0.0.1", watch: bool = False, api_key: str | None = None) -> int:
     rc = load_runtime_config(manifest_path)  # before the heavy imports: a bad manifest fails fast
     address = ray_address or os.environ.get("RAY_ADDRESS")
-    if not address:
-        embedded_ray_auth()
+    token_dir = None if address else embedded_ray_auth()
+    try:
+        return _serve(rc, manifest_path, smoke, port, address, host, watch, api_key)
+    finally:
+        if token_dir is not None:  # after Ray has stopped: its processes read the file until then
+            shutil.rmtree(token_dir, ignore_errors=True)
+
+
+def _serve(rc: RuntimeConfig, manifest_path: str, smoke: bool, port: int | None, address: str | None, host: str,
+           watch: bool, api_key: str | None) -> int:
     import ray
 
     from ..serving.access import ApiAccess
