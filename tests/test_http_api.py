@@ -321,3 +321,28 @@ def test_merged_outputs_keep_tokens_text_and_the_last_state() -> None:
     b = RequestOutput("r", [3], "c", True, FinishReason.LENGTH, 5, 3)
     assert merge_outputs([a]) is a
     assert merge_outputs([a, b]) == RequestOutput("r", [1, 2, 3], "abc", True, FinishReason.LENGTH, 5, 3)
+
+
+def test_an_engine_without_tokenizer_serves_token_ids_and_refuses_text_with_400() -> None:
+    """``model.skipTokenizer`` (main) behind the HTTP-side tokenizer (reliability): no tokenizer is loaded,
+    token-id prompts are served (a stream chunk for every step, its text empty), text and chat get 400."""
+    engine = Engine(MODEL_DIR, EngineConfig(num_blocks=32, max_model_len=MAX_MODEL_LEN, max_num_seqs=4,
+                                            max_batch_tokens=256, dtype="float32", seed=0, skip_tokenizer=True))
+    client = LocalEngineClient(engine, model_name=MODEL)
+    assert client.load_tokenizer() is None
+    try:
+        with HttpServer(build_app(client, MetricsRegistry())) as server:
+            body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0}
+            r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 4
+            with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as s:
+                events = [line for line in s.iter_lines() if line.startswith("data: ")]
+            assert events[-1] == "data: [DONE]" and len(events) >= 1 + 4  # one chunk per token, then [DONE]
+            for path, text_body in (("/v1/completions", {"model": MODEL, "prompt": "def f():", "max_tokens": 2}),
+                                    ("/v1/chat/completions", {"model": MODEL, "max_tokens": 2,
+                                                              "messages": [{"role": "user", "content": "hi"}]})):
+                err = assert_error(httpx.post(server.url + path, json=text_body, timeout=30), 400)
+                assert err["code"] == "invalid_prompt" and "token ids only" in err["message"], err
+    finally:
+        client.close()
