@@ -11,22 +11,22 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
 from fusedserve.worker.engine.config import EngineConfig
 from fusedserve.worker.engine.engine import Engine
+from fusedserve.worker.engine.scheduler import SchedulerStats
+from fusedserve.worker.engine.sequence import SamplingParams
 from fusedserve.worker.serving.engine_client import EngineDead
 from fusedserve.worker.serving.http_api import build_app
 from fusedserve.worker.serving.http_server import HttpServer
 from fusedserve.worker.serving.local_engine_client import LocalEngineClient
 from fusedserve.worker.serving.metrics import MetricsRegistry
-from fusedserve.worker.engine.scheduler import SchedulerStats
-from fusedserve.worker.engine.sequence import SamplingParams
-from prometheus_client.parser import text_string_to_metric_families
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "examples" / "checkpoints" / "tiny-code"
 MODEL = "tiny-code"

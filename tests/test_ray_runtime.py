@@ -156,9 +156,9 @@ def test_a_restarted_controller_readopts_its_groups(tiny_code: Server, ray_addre
 
 def test_a_group_larger_than_the_cluster_is_reported_with_the_reason(ray_address: str) -> None:
     """Ray itself says the group cannot be placed (INFEASIBLE): the reason names the resource."""
-    from fusedserve.worker.spec import RuntimeConfig, load_manifest
     from fusedserve.worker.ray.engine_group import EngineGroup, GroupUnschedulable
     from fusedserve.worker.ray.placement import ClusterShape
+    from fusedserve.worker.spec import RuntimeConfig, load_manifest
 
     manifest = load_manifest(str(ROOT / "examples/02-tiny-code-tp2.yaml"))
     spec = manifest.spec.model_copy(update={"parallelism": manifest.spec.parallelism.model_copy(update={"tensor": 8})})
