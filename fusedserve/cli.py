@@ -55,12 +55,16 @@ def _train_draft(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    import os
+
     from fusedserve.worker.ray.launcher import run
+    from fusedserve.worker.serving.access import API_KEY_ENV
     from fusedserve.worker.spec import SpecError
 
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
     try:
         return run(args.manifest, smoke=args.smoke, port=args.port, ray_address=args.ray_address, host=args.host,
-                   watch=args.watch)
+                   watch=args.watch, api_key=api_key or None)
     except SpecError as e:
         print(f"fusedserve run: invalid manifest: {e}", file=sys.stderr)
         return 2
@@ -139,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--ray-address", help="join this Ray cluster (default: $RAY_ADDRESS, else start an embedded one)")
     r.add_argument("--host", default="127.0.0.1",
                    help="listen address of the HTTP API (default 127.0.0.1; 0.0.0.0 in a pod)")
+    r.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* and /status "
+                                      "(default: $FUSEDSERVE_API_KEY; none: no authentication)")
     r.add_argument("--watch", action="store_true",
                    help="re-read the manifest when the file changes (a mounted ConfigMap) and roll engine groups")
     r.set_defaults(func=_run)

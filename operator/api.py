@@ -80,12 +80,22 @@ class ModelSource(ModelSpec):
         return self.uri if self.uri is not None else str(self.path)
 
 
+HEALTH_NEEDS_NO_KEY = ("spec.serving.auth.health must be public on Kubernetes: the head's readiness probe "
+                       "(the kubelet) sends no API key")
+
+
 class ServingSettings(ServingSpec):
     """The runtime's serving settings plus what only Kubernetes has: the API key's Secret."""
 
     api_key_secret: SecretKeyRef | None = Field(
         default=None, description="the API key clients send as `Authorization: Bearer`; given to the head as "
                                   "$FUSEDSERVE_API_KEY")
+
+    @model_validator(mode="after")
+    def _probe_reaches_health(self) -> ServingSettings:
+        if self.auth.health == "apiKey":
+            raise ValueError(HEALTH_NEEDS_NO_KEY)
+        return self
 
 
 class MonitoringSpec(SpecModel):

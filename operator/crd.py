@@ -21,6 +21,7 @@ from typing import Any
 from .api import (
     CATEGORIES,
     GROUP,
+    HEALTH_NEEDS_NO_KEY,
     KIND,
     PLURAL,
     SHORT_NAMES,
@@ -52,6 +53,9 @@ SPEC_RULES: list[dict[str, str]] = [
      "message": "spec.speculative.numDraftTokens must be >= numSteps + 1 when topK = 1"},
     {"rule": "!has(self.parallelism) || !has(self.placement) || self.parallelism.tensor <= self.placement.gpusPerNode",
      "message": "an engine group (spec.parallelism.tensor ranks) must fit one node (spec.placement.gpusPerNode)"},
+    {"rule": "!has(self.serving) || !has(self.serving.auth) || !has(self.serving.auth.health) || "
+             "self.serving.auth.health == 'public'",
+     "message": HEALTH_NEEDS_NO_KEY},
 ]
 # Fields a rolling update cannot change (self = the field, oldSelf = its previous value).
 IMMUTABLE = {("parallelism",): "spec.parallelism is immutable: create a new InferenceDeployment to re-shard",

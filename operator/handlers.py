@@ -19,13 +19,13 @@ Run as ``fusedserve-operator`` (main.py) or ``kopf run -m fusedserve.operator.ha
 from __future__ import annotations
 
 import dataclasses
-import secrets
 import time
 from datetime import datetime, timezone
 from typing import Any
 
 import kopf
 
+from fusedserve.worker.ray import auth_token
 from fusedserve.worker.spec import SpecError
 
 from .api import GROUP, PLURAL, VERSION, InferenceDeploymentSpec
@@ -36,7 +36,7 @@ from .metrics import OperatorMetrics
 from .naming import ANNOTATION_RETIRED_AT, Owner
 from .operator_config import OperatorConfig
 from .pod_monitor import CRD_NAME as POD_MONITOR_CRD
-from .ray_auth import TOKEN_BYTES, desired_token_secret
+from .ray_auth import desired_token_secret
 from .rollout import RolloutPlan
 from .service import selected_cluster
 from .status import Observation, compute_status, condition_map, rfc3339
@@ -173,7 +173,7 @@ def _advance(kube: KubeClient, owner: Owner, plan: RolloutPlan, logger: Any) -> 
 def _apply(kube: KubeClient, owner: Owner, children: Children, ctx: Context) -> dict[str, str]:
     outcomes: dict[str, str] = {}
     missing = kube.get("Secret", owner.namespace, owner.ray_token_secret) is None
-    if missing and kube.create(desired_token_secret(owner, secrets.token_hex(TOKEN_BYTES))):
+    if missing and kube.create(desired_token_secret(owner, auth_token.new_token())):
         outcomes["Secret"] = "created"  # once: a new token would cut the running cluster in two
     for obj in children.all():
         outcomes[f"{obj['kind']} {obj['metadata']['name']}"] = kube.apply(obj)

@@ -1,9 +1,9 @@
 """Ray's token authentication between a deployment's head and workers (pure).
 
-Ray (2.52 and later) checks a shared token on every GCS, raylet and dashboard call when
-``RAY_AUTH_MODE=token``; each process reads the token from ``RAY_AUTH_TOKEN_PATH``. The operator makes
-one Secret per deployment with a random token (created once, never rewritten: rotating it would cut the
-running cluster in two) and mounts it into the head and every worker; the group controller in the head
+The mechanism is the runtime's (``fusedserve.worker.ray.auth_token``: ``RAY_AUTH_MODE=token``, the token in
+the file ``RAY_AUTH_TOKEN_PATH`` names), the one ``fusedserve run``'s embedded Ray uses too. Here the file
+is a Secret: one per deployment with a random token (created once, never rewritten: rotating it would cut
+the running cluster in two), mounted into the head and every worker; the group controller in the head
 container inherits the environment, so its driver authenticates too. A client without the token is
 refused by the GCS. Works with any KubeRay version (no ``authOptions`` needed).
 """
@@ -13,16 +13,18 @@ from __future__ import annotations
 import base64
 from typing import Any
 
+from fusedserve.worker.ray import auth_token
+
 from .naming import Owner
 
-TOKEN_KEY = "auth_token"
+TOKEN_KEY = auth_token.TOKEN_FILE  # the Secret's key, so the mounted file has the runtime's name
 TOKEN_DIR = "/var/run/secrets/fusedserve/ray"
 TOKEN_VOLUME = "ray-token"
-TOKEN_BYTES = 32  # secrets.token_hex(TOKEN_BYTES): 64 hex characters
 
 
 def desired_token_secret(owner: Owner, token: str) -> dict[str, Any]:
-    """``token`` is chosen by the caller (an effect: handlers.py), only when the Secret does not exist."""
+    """``token`` is chosen by the caller (``auth_token.new_token()``, an effect: handlers.py), only when the
+    Secret does not exist."""
     return {
         "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
         "metadata": owner.metadata(owner.ray_token_secret, "ray-auth"),
@@ -39,5 +41,4 @@ def token_mount() -> dict[str, Any]:
 
 
 def token_env() -> list[dict[str, Any]]:
-    return [{"name": "RAY_AUTH_MODE", "value": "token"},
-            {"name": "RAY_AUTH_TOKEN_PATH", "value": f"{TOKEN_DIR}/{TOKEN_KEY}"}]
+    return [{"name": k, "value": v} for k, v in auth_token.token_env(f"{TOKEN_DIR}/{TOKEN_KEY}").items()]

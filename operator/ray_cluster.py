@@ -17,12 +17,13 @@ the file, serving the OpenAI API, /status and /metrics on the pod's ``http`` por
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
 
-from fusedserve.worker.spec import SpecError
+from fusedserve.worker.spec import ServingLimits, SpecError
 
 from . import model_source, pod_template, ray_auth
 from .api import InferenceDeploymentSpec
@@ -98,6 +99,8 @@ def _head(owner: Owner, spec: InferenceDeploymentSpec, cluster: str, config_hash
     init = model_source.init_container(sources, spec, image, pod_template.container_security(settings),
                                        weights=False)
     pod = pod_template.pod_spec(settings, "spec.head", container, volumes, [init] if init else [], {}, [])
+    # SIGTERM drains the API (drainGracePeriodSeconds), then the group controller stops: the kubelet waits for both
+    pod["terminationGracePeriodSeconds"] = spec.serving.termination_grace_period_seconds
     labels = {**owner.labels("head"), **owner.pod_labels()}
     return {
         "serviceType": "ClusterIP",
@@ -168,12 +171,16 @@ def desired_ray_cluster(owner: Owner, spec: InferenceDeploymentSpec, name: str, 
 def pod_revision(owner: Owner, spec: InferenceDeploymentSpec, image: str) -> str:
     """A hash of everything KubeRay would need new pods for: the pod templates and Ray's start parameters,
     without the worker count (KubeRay scales in place), ``suspend`` and the engine config (rolled inside
-    the cluster by the group controller); a suspended deployment keeps the revision it resumes with."""
+    the cluster by the group controller); a suspended deployment keeps the revision it resumes with. The
+    HTTP server's limits (``ServingLimits``: body size, timeouts, auth of /health and /metrics, drain) count
+    too: the head reads them once, when it starts."""
     spec = spec.model_copy(update={"suspend": False})
     sizing, sources = worker_sizing(spec), ModelSources.of(spec)
     head = _head(owner, spec, "", "", image, sources)
     workers = _workers(owner, spec, sizing, image, sources)
     for key in ("replicas", "minReplicas", "maxReplicas"):
         workers.pop(key)
-    blob = json.dumps({"rayVersion": spec.ray_version, "head": head, "workers": workers}, sort_keys=True)
+    limits = dataclasses.asdict(ServingLimits.from_spec(spec.serving))
+    blob = json.dumps({"rayVersion": spec.ray_version, "head": head, "workers": workers, "httpLimits": limits},
+                      sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]

@@ -60,34 +60,46 @@ def live_groups(deployment: str) -> list[str]:
 class Server:
     """`fusedserve run MANIFEST --ray-address ...`, ready once it printed its first acceptance figure."""
 
-    def __init__(self, manifest: str | Path, address: str, timeout: float = 120, port: int | None = None,
-                 extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(self, manifest: str | Path, address: str | None, timeout: float = 120, port: int | None = None,
+                 extra_args: tuple[str, ...] = (), ready_mark: str = READY_MARK, api_key: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        """``address`` None: the CLI starts its embedded Ray; ``env`` replaces the environment's Ray
+        settings (default: RAY_AUTH_MODE=disabled, as the test Ray runs)."""
         self.manifest, self.address = str(manifest), address
         self.port = port if port is not None else free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
         self.output: list[str] = []
         self._ready = threading.Event()
+        self._exited = threading.Event()
+        self._ready_mark = ready_mark
+        joined = ("--ray-address", address) if address is not None else ()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fusedserve.cli", "run", self.manifest, "--port", str(self.port),
-             "--ray-address", address, *extra_args],
+            [sys.executable, "-m", "fusedserve.cli", "run", self.manifest, "--port", str(self.port), *joined,
+             *extra_args],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"})
+            env=env if env is not None else {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"})
         threading.Thread(target=self._read, daemon=True).start()
-        if not self._ready.wait(timeout) or self.proc.poll() is not None:
+        if not self._ready.wait(timeout) or self._exited.is_set():
             self.stop()
             raise RuntimeError("fusedserve run did not become ready:\n" + "".join(self.output[-40:]))
-        self.model = httpx.get(f"{self.url}/v1/models", timeout=30).json()["data"][0]["id"]
+        self.model = httpx.get(f"{self.url}/v1/models", headers=self.headers, timeout=30).json()["data"][0]["id"]
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.output.append(line)
-            if READY_MARK in line:
+            if self._ready_mark in line:
                 self._ready.set()
-        self._ready.set()  # exited
+        self._exited.set()
+        self._ready.set()
 
     def client(self) -> OpenAI:
-        return OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=120)
+        return OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "none", max_retries=0, timeout=120)
 
     def complete(self, prompt: str = "x = ", max_tokens: int = 4) -> str:
         comp = self.client().completions.create(model=self.model, prompt=prompt, max_tokens=max_tokens,
@@ -95,7 +107,7 @@ class Server:
         return comp.choices[0].text
 
     def samples(self) -> list[Any]:
-        text = httpx.get(f"{self.url}/metrics", timeout=30).text
+        text = httpx.get(f"{self.url}/metrics", headers=self.headers, timeout=30).text
         return [s for fam in text_string_to_metric_families(text) for s in fam.samples]
 
     def total(self, name: str, **labels: str) -> float:
@@ -103,7 +115,7 @@ class Server:
                    if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
     def status(self) -> dict[str, Any]:
-        return httpx.get(f"{self.url}/status", timeout=30).json()  # type: ignore[no-any-return]
+        return httpx.get(f"{self.url}/status", headers=self.headers, timeout=30).json()  # type: ignore[no-any-return]
 
     def wait_status(self, ok: Any, timeout: float = 120) -> dict[str, Any]:
         deadline = time.time() + timeout

@@ -8,7 +8,14 @@ from typing import Any
 
 import pytest
 
-from fusedserve.worker.spec import RuntimeConfig, SpecError, load_manifest, parse_manifest
+from fusedserve.worker.spec import (
+    SHUTDOWN_MARGIN_S,
+    RuntimeConfig,
+    ServingLimits,
+    SpecError,
+    load_manifest,
+    parse_manifest,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -157,3 +164,41 @@ def test_fusedserve_run_refuses_an_invalid_manifest_before_starting_anything(tmp
 
     with pytest.raises(SpecError, match="spec.model.path: 'examples/checkpoints/nowhere' exists neither"):
         load_runtime_config(str(missing))
+
+
+@pytest.mark.parametrize("content", [bytes(range(256)) * 4, b"\x7fELF\x02\x01\x01\x00" + b"\x00" * 64,
+                                     b"spec: [unclosed\nkind: }\n", b"[" * 5000],
+                         ids=["binary", "elf", "not-yaml", "nested-too-deep"])
+def test_bad_manifest_bytes_give_one_line_without_a_traceback(tmp_path: Path, content: bytes) -> None:
+    """Issue 18: a binary manifest gave a traceback (UnicodeDecodeError escaped load_manifest)."""
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(content)
+    with pytest.raises(SpecError) as info:
+        load_manifest(str(bad))
+    assert "\n" not in str(info.value) and str(bad) in str(info.value)
+    out = subprocess.run([sys.executable, "-m", "fusedserve.cli", "run", str(bad)], check=False, cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert out.stderr.startswith("fusedserve run: invalid manifest: ")
+
+
+def test_serving_limits_come_from_the_spec_and_roll_no_group() -> None:
+    rc = RuntimeConfig.from_manifest(parse_manifest(BASE))
+    assert rc.limits == ServingLimits()  # the defaults of ServingSpec and ServingLimits agree
+    doc = _with("spec.serving", {"port": 9000, "drainGracePeriodSeconds": 5, "maxRequestBytes": 4096,
+                                 "maxSequencesPerRequest": 8, "headerTimeoutSeconds": 2.5, "bodyTimeoutSeconds": 3,
+                                 "sendTimeoutSeconds": 4, "maxConnections": 16, "auth": {"metrics": "apiKey"}})
+    manifest = parse_manifest(doc)
+    limited = RuntimeConfig.from_manifest(manifest)
+    assert limited.limits == ServingLimits(5.0, 4096, 8, 2.5, 3.0, 4.0, 16, health_needs_key=False,
+                                           metrics_needs_key=True)
+    assert limited.revision == rc.revision
+    assert manifest.spec.serving.termination_grace_period_seconds == 5 + SHUTDOWN_MARGIN_S
+    for field, value in (("maxRequestBytes", 10), ("drainGracePeriodSeconds", -1), ("auth", {"health": "open"}),
+                         ("bodyTimeoutSeconds", 0)):
+        with pytest.raises(SpecError, match=f"spec.serving.{field}"):
+            parse_manifest(_with(f"spec.serving.{field}", value))

@@ -106,7 +106,10 @@ def test_minimal_and_full_manifests_are_valid() -> None:
         communication={"allReduceFusion": "on"},
         speculative={"method": "eagle3", "draftModel": "/models/draft", "numSteps": 3, "topK": 4,
                      "numDraftTokens": 8},
-        serving={"port": 8000, "maxBatchTokens": 8192, "maxSequences": 256, "kvCacheFraction": 0.9},
+        serving={"port": 8000, "maxBatchTokens": 8192, "maxSequences": 256, "kvCacheFraction": 0.9,
+                 "drainGracePeriodSeconds": 60, "maxRequestBytes": 1 << 20, "maxSequencesPerRequest": 64,
+                 "headerTimeoutSeconds": 5, "bodyTimeoutSeconds": 10.5, "sendTimeoutSeconds": 30,
+                 "maxConnections": 256, "auth": {"health": "public", "metrics": "apiKey"}},
         placement={"nodeSelector": {"gpu": "h200"}, "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
                                                                      "effect": "NoSchedule"}],
                    "gpusPerNode": 8},
@@ -181,6 +184,8 @@ INVALID: list[tuple[dict[str, Any], str]] = [
     ({"podDisruptionBudget": {"maxUnavailable": -1}}, "-1 is less than the minimum of 0"),
     ({"rollout": {"clusterDeletionDelaySeconds": 7200}}, "7200 is greater than the maximum of 3600"),
     ({"imagePullPolicy": "Sometimes"}, "is not one of ['Always', 'IfNotPresent', 'Never']"),
+    ({"serving": {"drainGracePeriodSeconds": -1}}, "-1 is less than the minimum of 0"),
+    ({"serving": {"auth": {"health": "apiKey"}}}, "readiness probe (the kubelet) sends no API key"),
 ]
 
 

@@ -6,26 +6,27 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
 from fusedserve.worker.engine.config import EngineConfig
 from fusedserve.worker.engine.engine import Engine
+from fusedserve.worker.engine.scheduler import SchedulerStats
+from fusedserve.worker.engine.sequence import SamplingParams
 from fusedserve.worker.serving.engine_client import EngineDead
 from fusedserve.worker.serving.http_api import build_app
 from fusedserve.worker.serving.http_server import HttpServer
 from fusedserve.worker.serving.local_engine_client import LocalEngineClient
 from fusedserve.worker.serving.metrics import MetricsRegistry
-from fusedserve.worker.engine.scheduler import SchedulerStats
-from fusedserve.worker.engine.sequence import SamplingParams
-from prometheus_client.parser import text_string_to_metric_families
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "examples" / "checkpoints" / "tiny-code"
 MODEL = "tiny-code"
@@ -287,12 +288,17 @@ class _BrokenEngine:
         return SchedulerStats(0, 0, 1, 1, 0)
 
 
-def test_dead_engine_gives_503() -> None:
+def test_dead_engine_gives_503_with_an_error_id_and_no_internals(caplog: pytest.LogCaptureFixture) -> None:
     client = LocalEngineClient(_BrokenEngine(), model_name=MODEL)  # type: ignore[arg-type]
     with HttpServer(build_app(client, MetricsRegistry())) as server:
         r = httpx.post(server.url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, timeout=30)
-        assert assert_error(r, 503)["code"] == "engine_dead"
-        assert "a rank died" in r.json()["error"]["message"]
+        err = assert_error(r, 503)
+        assert err["code"] == "engine_dead" and r.headers["Retry-After"] == "1"
+        # the reason (it may be a Ray OOM report, node ids) is in the log under the id the client got, not in the body
+        assert "a rank died" not in r.text and "RuntimeError" not in r.text
+        match = re.search(r"error id ([0-9a-f]{12})", err["message"])
+        assert match, err
+        assert any(match.group(1) in rec.getMessage() and "a rank died" in rec.getMessage() for rec in caplog.records)
         assert_error(httpx.post(server.url + "/v1/completions", json={"prompt": [1]}, timeout=30), 503)
         assert httpx.get(server.url + "/health").status_code == 503
         assert httpx.get(server.url + "/status").json()["ready"] is False
@@ -315,3 +321,28 @@ def test_merged_outputs_keep_tokens_text_and_the_last_state() -> None:
     b = RequestOutput("r", [3], "c", True, FinishReason.LENGTH, 5, 3)
     assert merge_outputs([a]) is a
     assert merge_outputs([a, b]) == RequestOutput("r", [1, 2, 3], "abc", True, FinishReason.LENGTH, 5, 3)
+
+
+def test_an_engine_without_tokenizer_serves_token_ids_and_refuses_text_with_400() -> None:
+    """``model.skipTokenizer`` (main) behind the HTTP-side tokenizer (reliability): no tokenizer is loaded,
+    token-id prompts are served (a stream chunk for every step, its text empty), text and chat get 400."""
+    engine = Engine(MODEL_DIR, EngineConfig(num_blocks=32, max_model_len=MAX_MODEL_LEN, max_num_seqs=4,
+                                            max_batch_tokens=256, dtype="float32", seed=0, skip_tokenizer=True))
+    client = LocalEngineClient(engine, model_name=MODEL)
+    assert client.load_tokenizer() is None
+    try:
+        with HttpServer(build_app(client, MetricsRegistry())) as server:
+            body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0}
+            r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 4
+            with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as s:
+                events = [line for line in s.iter_lines() if line.startswith("data: ")]
+            assert events[-1] == "data: [DONE]" and len(events) >= 1 + 4  # one chunk per token, then [DONE]
+            for path, text_body in (("/v1/completions", {"model": MODEL, "prompt": "def f():", "max_tokens": 2}),
+                                    ("/v1/chat/completions", {"model": MODEL, "max_tokens": 2,
+                                                              "messages": [{"role": "user", "content": "hi"}]})):
+                err = assert_error(httpx.post(server.url + path, json=text_body, timeout=30), 400)
+                assert err["code"] == "invalid_prompt" and "token ids only" in err["message"], err
+    finally:
+        client.close()

@@ -76,7 +76,8 @@ POD_SETTINGS = _with(_example("02-tiny-code-tp2.yaml"), imagePullPolicy="Always"
     "podSecurityContext": {"runAsUser": 2000, "runAsGroup": 2000, "fsGroup": 2000},
 })
 SECURED = _with(_example("01-tiny-code.yaml"),
-                serving={"port": 8000, "metricsPort": 9090, "apiKeySecret": {"name": "api-keys", "key": "default"}},
+                serving={"port": 8000, "metricsPort": 9090, "apiKeySecret": {"name": "api-keys", "key": "default"},
+                         "drainGracePeriodSeconds": 120, "auth": {"metrics": "apiKey"}},
                 networkPolicy={"apiClients": [{"namespaceSelector": {"matchLabels": {"team": "apps"}}},
                                               {"ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.1.0.0/16"]}}],
                                "metricsClients": [{"namespaceSelector": {"matchLabels": {
@@ -191,6 +192,7 @@ def test_long_names_are_cut_with_a_hash_and_stay_unique() -> None:
     ({"model": {"path": "m"}, "replicsa": 2}, "spec.replicsa: Extra inputs are not permitted"),
     ({"modle": {"path": "m"}}, "spec.model: Field required"),
     ("not a mapping", "spec: must be a mapping"),
+    ({"model": {"path": "m"}, "serving": {"auth": {"health": "apiKey"}}}, "the head's readiness probe"),
 ])
 def test_invalid_specs_name_the_field(spec: Any, message: str) -> None:
     body = {"apiVersion": "fusedserve.io/v1alpha1", "kind": "InferenceDeployment",
@@ -250,7 +252,9 @@ def test_a_change_that_needs_new_pods_is_a_new_ray_cluster_and_engine_config_cha
     for change in ({"image": "registry.example/worker:2"}, {"resources": {"cpu": "8"}},
                    {"placement": {"nodeSelector": {"pool": "b"}}}, {"model": {"uri": "hf://org/other"}},
                    {"head": {"env": [{"name": "X", "value": "1"}]}}, {"rayVersion": "2.61.0"},
-                   {"workers": {"schedulerName": "volcano"}}):
+                   {"workers": {"schedulerName": "volcano"}},
+                   {"serving": {"port": 8000, "drainGracePeriodSeconds": 90}},  # the head reads its HTTP limits once
+                   {"serving": {"port": 8000, "maxRequestBytes": 1 << 20}}, {"serving": {"auth": {"metrics": "apiKey"}}}):
         other = desired_children(Owner.of(body), parse_spec(_with(body, **change)), Context())
         assert other.ray_cluster["metadata"]["name"] != name, change
         assert other.config_map["metadata"]["name"] == f"{other.ray_cluster['metadata']['name']}-engine-config"
@@ -264,6 +268,14 @@ def test_a_change_that_needs_new_pods_is_a_new_ray_cluster_and_engine_config_cha
     assert custom.ray_cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["image"] == \
         "mirror.example/w:1"
     assert custom.ray_cluster["metadata"]["name"] != name
+
+
+def test_the_head_pod_waits_for_the_drain_and_the_shutdown() -> None:
+    """SIGTERM drains the API for drainGracePeriodSeconds, then the controller stops (issue 18, item 1)."""
+    for serving, want in (({}, 30 + 15), ({"drainGracePeriodSeconds": 120}, 120 + 15), ({"drainGracePeriodSeconds": 0}, 15)):
+        body = _with(_example("01-tiny-code.yaml"), serving=serving)
+        cluster = desired_children(Owner.of(body), parse_spec(body), Context()).ray_cluster
+        assert cluster["spec"]["headGroupSpec"]["template"]["spec"]["terminationGracePeriodSeconds"] == want
 
 
 def test_the_operator_imports_neither_torch_nor_ray() -> None:

@@ -1,39 +1,81 @@
-"""Ray's token authentication as the operator configures it (ray_auth.py): a real Ray head started with the
-head container's environment and the token Secret's value admits a client that has the token and refuses
-one without it, or with another. Runs in the suite's private network namespace (TESTING.md)."""
+"""Ray's token authentication, the one mechanism of ``fusedserve.worker.ray.auth_token`` (``RAY_AUTH_MODE=token``,
+the token in the file ``RAY_AUTH_TOKEN_PATH`` names), asked of Ray itself with its own GCS client (issue 18:
+the head started Ray with its dashboard on 0.0.0.0, ports open and no authentication, so anyone on the
+network could submit jobs, i.e. run code).
+
+- As the operator configures it (``operator/ray_auth.py``): a real Ray head started with the head
+  container's environment and the token Secret's value admits a client that has the token and refuses one
+  without it, or with another.
+- The embedded Ray of `fusedserve run` (no ``--ray-address``, no ``RAY_AUTH_MODE`` in its environment): a
+  fresh token of the run in a file only its user reads, removed at exit; no dashboard, 127.0.0.1 only; a
+  call without the token or with a wrong one is refused (``AuthenticationError: InvalidAuthToken``), the
+  same call with the run's token file is answered; ``ray.init`` without a token is refused.
+
+Runs in the suite's private network namespace (TESTING.md).
+"""
 
 from __future__ import annotations
 
 import base64
 import os
+import re
 import shutil
 import signal
+import socket
+import stat
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # `tests.*` importable under a bare `pytest` too
+    sys.path.append(str(REPO))
+
 from fusedserve.operator.children import Context, desired_children, parse_spec
 from fusedserve.operator.naming import Owner
 from fusedserve.operator.ray_auth import TOKEN_DIR, TOKEN_KEY, desired_token_secret
-from tests.serve_process import free_port
+from fusedserve.worker.ray import auth_token
+from tests.serve_process import Server, free_port
 
 pytestmark = pytest.mark.ray
-REPO = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).with_name("ray"))
 PROBE = """
 import sys
 from ray._raylet import GcsClient
 try:
-    print("ok", GcsClient(address=sys.argv[1]).internal_kv_get(b"session_name", b"session", timeout=5))
+    nodes = GcsClient(address=sys.argv[1]).get_all_node_info(timeout=20)
 except Exception as e:
-    print("refused", type(e).__name__, str(e).splitlines()[0][:200])
+    print("refused", type(e).__name__, str(e).splitlines()[0][:300])
+else:
+    print("ok", len(nodes), "node(s)")
 """
+
+
+def _probe(address: str, env: dict[str, Any]) -> str:
+    """Ray's own GCS client (a process of its own: Ray reads its auth settings once per process)."""
+    out = subprocess.run([sys.executable, "-c", PROBE, address], check=False, capture_output=True, text=True,
+                         timeout=120, env=env)
+    return out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-500:]
+
+
+def _base_env(home: Path) -> dict[str, str]:
+    """This environment without any Ray auth setting, and a home without anyone's ~/.ray/auth_token."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH") and k != "RAY_ADDRESS"}
+    return env | {"HOME": str(home), "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def _refused(answer: str) -> bool:
+    return answer.startswith("refused AuthenticationError") and "InvalidAuthToken" in answer
+
+
+# --- as the operator starts it -------------------------------------------------------------------
 
 
 def _pod_env(tmp_path: Path) -> dict[str, str]:
@@ -42,25 +84,19 @@ def _pod_env(tmp_path: Path) -> dict[str, str]:
     owner = Owner.of(body)
     head = desired_children(owner, parse_spec(body), Context()).ray_cluster["spec"]["headGroupSpec"]
     env = {e["name"]: e["value"] for e in head["template"]["spec"]["containers"][0]["env"] if "value" in e}
-    secret = desired_token_secret(owner, os.urandom(32).hex())
+    secret = desired_token_secret(owner, auth_token.new_token())
     mount = tmp_path / "ray-token"
     mount.mkdir()
     (mount / TOKEN_KEY).write_bytes(base64.b64decode(secret["data"][TOKEN_KEY]))
-    assert env["RAY_AUTH_TOKEN_PATH"] == f"{TOKEN_DIR}/{TOKEN_KEY}"
-    env["RAY_AUTH_TOKEN_PATH"] = str(mount / TOKEN_KEY)
+    assert env[auth_token.TOKEN_PATH_ENV] == f"{TOKEN_DIR}/{TOKEN_KEY}"
+    env[auth_token.TOKEN_PATH_ENV] = str(mount / TOKEN_KEY)
     return env
-
-
-def _probe(address: str, env: dict[str, Any]) -> str:
-    out = subprocess.run([sys.executable, "-c", PROBE, address], check=False, capture_output=True, text=True,
-                         timeout=60, env=env)
-    return out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-300:]
 
 
 def test_ray_as_the_operator_starts_it_refuses_a_client_without_the_token(tmp_path: Path) -> None:
     pod = _pod_env(tmp_path)
-    assert pod["RAY_AUTH_MODE"] == "token"
-    base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")} | {"RAY_USAGE_STATS_ENABLED": "0"}
+    assert pod[auth_token.MODE_ENV] == "token"
+    base = _base_env(tmp_path)
     port = free_port()
     temp = tempfile.mkdtemp(prefix="ra-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     head = subprocess.Popen([RAY, "start", "--head", "--port", str(port), "--num-cpus", "1",
@@ -73,9 +109,8 @@ def test_ray_as_the_operator_starts_it_refuses_a_client_without_the_token(tmp_pa
         while not (seen := _probe(address, base | pod)).startswith("ok"):
             assert time.monotonic() < deadline and head.poll() is None, seen
             time.sleep(1)
-        assert _probe(address, base | {"RAY_AUTH_MODE": "disabled"}).startswith("refused AuthenticationError")
-        wrong = base | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64}
-        assert _probe(address, wrong).startswith("refused AuthenticationError")
+        assert _refused(_probe(address, base | {"RAY_AUTH_MODE": "disabled"}))
+        assert _refused(_probe(address, base | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64}))
     finally:
         try:  # only the Ray this test started (its own session); nothing in it to drain
             os.killpg(head.pid, signal.SIGKILL)
@@ -83,3 +118,64 @@ def test_ray_as_the_operator_starts_it_refuses_a_client_without_the_token(tmp_pa
             pass
         head.wait(10)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+# --- the embedded Ray of `fusedserve run` ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def embedded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, str, Path]]:
+    home = tmp_path_factory.mktemp("home")
+    server = Server(REPO / "examples/01-tiny-code.yaml", None, timeout=240, env=_base_env(home))
+    token_file: Path | None = None
+    try:
+        banner = "".join(server.output)
+        match = re.search(r"Ray: embedded at (127\.0\.0\.1:\d+), no dashboard, token authentication", banner)
+        assert match, banner
+        token_file = _token_file_of_children(server.proc.pid)
+        yield server, match.group(1), token_file
+    finally:
+        assert server.stop() == 0, "".join(server.output[-30:])
+        if token_file is not None:
+            assert not token_file.exists() and not token_file.parent.exists(), "the run's token outlived it"
+
+
+def _token_file_of_children(pid: int) -> Path:
+    """The run's token file, as its Ray processes (children of the CLI) got it in their environment."""
+    key = f"{auth_token.TOKEN_PATH_ENV}=".encode()
+    for proc in Path("/proc").iterdir():
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid != pid:
+                continue
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        assert not any(e.startswith(b"RAY_AUTH_TOKEN=") for e in environ), "the token itself is in an environment"
+        for entry in environ:
+            if entry.startswith(key):
+                return Path(entry.split(b"=", 1)[1].decode())
+    raise AssertionError(f"no child of {pid} holds {auth_token.TOKEN_PATH_ENV}")
+
+
+def test_embedded_ray_refuses_a_client_without_the_token(embedded: tuple[Server, str, Path], tmp_path: Path) -> None:
+    server, address, token_file = embedded
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600 and stat.S_IMODE(token_file.parent.stat().st_mode) == 0o700
+    base = _base_env(tmp_path)
+    for wrong in ({"RAY_AUTH_MODE": "disabled"}, {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64}):
+        answer = _probe(address, base | wrong)
+        assert _refused(answer), answer
+    assert _probe(address, base | auth_token.token_env(str(token_file))) == "ok 1 node(s)"  # with the run's token
+    env = base | {"RAY_AUTH_MODE": "token"}  # no token anywhere
+    out = subprocess.run([sys.executable, "-c", f"import ray; ray.init(address='{address}')"], env=env,
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode != 0 and "AuthenticationError" in out.stderr, out.stderr[-2000:]
+    assert server.complete() is not None  # the server itself goes on serving
+
+
+def test_embedded_ray_has_no_dashboard_and_listens_on_loopback_only(embedded: tuple[Server, str, Path]) -> None:
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", 8265), timeout=2).close()
+    listening = subprocess.run(["ss", "-Hltn"], capture_output=True, text=True, check=False).stdout
+    addresses = {line.split()[3].rsplit(":", 1)[0] for line in listening.splitlines() if line.strip()}
+    assert addresses <= {"127.0.0.1", "[::ffff:127.0.0.1]"}, listening

@@ -156,9 +156,9 @@ def test_a_restarted_controller_readopts_its_groups(tiny_code: Server, ray_addre
 
 def test_a_group_larger_than_the_cluster_is_reported_with_the_reason(ray_address: str) -> None:
     """Ray itself says the group cannot be placed (INFEASIBLE): the reason names the resource."""
-    from fusedserve.worker.spec import RuntimeConfig, load_manifest
     from fusedserve.worker.ray.engine_group import EngineGroup, GroupUnschedulable
     from fusedserve.worker.ray.placement import ClusterShape
+    from fusedserve.worker.spec import RuntimeConfig, load_manifest
 
     manifest = load_manifest(str(ROOT / "examples/02-tiny-code-tp2.yaml"))
     spec = manifest.spec.model_copy(update={"parallelism": manifest.spec.parallelism.model_copy(update={"tensor": 8})})
@@ -251,3 +251,96 @@ def test_moe_with_dp_attention_and_expert_parallelism_serves_on_both_dp_groups(
         assert [r["role"] for r in g["ranks"]] == ["leader" if r % attn_tp == 0 else "follower" for r in range(tensor)]
     finally:
         assert server.stop() == 0
+
+
+def _manifest(tmp_path: Path, name: str, replace: dict[str, str]) -> Path:
+    """examples/01 as a deployment of its own, ``tiny-code-<name>``: the ``tiny_code`` fixture's controller is
+    still running on this Ray, and two controllers of one deployment adopt (and remove) each other's groups."""
+    text = (ROOT / "examples/01-tiny-code.yaml").read_text()
+    meta = "metadata:\n  name: tiny-code\n"
+    assert meta in text
+    text = text.replace(meta, f"metadata:\n  name: tiny-code-{Path(name).stem}\n")
+    for old, new in replace.items():
+        assert old in text, old
+        text = text.replace(old, new)
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_replicas_zero_serves_health_not_ready_and_503_until_scaled_up(ray_address: str, tmp_path: Path) -> None:
+    """Issue 18: `replicas: 0` crashed `fusedserve run` (its warm-up request needs a ready group)."""
+    from fusedserve.worker.ray.launcher import NO_GROUPS_MARK
+
+    manifest = _manifest(tmp_path, "zero.yaml", {"replicas: 1": "replicas: 0"})
+    server = Server(manifest, ray_address, ready_mark=NO_GROUPS_MARK)
+    try:
+        health = httpx.get(f"{server.url}/health", timeout=30)
+        assert health.status_code == 503 and health.json() == {"status": "unavailable"}
+        r = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny-code", "prompt": "x", "max_tokens": 2},
+                       timeout=30)
+        assert r.status_code == 503 and r.headers["Retry-After"] == "5", r.text
+        assert r.json()["error"]["code"] == "no_ready_engine" and "no ready engine groups" in r.json()["error"]["message"]
+        s = server.status()
+        assert s["ready"] is False and s["replicas"] == 0 and s["groups"] == []
+        manifest.write_text(manifest.read_text().replace("replicas: 0", "replicas: 1"))  # scale up
+        server.proc.send_signal(signal.SIGHUP)
+        server.wait_status(lambda s: s["ready"] and s["ready_replicas"] == 1)
+        assert server.complete() is not None
+    finally:
+        assert server.stop() == 0, "".join(server.output[-30:])
+
+
+def test_sigterm_drains_requests_in_flight_and_the_api_key_guards_the_api(ray_address: str, tmp_path: Path) -> None:
+    """Issue 18: SIGTERM with requests in flight gave 500 text/plain and cut streams. Now each request in
+    flight gets its result or a well-formed error, then the process exits 0 and removes its groups.
+    The key comes from $FUSEDSERVE_API_KEY (as the operator injects it from a Secret)."""
+    import json
+    import os
+
+    key = "fs-e2e-3f9a"
+    manifest = _manifest(tmp_path, "drain.yaml", {"port: 8000": "port: 8000, drainGracePeriodSeconds: 3"})
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "FUSEDSERVE_API_KEY": key}
+    server = Server(manifest, ray_address, api_key=key, env=env)
+    url = f"{server.url}/v1/completions"
+    body = {"model": "tiny-code", "prompt": "def long(", "temperature": 0, "ignore_eos": True}
+    assert httpx.post(url, json={**body, "max_tokens": 2}, timeout=30).status_code == 401
+    assert httpx.get(f"{server.url}/status", timeout=30).status_code == 401
+    assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200  # probes carry no key
+    assert httpx.post(url, json={**body, "max_tokens": 2}, headers=server.headers, timeout=30).status_code == 200
+    results: list[tuple[str, int, str]] = []
+
+    def plain(max_tokens: int) -> None:
+        r = httpx.post(url, json={**body, "max_tokens": max_tokens}, headers=server.headers, timeout=60)
+        results.append(("plain", r.status_code, r.text))
+
+    def stream() -> None:
+        with httpx.stream("POST", url, json={**body, "max_tokens": 800, "stream": True}, headers=server.headers,
+                          timeout=60) as r:
+            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+            results.append(("stream", r.status_code, "\n".join(lines)))
+
+    threads = [threading.Thread(target=plain, args=(n,)) for n in (4, 800, 800)]
+    threads += [threading.Thread(target=stream) for _ in range(3)]
+    for t in threads:
+        t.start()
+    deadline = time.time() + 60
+    while sum(g["num_requests_running"] + g["num_requests_waiting"] for g in
+              (r for g in server.status()["groups"] for r in g["ranks"] if r["role"] == "leader")) < 5:
+        assert time.time() < deadline, server.status()
+        time.sleep(0.1)
+    server.proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(timeout=60)
+    assert server.proc.wait(timeout=60) == 0, "".join(server.output[-30:])
+    assert len(results) == 6
+    for kind, status, text in results:
+        if kind == "plain":
+            assert status == 200 or (status == 503 and json.loads(text)["error"]["code"] == "shutting_down"), text
+        else:
+            events = [line.removeprefix("data: ") for line in text.splitlines()]
+            assert status == 200 and events[-1] == "[DONE]", events[-3:]
+            last = json.loads(events[-2])
+            assert "choices" in last or last["error"]["code"] == "shutting_down", events[-3:]
+    assert "draining" in "".join(server.output)
+    assert live_groups("tiny-code-drain") == []

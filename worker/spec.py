@@ -14,11 +14,15 @@ here.
       parallelism: {tensor: 2, data: 1, expert: 1, dataParallelAttention: false}
       communication: {allReduceFusion: auto}
       speculative: {method: eagle3, draftModel: examples/checkpoints/tiny-code-eagle3, numSteps: 3}
-      serving: {port: 8000, maxBatchTokens: 2048, maxSequences: 64, kvCacheFraction: 0.9}
+      serving: {port: 8000, maxBatchTokens: 2048, maxSequences: 64, kvCacheFraction: 0.9,
+                drainGracePeriodSeconds: 30, maxRequestBytes: 8388608, auth: {health: public}}
 
 ``RuntimeConfig.from_manifest(manifest)`` is the frozen value the Ray runtime works from (rank
 actors, placement, the group controller); its ``revision`` changes exactly when running engine
-groups must be rebuilt (a new ``replicas`` count or HTTP port does not roll them).
+groups must be rebuilt (a new ``replicas`` count, HTTP port or HTTP limit does not roll them).
+The HTTP server's bounds (``spec.serving``: drain grace period, body size, sequences per request,
+timeouts, connections, which routes need the API key) are one frozen ``ServingLimits``;
+docs/serving.md explains each.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from enum import Enum
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -114,6 +119,26 @@ class SpeculativeSpec(SpecModel):
         return self.num_draft_tokens or (self.num_steps + 1 if self.top_k == 1 else 2 * self.num_steps)
 
 
+# Defaults of the HTTP server's bounds (``ServingSpec`` and ``ServingLimits`` share them; docs/serving.md).
+DRAIN_GRACE_S = 30
+SHUTDOWN_MARGIN_S = 15  # after the drain: HTTP server, rank actors, placement groups and Ray stop
+MAX_REQUEST_BYTES = 8 << 20
+MAX_SEQUENCES_PER_REQUEST = 256
+HEADER_TIMEOUT_S = 10.0
+BODY_TIMEOUT_S = 30.0
+SEND_TIMEOUT_S = 60.0
+MAX_CONNECTIONS = 1024
+
+
+class ApiAuthSpec(SpecModel):
+    """Which routes need the API key when one is set (``fusedserve run --api-key`` or ``$FUSEDSERVE_API_KEY``;
+    on Kubernetes the operator injects the variable from a Secret). ``/v1/*`` and ``/status`` always do;
+    ``/health`` (kubelet probes) and ``/metrics`` (Prometheus) are public unless set to ``apiKey``."""
+
+    health: Literal["public", "apiKey"] = "public"
+    metrics: Literal["public", "apiKey"] = "public"
+
+
 class ServingSpec(SpecModel):
     port: int = Field(default=8000, ge=1024, le=65535)
     max_batch_tokens: int = Field(default=2048, ge=16, le=1 << 20)
@@ -122,6 +147,27 @@ class ServingSpec(SpecModel):
     block_size: int = Field(default=16, ge=1, le=1024)
     max_model_len: int | None = Field(default=None, ge=16)
     metrics_port: int | None = Field(default=None, ge=1024, le=65535)
+    drain_grace_period_seconds: int = Field(
+        default=DRAIN_GRACE_S, ge=0, le=3600,
+        description="on SIGTERM, requests in flight get this long to finish (new ones get 503)")
+    max_request_bytes: int = Field(default=MAX_REQUEST_BYTES, ge=1024, le=1 << 30,
+                                   description="largest request body; larger ones get 413")
+    max_sequences_per_request: int = Field(default=MAX_SEQUENCES_PER_REQUEST, ge=1, le=1 << 16,
+                                           description="prompts x n of one request; more get 400")
+    header_timeout_seconds: float = Field(default=HEADER_TIMEOUT_S, gt=0, le=3600,
+                                          description="a connection must send a request's headers within this")
+    body_timeout_seconds: float = Field(default=BODY_TIMEOUT_S, gt=0, le=3600,
+                                        description="a request's whole body must arrive within this (else 408)")
+    send_timeout_seconds: float = Field(default=SEND_TIMEOUT_S, gt=0, le=3600,
+                                        description="a client that reads none of a response for this long is cut off")
+    max_connections: int = Field(default=MAX_CONNECTIONS, ge=1, le=1 << 20,
+                                 description="open connections + requests in progress; beyond it, 503")
+    auth: ApiAuthSpec = ApiAuthSpec()
+
+    @property
+    def termination_grace_period_seconds(self) -> int:
+        """What a pod serving this spec needs between SIGTERM and SIGKILL: the drain, then the shutdown."""
+        return self.drain_grace_period_seconds + SHUTDOWN_MARGIN_S
 
 
 class ResourcesSpec(SpecModel):
@@ -174,13 +220,29 @@ def parse_manifest(doc: dict[str, Any]) -> Manifest:
 
 
 def load_manifest(path: str) -> Manifest:
+    """The one InferenceDeployment of a YAML file; ``SpecError`` (one line) for anything else."""
     import yaml
 
     try:
-        with open(path) as f:
-            docs = [d for d in yaml.safe_load_all(f) if d is not None]
-    except (OSError, yaml.YAMLError) as e:
-        raise SpecError(f"{path}: {e}") from e
+        raw = Path(path).read_bytes()
+    except OSError as e:
+        raise SpecError(f"{path}: {e.strerror or e}") from e
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SpecError(f"{path}: not a YAML text file (byte 0x{raw[e.start]:02x} at offset {e.start} is not UTF-8)"
+                        ) from None
+    if "\x00" in text:
+        raise SpecError(f"{path}: not a YAML text file (a NUL byte at offset {text.index(chr(0))})")
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise SpecError(f"{path}: not valid YAML: {e.problem or e.context or 'syntax error'}{where}") from None
+    except (yaml.YAMLError, RecursionError, ValueError) as e:
+        raise SpecError(f"{path}: not valid YAML: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                        ) from None
     found = [d for d in docs if isinstance(d, dict) and d.get("kind") == KIND]
     if len(found) != 1:
         raise SpecError(f"{path}: expected exactly one {KIND}, found {len(found)}")
@@ -195,6 +257,29 @@ class SpeculativeRuntime:
     num_steps: int
     top_k: int
     num_draft_tokens: int | None
+
+
+@dataclass(frozen=True)
+class ServingLimits:
+    """The HTTP server's bounds (``spec.serving``); none of them changes an engine group."""
+
+    drain_grace_s: float = DRAIN_GRACE_S
+    max_request_bytes: int = MAX_REQUEST_BYTES
+    max_sequences_per_request: int = MAX_SEQUENCES_PER_REQUEST
+    header_timeout_s: float = HEADER_TIMEOUT_S
+    body_timeout_s: float = BODY_TIMEOUT_S
+    send_timeout_s: float = SEND_TIMEOUT_S
+    max_connections: int = MAX_CONNECTIONS
+    health_needs_key: bool = False
+    metrics_needs_key: bool = False
+
+    @classmethod
+    def from_spec(cls, s: ServingSpec) -> ServingLimits:
+        return cls(drain_grace_s=float(s.drain_grace_period_seconds), max_request_bytes=s.max_request_bytes,
+                   max_sequences_per_request=s.max_sequences_per_request, header_timeout_s=s.header_timeout_seconds,
+                   body_timeout_s=s.body_timeout_seconds, send_timeout_s=s.send_timeout_seconds,
+                   max_connections=s.max_connections, health_needs_key=s.auth.health == "apiKey",
+                   metrics_needs_key=s.auth.metrics == "apiKey")
 
 
 @dataclass(frozen=True)
@@ -225,6 +310,7 @@ class RuntimeConfig:
     max_model_len: int | None
     gpus_per_rank: int
     restart_token: str | None = None  # metadata.annotations["fusedserve.io/restart-token"]: a new one rolls every group
+    limits: ServingLimits = ServingLimits()
 
     @classmethod
     def from_manifest(cls, manifest: Manifest) -> RuntimeConfig:
@@ -248,6 +334,7 @@ class RuntimeConfig:
             kv_cache_fraction=spec.serving.kv_cache_fraction, block_size=spec.serving.block_size,
             max_model_len=spec.serving.max_model_len, gpus_per_rank=spec.resources.gpus_per_rank,
             restart_token=(getattr(manifest.metadata, "annotations", None) or {}).get(RESTART_TOKEN_ANNOTATION),
+            limits=ServingLimits.from_spec(spec.serving),
         )
 
     @property
@@ -262,8 +349,8 @@ class RuntimeConfig:
     @property
     def revision(self) -> str:
         """A short hash of everything an engine group is built from: groups of another revision
-        are rolled. Excludes ``replicas`` and the HTTP ports (they change no group)."""
-        fields = {k: v for k, v in self.__dict__.items() if k not in ("replicas", "port", "metrics_port")}
+        are rolled. Excludes ``replicas``, the HTTP ports and limits (they change no group)."""
+        fields = {k: v for k, v in self.__dict__.items() if k not in ("replicas", "port", "metrics_port", "limits")}
         blob = json.dumps(fields, sort_keys=True, default=lambda o: o.__dict__)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 

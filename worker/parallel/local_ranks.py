@@ -3,12 +3,21 @@
 gloo on CPU, NCCL on CUDA (one GPU per rank); rendezvous over TCP on 127.0.0.1. A rank that
 raises ends the whole run (the other ranks are terminated) and the error comes back to the
 caller with the rank's traceback. Results travel by value through files in a temp directory.
+
+A rank process ends with ``os._exit`` once its result or error is written: it never runs
+interpreter finalization, during which Python 3.11 ends a daemon thread that wants the GIL with
+``pthread_exit``. A thread still inside a collective (an engine's, an HTTP server's) that came
+back at that moment unwound through C++ frames that cannot unwind and the rank aborted
+("terminate called without an active exception", SIGABRT; tests/test_local_ranks.py). A native
+crash prints every thread's stack (faulthandler).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -33,19 +42,32 @@ def free_port() -> int:
 
 def _entry(rank: int, world: int, port: int, backend: str, fn: Callable[..., Any], args: tuple[Any, ...],
            out_dir: str, timeout_s: float) -> None:
-    torch.set_num_threads(1)
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
+    faulthandler.enable(all_threads=True)
+    error = Path(out_dir) / f"rank{rank}.err"
+    code = 1
     try:
-        out = fn(rank, world, backend, *args)
-        torch.save(out, Path(out_dir) / f"rank{rank}.pt")
-    except BaseException as e:
-        (Path(out_dir) / f"rank{rank}.err").write_text(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
-        raise
+        torch.set_num_threads(1)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s))
+        try:
+            out = fn(rank, world, backend, *args)
+            torch.save(out, Path(out_dir) / f"rank{rank}.pt")
+            code = 0
+        except BaseException as e:  # noqa: BLE001 (KeyboardInterrupt too: a rank stopped by a signal failed)
+            # written before the group goes: a peer that then fails on the closed connection finds it
+            error.write_text(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+        finally:
+            dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 (the rendezvous or the teardown failed)
+        if not error.exists():
+            error.write_text(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+        code = 1
     finally:
-        dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # no interpreter finalization (the module docstring says why)
 
 
 def run_on_ranks(fn: Callable[..., Any], world: int, *args: Any, backend: str | None = None,
@@ -64,7 +86,10 @@ def run_on_ranks(fn: Callable[..., Any], world: int, *args: Any, backend: str | 
         except mp.ProcessRaisedException as e:
             raise RankFailed(_root_cause(Path(out_dir)) or str(e).strip().splitlines()[-1]) from e
         except mp.ProcessExitedException as e:
-            raise RankFailed(f"a rank exited unexpectedly: {e}") from e
+            cause = _root_cause(Path(out_dir))
+            if cause is not None and not e.signal_name:
+                raise RankFailed(cause) from e
+            raise RankFailed(f"a rank exited unexpectedly: {e}" + (f" (first error: {cause})" if cause else "")) from e
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 

@@ -68,6 +68,12 @@ class EngineGroup:
     def name(self) -> str:
         return self.plan.name
 
+    @property
+    def max_model_len(self) -> int | None:
+        """What the group's engines accept (their leaders report it)."""
+        lens = [int(r["max_model_len"]) for r in self.ranks if r.get("max_model_len")]
+        return min(lens) if lens else None
+
     # --- create / adopt ---------------------------------------------------------------------------
 
     @classmethod

@@ -26,13 +26,13 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from ..engine.outputs import RequestOutput
 from ..engine.sequence import FinishReason, InvalidRequest, SamplingParams
-from ..serving.engine_client import EngineDead, MetricsSnapshot
+from ..serving.engine_client import EngineDead, MetricsSnapshot, NoReadyEngine
 from ..spec import RuntimeConfig
 from .engine_group import (
     EngineGroup,
@@ -45,6 +45,9 @@ from .engine_group import (
 from .placement import ClusterShape, PlacementError, lowest_free_index
 from .router import NoCandidate, Router
 from .runtime_status import ControllerObservation, Failure, GroupObservation, controller_status
+
+if TYPE_CHECKING:
+    from ..engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +74,6 @@ class GroupController:
         self._router = Router()
         self._requests: dict[str, tuple[EngineGroup, Any]] = {}  # request id -> (group, leader) serving it
         self._thread: threading.Thread | None = None
-        self._tokenizer: Any = None
 
     # --- lifecycle --------------------------------------------------------------------------------
 
@@ -241,18 +243,24 @@ class GroupController:
     def model_name(self) -> str:
         return self.config.model_name
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        """Rendered here, from the checkpoint's tokenizer files: no Ray call on the event loop."""
+    @property
+    def max_model_len(self) -> int | None:
+        """What the ready groups of the current revision accept (None while none is ready)."""
+        ready = [g for _, g in self._snapshot() if g.max_model_len is not None]
+        current = [g for g in ready if g.revision == self.config.revision] or ready
+        return min((g.max_model_len for g in current if g.max_model_len is not None), default=None)
+
+    def load_tokenizer(self) -> Tokenizer | None:
+        """From the checkpoint's tokenizer files here: prompts are tokenised in this process, not by a rank."""
         from ..engine.tokenizer import Tokenizer, TokenizerError
 
-        if self.config.skip_tokenizer:
-            raise InvalidRequest("chat needs a tokenizer; this deployment serves token ids (model.skipTokenizer)")
+        if self.config.skip_tokenizer:  # model.skipTokenizer: token-id prompts only, text and chat get a 400
+            return None
         try:
-            if self._tokenizer is None:
-                self._tokenizer = Tokenizer.from_dir(self.config.model_path)
-            return str(self._tokenizer.apply_chat_template(messages))
+            return Tokenizer.from_dir(self.config.model_path)
         except TokenizerError as e:
-            raise InvalidRequest(str(e)) from e
+            log.warning("no tokenizer for the API (token-id prompts only): %s", e)
+            return None
 
     def _pick(self) -> tuple[EngineGroup, Any]:
         """The leader the router picks among every ready group's leaders (call with the lock held)."""
@@ -265,7 +273,7 @@ class GroupController:
             index, i = self._router.pick(leaders, in_flight)
         except NoCandidate:
             last = f" (last failure: {self.failures[-1].reason})" if self.failures else ""
-            raise EngineDead(f"no engine group is ready{last}") from None
+            raise NoReadyEngine(f"no ready engine groups{last}") from None
         group = self.groups[index]
         return group, group.leaders[i]
 

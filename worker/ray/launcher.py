@@ -4,12 +4,25 @@ Without ``--ray-address`` it starts an embedded local Ray sized from the spec: w
 ``GPU`` per rank; without, CPU ranks (gloo), each holding one unit of the custom resource
 ``fake_gpu`` (``replicas x ranks`` plus one group's worth, so a spec change can roll with a surge
 group). With ``--ray-address`` (or ``RAY_ADDRESS``) it joins a running cluster and, on exit,
-removes only what it created. Ctrl-C or SIGTERM shuts down cleanly: HTTP server, rank actors,
-placement groups, then Ray. SIGHUP re-reads the manifest and rolls the engine groups.
+removes only what it created. SIGHUP re-reads the manifest and rolls the engine groups.
 
-Ray binds every interface and probes an outside address to learn its own IP; the embedded Ray
-registers 127.0.0.1 as its node address, and `make run` (scripts/run-main.sh) runs the CLI inside
-a private network namespace with only loopback when it is root (TESTING.md).
+Ctrl-C or SIGTERM drains (``serving/drain.py``): ``/health`` turns 503 at once, new ``/v1``
+requests get 503 + ``Retry-After``, the requests in flight get ``spec.serving.
+drainGracePeriodSeconds`` to finish and are then ended with a JSON error or an SSE error event
+and ``[DONE]``; a second signal ends the grace period early. Then the HTTP server, rank actors,
+placement groups and Ray stop (``ServingSpec.termination_grace_period_seconds`` covers both).
+
+The embedded Ray listens on 127.0.0.1 only (its node address), without a dashboard, and with
+Ray's token authentication (``auth_token.py``, as on Kubernetes: a fresh token per run in a file
+only its user can read, removed at exit) unless ``RAY_AUTH_MODE`` says otherwise; joining a
+cluster uses whatever ``RAY_AUTH_MODE`` / ``RAY_AUTH_TOKEN_PATH`` the environment holds. `make run`
+(scripts/run-main.sh) runs the CLI inside a private network namespace with only loopback when it
+is root (TESTING.md): Ray probes an outside address to learn its own IP.
+
+The API key (``--api-key`` or ``$FUSEDSERVE_API_KEY``) guards ``/v1/*`` and ``/status``
+(``serving/access.py``); without one, ``/status`` shows rank PIDs, node addresses and failure
+texts only when the API listens on loopback. ``replicas: 0`` serves ``/health`` (503, not
+ready) and answers 503 "no ready engine groups" until scaled up.
 
 ``--smoke`` sends a completion and a chat request through the OpenAI API, prints them and the
 key metrics, and exits 0 (what `make run` does).
@@ -20,13 +33,16 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from ..spec import Manifest, RuntimeConfig, SpecError, load_manifest
+from . import auth_token
 from .engine_group import RAY_NAMESPACE
 from .placement import LOCAL_GPU_RESOURCE, ClusterShape
 
@@ -36,6 +52,8 @@ SMOKE_PROMPT = "def fibonacci(n):"
 RAY_CONNECT_TIMEOUT_S = 300.0
 WATCH_INTERVAL_S = 2.0
 SMOKE_CHAT = "import os"
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+NO_GROUPS_MARK = "no engine groups (replicas: 0)"
 
 
 def resolve_paths(manifest: Manifest, manifest_path: str) -> Manifest:
@@ -91,12 +109,27 @@ def check_checkpoint_split(rc: RuntimeConfig) -> None:
         raise SpecError(f"spec.parallelism: {e}") from e
 
 
+def embedded_ray_auth() -> Path | None:
+    """Token authentication for the embedded Ray unless ``RAY_AUTH_MODE`` is set, the way the operator's
+    pods have it (``auth_token.py``): a fresh token of this run in a file only this user can read, named
+    by ``RAY_AUTH_TOKEN_PATH`` in the environment Ray's processes inherit. Returns the file's directory,
+    to remove when the run ends (None: the environment's own settings, or its token, are used). Call it
+    before ``ray`` is imported: Ray reads the mode once."""
+    if auth_token.MODE_ENV in os.environ:
+        return None
+    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get(auth_token.TOKEN_PATH_ENV):
+        os.environ[auth_token.MODE_ENV] = "token"
+        return None
+    directory = Path(tempfile.mkdtemp(prefix="fusedserve-ray-auth-"))  # mode 0700
+    os.environ.update(auth_token.token_env(str(auth_token.write_token_file(directory, auth_token.new_token()))))
+    return directory
+
+
 def connect_ray(rc: RuntimeConfig, address: str | None) -> ClusterShape:
     """Join the cluster at ``address``, or start an embedded one sized for ``rc``."""
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if address:
         deadline = time.monotonic() + RAY_CONNECT_TIMEOUT_S
         while True:  # in a pod, the head's `ray start` may still be coming up
@@ -131,20 +164,33 @@ def _shape_of(nodes: list[dict[str, Any]]) -> ClusterShape:
 
 
 def run(manifest_path: str, smoke: bool = False, port: int | None = None, ray_address: str | None = None,
-        host: str = "127.0.0.1", watch: bool = False) -> int:
+        host: str = "127.0.0.1", watch: bool = False, api_key: str | None = None) -> int:
     rc = load_runtime_config(manifest_path)  # before the heavy imports: a bad manifest fails fast
+    address = ray_address or os.environ.get("RAY_ADDRESS")
+    token_dir = None if address else embedded_ray_auth()
+    try:
+        return _serve(rc, manifest_path, smoke, port, address, host, watch, api_key)
+    finally:
+        if token_dir is not None:  # after Ray has stopped: its processes read the file until then
+            shutil.rmtree(token_dir, ignore_errors=True)
+
+
+def _serve(rc: RuntimeConfig, manifest_path: str, smoke: bool, port: int | None, address: str | None, host: str,
+           watch: bool, api_key: str | None) -> int:
     import ray
 
+    from ..serving.access import ApiAccess
+    from ..serving.drain import Drain
     from ..serving.http_api import build_app
     from ..serving.http_server import HttpServer
     from ..serving.metrics import MetricsRegistry
     from .group_controller import GroupController, GroupError
 
     signal.signal(signal.SIGTERM, _interrupt)  # while starting: unwind through the cleanup below
-    address = ray_address or os.environ.get("RAY_ADDRESS")
     t0 = time.time()
     cluster = connect_ray(rc, address)
     controller = GroupController(rc, cluster)
+    drain = Drain(rc.limits.drain_grace_s)
     servers: list[Any] = []
     try:
         try:
@@ -153,29 +199,69 @@ def run(manifest_path: str, smoke: bool = False, port: int | None = None, ray_ad
             print(f"fusedserve run: {rc.name}: {e.reason}", flush=True)
             return 1
         labels = {"deployment": rc.name, "namespace": rc.namespace}
-        app = build_app(controller, MetricsRegistry(labels, model_name=rc.model_name))
-        server = HttpServer(app, host=host, port=port if port is not None else rc.port).start()
+        access = ApiAccess(api_key or None, rc.limits.health_needs_key, rc.limits.metrics_needs_key,
+                           status_details=host in LOOPBACK_HOSTS)
+        app = build_app(controller, MetricsRegistry(labels, model_name=rc.model_name), limits=rc.limits,
+                        access=access, drain=drain)
+        server = HttpServer(app, host=host, port=port if port is not None else rc.port, limits=rc.limits).start()
         servers.append(server)
         url = metrics_url = server.url
         if rc.metrics_port is not None and rc.metrics_port != server.port:  # a separate scrape port
-            servers.append(HttpServer(app, host=host, port=rc.metrics_port).start())
+            servers.append(HttpServer(app, host=host, port=rc.metrics_port, limits=rc.limits).start())
             metrics_url = servers[-1].url
-        print(f"fusedserve: {rc.name} ready in {time.time() - t0:.1f}s: {rc.replicas} engine group(s) x "
-              f"{rc.ranks} rank(s) (tp={rc.tensor} dp={rc.data} ep={rc.expert}) on "
-              f"{'GPUs' if cluster.gpus else 'CPU (gloo)'}", flush=True)
-        print(f"  OpenAI API: {url}/v1   status: {url}/status   metrics: {metrics_url}/metrics", flush=True)
-        print(first_request(url, rc, smoke), flush=True)
+        print(banner(rc, cluster.gpus, time.time() - t0, url, metrics_url, address), flush=True)
+        if api_key is None and host not in LOOPBACK_HOSTS:
+            print(f"fusedserve: warning: no API key; anyone who reaches {host}:{server.port} can use the API "
+                  "(--api-key or $FUSEDSERVE_API_KEY)", flush=True)
+        if rc.replicas == 0:
+            print(f"  {NO_GROUPS_MARK}: /health answers 503 and /v1 'no ready engine groups' until scaled up",
+                  flush=True)
+        else:
+            print(first_request(url, rc, smoke, api_key), flush=True)
         if smoke:
             return 0
-        wait_for_signals(lambda: controller.apply(load_runtime_config(manifest_path)),
-                         manifest_path if watch else None)
-        print("fusedserve: shutting down", flush=True)
+        wait_for_signals(lambda: reload(controller, manifest_path), manifest_path if watch else None)
         return 0
     finally:
+        if servers:
+            shutdown_http(drain, quiet=smoke)
         for server in servers:
             server.stop()
         controller.shutdown()
         ray.shutdown()
+
+
+def banner(rc: RuntimeConfig, gpus: int, seconds: float, url: str, metrics_url: str, address: str | None) -> str:
+    import ray
+
+    auth = "token authentication" if os.environ.get("RAY_AUTH_MODE", "").lower() == "token" else "no authentication"
+    ray_line = f"joined {address}" if address else f"embedded at {ray.get_runtime_context().gcs_address}, no dashboard"
+    ready = (f"fusedserve: {rc.name} ready in {seconds:.1f}s: {rc.replicas} engine group(s) x {rc.ranks} rank(s) "
+             f"(tp={rc.tensor} dp={rc.data} ep={rc.expert}) on {'GPUs' if gpus else 'CPU (gloo)'}")
+    return "\n".join([
+        ready,
+        f"  OpenAI API: {url}/v1   status: {url}/status   metrics: {metrics_url}/metrics",
+        f"  Ray: {ray_line}, {auth}"])
+
+
+def reload(controller: Any, manifest_path: str) -> None:
+    new = load_runtime_config(manifest_path)
+    if new.limits != controller.config.limits:
+        print("fusedserve: spec.serving limits take effect at the next start", flush=True)
+    controller.apply(new)
+
+
+def shutdown_http(drain: Any, quiet: bool = False) -> None:
+    """Drain the API (a second SIGINT/SIGTERM ends the grace period early)."""
+    stop_early = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop_early.set())
+    busy = drain.in_flight()
+    if busy or not quiet:
+        print(f"fusedserve: draining: {busy} request(s) in flight, grace period {drain.grace_s:.0f}s", flush=True)
+    ended = drain.shutdown(stop_early)
+    if busy or not quiet:
+        print(f"fusedserve: shutting down ({ended} request(s) ended at the end of the grace period)", flush=True)
 
 
 def _interrupt(*_: object) -> None:
@@ -214,18 +300,23 @@ def wait_for_signals(reload: Any, watched: str | None = None) -> None:
                 print(f"fusedserve: reload refused: {e}", flush=True)
 
 
-def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+def _auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _post(url: str, body: dict[str, Any], api_key: str | None = None) -> dict[str, Any]:
     """One JSON request with the standard library (the runtime needs no HTTP client package)."""
     import json
     import urllib.request
 
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json", **_auth_headers(api_key)}
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
     with urllib.request.urlopen(req, timeout=300) as resp:
         out: dict[str, Any] = json.loads(resp.read())
     return out
 
 
-def first_request(url: str, rc: RuntimeConfig, smoke: bool) -> str:
+def first_request(url: str, rc: RuntimeConfig, smoke: bool, api_key: str | None = None) -> str:
     """A warm-up completion (and with ``smoke`` a chat too) through the OpenAI API, and the key metrics."""
     import urllib.request
 
@@ -233,17 +324,18 @@ def first_request(url: str, rc: RuntimeConfig, smoke: bool) -> str:
 
     if rc.skip_tokenizer:  # token ids in, token ids out: a token-id prompt, no chat
         comp = _post(f"{url}/v1/completions", {"model": rc.model_name, "prompt": [1, 2, 3, 4], "max_tokens": 8,
-                                                 "temperature": 0})
+                                                 "temperature": 0}, api_key)
         lines = [f"  completion (token ids, no tokenizer): {comp['usage']['completion_tokens']} tokens"]
     else:
         comp = _post(f"{url}/v1/completions", {"model": rc.model_name, "prompt": SMOKE_PROMPT, "max_tokens": 32,
-                                                 "temperature": 0})
+                                                 "temperature": 0}, api_key)
         lines = [f"  completion: {SMOKE_PROMPT + comp['choices'][0]['text']!r}"]
     if smoke and not rc.skip_tokenizer:
         chat = _post(f"{url}/v1/chat/completions", {"model": rc.model_name, "max_tokens": 24, "temperature": 0,
-                                                      "messages": [{"role": "user", "content": SMOKE_CHAT}]})
+                                                      "messages": [{"role": "user", "content": SMOKE_CHAT}]}, api_key)
         lines.append(f"  chat:       {chat['choices'][0]['message']['content']!r}")
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
+    metrics_req = urllib.request.Request(f"{url}/metrics", headers=_auth_headers(api_key))
+    with urllib.request.urlopen(metrics_req, timeout=30) as resp:
         metrics_text = resp.read().decode()
     values: dict[str, float] = {}
     for fam in text_string_to_metric_families(metrics_text):

@@ -196,7 +196,8 @@ class RankActor:
         return {"rank": self.rank, "role": "leader" if self.leader else "follower", "labels": self.labels,
                 "node": ray.util.get_node_ip_address(), "pid": os.getpid(),
                 "actor_id": ray.get_runtime_context().get_actor_id(), "revision": self.rc.revision,
-                "fusion": self.kernel, "quantization": self.quantization, "ready": self.ready, "error": self.error}
+                "fusion": self.kernel, "quantization": self.quantization, "ready": self.ready, "error": self.error,
+                "max_model_len": int(self.client.max_model_len) if self.client is not None else None}
 
     async def metrics(self) -> list[MetricsSnapshot]:
         if self.client is not None:
@@ -220,9 +221,6 @@ class RankActor:
 
     def max_model_len(self) -> int:
         return int(self.client.max_model_len)
-
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        return str(self.client.apply_chat_template(messages))
 
     async def generate(self, prompt: str | list[int], params: dict[str, Any], request_id: str
                        ) -> AsyncIterator[dict[str, Any]]:

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..engine.outputs import RequestOutput
 from ..engine.sequence import SamplingParams
+
+if TYPE_CHECKING:
+    from ..engine.tokenizer import Tokenizer
 
 # The labels every exported series carries (values may be ""); nothing per request.
 # "engine_group" is the engine group index; "group" is reserved for the parallel group of a
@@ -58,13 +61,22 @@ class EngineClient(Protocol):
     @property
     def model_name(self) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str: ...
+    @property
+    def max_model_len(self) -> int | None:
+        """The longest sequence (prompt + output) the engines accept; None while none is ready."""
+        ...
+
+    def load_tokenizer(self) -> Tokenizer | None:
+        """A tokenizer of the served checkpoint for the HTTP layer's own threads (a fresh instance:
+        the engine's is the engine thread's); None when the engine takes token ids only."""
+        ...
 
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str
                  ) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs; the last one has ``finished`` set. Raises
-        ``InvalidRequest`` before the first output for a request the engine refuses, and
-        ``EngineDead`` when the engine (or a rank of its group) failed mid-request."""
+        ``InvalidRequest`` before the first output for a request the engine refuses,
+        ``NoReadyEngine`` when nothing can take it now, and ``EngineDead`` when the engine (or a
+        rank of its group) failed mid-request."""
         ...
 
     async def abort(self, request_id: str) -> None: ...
@@ -77,4 +89,9 @@ class EngineClient(Protocol):
 
 
 class EngineDead(RuntimeError):
-    """The engine serving a request is gone (a rank died); the request cannot finish."""
+    """The engine serving a request is gone (a rank died); the request cannot finish. The message is
+    for the log (it may hold Ray's reports, node ids): clients get a generic answer with an error id."""
+
+
+class NoReadyEngine(EngineDead):
+    """No engine can take a request now (``replicas: 0``, every group starting or failed): retry later."""

@@ -5,12 +5,20 @@ with ``stream``: ``data: {chunk}`` lines and a final ``data: [DONE]``), ``GET /v
 ``/health``, ``/status`` (the client's status as JSON) and ``/metrics`` (Prometheus text,
 when a ``MetricsRegistry`` is given). Errors are OpenAI-style ``{"error": {message, type,
 param, code}}``: 400 for a bad request (malformed JSON, wrong types, invalid or unsupported
-parameters, a prompt the engine refuses), 404 for an unknown model or route, 503 when the
-engine is dead. A streamed request is checked before the first byte goes out (its first
-output is awaited), so a refused one still gets a 4xx. A client that goes away aborts its
-requests.
+parameters, too many sequences, a prompt or ``max_tokens`` beyond the context), 401 without
+the API key, 404 for an unknown model or route, 408/413 for a slow or large body, 503 with
+``Retry-After`` when no engine can take the request, the engine failed under it, or the server
+is draining. A streamed request is checked before the first byte goes out (its first output is
+awaited), so a refused one still gets a 4xx; a stream that fails later ends with an ``error``
+event and ``[DONE]``. A client that goes away aborts its requests. Internal failures are
+logged with an error id and answered with that id only (no exception text, no Ray reports).
 
-    app = build_app(LocalEngineClient(engine), MetricsRegistry(labels))
+Prompts are tokenised here (``prompt_tokenizer.py``), never on the engine thread; the engines
+get token ids. Around the routes, outermost first: ``AccessMiddleware`` (API key),
+``DrainMiddleware`` (shutdown), ``RequestBodyMiddleware`` (body size and timeouts).
+
+    app = build_app(LocalEngineClient(engine), MetricsRegistry(labels), limits=rc.limits,
+                    access=ApiAccess(api_key), drain=Drain(rc.limits.drain_grace_s))
 """
 
 from __future__ import annotations
@@ -32,9 +40,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.outputs import RequestOutput
 from ..engine.sequence import InvalidRequest
+from ..spec import ServingLimits
+from .access import AccessMiddleware, ApiAccess
+from .api_error import engine_unavailable, internal_error, validation_message
+from .drain import Drain, DrainMiddleware
 from .engine_client import EngineClient, EngineDead
 from .metrics import MetricsRegistry
 from .openai_protocol import ApiError, ChatCompletionRequest, CompletionRequest, _GenerationRequest
+from .output_streams import close_all, disconnected, merge
+from .prompt_tokenizer import PromptTokenizer
+from .request_body import RequestBodyMiddleware
+from .request_limits import check_sequences, max_tokens_for
+from .status_view import public_status
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +67,8 @@ class _Choice:
     completion_tokens: int = 0
 
 
-def _error(err: ApiError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
-
-
-def _dead(e: EngineDead) -> ApiError:
-    return ApiError(503, f"the engine is unavailable: {e}", type="service_unavailable", code="engine_dead")
+def _response(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
 
 
 def _sse(payload: dict[str, Any] | str) -> str:
@@ -63,9 +76,27 @@ def _sse(payload: dict[str, Any] | str) -> str:
 
 
 class _Api:
-    def __init__(self, client: EngineClient, metrics: MetricsRegistry | None) -> None:
+    def __init__(self, client: EngineClient, metrics: MetricsRegistry | None, limits: ServingLimits,
+                 access: ApiAccess, drain: Drain | None) -> None:
         self.client = client
         self.metrics = metrics
+        self.limits = limits
+        self.access = access
+        self.drain = drain
+        self.tokens = PromptTokenizer(client.load_tokenizer)
+
+    def count(self, err: ApiError) -> None:
+        """Every error answered passes here (counted by code)."""
+        if self.metrics is not None:
+            self.metrics.count_error(err.code or "invalid_request")
+
+    def response(self, err: ApiError) -> JSONResponse:
+        self.count(err)
+        return _response(err)
+
+    def event(self, err: ApiError) -> str:
+        self.count(err)
+        return _sse(err.body())
 
     # --- running requests ------------------------------------------------------------------------
 
@@ -76,14 +107,14 @@ class _Api:
                            param="model", code="model_not_found")
         return name
 
-    def _start(self, prompts: list[str | list[int]], body: _GenerationRequest, max_tokens: int,
+    def _start(self, prompts: list[list[int]], body: _GenerationRequest, max_tokens: list[int],
                request_id: str) -> list[AsyncIterator[RequestOutput]]:
         """One engine request per (prompt, choice); choice index = prompt index * n + choice."""
         streams: list[AsyncIterator[RequestOutput]] = []
         for p, prompt in enumerate(prompts):
             for i in range(body.n):
                 try:
-                    params = body.sampling_params(max_tokens, i)
+                    params = body.sampling_params(max_tokens[p], i)
                 except InvalidRequest as e:
                     raise ApiError(400, str(e), code="invalid_parameter") from e
                 stream = self.client.generate(prompt, params, f"{request_id}-{p * body.n + i}")
@@ -96,14 +127,14 @@ class _Api:
         results = await asyncio.gather(*(s.__anext__() for s in streams), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
-            await _close_all(streams)
+            await close_all(streams)
             error = errors[0]
             if isinstance(error, InvalidRequest):
                 raise ApiError(400, str(error), code="invalid_prompt") from error
             if isinstance(error, EngineDead):
-                raise _dead(error) from error
+                raise engine_unavailable(error) from error
             if isinstance(error, StopAsyncIteration):
-                raise ApiError(500, "the engine ended a request without output", type="server_error")
+                raise internal_error(RuntimeError("the engine ended a request without output"))
             raise error
         return [r for r in results if isinstance(r, RequestOutput)]
 
@@ -112,7 +143,7 @@ class _Api:
         firsts = await self._first(streams)
         choices = [_Choice() for _ in streams]
         work = asyncio.ensure_future(self._drain(streams, firsts, choices))
-        gone = asyncio.ensure_future(_disconnected(request))
+        gone = asyncio.ensure_future(disconnected(request))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -123,7 +154,7 @@ class _Api:
         try:
             await work
         except EngineDead as e:
-            raise _dead(e) from e
+            raise engine_unavailable(e) from e
         except asyncio.CancelledError:
             if not gone.done() or gone.cancelled():
                 raise  # this handler itself is being cancelled
@@ -134,19 +165,23 @@ class _Api:
     async def _drain(streams: list[AsyncIterator[RequestOutput]], firsts: list[RequestOutput],
                      choices: list[_Choice]) -> None:
         try:
-            async for index, out in _merge(streams, firsts):
+            async for index, out in merge(streams, firsts):
                 _apply(choices[index], out)
         finally:
-            await _close_all(streams)
+            await close_all(streams)
 
     # --- responses -------------------------------------------------------------------------------
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         model = self._check_model(body)
         body.check()
-        max_tokens = body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
+        prompts = body.prompts()
+        check_sequences(len(prompts), body.n, self.limits.max_sequences_per_request)
+        max_len = self.client.max_model_len
+        ids = await asyncio.gather(*(self.tokens.prompt_ids(p, max_len) for p in prompts))
+        max_tokens = [max_tokens_for(len(i), body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, max_len) for i in ids]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        streams = self._start(body.prompts(), body, max_tokens, rid)
+        streams = self._start(list(ids), body, max_tokens, rid)
 
         def chunk(index: int, text: str, reason: str | None) -> dict[str, Any]:
             return {"id": rid, "object": "text_completion", "created": created, "model": model,
@@ -166,13 +201,13 @@ class _Api:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         model = self._check_model(body)
         body.check()
-        try:
-            prompt = self.client.apply_chat_template(body.conversation())
-        except InvalidRequest as e:
-            raise ApiError(400, str(e), param="messages", code="invalid_messages") from e
-        max_tokens = body.requested_max_tokens() or UNLIMITED_MAX_TOKENS
+        check_sequences(1, body.n, self.limits.max_sequences_per_request)
+        max_len = self.client.max_model_len
+        ids = await self.tokens.chat_ids(body.conversation(), max_len)
+        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        max_tokens = max_tokens_for(len(ids), body.requested_max_tokens(), None, max_len, param, UNLIMITED_MAX_TOKENS)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        streams = self._start([prompt], body, max_tokens, rid)
+        streams = self._start([ids], body, [max_tokens], rid)
 
         def chunk(index: int, text: str, reason: str | None) -> dict[str, Any]:
             delta = {"content": text} if text else {}
@@ -212,7 +247,7 @@ class _Api:
                 if opening is not None:
                     for index in range(len(streams)):
                         yield emit(opening(index))
-                async for index, out in _merge(streams, firsts):
+                async for index, out in merge(streams, firsts):
                     _apply(choices[index], out)
                     reason = out.finish_reason.value if out.finished and out.finish_reason else None
                     # A chunk for every step that produced tokens (vLLM's rule), even when the text
@@ -223,9 +258,11 @@ class _Api:
                     yield _sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
                                 "usage": _usage(choices, body.n)})
             except EngineDead as e:
-                yield _sse(_dead(e).body())
+                yield self.event(engine_unavailable(e))
+            except Exception as e:  # noqa: BLE001 (the stream has started: end it with an error event)
+                yield self.event(internal_error(e))
             finally:
-                await _close_all(streams)
+                await close_all(streams)
             yield _sse("[DONE]")
 
         return StreamingResponse(events(), media_type="text/event-stream",
@@ -234,10 +271,23 @@ class _Api:
     # --- the rest --------------------------------------------------------------------------------
 
     async def status(self) -> dict[str, Any]:
+        """The client's status; ``ready`` false while draining; internals only for those who may see them."""
         try:
-            return await self.client.status()
+            doc = dict(await self.client.status())
         except EngineDead as e:
-            raise _dead(e) from e
+            raise engine_unavailable(e) from e
+        if self.drain is not None and self.drain.draining:
+            doc["ready"], doc["draining"] = False, True
+        return doc if self.access.full_status else dict(public_status(doc))
+
+    async def health(self) -> JSONResponse:
+        if self.drain is not None and self.drain.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        try:
+            ready = bool((await self.client.status()).get("ready", False))
+        except EngineDead:
+            ready = False
+        return JSONResponse({"status": "ok" if ready else "unavailable"}, status_code=200 if ready else 503)
 
 
 def _apply(choice: _Choice, out: RequestOutput) -> None:
@@ -255,105 +305,44 @@ def _usage(choices: list[_Choice], n: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def _merge(streams: list[AsyncIterator[RequestOutput]], firsts: list[RequestOutput]
-                 ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(index, output) from every stream, first outputs first, then as they come."""
-    for index, out in enumerate(firsts):
-        yield index, out
-    live = [i for i, out in enumerate(firsts) if not out.finished]
-    if len(live) == 1:  # the common case: no tasks needed
-        async for out in streams[live[0]]:
-            yield live[0], out
-        return
-    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
-
-    async def pump(index: int) -> None:
-        try:
-            async for out in streams[index]:
-                queue.put_nowait((index, out))
-        except Exception as e:  # noqa: BLE001 (re-raised by the consumer)
-            queue.put_nowait((index, e))
-        finally:
-            queue.put_nowait((index, None))
-
-    tasks = [asyncio.ensure_future(pump(i)) for i in live]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            index, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+def is_work(path: str) -> bool:
+    """Requests that run (or list) models: refused while draining, ended when the grace period ends."""
+    return path.startswith("/v1/")
 
 
-async def _close_all(streams: list[AsyncIterator[RequestOutput]]) -> None:
-    for stream in streams:
-        aclose = getattr(stream, "aclose", None)
-        if aclose is not None:
-            try:
-                await aclose()
-            except RuntimeError:  # still running in a task being cancelled; it closes itself
-                pass
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client disconnects (the body has been read already)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
-    if not errors:
-        return "invalid request body", None
-    first = errors[0]
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    if first.get("type") == "json_invalid":
-        reason = first.get("ctx", {}).get("error", first.get("msg"))
-        return f"the request body is not valid JSON: {reason}", None
-    if not loc:
-        return "the request body must be a JSON object (Content-Type: application/json)", None
-    param = ".".join(loc)
-    parts = [f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}"
-             for e in errors[:5]]
-    return "; ".join(parts), param
-
-
-def build_app(client: EngineClient, metrics: MetricsRegistry | None = None) -> FastAPI:
+def build_app(client: EngineClient, metrics: MetricsRegistry | None = None, *, limits: ServingLimits | None = None,
+              access: ApiAccess | None = None, drain: Drain | None = None) -> FastAPI:
     """The API app over ``client``; ``/metrics`` is served when ``metrics`` is given."""
-    api = _Api(client, metrics)
+    limits = limits or ServingLimits()
+    access = access or ApiAccess()
+    api = _Api(client, metrics, limits, access, drain)
     app = FastAPI(title="fusedserve", description="OpenAI-compatible API", docs_url=None, redoc_url=None)
     app.state.api = api
+    app.add_middleware(RequestBodyMiddleware, max_bytes=limits.max_request_bytes,
+                       body_timeout_s=limits.body_timeout_s, send_timeout_s=limits.send_timeout_s, sink=api.count)
+    if drain is not None:
+        app.add_middleware(DrainMiddleware, drain=drain, guarded=is_work, sink=api.count)
+    app.add_middleware(AccessMiddleware, access=access, sink=api.count)
 
     @app.exception_handler(ApiError)
     async def on_api_error(_request: Request, exc: ApiError) -> JSONResponse:
-        return _error(exc)
+        return api.response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
-        return _error(ApiError(400, message, param=param))
+        message, param = validation_message(exc)
+        return api.response(ApiError(400, message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         route = exc.status_code in (404, 405)
         message = f"no route {request.method} {request.url.path}" if route else str(exc.detail)
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _error(ApiError(exc.status_code, message, type=kind))
+        return api.response(ApiError(exc.status_code, message, type=kind))
 
     @app.exception_handler(Exception)
     async def on_unexpected(_request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unexpected error in a request")
-        return _error(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
+        return api.response(internal_error(exc))
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -370,9 +359,7 @@ def build_app(client: EngineClient, metrics: MetricsRegistry | None = None) -> F
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        status = await api.status()
-        ready = bool(status.get("ready", False))
-        return JSONResponse({"status": "ok" if ready else "unavailable"}, status_code=200 if ready else 503)
+        return await api.health()
 
     @app.get("/status")
     async def status() -> dict[str, Any]:

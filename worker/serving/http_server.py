@@ -7,7 +7,10 @@
 
 The socket is bound before the thread starts, so the port is known (and taken) at once.
 Listens on 127.0.0.1 unless told otherwise (a pod that must be reached from outside passes
-"0.0.0.0").
+"0.0.0.0"). From ``ServingLimits``: a connection must send its request headers within
+``header_timeout_s`` (408, ``http_protocol.py``), and beyond ``max_connections`` open
+connections + requests in progress uvicorn answers 503. Draining the requests in flight is done
+before ``stop`` (``drain.py``), so ``stop`` itself waits only briefly for connections to close.
 """
 
 from __future__ import annotations
@@ -21,7 +24,13 @@ from typing import Any
 import uvicorn
 from typing_extensions import Self
 
+from ..spec import ServingLimits
+from .http_protocol import with_header_timeout
+
 log = logging.getLogger(__name__)
+
+
+STOP_GRACE_S = 2  # uvicorn's graceful shutdown, after the drain
 
 
 class HttpServerError(RuntimeError):
@@ -30,7 +39,8 @@ class HttpServerError(RuntimeError):
 
 class HttpServer:
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
-                 access_log: bool = False) -> None:
+                 access_log: bool = False, limits: ServingLimits | None = None) -> None:
+        limits = limits or ServingLimits()
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -41,7 +51,8 @@ class HttpServer:
         self.host = host
         self.port: int = self._socket.getsockname()[1]
         config = uvicorn.Config(app, log_level=log_level, access_log=access_log, lifespan="off",
-                                timeout_graceful_shutdown=5)
+                                http=with_header_timeout(limits.header_timeout_s),
+                                limit_concurrency=limits.max_connections, timeout_graceful_shutdown=STOP_GRACE_S)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._serve, name=f"fusedserve-http-{self.port}", daemon=True)
         self._error: BaseException | None = None

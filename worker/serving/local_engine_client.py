@@ -18,6 +18,7 @@ every later call. The same class runs inside a Ray group-leader actor, so it kno
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import threading
 from collections import Counter, deque
@@ -29,8 +30,8 @@ from typing_extensions import Self
 
 from ..engine.engine import Engine
 from ..engine.outputs import RequestOutput, merge_outputs
-from ..engine.sequence import FinishReason, InvalidRequest, SamplingParams
-from ..engine.tokenizer import TokenizerError
+from ..engine.sequence import FinishReason, SamplingParams
+from ..engine.tokenizer import Tokenizer
 from .engine_client import SNAPSHOT_LABELS, EngineDead, MetricsSnapshot
 from .engine_stats import ledger_snapshot, spec_snapshot
 
@@ -100,6 +101,8 @@ class LocalEngineClient:
         self.engine = engine
         self.labels = {k: str((labels or {}).get(k, "")) for k in SNAPSHOT_LABELS}
         self._model_name = model_name
+        # a copy the engine thread never touches, copied again for each HTTP tokenizer thread
+        self._tokenizer = None if engine.tokenizer is None else copy.deepcopy(engine.tokenizer)
         self._cond = threading.Condition()
         self._commands: deque[_Command[Any]] = deque()
         self._stopping = False
@@ -122,14 +125,8 @@ class LocalEngineClient:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None:
-            raise InvalidRequest("chat needs a tokenizer; this engine runs with skip_tokenizer")
-        try:
-            return tokenizer.apply_chat_template(messages)
-        except TokenizerError as e:
-            raise InvalidRequest(str(e)) from e
+    def load_tokenizer(self) -> Tokenizer | None:
+        return None if self._tokenizer is None else copy.deepcopy(self._tokenizer)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str
                        ) -> AsyncIterator[RequestOutput]:

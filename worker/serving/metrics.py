@@ -24,6 +24,9 @@ Names (counters end in ``_total``; labels beyond the common ones in braces)::
     fusedserve_request_success_total{finished_reason}
     fusedserve_time_to_first_token_seconds, fusedserve_inter_token_latency_seconds,
     fusedserve_e2e_request_latency_seconds (histograms), fusedserve_build_info{version,model}
+    fusedserve_api_errors_total{code} (every error the API answered, by its OpenAI-style code:
+        context_length_exceeded, too_many_sequences, request_too_large, request_timeout,
+        invalid_api_key, shutting_down, no_ready_engine, engine_dead, internal_error, ...)
 
 PromQL: mean acceptance length = ``1 + rate(..accepted_tokens_total) / rate(..drafts_total)``.
 """
@@ -35,7 +38,14 @@ import time
 from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -200,9 +210,14 @@ class MetricsRegistry:
         self.itl = histogram("inter_token_latency_seconds",
                              "Time between two outputs of a request (one per engine step).")
         self.e2e = histogram("e2e_request_latency_seconds", "Time from request to its last token.")
+        self._errors = Counter(PREFIX + "api_errors", "Errors the API answered, by error code.", [*LABELS, "code"],
+                               registry=self.registry)
         info = Gauge(PREFIX + "build_info", "fusedserve version and served model.",
                      [*LABELS, "version", "model"], registry=self.registry)
         info.labels(**self.labels, version=version or _version(), model=model_name).set(1)
+
+    def count_error(self, code: str) -> None:
+        self._errors.labels(**self.labels, code=code).inc()
 
     def exposition(self, snapshots: list[MetricsSnapshot]) -> bytes:
         """The Prometheus text exposition with these engine snapshots."""

@@ -18,25 +18,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine.sequence import SamplingParams
+from .api_error import ApiError
 
 MAX_N = 64
 SEED_MODULUS = 2**63
-
-
-class ApiError(Exception):
-    """An error the API reports as ``{"error": {message, type, param, code}}``."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 def unsupported(param: str, what: str) -> ApiError:

@@ -1,0 +1,66 @@
+"""``run_on_ranks``: a rank process never finalizes its interpreter while another of its threads may come
+back from a collective (tests/test_dashboards.py's flake: rank 0 aborted with "terminate called without
+an active exception").
+
+Python 3.11 ends a daemon thread that wants the GIL during interpreter finalization with
+``pthread_exit``; a thread coming back from a gloo call unwinds through C++ frames that may not unwind
+(pybind11's GIL release is a destructor), and libstdc++ calls ``std::terminate``: SIGABRT. A rank
+whose function returned while such a thread still waited (an engine thread, an HTTP server's) died that
+way when its peer answered just as the interpreter was shutting down: a load-dependent window, so the
+suite failed now and then on a busy machine. The rank processes now leave with ``os._exit`` once their
+result (or error) is written.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fusedserve.worker.parallel.local_ranks import RankFailed, run_on_ranks
+
+
+class SlowFinalizer:
+    """Holds interpreter finalization (module teardown runs ``__del__``) for a while."""
+
+    def __del__(self) -> None:
+        time.sleep(2.0)
+
+
+_KEEP: list[object] = []
+
+
+def leaves_a_thread_in_a_collective(rank: int, world: int, backend: str) -> str:
+    if rank == 0:
+        box = torch.zeros(1)
+        threading.Thread(target=lambda: dist.recv(box, src=1), daemon=True).start()
+        _KEEP.append(SlowFinalizer())  # the peer answers while rank 0's interpreter is finalizing
+        return "leader done"
+    time.sleep(1.5)
+    try:  # before the fix rank 0 was shutting down now, and its waiting thread came back: SIGABRT
+        dist.send(torch.ones(1), dst=0)
+    except RuntimeError:
+        pass  # now rank 0 is gone already
+    time.sleep(3.0)
+    return "follower done"
+
+
+def test_a_thread_left_in_a_collective_cannot_abort_a_finished_rank() -> None:
+    t0 = time.monotonic()
+    assert run_on_ranks(leaves_a_thread_in_a_collective, 2, backend="gloo", timeout_s=30) == [
+        "leader done", "follower done"]
+    assert time.monotonic() - t0 < 60
+
+
+def fails_on_rank_0(rank: int, world: int, backend: str) -> None:
+    if rank == 0:
+        raise ValueError("rank 0 cannot load its shard")
+    dist.barrier()
+
+
+def test_the_failing_rank_and_its_error_are_reported() -> None:
+    with pytest.raises(RankFailed, match="rank0: ValueError: rank 0 cannot load its shard"):
+        run_on_ranks(fails_on_rank_0, 2, backend="gloo", timeout_s=20)
