@@ -1,8 +1,9 @@
 """PNG charts of the recorded benchmarks: ``python bench/plots.py`` (or ``make plots``).
 
 Reads ``bench/results/*.json`` (``--results``) and writes ``docs/images/*.png`` (``--out``). Each chart reads
-the newest file (by name: they start with the date) matching its patterns; a chart whose input is absent is
-skipped with a message, the others are still drawn (exit status 0). Charts and their inputs:
+the newest file matching its patterns (by the date its name starts with, then the one git added last); a chart
+whose input is absent is skipped with a message, the others are still drawn (exit status 0). Charts and their
+inputs:
 
 - ``decode.png``: decode ms per step and tokens/s vs batch, with the roofline and the same-run peer.
   ``*-decode-engine-*`` (through the engine's API): ``decode`` rows (``batch``, ``ms_per_step``, ``tok_per_s``,
@@ -34,7 +35,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -57,11 +60,25 @@ class Missing(Exception):
     """A chart's input is not recorded (yet)."""
 
 
+def _added(path: Path) -> float:
+    """When git first committed ``path`` (Unix time); a file git does not hold yet is the newest (inf). In a
+    shallow clone every file was added by the one commit: the name decides."""
+    try:
+        out = subprocess.run(["git", "log", "--diff-filter=A", "--format=%ct", "--", path.name], cwd=path.parent,
+                             capture_output=True, text=True, timeout=30, check=False).stdout.split()
+    except (OSError, subprocess.TimeoutExpired):
+        return math.inf
+    return float(out[-1]) if out else math.inf
+
+
 def newest(results: Path, pattern: str) -> tuple[Path, dict[str, Any]]:
+    """The newest record matching ``pattern``: by the date its name starts with; of one date, the one committed
+    last (two runs of a day: the later one, whatever its name), then by name."""
     files = sorted(results.glob(f"*-{pattern}-*.json")) + sorted(results.glob(f"*-{pattern}.json"))
     if not files:
         raise Missing(f"no bench/results/*-{pattern}-*.json")
-    path = max(files, key=lambda p: p.name)
+    day = max(p.name[:10] for p in files)
+    path = max((p for p in files if p.name.startswith(day)), key=lambda p: (_added(p), p.name))
     return path, json.loads(path.read_text())
 
 
@@ -309,7 +326,9 @@ def seed_bug_capture(results: Path) -> Figure:
     diff.set_title("Paired difference (95 % bootstrap)")
     for ax in (length, diff):
         ax.grid(True, axis="y", alpha=0.3)
-    fig.suptitle(f"Seed bug 1: EAGLE3 aux capture after vs before the fused boundary ({_machine(rec)})")
+    target, tp = (re.search(rf"--{flag} (\S+)", str(rec.get("command", ""))) for flag in ("target", "tp"))
+    run = ([Path(target.group(1)).name] if target else []) + ([f"tp={tp.group(1)}"] if tp else []) + [_machine(rec)]
+    fig.suptitle(f"Seed bug 1: EAGLE3 aux capture after vs before the fused boundary ({', '.join(run)})")
     _source(fig, path)
     return fig
 

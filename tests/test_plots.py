@@ -4,7 +4,9 @@ falls back to the older decode files where no engine decode run is recorded."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -68,3 +70,22 @@ def test_the_smollm2_record_has_its_own_chart_and_stays_out_of_the_tiny_pair_one
     report = plots.render(results, tmp_path / "out")
     for name in ("acceptance.png", "spec-decode-real.png"):
         assert report[name] == f"wrote {tmp_path / 'out' / name}"
+
+
+def test_of_two_records_of_one_date_the_one_committed_last_is_drawn(tmp_path: Path) -> None:
+    """Names of one date do not order runs (``...-smollm2-tp3`` sorts before ``...-tiny-tp2``): git's order does,
+    and a record not yet committed is the newest."""
+    def git(*args: str, when: str = "1700000000") -> None:
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True, env={**os.environ, "GIT_AUTHOR_DATE": when, "GIT_COMMITTER_DATE": when})
+
+    git("init", "-q")
+    for name, when in (("2026-12-01-x-tiny.json", "1700000000"), ("2026-12-01-x-real.json", "1700000100")):
+        (tmp_path / name).write_text(json.dumps({"run": name}))
+        git("add", name)
+        git("commit", "-q", "-m", name, when=when)
+    assert plots.newest(tmp_path, "x")[0].name == "2026-12-01-x-real.json"
+    (tmp_path / "2026-12-01-x-again.json").write_text("{}")  # recorded, not committed yet
+    assert plots.newest(tmp_path, "x")[0].name == "2026-12-01-x-again.json"
+    (tmp_path / "2026-12-02-x-a.json").write_text("{}")  # a later date wins whatever git says
+    assert plots.newest(tmp_path, "x")[0].name == "2026-12-02-x-a.json"
