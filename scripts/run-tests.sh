@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The CPU test suite as CI runs it. Tests that start Ray need a private network namespace with
 # only loopback (TESTING.md); the whole suite runs inside one when `unshare` is available as root.
-# pytest's exit code 5 ("no tests ran") is a failure here.
+# pytest's exit code 5 ("no tests ran") is a failure here. The 25 slowest tests are listed (the suite's budget
+# is ~10 minutes on 2 cores: what to look at first when it grows).
 set -u
 cd "$(dirname "$0")/.."
 # Debian's Prometheus for the real-Prometheus tests, fetched here: inside the namespace apt has no network.
 bash scripts/ensure-prometheus.sh
-PYTEST=(.venv/bin/python -m pytest -q "$@")
+PYTEST=(.venv/bin/python -m pytest -q --durations=25 "$@")
 export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
 # Tests on the real SmolLM2 use its converted checkpoint, made once per machine into the cache
 # (~/.cache/fusedserve): a download, so here, before the private network namespace.
