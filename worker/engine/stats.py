@@ -1,4 +1,4 @@
-"""What an engine reports about itself: scheduler load and the speculative-decoding counters."""
+"""What an engine reports about itself: scheduler load, prefix-cache counters and the speculative-decoding counters."""
 
 from __future__ import annotations
 
@@ -11,3 +11,4 @@ from .scheduler import SchedulerStats
 @dataclass(frozen=True)
 class EngineStats(SchedulerStats):
     spec: SpecDecodeStats | None = None  # speculative-decoding counters; None without speculation
+    prefix_caching: bool = False  # whether the engine caches prefixes (off for recurrent models or by config)
