@@ -122,6 +122,8 @@ class ServingSpec(SpecModel):
     block_size: int = Field(default=16, ge=1, le=1024)
     max_model_len: int | None = Field(default=None, ge=16)
     metrics_port: int | None = Field(default=None, ge=1024, le=65535)
+    prefix_caching: bool = Field(default=True, description="share the KV blocks of common prompt prefixes "
+                                 "(off by itself for models with Mamba layers)")
 
 
 class ResourcesSpec(SpecModel):
@@ -224,6 +226,7 @@ class RuntimeConfig:
     block_size: int
     max_model_len: int | None
     gpus_per_rank: int
+    prefix_caching: bool = True
     restart_token: str | None = None  # metadata.annotations["fusedserve.io/restart-token"]: a new one rolls every group
 
     @classmethod
@@ -247,6 +250,7 @@ class RuntimeConfig:
             max_batch_tokens=spec.serving.max_batch_tokens, max_sequences=spec.serving.max_sequences,
             kv_cache_fraction=spec.serving.kv_cache_fraction, block_size=spec.serving.block_size,
             max_model_len=spec.serving.max_model_len, gpus_per_rank=spec.resources.gpus_per_rank,
+            prefix_caching=spec.serving.prefix_caching,
             restart_token=(getattr(manifest.metadata, "annotations", None) or {}).get(RESTART_TOKEN_ANNOTATION),
         )
 
