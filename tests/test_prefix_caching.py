@@ -2,7 +2,7 @@
 greedy outputs are token for token those with caching off — plain, with chunked prefill, under
 preemption (a tiny KV cache), under EAGLE3 speculation (chain and tree: the draft's K/V in the
 shared blocks is the K/V its own first pass would have written, so it drafts and accepts exactly
-as with caching off), at tp=2 (gloo), and on the real SmolLM2.
+as with caching off), at tp=2 and under DP attention (gloo), and on the real SmolLM2.
 """
 
 from __future__ import annotations
@@ -220,6 +220,41 @@ def test_tp2_with_caching_matches_tp1_without(tmp_path: Path) -> None:
     tp2 = run_on_ranks(_tp2, 2, str(model), prompts, timeout_s=300.0)[0]
     assert tp2["True"][0] == tp1 and tp2["False"][0] == tp1
     assert tp2["True"][1] >= 36 * 4 and tp2["False"][1] == 0
+
+
+def _dp_rank(rank: int, world: int, backend: str, model: str, caching: bool) -> dict[str, Any]:
+    """tp=2 dp=2 ep=2: each DP leader caches in its own blocks; a warm request, then three sharing its prefix."""
+    from fusedserve.models.parallel.groups import ParallelConfig, build_groups
+    from fusedserve.worker.parallel.rank import build_rank, lead_engine, leads
+
+    groups = build_groups(ParallelConfig(2, 2, 2), rank, backend)
+    config = EngineConfig(num_blocks=48, block_size=4, max_num_seqs=4, max_batch_tokens=64, skip_tokenizer=True,
+                          enable_prefix_caching=caching)
+    built = build_rank(model, config, groups, backend)
+    assert leads(groups)  # attn_tp = 1: every rank leads its DP group
+    engine, _ = lead_engine(built, model, config)
+    prompts = shared_prompts(4, seed=10 + groups.coords.dp_rank)  # another system prompt per DP group
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    tokens: dict[str, list[int]] = {engine.add_request(prompts[0], params): []}
+    for i in range(60):  # every step is one round on both DP leaders: the same number of steps on each
+        if i == 15:
+            tokens.update({engine.add_request(p, params): [] for p in prompts[1:]})
+        for o in engine.step():
+            tokens[o.request_id] += o.new_token_ids
+    stats = engine.stats()
+    return {"tokens": tokens, "hits": stats.prefix_cache_hits, "free": stats.num_free_blocks == stats.num_blocks}
+
+
+def test_dp_attention_groups_cache_in_their_own_blocks(tmp_path: Path) -> None:
+    from fusedserve.tiny import make_tiny_deepseek_v3
+
+    model = str(make_tiny_deepseek_v3(tmp_path / "ds"))
+    on = run_on_ranks(_dp_rank, 2, model, True, backend="gloo", timeout_s=300)
+    off = run_on_ranks(_dp_rank, 2, model, False, backend="gloo", timeout_s=300)
+    for r_on, r_off in zip(on, off):
+        assert r_on["tokens"] == r_off["tokens"] and all(len(t) == 6 for t in r_on["tokens"].values())
+        assert r_on["hits"] >= 3 * 36 and r_off["hits"] == 0
+        assert r_on["free"] and r_off["free"]
 
 
 # --- the real SmolLM2 (the `smollm2` fixture: the machine's cached conversion) ---------------------
