@@ -189,8 +189,7 @@ class Engine:
     def stats(self) -> EngineStats:
         s = self.scheduler.stats()
         spec = self.speculator.stats() if self.speculator is not None else None
-        return EngineStats(**{f.name: getattr(s, f.name) for f in fields(s)}, spec=spec,
-                           prefix_caching=self.blocks.cache.enabled)
+        return EngineStats(**{f.name: getattr(s, f.name) for f in fields(s)}, spec=spec)
 
     def collective_ledger(self) -> CollectiveLedger | None:
         """This rank's collective ledger (planned and executed collectives)."""

@@ -116,6 +116,7 @@ class SchedulerStats:
     num_free_blocks: int
     num_blocks: int
     num_preemptions: int  # since start
+    prefix_caching: bool = False  # whether admissions look up cached prefixes (off by config or for recurrent models)
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache at admission, since start
     prefix_cache_hits: int = 0  # of them, tokens found (their prefill skipped)
 
@@ -159,8 +160,8 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(len(self.running), len(self.waiting), self.blocks.num_free_blocks,
-                              self.blocks.num_blocks, self.num_preemptions, self.prefix_cache_queries,
-                              self.prefix_cache_hits)
+                              self.blocks.num_blocks, self.num_preemptions, self.blocks.cache.enabled,
+                              self.prefix_cache_queries, self.prefix_cache_hits)
 
     # --- planning -----------------------------------------------------------------------------
 

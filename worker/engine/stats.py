@@ -11,4 +11,3 @@ from .scheduler import SchedulerStats
 @dataclass(frozen=True)
 class EngineStats(SchedulerStats):
     spec: SpecDecodeStats | None = None  # speculative-decoding counters; None without speculation
-    prefix_caching: bool = False  # whether the engine caches prefixes (off for recurrent models or by config)
