@@ -147,6 +147,18 @@ def test_quantization_and_float16_reach_each_rank_s_engine_config() -> None:
         EngineConfig(quantization="fp4")
 
 
+def test_prefix_caching_is_on_by_default_and_spec_serving_turns_it_off() -> None:
+    from fusedserve.worker.ray.rank_actor import engine_config
+
+    rc = RuntimeConfig.from_manifest(parse_manifest(BASE))
+    assert rc.prefix_caching and engine_config(rc, "cpu").enable_prefix_caching
+    off = RuntimeConfig.from_manifest(parse_manifest(_with("spec.serving.prefixCaching", False)))
+    assert not off.prefix_caching and not engine_config(off, "cuda:0").enable_prefix_caching
+    assert off.revision != rc.revision  # the groups are rebuilt with it off
+    with pytest.raises(SpecError, match="spec.serving.prefixCaching"):
+        parse_manifest(_with("spec.serving.prefixCaching", "sometimes"))
+
+
 def test_fusedserve_run_refuses_an_invalid_manifest_before_starting_anything(tmp_path: Path) -> None:
     import subprocess
     import sys

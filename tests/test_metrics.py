@@ -155,6 +155,24 @@ def test_gauges_follow_a_running_request(served: Served) -> None:
     assert s.value("fusedserve_kv_cache_usage_ratio") == 0
 
 
+def test_prefix_cache_counters_count_tokens_looked_up_and_found(served: Served) -> None:
+    system = "# Helpers: read the configuration file, open the database, format every reply.\nimport os\n\n"
+    before = scrape(served.url)
+    usages = [served.oai.completions.create(model=MODEL, prompt=system + q, max_tokens=2, temperature=0).usage
+              for q in ("def fib(n):", "class Foo:")]
+    after = scrape(served.url)
+
+    def delta(name: str) -> float:
+        return after.value(name, **LABELS) - before.value(name, **LABELS)
+
+    prompt_tokens = sum(u.prompt_tokens for u in usages)
+    assert delta("fusedserve_prefix_cache_queries_tokens_total") == prompt_tokens
+    hits = delta("fusedserve_prefix_cache_hits_tokens_total")
+    assert hits >= 16 and hits % 16 == 0 and hits < usages[1].prompt_tokens  # the second found the system prompt
+    [group] = httpx.get(served.url + "/status").json()["groups"]
+    assert group["prefix_caching"] is True and 0 < group["prefix_cache_hit_rate"] < 1
+
+
 def test_every_series_has_the_common_labels_and_nothing_per_request(served: Served) -> None:
     served.oai.completions.create(model=MODEL, prompt="x = 1", max_tokens=2, temperature=0)
     s = scrape(served.url)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import pytest
 from fusedserve.worker.engine.block_manager import BlockManager
+from fusedserve.worker.engine.prefix_cache import PrefixCache
 from fusedserve.worker.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from fusedserve.worker.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
 
@@ -232,3 +233,101 @@ def test_config_validation() -> None:
     for bad in ({"max_num_seqs": 0}, {"max_batch_tokens": 0}, {"num_lookahead_tokens": -1}):
         with pytest.raises(ValueError):
             SchedulerConfig(**bad)  # type: ignore[arg-type]
+
+
+# --- prefix caching -----------------------------------------------------------------------------
+
+
+@dataclass
+class SharingSim(Sim):
+    """``Sim`` over a cache whose blocks may be shared: a slot is right for a sequence when it holds
+    its token at that position *after the same tokens* (K/V depends on every token before it), and
+    a step never writes into a block that another sequence's table holds."""
+
+    content: dict[int, tuple[int, ...]] = field(default_factory=dict)  # slot -> tokens [0, pos]
+
+    def run_step(self) -> ScheduledBatch:
+        s = self.sched
+        batch = s.schedule()
+        self.steps += 1
+        bs = s.blocks.block_size
+        sampled: dict[int, list[int]] = {}
+        for e in batch.seqs:
+            seq = s.get(e.seq_id)
+            others = {b for q in s.running if q.seq_id != e.seq_id for b in s.blocks.table(q.seq_id)}
+            for pos in e.rope_positions:
+                block = e.block_table[pos // bs]
+                assert block not in others, f"sequence {e.seq_id} writes block {block}, which another one holds"
+                self.content[block * bs + pos % bs] = tuple(seq.token_ids(0, pos + 1))
+            for pos in range(e.context_len):
+                got = self.content.get(e.block_table[pos // bs] * bs + pos % bs)
+                assert got == tuple(seq.token_ids(0, pos + 1)), f"sequence {e.seq_id} reads a wrong slot at {pos}"
+            if e.num_logits:
+                sampled[e.seq_id] = [next_token(seq.token_ids(0, e.context_len))]
+        s.update(batch, sampled)
+        for sid in sampled:
+            seq = s.get(sid)
+            if seq.num_output_tokens >= seq.params.max_tokens:
+                s.finish(sid, FinishReason.LENGTH)
+        return batch
+
+
+def caching_sched(num_blocks: int, block_size: int = 4, lookahead: int = 0, **cfg: object) -> Scheduler:
+    blocks = BlockManager(num_blocks, block_size, cache=PrefixCache(block_size, lookahead))
+    return Scheduler(SchedulerConfig(**cfg), blocks)  # type: ignore[arg-type]
+
+
+def shared_workload(n: int, seed: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    systems = [[rng.randrange(VOCAB) for _ in range(rng.randint(5, 23))] for _ in range(3)]
+    return [(rng.choice(systems) + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 6))], rng.randint(1, 12))
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("chunked,max_batch_tokens,lookahead,num_blocks", [
+    (True, 16, 0, 16), (True, 7, 1, 14), (False, 64, 0, 20), (True, 256, 1, 64)])
+def test_prefix_sharing_keeps_every_sequence_as_if_alone(chunked: bool, max_batch_tokens: int, lookahead: int,
+                                                        num_blocks: int) -> None:
+    jobs = shared_workload(30, seed=max_batch_tokens)
+    sched = caching_sched(num_blocks, max_num_seqs=6, max_batch_tokens=max_batch_tokens,
+                          enable_chunked_prefill=chunked, num_lookahead_tokens=lookahead)
+    seqs = [Sequence(i, f"r{i}", list(p), SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(jobs)]
+    for seq in seqs:
+        sched.add(seq)
+    SharingSim(sched).run()
+    stats = sched.stats()
+    assert stats.prefix_cache_hits > 0 and stats.prefix_cache_queries >= sum(len(p) for p, _ in jobs)
+    assert stats.prefix_cache_hits % 4 == 0 and stats.prefix_cache_hits < stats.prefix_cache_queries
+    if num_blocks < 20:
+        assert stats.num_preemptions > 0, "the cache was meant to be too small"
+    for seq, (prompt, max_tokens) in zip(seqs, jobs):
+        assert seq.output_ids == run_alone(prompt, max_tokens), f"sequence {seq.seq_id}"
+    assert sched.blocks.num_free_blocks == num_blocks and not sched.running
+
+
+def test_admission_starts_after_the_cached_prefix_and_counts_tokens() -> None:
+    s = caching_sched(16, block_size=2)
+    s.add(Sequence(0, "a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=2)))
+    sim = SharingSim(s)
+    sim.run()
+    assert s.stats().prefix_cache_queries == 5 and s.stats().prefix_cache_hits == 0
+    s.add(Sequence(1, "b", [1, 2, 3, 4, 5, 6, 7], SamplingParams(max_tokens=2)))
+    [e] = s.schedule().seqs
+    assert (e.start, e.token_ids, e.admitted, e.fresh) == (4, [5, 6, 7], True, False)
+    assert s.stats().prefix_cache_queries == 12 and s.stats().prefix_cache_hits == 4
+
+
+def test_a_preempted_sequence_finds_its_own_blocks_again() -> None:
+    s = caching_sched(4, block_size=2)  # 8 slots
+    s.add(Sequence(0, "a", [1, 2], SamplingParams(max_tokens=4)))
+    s.add(Sequence(1, "b", [3, 4, 5], SamplingParams(max_tokens=4)))
+    b = s.schedule()
+    s.update(b, {0: [7], 1: [8]})  # b: 3 computed tokens of 4 -> its first block is cached
+    b = s.schedule()
+    s.update(b, {0: [9], 1: [6]})
+    b = s.schedule()  # a needs a 2nd block: b (latest) is preempted; its blocks stay cached
+    assert b.preempted == [1]
+    s.finish(0, FinishReason.STOP)
+    [e] = s.schedule().seqs
+    assert e.seq_id == 1 and e.admitted and e.start == 4 and e.token_ids == [6]
+    assert s.stats().prefix_cache_hits == 4

@@ -162,6 +162,8 @@ class ServingSpec(SpecModel):
                                         description="a client that reads none of a response for this long is cut off")
     max_connections: int = Field(default=MAX_CONNECTIONS, ge=1, le=1 << 20,
                                  description="open connections + requests in progress; beyond it, 503")
+    prefix_caching: bool = Field(default=True, description="share the KV blocks of common prompt prefixes "
+                                 "(off by itself for models with Mamba layers)")
     auth: ApiAuthSpec = ApiAuthSpec()
 
     @property
@@ -309,6 +311,7 @@ class RuntimeConfig:
     block_size: int
     max_model_len: int | None
     gpus_per_rank: int
+    prefix_caching: bool = True
     restart_token: str | None = None  # metadata.annotations["fusedserve.io/restart-token"]: a new one rolls every group
     limits: ServingLimits = ServingLimits()
 
@@ -333,6 +336,7 @@ class RuntimeConfig:
             max_batch_tokens=spec.serving.max_batch_tokens, max_sequences=spec.serving.max_sequences,
             kv_cache_fraction=spec.serving.kv_cache_fraction, block_size=spec.serving.block_size,
             max_model_len=spec.serving.max_model_len, gpus_per_rank=spec.resources.gpus_per_rank,
+            prefix_caching=spec.serving.prefix_caching,
             restart_token=(getattr(manifest.metadata, "annotations", None) or {}).get(RESTART_TOKEN_ANNOTATION),
             limits=ServingLimits.from_spec(spec.serving),
         )

@@ -10,6 +10,7 @@ from ...models.layers.kernels import KERNEL_SETS
 from ...models.quantization import QUANTIZATION_MODES
 from ..spec_decode.config import SpeculativeConfig
 from .block_manager import BlockManager
+from .prefix_cache import NoPrefixCache, PrefixCache
 from .scheduler import SchedulerConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -29,6 +30,9 @@ class EngineConfig:
     max_batch_tokens: int = 2048
     max_model_len: int | None = None  # None = the model's max_position_embeddings, capped by the cache
     enable_chunked_prefill: bool = True
+    # Full KV blocks shared by the sequences whose tokens up to them are the same (prefix_cache.py);
+    # off by itself for models with recurrent (Mamba) state.
+    enable_prefix_caching: bool = True
     watermark: float = 0.0  # share of blocks kept free when admitting new sequences
     num_lookahead_tokens: int = 0  # KV slots reserved per sampling sequence (speculative drafts)
     dtype: str = "float32"
@@ -91,6 +95,15 @@ class EngineConfig:
     def graph_batch_sizes(self) -> list[int]:
         """The batch sizes CUDA graphs are captured at (at most ``max_num_seqs``)."""
         return sorted({min(b, self.max_num_seqs) for b in self.cuda_graph_batch_sizes if b >= 1})
+
+
+def prefix_cache_for(config: EngineConfig, recurrent: bool) -> PrefixCache:
+    """The engine's prefix cache: none when off or when the model keeps recurrent state (a block's
+    K/V alone does not restore it); with a draft model, a block's key covers the token after it
+    (the draft's K/V in a block's last slot is computed from it)."""
+    if not config.enable_prefix_caching or recurrent:
+        return NoPrefixCache(config.block_size)
+    return PrefixCache(config.block_size, lookahead=1 if config.speculative is not None else 0)
 
 
 def resolve_max_model_len(config: EngineConfig, model_max_len: int | None, blocks: BlockManager) -> int:

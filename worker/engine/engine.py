@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -38,7 +39,7 @@ from ..executor.step import Step
 from ..executor.step_shape import StepShape
 from ..spec_decode.decoder import SpecDecoder
 from .block_manager import BlockManager
-from .config import EngineConfig, resolve_max_model_len
+from .config import EngineConfig, prefix_cache_for, resolve_max_model_len
 from .detokenizer import IncrementalDetokenizer
 from .forward_step import forward_step
 from .outputs import Completion, RequestOutput
@@ -89,7 +90,12 @@ class Engine:
         self.runner: Runner = runner
         self.executor = executor = runner.local
         self.vocab_size = int(model_config.vocab_size)
-        self.blocks = BlockManager(executor.num_blocks, config.block_size, config.watermark)
+        recurrent = executor.state_cache is not None
+        if config.enable_prefix_caching and recurrent:
+            log.info("prefix caching is off: the model keeps recurrent (Mamba) state, which cached KV blocks "
+                     "cannot restore")
+        self.blocks = BlockManager(executor.num_blocks, config.block_size, config.watermark,
+                                   prefix_cache_for(config, recurrent))
         self.scheduler = Scheduler(config.scheduler_config(), self.blocks)
         self.sampler = Sampler(config.seed, executor.device)
         self.speculator: SpecDecoder | None = None
@@ -109,8 +115,9 @@ class Engine:
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self._pending: list[RequestOutput] = []
-        log.info("engine ready: %d KV blocks of %d tokens, max_model_len %d, eos %s", self.blocks.num_blocks,
-                 config.block_size, self.max_model_len, sorted(self.eos_token_ids))
+        log.info("engine ready: %d KV blocks of %d tokens, max_model_len %d, prefix caching %s, eos %s",
+                 self.blocks.num_blocks, config.block_size, self.max_model_len,
+                 "on" if self.blocks.cache.enabled else "off", sorted(self.eos_token_ids))
 
     def _capture_graphs(self) -> None:
         """Capture the step forwards once, at start-up (every rank of the group the same shapes)."""
@@ -198,7 +205,7 @@ class Engine:
             return outputs
         if self.speculator is not None:
             spec = self.speculator.step(batch, self.scheduler, self._generator)
-            return outputs + self.commit_step(spec.batch, spec.seqs, spec.new_tokens)
+            return outputs + self.commit_step(spec.batch, spec.seqs, spec.new_tokens, spec.settled)
         logits = self.runner.run(forward_step(batch)).logits  # [sampling sequences, vocab]
         sampling = [s for s in batch.seqs if s.num_logits > 0]
         seqs = [self.scheduler.get(s.seq_id) for s in sampling]
@@ -210,12 +217,13 @@ class Engine:
     def _generator(self, seq: Sequence) -> torch.Generator | None:
         return self._requests[seq.request_id].generator
 
-    def commit_step(self, batch: ScheduledBatch, seqs: list[Sequence],
-                    new_tokens: list[list[int]]) -> list[RequestOutput]:
+    def commit_step(self, batch: ScheduledBatch, seqs: list[Sequence], new_tokens: list[list[int]],
+                    settled: Mapping[int, int] | None = None) -> list[RequestOutput]:
         """Apply stops to each sequence's new tokens, record the step, free finished sequences.
 
         ``new_tokens[i]`` may hold several tokens (a speculative step's accepted drafts and bonus
-        token); tokens after a stop are dropped.
+        token); tokens after a stop are dropped. ``settled``: the tokens per sequence whose K/V is
+        final in the draft's cache too (``Scheduler.update``).
         """
         outputs: list[RequestOutput] = []
         sampled: dict[int, list[int]] = {}
@@ -233,7 +241,7 @@ class Engine:
                 finished.append((seq, reason))
             outputs.append(RequestOutput(seq.request_id, kept, delta, reason is not None, reason,
                                          seq.num_prompt_tokens, seq.num_output_tokens + len(kept)))
-        self.scheduler.update(batch, sampled)
+        self.scheduler.update(batch, sampled, settled)
         for seq, reason in finished:
             self.scheduler.finish(seq.seq_id, reason)
             del self._requests[seq.request_id]

@@ -18,12 +18,18 @@ that preempted.
 
 ``num_lookahead_tokens`` reserves K/V slots for k extra tokens of every sequence that samples
 this step: a speculative step feeds drafts after the last known token and needs their slots.
+
+Prefix caching (the block manager's cache): a sequence admitted from the waiting queue (new, or
+preempted and now recomputed, which may find its own old blocks) starts its table with the cached
+blocks of its longest cached prefix and its prefill after them; the admission counts the tokens
+looked up and found. After each step the sequences' newly settled full blocks are cached.
 """
 
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
 from .block_manager import BlockManager
 from .sequence import FinishReason, Sequence, SequenceStatus
@@ -59,6 +65,9 @@ class ScheduledSeq:
     block_table: list[int]
     num_logits: int
     state_slot: int | None = None
+    # The sequence was admitted this step (new or recomputed): its cache starts empty, or with a
+    # prefix hit's cached blocks before ``start``.
+    admitted: bool = False
     # RoPE positions when not start.. (a draft tree: siblings share a depth); K/V slots stay start..
     position_ids: tuple[int, ...] | None = None
     # A draft tree over token_ids: each token's parent index (-1 for the first); each token then
@@ -107,6 +116,9 @@ class SchedulerStats:
     num_free_blocks: int
     num_blocks: int
     num_preemptions: int  # since start
+    prefix_caching: bool = False  # whether admissions look up cached prefixes (off by config or for recurrent models)
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache at admission, since start
+    prefix_cache_hits: int = 0  # of them, tokens found (their prefill skipped)
 
     @property
     def kv_usage(self) -> float:
@@ -126,6 +138,8 @@ class Scheduler:
         self._seqs: dict[int, Sequence] = {}
         self._free_state_slots: list[int] = list(range(config.max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     # --- queue --------------------------------------------------------------------------------
 
@@ -146,7 +160,8 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(len(self.running), len(self.waiting), self.blocks.num_free_blocks,
-                              self.blocks.num_blocks, self.num_preemptions)
+                              self.blocks.num_blocks, self.num_preemptions, self.blocks.cache.enabled,
+                              self.prefix_cache_queries, self.prefix_cache_hits)
 
     # --- planning -----------------------------------------------------------------------------
 
@@ -185,20 +200,24 @@ class Scheduler:
     def _admit(self, budget: int, planned: dict[int, ScheduledSeq]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            n = seq.num_uncomputed
+            hit = self.blocks.match(seq)
+            n = uncomputed = seq.num_tokens - hit.num_tokens
             if n > budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 n = budget
-            total = n + self._lookahead(seq, n)
-            if not self.blocks.can_allocate(total):
+            total = hit.num_tokens + n + (self.config.num_lookahead_tokens if n == uncomputed else 0)
+            if not self.blocks.can_allocate(total, hit):
                 break
             self.waiting.pop(0)
-            self.blocks.allocate(seq.seq_id, total)
+            self.blocks.allocate(seq.seq_id, total, hit)
+            seq.num_computed = hit.num_tokens
+            self.prefix_cache_queries += hit.num_queried
+            self.prefix_cache_hits += hit.num_tokens
             seq.status = SequenceStatus.RUNNING
             seq.state_slot = self._free_state_slots.pop()
             bisect.insort(self.running, seq, key=_arrival)
-            planned[seq.seq_id] = self._plan(seq, n)
+            planned[seq.seq_id] = replace(self._plan(seq, n), admitted=True)
             budget -= n
         return budget
 
@@ -236,11 +255,15 @@ class Scheduler:
 
     # --- results ------------------------------------------------------------------------------
 
-    def update(self, batch: ScheduledBatch, sampled: dict[int, list[int]]) -> None:
+    def update(self, batch: ScheduledBatch, sampled: dict[int, list[int]],
+               settled: Mapping[int, int] | None = None) -> None:
         """Record a finished step: its tokens are in the cache, ``sampled`` tokens are appended.
 
         After sampling, everything but the last known token is computed (for a speculative
         verify that keeps only the accepted drafts, the rejected drafts' K/V is dropped).
+        ``settled``: per sequence, the tokens whose K/V is final in every cache (with a draft
+        model, in the draft's cache too); default (None) its computed tokens. Full blocks within
+        them are cached.
         """
         for entry in batch.seqs:
             seq = self._seqs.get(entry.seq_id)
@@ -249,6 +272,8 @@ class Scheduler:
             tokens = sampled.get(entry.seq_id, [])
             seq.output_ids.extend(tokens)
             seq.num_computed = entry.context_len if not tokens else min(entry.context_len, seq.num_tokens - 1)
+            final = seq.num_computed if settled is None else min(seq.num_computed, settled.get(seq.seq_id, 0))
+            self.blocks.cache_blocks(seq.seq_id, seq, final)
 
     def finish(self, seq_id: int, reason: FinishReason) -> Sequence | None:
         """End a sequence (running or waiting) and free what it holds; None if unknown."""

@@ -1,4 +1,4 @@
-"""What an engine reports about itself: scheduler load and the speculative-decoding counters."""
+"""What an engine reports about itself: scheduler load, prefix-cache counters and the speculative-decoding counters."""
 
 from __future__ import annotations
 

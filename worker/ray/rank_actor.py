@@ -72,7 +72,7 @@ def engine_config(rc: RuntimeConfig, device: str) -> Any:
         block_size=rc.block_size, num_blocks=None if cuda else CPU_KV_BLOCKS, kv_memory_fraction=rc.kv_cache_fraction,
         max_num_seqs=rc.max_sequences, max_batch_tokens=rc.max_batch_tokens, max_model_len=rc.max_model_len,
         dtype=rc.dtype_on(cuda), quantization=rc.quantization, device=device, load_format=rc.load_format,
-        skip_tokenizer=rc.skip_tokenizer,
+        skip_tokenizer=rc.skip_tokenizer, enable_prefix_caching=rc.prefix_caching,
         speculative=None if s is None else SpeculativeConfig(s.draft_model, s.num_steps, s.top_k, s.num_draft_tokens))
 
 

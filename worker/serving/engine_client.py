@@ -53,6 +53,7 @@ class MetricsSnapshot:
     # (list: accepted drafts at position i), accepted_per_step (HistogramData).
     spec: dict[str, Any] = field(default_factory=dict)
     # running, waiting (ints), kv_usage (0..1), preemptions, prompt_tokens, generation_tokens (ints),
+    # prefix_caching (bool), prefix_cache_queries, prefix_cache_hits (tokens, ints),
     # finished (dict finish reason -> requests)
     serving: dict[str, Any] = field(default_factory=dict)
 

@@ -323,6 +323,9 @@ class LocalEngineClient:
                 "waiting": stats.num_waiting,
                 "kv_usage": stats.kv_usage,
                 "preemptions": stats.num_preemptions,
+                "prefix_caching": stats.prefix_caching,
+                "prefix_cache_queries": stats.prefix_cache_queries,
+                "prefix_cache_hits": stats.prefix_cache_hits,
                 "prompt_tokens": self._prompt_tokens,
                 "generation_tokens": self._generation_tokens,
                 "finished": dict(self._finished),
@@ -346,6 +349,9 @@ def group_status(snapshot: MetricsSnapshot, ready: bool) -> dict[str, Any]:
         "num_requests_running": serving.get("running", 0),
         "num_requests_waiting": serving.get("waiting", 0),
         "kv_cache_usage": serving.get("kv_usage", 0.0),
+        "prefix_caching": serving.get("prefix_caching", False),
+        "prefix_cache_hit_rate": (serving["prefix_cache_hits"] / serving["prefix_cache_queries"]
+                                  if serving.get("prefix_cache_queries") else None),
         "acceptance_length": 1 + int(spec.get("accepted_tokens", 0)) / drafts if drafts else None,
         "collectives": {
             "forwards": snapshot.forwards,

@@ -21,6 +21,7 @@ Names (counters end in ``_total``; labels beyond the common ones in braces)::
         starts), fusedserve_forwards_total
     fusedserve_num_requests_running, fusedserve_num_requests_waiting, fusedserve_kv_cache_usage_ratio,
     fusedserve_num_preemptions_total, fusedserve_prompt_tokens_total, fusedserve_generation_tokens_total,
+    fusedserve_prefix_cache_queries_tokens_total, fusedserve_prefix_cache_hits_tokens_total,
     fusedserve_request_success_total{finished_reason}
     fusedserve_time_to_first_token_seconds, fusedserve_inter_token_latency_seconds,
     fusedserve_e2e_request_latency_seconds (histograms), fusedserve_build_info{version,model}
@@ -28,7 +29,8 @@ Names (counters end in ``_total``; labels beyond the common ones in braces)::
         context_length_exceeded, too_many_sequences, request_too_large, request_timeout,
         invalid_api_key, shutting_down, no_ready_engine, engine_dead, internal_error, ...)
 
-PromQL: mean acceptance length = ``1 + rate(..accepted_tokens_total) / rate(..drafts_total)``.
+PromQL: mean acceptance length = ``1 + rate(..accepted_tokens_total) / rate(..drafts_total)``; prefix-cache
+hit rate = ``rate(..prefix_cache_hits_tokens_total) / rate(..prefix_cache_queries_tokens_total)``.
 """
 
 from __future__ import annotations
@@ -164,6 +166,10 @@ class SnapshotCollector(Collector):
             ("preemptions", "num_preemptions_total", "Sequences preempted (recomputed later)."),
             ("prompt_tokens", "prompt_tokens_total", "Prompt tokens prefilled."),
             ("generation_tokens", "generation_tokens_total", "Tokens generated."),
+            ("prefix_cache_queries", "prefix_cache_queries_tokens_total",
+             "Prompt tokens looked up in the prefix cache when a sequence was admitted (0 with caching off)."),
+            ("prefix_cache_hits", "prefix_cache_hits_tokens_total",
+             "Of the looked-up tokens, those found in cached KV blocks (their prefill skipped)."),
         ]
         with_serving = [s for s in snapshots if s.serving]
         for key, name, doc in gauges:

@@ -21,6 +21,14 @@ Prefill chunks and a prompt's first sample run as without speculation (and captu
 Preempted sequences lose their draft state and rebuild it from the recomputed prefill. A
 verify's drafts are not counted against ``max_batch_tokens``: a step may feed up to
 ``num_draft_tokens - 1`` more tokens per decoding sequence than the scheduler planned.
+
+Prefix caching: a sequence admitted with a prefix hit of ``P`` cached tokens starts with the
+draft's bases [0, P) already in the draft cache (the same block ids as the target's). The earlier
+sequence's first passes wrote them: a block is cached only once its draft K/V is final
+(``SpecStep.settled``: the draft's bases), and its key covers the token after it, which the
+draft's K/V in its last slot was computed from. The target computes no aux state for the cached
+positions and the drafter needs none. A sequence drafts once the target has computed a position
+the draft has not (a prompt whose only uncomputed token is its last samples it plainly first).
 """
 
 from __future__ import annotations
@@ -60,6 +68,7 @@ class SpecStep:
     batch: ScheduledBatch
     seqs: list[Sequence]  # the sequences that sampled, in batch order
     new_tokens: list[list[int]]
+    settled: dict[int, int]  # per sequence of the batch: tokens whose K/V is final in the draft's cache
 
 
 GeneratorOf = Callable[[Sequence], torch.Generator | None]
@@ -125,13 +134,13 @@ class SpecDecoder:
             del self._states[seq_id]
         seqs = [scheduler.get(e.seq_id) for e in batch.seqs]
         for e in batch.seqs:
-            if e.start == 0:
-                self._states[e.seq_id] = DraftState()
+            if e.admitted or e.start == 0:  # a prefix hit's bases are in the draft cache already
+                self._states[e.seq_id] = DraftState(num_bases=e.start)
             state = self._states.get(e.seq_id)
             if state is None or state.num_bases + state.num_pending != e.start:
                 raise RuntimeError(f"sequence {e.seq_id}: draft state out of step with the target's cache")
         work = [DraftWork(e, s, self._states[e.seq_id], self._draw(generator_of(s)))
-                for e, s in zip(batch.seqs, seqs) if self._drafts(e)]
+                for e, s in zip(batch.seqs, seqs) if self._drafts(e, self._states[e.seq_id])]
         proposals = dict(zip((w.entry.seq_id for w in work), self.propose(work)))
         entries = [self._verify_entry(e, proposals[e.seq_id].tree) if e.seq_id in proposals else e
                    for e in batch.seqs]
@@ -142,11 +151,13 @@ class SpecDecoder:
         draws = {w.entry.seq_id: w.draw for w in work}
         results = self._accept(run, seqs, logits, aux, proposals, draws, generator_of)
         sampling = [(s, results[i]) for i, (e, s) in enumerate(zip(entries, seqs)) if e.num_logits > 0]
-        return SpecStep(run, [s for s, _ in sampling], [t for _, t in sampling])
+        settled = {e.seq_id: self._states[e.seq_id].num_bases for e in run.seqs}
+        return SpecStep(run, [s for s, _ in sampling], [t for _, t in sampling], settled)
 
     @staticmethod
-    def _drafts(e: ScheduledSeq) -> bool:
-        return e.num_tokens == 1 and e.num_logits == 1 and e.start >= 1
+    def _drafts(e: ScheduledSeq, state: DraftState) -> bool:
+        """Decoding, with a base to feed the draft's first pass (its last row is the root's)."""
+        return e.num_tokens == 1 and e.num_logits == 1 and state.num_pending >= 1
 
     def _verify_entry(self, e: ScheduledSeq, tree: DraftTree) -> ScheduledSeq:
         chain = tree.is_chain  # attends causally at consecutive positions: no mask needed
