@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .logprobs import TokenLogprob
 from .sequence import FinishReason
 
 
@@ -24,6 +25,8 @@ class RequestOutput:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_output_tokens: int  # generated so far, including new_token_ids
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per new token when the request asked for logprobs
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # prompt tokens 1.. (in order, over the first outputs)
 
 
 def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
@@ -32,7 +35,9 @@ def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
         return outs[0]
     last = outs[-1]
     return RequestOutput(last.request_id, [t for o in outs for t in o.new_token_ids], "".join(o.text_delta for o in outs),
-                         last.finished, last.finish_reason, last.num_prompt_tokens, last.num_output_tokens)
+                         last.finished, last.finish_reason, last.num_prompt_tokens, last.num_output_tokens,
+                         tuple(lp for o in outs for lp in o.logprobs),
+                         tuple(lp for o in outs for lp in o.prompt_logprobs))
 
 
 @dataclass

@@ -29,7 +29,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -39,7 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.outputs import RequestOutput
-from ..engine.sequence import InvalidRequest
+from ..engine.sequence import GrammarSpec, InvalidRequest
 from ..spec import ServingLimits
 from .access import AccessMiddleware, ApiAccess
 from .api_error import engine_unavailable, internal_error, validation_message
@@ -47,6 +46,7 @@ from .drain import Drain, DrainMiddleware
 from .engine_client import EngineClient, EngineDead
 from .metrics import MetricsRegistry
 from .openai_protocol import ApiError, ChatCompletionRequest, CompletionRequest, _GenerationRequest
+from .openai_response import ChatShape, Choice, CompletionShape, usage
 from .output_streams import close_all, disconnected, merge
 from .prompt_tokenizer import PromptTokenizer
 from .request_body import RequestBodyMiddleware
@@ -57,14 +57,6 @@ log = logging.getLogger(__name__)
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # as OpenAI's legacy completions
 UNLIMITED_MAX_TOKENS = 2**31 - 1  # chat without max_tokens: until a stop or the context ends
-
-
-@dataclass
-class _Choice:
-    text: str = ""
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
 
 
 def _response(err: ApiError) -> JSONResponse:
@@ -108,13 +100,13 @@ class _Api:
         return name
 
     def _start(self, prompts: list[list[int]], body: _GenerationRequest, max_tokens: list[int],
-               request_id: str) -> list[AsyncIterator[RequestOutput]]:
+               request_id: str, grammar: GrammarSpec | None) -> list[AsyncIterator[RequestOutput]]:
         """One engine request per (prompt, choice); choice index = prompt index * n + choice."""
         streams: list[AsyncIterator[RequestOutput]] = []
         for p, prompt in enumerate(prompts):
             for i in range(body.n):
                 try:
-                    params = body.sampling_params(max_tokens[p], i)
+                    params = body.sampling_params(max_tokens[p], i, grammar)
                 except InvalidRequest as e:
                     raise ApiError(400, str(e), code="invalid_parameter") from e
                 stream = self.client.generate(prompt, params, f"{request_id}-{p * body.n + i}")
@@ -138,10 +130,10 @@ class _Api:
             raise error
         return [r for r in results if isinstance(r, RequestOutput)]
 
-    async def _collect(self, streams: list[AsyncIterator[RequestOutput]], request: Request) -> list[_Choice]:
+    async def _collect(self, streams: list[AsyncIterator[RequestOutput]], request: Request) -> list[Choice]:
         """Run the requests to their end; abort them if the client disconnects first."""
         firsts = await self._first(streams)
-        choices = [_Choice() for _ in streams]
+        choices = [Choice() for _ in streams]
         work = asyncio.ensure_future(self._drain(streams, firsts, choices))
         gone = asyncio.ensure_future(disconnected(request))
         try:
@@ -163,10 +155,10 @@ class _Api:
 
     @staticmethod
     async def _drain(streams: list[AsyncIterator[RequestOutput]], firsts: list[RequestOutput],
-                     choices: list[_Choice]) -> None:
+                     choices: list[Choice]) -> None:
         try:
             async for index, out in merge(streams, firsts):
-                _apply(choices[index], out)
+                choices[index].apply(out)
         finally:
             await close_all(streams)
 
@@ -175,66 +167,56 @@ class _Api:
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         model = self._check_model(body)
         body.check()
+        grammar = body.grammar()
         prompts = body.prompts()
         check_sequences(len(prompts), body.n, self.limits.max_sequences_per_request)
         max_len = self.client.max_model_len
         ids = await asyncio.gather(*(self.tokens.prompt_ids(p, max_len) for p in prompts))
         max_tokens = [max_tokens_for(len(i), body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, max_len) for i in ids]
+        texts = ([p if isinstance(p, str) else await self.tokens.decode(list(p), param="prompt") for p in prompts]
+                 if body.echo else [])
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        streams = self._start(list(ids), body, max_tokens, rid)
-
-        def chunk(index: int, text: str, reason: str | None) -> dict[str, Any]:
-            return {"id": rid, "object": "text_completion", "created": created, "model": model,
-                    "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": reason}]}
-
+        shape = CompletionShape(rid, created, model, body.n, body.logprobs, body.echo, texts, list(ids),
+                                body.prompt_logprobs is not None)
+        streams = self._start(list(ids), body, max_tokens, rid, grammar)
         if body.stream:
             firsts = await self._first(streams)
-            return self._stream(streams, firsts, body, rid, created, model, "text_completion", chunk, None)
+            return self._stream(streams, firsts, body, shape, "text_completion", None)
         choices = await self._collect(streams, request)
-        return JSONResponse({
-            "id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
-                        for i, c in enumerate(choices)],
-            "usage": _usage(choices, body.n),
-        })
+        return JSONResponse(shape.body(choices, await self._texts(shape, choices, body)))
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         model = self._check_model(body)
         body.check()
+        grammar = body.grammar()
         check_sequences(1, body.n, self.limits.max_sequences_per_request)
         max_len = self.client.max_model_len
         ids = await self.tokens.chat_ids(body.conversation(), max_len)
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = max_tokens_for(len(ids), body.requested_max_tokens(), None, max_len, param, UNLIMITED_MAX_TOKENS)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        streams = self._start([ids], body, [max_tokens], rid)
-
-        def chunk(index: int, text: str, reason: str | None) -> dict[str, Any]:
-            delta = {"content": text} if text else {}
-            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}]}
-
-        def opening(index: int) -> dict[str, Any]:
-            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                 "logprobs": None, "finish_reason": None}]}
-
+        shape = ChatShape(rid, created, model, body.n, bool(body.logprobs), body.prompt_logprobs is not None)
+        streams = self._start([ids], body, [max_tokens], rid, grammar)
         if body.stream:
             firsts = await self._first(streams)
-            return self._stream(streams, firsts, body, rid, created, model, "chat.completion.chunk", chunk,
-                                opening)
+            return self._stream(streams, firsts, body, shape, "chat.completion.chunk", shape.opening)
         choices = await self._collect(streams, request)
-        return JSONResponse({
-            "id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
-                         "finish_reason": c.finish_reason} for i, c in enumerate(choices)],
-            "usage": _usage(choices, body.n),
-        })
+        return JSONResponse(shape.body(choices, await self._texts(shape, choices, body)))
+
+    async def _texts(self, shape: CompletionShape | ChatShape, choices: list[Choice],
+                     body: _GenerationRequest) -> dict[int, str]:
+        needed = sorted({t for i, c in enumerate(choices) for t in shape.needs(c, i)})
+        return await self.token_texts(needed, body)
+
+    async def token_texts(self, ids: list[int], body: _GenerationRequest) -> dict[int, str]:
+        if body.return_tokens_as_token_ids:
+            return {i: f"token_id:{i}" for i in ids}
+        return await self.tokens.token_texts(ids)
 
     def _stream(self, streams: list[AsyncIterator[RequestOutput]], firsts: list[RequestOutput],
-                body: _GenerationRequest, rid: str, created: int, model: str, obj: str,
-                chunk: Any, opening: Any) -> StreamingResponse:
-        choices = [_Choice() for _ in streams]
+                body: _GenerationRequest, shape: CompletionShape | ChatShape, obj: str,
+                opening: Any) -> StreamingResponse:
+        choices = [Choice() for _ in streams]
         include_usage = body.include_usage
 
         def emit(payload: dict[str, Any]) -> str:
@@ -248,15 +230,17 @@ class _Api:
                     for index in range(len(streams)):
                         yield emit(opening(index))
                 async for index, out in merge(streams, firsts):
-                    _apply(choices[index], out)
+                    choice = choices[index]
+                    choice.apply(out)
                     reason = out.finish_reason.value if out.finished and out.finish_reason else None
                     # A chunk for every step that produced tokens (vLLM's rule), even when the text
                     # delta is empty (a partial character held back, or a deployment without tokenizer).
                     if out.new_token_ids or out.text_delta or reason:
-                        yield emit(chunk(index, out.text_delta, reason))
+                        texts = await self.token_texts(shape.chunk_needs(index, choice, out), body)
+                        yield emit(shape.chunk(index, choice, out, reason, texts))
                 if include_usage:
-                    yield _sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-                                "usage": _usage(choices, body.n)})
+                    yield _sse({"id": shape.rid, "object": obj, "created": shape.created, "model": shape.model,
+                                "choices": [], "usage": usage(choices, body.n)})
             except EngineDead as e:
                 yield self.event(engine_unavailable(e))
             except Exception as e:  # noqa: BLE001 (the stream has started: end it with an error event)
@@ -288,21 +272,6 @@ class _Api:
         except EngineDead:
             ready = False
         return JSONResponse({"status": "ok" if ready else "unavailable"}, status_code=200 if ready else 503)
-
-
-def _apply(choice: _Choice, out: RequestOutput) -> None:
-    choice.text += out.text_delta
-    choice.prompt_tokens = out.num_prompt_tokens
-    choice.completion_tokens = out.num_output_tokens
-    if out.finished and out.finish_reason is not None:
-        choice.finish_reason = out.finish_reason.value
-
-
-def _usage(choices: list[_Choice], n: int) -> dict[str, int]:
-    """Each prompt counts once (not once per choice); every choice's tokens count."""
-    prompt = sum(c.prompt_tokens for c in choices[::n])
-    completion = sum(c.completion_tokens for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def is_work(path: str) -> bool:
