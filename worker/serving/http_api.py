@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or server-sent events
 with ``stream``: ``data: {chunk}`` lines and a final ``data: [DONE]``), ``GET /v1/models``,
-``/health``, ``/status`` (the client's status as JSON) and ``/metrics`` (Prometheus text,
+``/v1/models/{id}`` (404 for another id), vLLM's ``POST /tokenize`` / ``/detokenize`` and
+``GET /version``, ``/health``, ``/status`` (the client's status as JSON) and ``/metrics`` (Prometheus text,
 when a ``MetricsRegistry`` is given). Errors are OpenAI-style ``{"error": {message, type,
 param, code}}``: 400 for a bad request (malformed JSON, wrong types, invalid or unsupported
 parameters, too many sequences, a prompt or ``max_tokens`` beyond the context), 401 without
@@ -39,12 +40,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.outputs import RequestOutput
 from ..engine.sequence import GrammarSpec, InvalidRequest
+from ..engine.tokenizer import Tokenizer, TokenizerError
 from ..spec import ServingLimits
 from .access import AccessMiddleware, ApiAccess
 from .api_error import engine_unavailable, internal_error, validation_message
 from .drain import Drain, DrainMiddleware
 from .engine_client import EngineClient, EngineDead
-from .metrics import MetricsRegistry
+from .metrics import MetricsRegistry, package_version
 from .openai_protocol import ApiError, ChatCompletionRequest, CompletionRequest, _GenerationRequest
 from .openai_response import ChatShape, Choice, CompletionShape, usage
 from .output_streams import close_all, disconnected, merge
@@ -52,6 +54,7 @@ from .prompt_tokenizer import PromptTokenizer
 from .request_body import RequestBodyMiddleware
 from .request_limits import check_sequences, max_tokens_for
 from .status_view import public_status
+from .tokenize_protocol import DetokenizeRequest, TokenizeRequest
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +95,7 @@ class _Api:
 
     # --- running requests ------------------------------------------------------------------------
 
-    def _check_model(self, body: _GenerationRequest) -> str:
+    def _check_model(self, body: _GenerationRequest | TokenizeRequest | DetokenizeRequest) -> str:
         name = self.client.model_name
         if body.model is not None and body.model != name:
             raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {name!r}",
@@ -254,6 +257,35 @@ class _Api:
 
     # --- the rest --------------------------------------------------------------------------------
 
+    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        self._check_model(body)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "give either prompt or messages", param="prompt")
+        if body.messages is not None:
+            conversation = body.conversation()
+            special = bool(body.add_special_tokens)
+
+            def encode(t: Tokenizer) -> list[int]:
+                try:
+                    text = t.apply_chat_template(conversation, add_generation_prompt=body.add_generation_prompt)
+                except TokenizerError as e:
+                    raise ApiError(400, str(e), param="messages", code="invalid_messages") from e
+                return t.encode(text, add_special_tokens=special)
+
+            ids = await self.tokens.on_lane(encode, "messages", sum(len(m["content"]) for m in conversation))
+        else:
+            prompt, special = body.prompt or "", body.add_special_tokens is not False
+            ids = await self.tokens.on_lane(lambda t: t.encode(prompt, add_special_tokens=special), "prompt",
+                                            len(prompt))
+        strs = None
+        if body.return_token_strs:
+            strs = await self.tokens.on_lane(lambda t: list(t.hf.convert_ids_to_tokens(ids)), "prompt")
+        return {"count": len(ids), "max_model_len": self.client.max_model_len, "tokens": ids, "token_strs": strs}
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        self._check_model(body)
+        return {"prompt": await self.tokens.decode(body.tokens, skip_special_tokens=False)}
+
     async def status(self) -> dict[str, Any]:
         """The client's status; ``ready`` false while draining; internals only for those who may see them."""
         try:
@@ -321,10 +353,31 @@ def build_app(client: EngineClient, metrics: MetricsRegistry | None = None, *, l
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await api.chat(body, request)
 
+    def card() -> dict[str, Any]:
+        return {"id": client.model_name, "object": "model", "created": 0, "owned_by": "fusedserve",
+                "root": client.model_name, "parent": None, "max_model_len": client.max_model_len}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": client.model_name, "object": "model", "created": 0,
-                                            "owned_by": "fusedserve"}]}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != client.model_name:
+            raise ApiError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
+        return card()
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        return await api.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        return await api.detokenize(body)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": package_version()}
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -214,7 +214,7 @@ class MetricsRegistry:
                                registry=self.registry)
         info = Gauge(PREFIX + "build_info", "fusedserve version and served model.",
                      [*LABELS, "version", "model"], registry=self.registry)
-        info.labels(**self.labels, version=version or _version(), model=model_name).set(1)
+        info.labels(**self.labels, version=version or package_version(), model=model_name).set(1)
 
     def count_error(self, code: str) -> None:
         self._errors.labels(**self.labels, code=code).inc()
@@ -247,7 +247,7 @@ class MetricsRegistry:
                 await aclose()
 
 
-def _version() -> str:
+def package_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
