@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Sequence as Seq
 from dataclasses import fields
 from pathlib import Path
@@ -147,7 +148,8 @@ class Engine:
             raise InvalidRequest(f"logit_bias token ids outside the vocabulary [0, {self.vocab_size}): {bad_bias[:5]}")
         grammar = self.grammars.matcher(params.grammar) if params.grammar is not None else None
         generator = Sampler.request_generator(params, self.executor.device)
-        self._requests[request_id] = RequestState(seq_id, prompt_ids, detok, generator, grammar)
+        self._requests[request_id] = RequestState(seq_id, prompt_ids, detok, generator, grammar,
+                                                  queued_at=time.monotonic())
         self.scheduler.add(Sequence(seq_id, request_id, list(prompt_ids), params))
         return request_id
 
@@ -197,6 +199,11 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return outputs
+        now = time.monotonic()
+        for e in batch.seqs:
+            state = self._requests[self.scheduler.get(e.seq_id).request_id]
+            if state.scheduled_at is None:
+                state.scheduled_at = now
         if self.speculator is not None:
             spec = self.speculator.step(batch, self.scheduler, self.state_of)
             return outputs + self.commit_step(spec.batch, spec.seqs, spec.picks)
@@ -221,6 +228,7 @@ class Engine:
         outputs: list[RequestOutput] = []
         sampled: dict[int, list[int]] = {}
         finished: list[tuple[Sequence, FinishReason]] = []
+        now = time.monotonic()
         for seq, pick in zip(seqs, picks):
             state = self._requests[seq.request_id]
             kept, reason = truncate_at_stop(seq, pick.tokens, self.eos_token_ids, self.max_model_len)
@@ -232,11 +240,14 @@ class Engine:
             if state.grammar is not None:
                 state.grammar.accept(kept)
             sampled[seq.seq_id] = kept
+            if kept and state.first_token_at is None:
+                state.first_token_at = now
             if reason is not None:
                 finished.append((seq, reason))
             outputs.append(RequestOutput(seq.request_id, kept, delta, reason is not None, reason,
                                          seq.num_prompt_tokens, seq.num_output_tokens + len(kept),
-                                         tuple(pick.logprobs[: len(kept)]), tuple(pick.prompt_logprobs)))
+                                         tuple(pick.logprobs[: len(kept)]), tuple(pick.prompt_logprobs),
+                                         state.times(now) if reason is not None else None))
         self.scheduler.update(batch, sampled)
         for seq, reason in finished:
             self.scheduler.finish(seq.seq_id, reason)
