@@ -26,6 +26,7 @@ from .tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 _BITS = torch.arange(32, dtype=torch.int32)
+OBJECT_SCHEMA = '{"type": "object"}'
 
 
 class InvalidGrammar(InvalidRequest):
@@ -37,7 +38,7 @@ def check_schema(schema: str) -> None:
     import xgrammar as xgr
 
     try:
-        xgr.Grammar.from_json_schema(schema)
+        xgr.Grammar.from_json_schema(schema, any_whitespace=False)
     except Exception as e:
         raise InvalidGrammar(f"the JSON schema cannot be used for structured output: {e}") from e
 
@@ -112,11 +113,11 @@ class GrammarCompiler:
             raise InvalidGrammar("structured output needs a tokenizer (the engine runs with skip_tokenizer)")
         compiler = self._get()
         try:
-            if spec.kind == "json_object":
-                compiled = compiler.compile_builtin_json_grammar()
-            else:
-                json.loads(spec.schema or "")
-                compiled = compiler.compile_json_schema(spec.schema)
+            # json_object: OpenAI's "a valid JSON object"; compact JSON (no free whitespace, which a weak model
+            # could otherwise repeat until max_tokens)
+            schema = OBJECT_SCHEMA if spec.kind == "json_object" else spec.schema or ""
+            json.loads(schema)
+            compiled = compiler.compile_json_schema(schema, any_whitespace=False)
         except Exception as e:
             raise InvalidGrammar(f"the JSON schema cannot be used for structured output: {e}") from e
         return GrammarState(xgr.GrammarMatcher(compiled), self.vocab_size)
