@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -143,8 +145,20 @@ def kernel_kind(name: str, kinds: Kinds = KINDS) -> str:
     return "other"
 
 
+def commit() -> str | None:
+    """The checkout's commit: $FUSEDSERVE_COMMIT (the GPU machine gets a copy of the tree without .git),
+    else git's, else None."""
+    if os.environ.get("FUSEDSERVE_COMMIT"):
+        return os.environ["FUSEDSERVE_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, check=True,
+                              capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def record_header(command: list[str] | None = None) -> dict[str, Any]:
-    """date, machine, command and versions: what every recorded run starts with."""
+    """date, machine, commit, command and versions: what every recorded run starts with."""
     cuda = torch.cuda.is_available()
     versions = {"python": platform.python_version(), "torch": torch.__version__}
     for name in ("transformers", "triton", "flashinfer"):
@@ -154,7 +168,7 @@ def record_header(command: list[str] | None = None) -> dict[str, Any]:
             pass
     return {"date": str(datetime.date.today()),
             "machine": f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}" if cuda
-            else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)",
+            else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)", "commit": commit(),
             "command": " ".join(command if command is not None else ["python", *sys.argv]), "versions": versions}
 
 

@@ -12,8 +12,11 @@
 #                                           train-draft, MINUTES, default 6.5) into /tmp/real/smollm2-eagle3;
 #                                           $OUT/smollm2-eagle3/ and $OUT/train-draft.json come back
 #   bash bench/gpu_real.sh bench [ARGS...]  bench/spec_decode_real.py ARGS on /tmp/real/smollm2 and the draft
-#                                           ($DRAFT, else /tmp/real/smollm2-eagle3, else
-#                                           examples/checkpoints/smollm2-eagle3) -> $OUT/spec-decode-real.json;
+#                                           ($DRAFT, else /tmp/real/smollm2-eagle3, else a carried
+#                                           .whl/real/draft, else examples/checkpoints/smollm2-eagle3)
+#                                           -> $OUT/spec-decode-real.json; FlashInfer when a call carried
+#                                           .whl/*.whl and .whl/flashinfer-aot-*.tar.gz (without it the
+#                                           verify and draft steps fall back to gather attention);
 #                                           needs .whl/real/data carried once, and for --http the serving site
 #                                           (.whl/serving-site-cp312.tar.xz) and .whl/real/wheels-http
 set -euo pipefail
@@ -25,9 +28,14 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$R" "$OUT"
 
 stage() {
-  for d in part1 part2 part3 part4 wheels wheels-http data data-train; do
+  for d in part1 part2 part3 part4 wheels wheels-http data data-train draft; do
     if [ -d ".whl/real/$d" ]; then mkdir -p "$R/$d" && cp -r ".whl/real/$d/." "$R/$d/"; fi
   done
+  # FlashInfer (the fast kernel set): its wheels and prebuilt modules, carried as .whl/*.whl and
+  # .whl/flashinfer-aot-*.tar.gz (bench/device_env.sh's files) in a call of their own
+  if ls .whl/flashinfer_python-*.whl >/dev/null 2>&1; then
+    mkdir -p $T/fi && cp .whl/*.whl .whl/flashinfer-aot-*.tar.gz $T/fi/
+  fi
   if [ -f .whl/serving-site-cp312.tar.xz ] && [ ! -d $T/serving/ray ]; then
     mkdir -p $T/serving && tar -C $T/serving -xJf .whl/serving-site-cp312.tar.xz
     echo $T/serving > "$(python3 -c 'import site; print(site.getsitepackages()[0])')/zz-serving.pth"
@@ -43,6 +51,12 @@ layout() {  # the package as `fusedserve` without installing it (as bench/device
       python3 -m pip install -q --no-index --no-deps --no-compile --target $T/site "$R/$w"/*.whl && touch "$T/site/.$w"
     fi
   done
+  if [ -d $T/fi ] && [ ! -f "$T/site/.flashinfer" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target $T/site $T/fi/*.whl
+    mkdir -p $T/site/flashinfer/data && for t in $T/fi/flashinfer-aot-*.tar.gz; do tar -C $T/site/flashinfer/data -xzf "$t"; done
+    touch "$T/site/.flashinfer"
+  fi
+  export FLASHINFER_WORKSPACE_BASE=$T/flashinfer-ws
   export PYTHONPATH=$T/pkg:$T/site NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 TOKENIZERS_PARALLELISM=false
 }
 
@@ -66,6 +80,7 @@ case "$cmd" in
   bench)
     layout && model
     draft=${DRAFT:-$R/smollm2-eagle3}
+    [ -d "$draft" ] || draft=$R/draft  # carried as .whl/real/draft
     [ -d "$draft" ] || draft=$PWD/examples/checkpoints/smollm2-eagle3
     python3 -P bench/spec_decode_real.py --target "$R/smollm2" --draft "$draft" --data-dir "$R/data" \
       --out "$OUT/spec-decode-real.json" "$@"

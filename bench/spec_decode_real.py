@@ -274,6 +274,12 @@ def main() -> None:
     for temp in temperatures:
         for name in configs:
             engine[f"{name}@T={temp:g}"] = run_engine(args, name, temp, sets)
+            # what is done so far, in case the run is cut short (a device call's time limit)
+            write_record({**record_header(), "partial": True, "numbers": {
+                "speedup_engine": {t: v for tt in temperatures[: temperatures.index(temp) + 1]
+                                   for t, v in speedups(engine, [tt], [c for c in configs
+                                                                       if f"{c}@T={tt:g}" in engine]).items()},
+                "engine_done": sorted(engine)}}, args.out)
     numbers: dict[str, Any] = {"engine": engine, "speedup_engine": speedups(engine, temperatures, configs)}
     numbers["greedy_equal_to_no_speculation"] = greedy_equal(engine, configs)
     if args.http:

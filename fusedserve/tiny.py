@@ -95,6 +95,45 @@ def make_tiny_deepseek_v3(out_dir: str | Path, seed: int = 0, save_original_form
     return out
 
 
+def make_tiny_deepseek_v3_fp8(out_dir: str | Path, block: tuple[int, int] = (8, 8), seed: int = 0,
+                              save_original_format: bool = True, **overrides: Any) -> Path:
+    """Tiny random DeepseekV3ForCausalLM in the release's block-FP8 format: ``make_tiny_deepseek_v3``,
+    then every attention projection, dense MLP and (shared) expert weight quantized to e4m3 with
+    ``weight_scale_inv`` (one scale per ``block`` = [bn, bk]; fused expert tensors: ``<name>_scale_inv``),
+    and config.json's ``quantization_config`` as DeepSeek-V3 ships it (block scaled down for the tiny
+    shapes). Embeddings, LM head, norms, router and correction bias stay fp32."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from fusedserve.models.layers.fp8_block import BlockFP8, quantize_weight
+
+    out = make_tiny_deepseek_v3(out_dir, seed=seed, save_original_format=save_original_format, **overrides)
+    fmt = BlockFP8(*block)
+    for file in sorted(out.glob("*.safetensors")):
+        tensors = load_file(str(file))
+        for name in list(tensors):
+            if not is_fp8_quantized_name(name):
+                continue
+            q, scale = quantize_weight(tensors[name], fmt)
+            tensors[name] = q
+            tensors[name + "_scale_inv"] = scale  # ".weight_scale_inv"; fused experts: "<name>_scale_inv"
+        save_file(tensors, str(file), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                     "weight_block_size": list(block)}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def is_fp8_quantized_name(name: str) -> bool:
+    """The tensors DeepSeek-V3's FP8 release quantizes: attention projections, dense MLPs, shared and
+    routed experts (``...weight`` 2-D, or fused ``experts.gate_up_proj`` / ``experts.down_proj``)."""
+    if ".layers." not in f".{name}" or "layernorm" in name or name.endswith(("mlp.gate.weight", "_bias")):
+        return False
+    return name.endswith(("_proj.weight", "_mqa.weight", "experts.gate_up_proj", "experts.down_proj"))
+
+
 NEMOTRON_H_DEFAULTS: dict[str, Any] = dict(
     vocab_size=250,
     hidden_size=64,

@@ -8,8 +8,8 @@
    on a GPU), half greedy and half sampled at 0.8 by default (``--temperatures``), within
    ``--regen-share`` of the budget.
 3. Draft vocabulary: the ``--draft-vocab`` most frequent tokens of the responses (``d2t``/``t2d``).
-4. Training: each batch of prompt + response sequences goes through the target's executor once
-   (``build_rank`` with the aux layers [2, N//2, N-3]): the aux states are ``ModelOutput.hidden``,
+4. Training: every prompt + response sequence goes through the target's executor once, before the
+   first epoch (``build_rank`` with the aux layers [2, N//2, N-3]): the aux states are ``ModelOutput.hidden``,
    the product's own capture after each layer's input boundary completed its sums (the planned
    communicator), and the logits give the soft labels. The draft (``draft_trainer.py``) is trained
    with a ``--ttt-steps``-step training-time test, AdamW, warm-up then cosine over the time left.
@@ -40,6 +40,8 @@ from .draft_trainer import DraftTrainer, save_draft, ttt_loss
 
 log = logging.getLogger(__name__)
 
+EVAL_EVERY_S = 45.0  # held-out evaluation during training
+
 
 @dataclass(frozen=True)
 class TrainOptions:
@@ -55,7 +57,7 @@ class TrainOptions:
     draft_vocab: int = 16384
     ttt_steps: int = 7
     batch_tokens: int = 16384
-    lr: float = 8e-4
+    lr: float = 2e-3
     device: str = "auto"
     seed: int = 0
     heldout: float = 0.03
@@ -209,7 +211,8 @@ class TargetFeatures:
 
     def __call__(self, seqs: list[list[int]], draft_ids: torch.Tensor
                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """-> per sequence: aux [len, 3H] and the target's log-probabilities over the draft vocab [len, V_d]."""
+        """-> per sequence: aux [len, 3H] and the target's logits over the draft vocab [len, V_d] (the
+        target's dtype; their log-softmax is the label)."""
         from .worker.executor.step import SeqRows, Step
 
         rows, block = [], 0
@@ -219,10 +222,10 @@ class TargetFeatures:
             block += n
         out = self.rank.executor.run(Step(tuple(rows)))
         aux = torch.cat(out.hidden, -1)
-        logp = torch.log_softmax(out.logits[:, draft_ids.to(out.logits.device)].float(), -1)
+        logits = out.logits[:, draft_ids.to(out.logits.device)]
         bounds = torch.tensor([0] + [len(s) for s in seqs]).cumsum(0).tolist()
         spans = list(itertools.pairwise(bounds))
-        return [aux[a:b] for a, b in spans], [logp[a:b] for a, b in spans]
+        return [aux[a:b] for a, b in spans], [logits[a:b] for a, b in spans]
 
 
 def batches(pairs: list[tuple[list[int], list[int]]], batch_tokens: int, rng: random.Random
@@ -249,19 +252,60 @@ def _pad(rows: list[torch.Tensor], length: int) -> torch.Tensor:
     return torch.stack([torch.cat([r, r.new_zeros((length - r.shape[0], *r.shape[1:]))]) for r in rows])
 
 
-def prepare_batch(features: TargetFeatures, batch: list[tuple[list[int], list[int]]], draft_ids: torch.Tensor,
-                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> aux [B, L, 3H] fp32, ids [B, L], target log-probs [B, L, V_d], loss mask [B, L] (1 where the
-    next token is a response token)."""
-    seqs = [p + r for p, r in batch]
-    aux, logp = features(seqs, draft_ids)
-    length = max(map(len, seqs))
-    ids = torch.zeros((len(seqs), length), dtype=torch.long)
-    mask = torch.zeros((len(seqs), length))
-    for i, (p, r) in enumerate(batch):
-        ids[i, : len(p) + len(r)] = torch.tensor(p + r)
-        mask[i, len(p) - 1 : len(p) + len(r) - 1] = 1.0
-    return (_pad(aux, length).float().to(device), ids.to(device), _pad(logp, length).to(device), mask.to(device))
+@dataclass(frozen=True)
+class Example:
+    """One sequence's training inputs, computed once by the target (``cache_features``): ids [L], aux
+    [L, 3H] and the target's draft-vocabulary logits [L, V_d] in the target's dtype, and the loss mask
+    [L] (1 where the next token has a target label: every position after the first ``skip``)."""
+
+    ids: torch.Tensor
+    aux: torch.Tensor
+    logits: torch.Tensor
+    mask: torch.Tensor
+
+
+def cache_features(features: TargetFeatures, pairs: list[tuple[list[int], list[int]]], draft_ids: torch.Tensor,
+                   batch_tokens: int, device: torch.device, progress: Progress) -> list[Example]:
+    """The target's forward over every sequence once (it is frozen): each epoch after the first would
+    recompute the same aux states and labels. Positions of the prompt are trained too: their label is
+    the target's own distribution as much as a response position's (more positions per regenerated
+    response); the chat template's first tokens are left out."""
+    out: list[Example] = []
+    for batch in batches(pairs, batch_tokens, random.Random(0)):
+        seqs = [p + r for p, r in batch]
+        aux, logits = features(seqs, draft_ids)
+        for s, a, lg in zip(seqs, aux, logits):
+            mask = torch.ones(len(s), device=device)
+            mask[: min(4, len(s))] = 0.0
+            mask[-1] = 0.0  # no next token
+            keep = torch.bfloat16 if device.type == "cuda" else a.dtype  # 2 bytes a value on the GPU
+            out.append(Example(torch.tensor(s, device=device), a.to(device, keep), lg.to(device, keep), mask))
+        progress(f"target features: {len(out)}/{len(pairs)} sequences", every=10)
+    return out
+
+
+def prepare_batch(examples: list[Example]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> aux [B, L, 3H] fp32, ids [B, L], target log-probs [B, L, V_d] fp32, loss mask [B, L]."""
+    length = max(e.ids.numel() for e in examples)
+    aux = _pad([e.aux for e in examples], length).float()
+    logp = torch.log_softmax(_pad([e.logits for e in examples], length).float(), -1)
+    return aux, _pad([e.ids for e in examples], length), logp, _pad([e.mask for e in examples], length)
+
+
+def example_batches(examples: list[Example], batch_tokens: int, rng: random.Random) -> list[list[Example]]:
+    """Examples of similar length together (less padding), batches in random order."""
+    order = sorted(examples, key=lambda e: e.ids.numel())
+    out: list[list[Example]] = []
+    cur: list[Example] = []
+    for e in order:
+        if cur and e.ids.numel() * (len(cur) + 1) > batch_tokens:
+            out.append(cur)
+            cur = []
+        cur.append(e)
+    if cur:
+        out.append(cur)
+    rng.shuffle(out)
+    return out
 
 
 def lr_at(frac: float, peak: float) -> float:
@@ -297,21 +341,35 @@ def train_draft(opts: TrainOptions) -> dict[str, Any]:
     held, train = pairs[:n_held], pairs[n_held:]
     embed = _target_tensor(features, "embed_tokens")
     head = _target_tensor(features, "lm_head")
+    t_feat = progress.elapsed()
+    train_ex = cache_features(features, train, draft_ids, opts.batch_tokens, device, progress)
+    held_ex = cache_features(features, held, draft_ids, opts.batch_tokens, device, progress)
+    log["features"] = {"sequences": len(train_ex) + len(held_ex),
+                       "positions": int(sum(e.mask.sum().item() for e in train_ex + held_ex)),
+                       "seconds": round(progress.elapsed() - t_feat, 1)}
+    progress(f"target features of {log['features']['sequences']} sequences "
+             f"({log['features']['positions']} trained positions) in {log['features']['seconds']}s")
+    layers = features.layers
+    del features  # the target's weights and KV cache are not needed any more
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     draft = DraftTrainer(config, embed, head[draft_ids]).to(device)
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=opts.lr, betas=(0.9, 0.95), weight_decay=0.0)
     cuda = device.type == "cuda"
     start, budget = progress.elapsed(), opts.budget_s - progress.elapsed() - 20  # leave time to save
     curve, step, epoch, seen = [], 0, 0, 0
+    best: tuple[float, int, dict[str, torch.Tensor]] | None = None  # (held-out implied length, step, weights)
+    next_eval = start + EVAL_EVERY_S
     while progress.elapsed() - start < budget:
         epoch += 1
-        for batch in batches(train, opts.batch_tokens, rng):
+        for batch in example_batches(train_ex, opts.batch_tokens, rng):
             frac = (progress.elapsed() - start) / max(budget, 1e-9)
             if frac >= 1:
                 break
             for group in opt.param_groups:
                 group["lr"] = lr_at(frac, opts.lr)
-            aux, ids, logp, mask = prepare_batch(features, batch, draft_ids, device)
+            aux, ids, logp, mask = prepare_batch(batch)
             with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=cuda):
                 loss, accs, _ = ttt_loss(draft, aux, ids, logp, mask, opts.ttt_steps)
             opt.zero_grad(set_to_none=True)
@@ -325,13 +383,19 @@ def train_draft(opts: TrainOptions) -> dict[str, Any]:
                               "top1_per_step": [round(a, 3) for a in accs]})
             progress(f"epoch {epoch} step {step}: loss {loss.item():.3f}, top-1 per step "
                      f"{' '.join(f'{a:.2f}' for a in accs)}, lr {opt.param_groups[0]['lr']:.1e}", every=10)
+            if progress.elapsed() >= next_eval:
+                best = _keep_best(best, draft, held_ex, device, opts, step, curve)
+                next_eval = progress.elapsed() + EVAL_EVERY_S
     log["training"] = {"steps": step, "epochs_started": epoch, "sequences_seen": seen, "train_sequences": len(train),
                        "seconds": round(progress.elapsed() - start, 1), "curve": curve}
-    log["heldout"] = evaluate(draft, features, held, draft_ids, device, opts)
+    best = _keep_best(best, draft, held_ex, device, opts, step, curve)
+    assert best is not None
+    draft.load_state_dict(best[2])
+    log["heldout"] = {**evaluate(draft, held_ex, device, opts), "step": best[1]}
     progress(f"held-out top-1 agreement per step: {log['heldout']['top1_per_step']}")
-    save_draft(Path(opts.out), draft.float(), d2t, t2d, config, features.layers)
+    save_draft(Path(opts.out), draft.float(), d2t, t2d, config, layers)
     size = sum(p.stat().st_size for p in Path(opts.out).iterdir())
-    log["checkpoint"] = {"path": opts.out, "bytes": size, "aux_layers": features.layers}
+    log["checkpoint"] = {"path": opts.out, "bytes": size, "aux_layers": layers}
     log["seconds_total"] = round(progress.elapsed(), 1)
     progress(f"wrote {opts.out} ({size / 1e6:.1f} MB) in {log['seconds_total']:.0f}s")
     if opts.log:
@@ -341,14 +405,14 @@ def train_draft(opts: TrainOptions) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def evaluate(draft: DraftTrainer, features: TargetFeatures, held: list[tuple[list[int], list[int]]],
-             draft_ids: torch.Tensor, device: torch.device, opts: TrainOptions) -> dict[str, Any]:
-    """Per-step top-1 agreement with the target on held-out sequences, and the chain acceptance length
-    it implies (1 + sum over k of the product of the first k steps' agreement)."""
+def evaluate(draft: DraftTrainer, held: list[Example], device: torch.device, opts: TrainOptions) -> dict[str, Any]:
+    """Per-step top-1 agreement with the target on held-out sequences (their response positions and
+    prompts alike), and the chain acceptance length it implies (1 + sum over k of the product of the
+    first k steps' agreement)."""
     totals = [0.0] * opts.ttt_steps
     counts = [0] * opts.ttt_steps
-    for batch in batches(held, opts.batch_tokens, random.Random(0)):
-        aux, ids, logp, mask = prepare_batch(features, batch, draft_ids, device)
+    for batch in example_batches(held, opts.batch_tokens, random.Random(0)):
+        aux, ids, logp, mask = prepare_batch(batch)
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             _, accs, n = ttt_loss(draft, aux, ids, logp, mask, opts.ttt_steps)
         for j in range(opts.ttt_steps):
@@ -361,6 +425,22 @@ def evaluate(draft: DraftTrainer, features: TargetFeatures, held: list[tuple[lis
         implied += prod
     return {"sequences": len(held), "top1_per_step": [round(a, 4) for a in per_step],
             "implied_chain_acceptance_length": round(implied, 3)}
+
+
+def _keep_best(best: tuple[float, int, dict[str, torch.Tensor]] | None, draft: DraftTrainer, held: list[Example],
+               device: torch.device, opts: TrainOptions, step: int, curve: list[dict[str, Any]]
+               ) -> tuple[float, int, dict[str, torch.Tensor]]:
+    """Evaluate on the held-out sequences; the weights with the best implied acceptance length so far
+    (a draft trained for many epochs on a few thousand responses can overfit)."""
+    draft.eval()
+    ev = evaluate(draft, held, device, opts)
+    draft.train()
+    curve.append({"step": step, "heldout_top1_per_step": ev["top1_per_step"],
+                  "heldout_implied_chain_acceptance_length": ev["implied_chain_acceptance_length"]})
+    length = float(ev["implied_chain_acceptance_length"])
+    if best is not None and best[0] >= length:
+        return best
+    return length, step, {k: v.detach().clone() for k, v in draft.state_dict().items()}
 
 
 def _target_tensor(features: TargetFeatures, which: str) -> torch.Tensor:

@@ -11,6 +11,12 @@ Spawns the ranks (gloo on CPU, NCCL on GPUs), runs one prefill forward over a pr
 2. on every rank and every forward, the collectives executed against the communication plan.
 
 Exit 0 only when all hold; the report says what tolerance it used and why.
+
+A block-FP8 checkpoint (DeepSeek-V3 / Kimi-K2 releases) runs as ``--quantization`` says (auto: FP8
+weights where the GPU has FP8 GEMMs, else dequantized; fp8: FP8 weights, the dequantizing reference
+GEMMs on CPU; none: dequantized at load). The ``hf`` oracle is transformers' own fine-grained FP8
+support (it dequantizes on CPU; it needs every weight to be whole blocks); ``hf-dequantized``
+writes the checkpoint dequantized (``models/dequantized_checkpoint.py``) and runs HF on that.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,11 +35,12 @@ from .verify_judge import FLOOR, Agreement, Continuation, Tolerance, agreement, 
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_TOLERANCE = FLOOR  # the calibrated tolerance never goes below it
 CONTINUATION = 8  # greedy tokens generated after each prompt
 FUSION_MODES = ("off", "reference", "flashinfer")
-ORACLES = ("hf", "tp1")
+ORACLES = ("hf", "hf-dequantized", "tp1")
+QUANTIZATIONS = ("auto", "fp8", "none")
 DP_PADDINGS = ("auto", "max_len", "sum_len")
 
 
@@ -53,6 +61,7 @@ class VerifyOptions:
     tolerance: float | None = None
     dp_padding: str = "auto"
     continuation: int = CONTINUATION
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         if self.fusion not in FUSION_MODES:
@@ -63,6 +72,8 @@ class VerifyOptions:
             raise VerifyError(f"--dp-padding must be one of {', '.join(DP_PADDINGS)}, not {self.dp_padding!r}")
         if self.dtype not in DTYPES:
             raise VerifyError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise VerifyError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, not {self.quantization!r}")
         if self.continuation < 1:
             raise VerifyError(f"--continuation must be at least 1, got {self.continuation}")
 
@@ -111,6 +122,7 @@ class VerifyReport:
     topk_violations: int = 0
     continuation_ok: bool = True
     decode_forwards_off_plan: int = 0  # decode forwards (any rank) whose collectives differ from their plan
+    quantization: str = "none"
     per_site: dict[str, dict[str, list[str]]] = field(default_factory=dict)
     mismatches: list[str] = field(default_factory=list)
     paths: dict[str, int] = field(default_factory=dict)
@@ -128,6 +140,7 @@ class VerifyReport:
         lines = [
             (f"fusedserve verify: {self.architecture} tp={self.tp} dp={self.dp} ep={self.ep} "
              f"fusion={self.fusion} oracle={self.oracle} dtype={self.dtype}"),
+            f"  quantization: {self.quantization}",
             f"  tolerance: {self.tolerance_how or f'{self.tolerance:.2e}'}",
             f"  logits: max |diff| {self.max_abs_diff:.3e} over {self.positions} positions (prompts and "
             f"decode steps), tolerance {self.tolerance:.2e}  " + ("OK" if self.logits_ok else "MISMATCH"),
@@ -218,7 +231,7 @@ def _engine_config(opts: VerifyOptions, prompts: list[list[int]], device: torch.
     seqs = max(len(prompts), 1)
     return EngineConfig(block_size=BLOCK_SIZE, num_blocks=blocks, max_num_seqs=seqs,
                         max_batch_tokens=max(seqs, sum(map(len, prompts))), dtype=opts.dtype, device=str(device),
-                        cuda_graphs=False, skip_tokenizer=True)
+                        cuda_graphs=False, skip_tokenizer=True, quantization=opts.quantization)
 
 
 def _rank_main(rank: int, world: int, backend: str, opts: VerifyOptions,
@@ -264,13 +277,26 @@ def _rank_main(rank: int, world: int, backend: str, opts: VerifyOptions,
         "decode_off_plan": off_plan,
         "paths": dict(ledger.calls),
         "fusion": built.fusion.value,
+        "quantization": built.quantization.describe(opts.dtype, built.kernels.kernels),
     }
 
 
 def _hf_model(opts: VerifyOptions) -> Any:
+    """HF transformers on the checkpoint; ``hf-dequantized``: on a copy written dequantized (removed once
+    loaded)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(opts.model, dtype=DTYPES[opts.dtype]).eval()
+    with tempfile.TemporaryDirectory(prefix="fusedserve-dequantized-") as tmp:
+        path = opts.model
+        if opts.oracle == "hf-dequantized":
+            from fusedserve.models.dequantized_checkpoint import write_dequantized
+
+            path = str(write_dequantized(opts.model, tmp))
+        try:
+            return AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[opts.dtype]).eval()
+        except (ValueError, RuntimeError) as e:  # e.g. transformers cannot dequantize partial FP8 blocks
+            raise VerifyError(f"HF transformers cannot load {opts.model}: {e}"
+                              + ("; try --oracle hf-dequantized" if opts.oracle == "hf" else "")) from e
 
 
 def _hf_logits(hf: Any, seqs: list[list[int]]) -> torch.Tensor:
@@ -281,7 +307,7 @@ def _hf_logits(hf: Any, seqs: list[list[int]]) -> torch.Tensor:
 
 def _oracle_logits(opts: VerifyOptions, prompts: list[list[int]], hf: Any = None) -> torch.Tensor:
     """The oracle's logits of every position of ``prompts`` (HF transformers, or our own tp=1 rank)."""
-    if opts.oracle == "hf":
+    if opts.oracle in ("hf", "hf-dequantized"):
         return _hf_logits(hf if hf is not None else _hf_model(opts), prompts)
     from fusedserve.worker.parallel.rank import build_rank
 
@@ -368,8 +394,14 @@ def run_verify(opts: VerifyOptions, rank_main: Any = None) -> VerifyReport:
 
 def prepare(opts: VerifyOptions) -> tuple[str, list[list[int]]]:
     """Check everything that can be checked before a rank starts; -> (architecture, prompts)."""
-    from fusedserve.models.loader import CheckpointError, architecture_of, load_config
+    from fusedserve.models.loader import (
+        CheckpointError,
+        architecture_of,
+        checkpoint_quantization,
+        load_config,
+    )
     from fusedserve.models.parallel.groups import ParallelConfig, ParallelConfigError
+    from fusedserve.models.quantization import QuantizationError, choose_quantization
     from fusedserve.models.registry import UnsupportedArchitecture, model_class
     from fusedserve.models.split_check import SplitError, check_split
 
@@ -378,8 +410,10 @@ def prepare(opts: VerifyOptions) -> tuple[str, list[list[int]]]:
         config = load_config(opts.model)
         arch = architecture_of(config)
         model_class(arch)
-        check_split(config, par)  # before any rank starts
-    except (CheckpointError, ParallelConfigError, UnsupportedArchitecture, SplitError) as e:
+        capability = (8, 9) if torch.cuda.is_available() else None  # checked again on each rank's device
+        quant = choose_quantization(opts.quantization, checkpoint_quantization(config), arch, capability)
+        check_split(config, par, quant.fp8)  # before any rank starts
+    except (CheckpointError, ParallelConfigError, UnsupportedArchitecture, SplitError, QuantizationError) as e:
         raise VerifyError(str(e)) from e
     prompts = [list(p) for p in opts.prompts] if opts.prompts else default_prompts(config.vocab_size)
     bad = [t for p in prompts for t in p if not 0 <= t < config.vocab_size]
@@ -436,7 +470,7 @@ def _report(opts: VerifyOptions, arch: str, results: list[dict[str, Any]], promp
         argmax_ok=agree.argmax_ok, topk_violations=agree.topk_violations,
         decode_forwards_off_plan=sum(r["decode_off_plan"] for r in results), planned_per_forward=len(planned),
         executed_per_forward=[len(r["executed"]) for r in results], per_site=per_site,
-        mismatches=mismatches, paths=paths,
+        mismatches=mismatches, paths=paths, quantization=results[0]["quantization"],
     )
     start = 0
     for p, t in zip(prompts, tokens):

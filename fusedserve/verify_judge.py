@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 
 NOISE_FACTOR = 10.0
-REL = {"float32": 1e-5, "bfloat16": 1e-2}
-FLOOR = {"float32": 1e-5, "bfloat16": 1e-1}
+REL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}  # float16 keeps 3 more mantissa bits than bfloat16
+FLOOR = {"float32": 1e-5, "float16": 2e-2, "bfloat16": 1e-1}
 TOP_K = 5
 
 

@@ -9,6 +9,11 @@ completes every owed sum at the boundaries in front of the blocks (``parallel/co
 Config variants: ``q_lora_rank`` None (plain q_proj, V2-Lite style), ``n_group`` 1 (Kimi-K2),
 YaRN rope with ``mscale_all_dim`` (DeepSeek-V3, Kimi-K2), ``rope_interleave``. Tensors of
 layers >= ``num_hidden_layers`` (the MTP module) are ignored, as transformers does.
+
+``fp8``: the release format (``layers/fp8_block.py``) kept as it is: every attention projection and
+MLP / expert weight in block FP8 with its ``weight_scale_inv``, multiplied by the kernel set's
+``block_fp8_matmul`` and ``fused_moe_fp8``; embeddings, LM head, norms and router in ``dtype``.
+None (also for an FP8 checkpoint under ``quantization: none``: the loader dequantizes) = plain weights.
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ from .decoder_stack import decoder_forward, stacked_name
 from .forward_batch import ForwardBatch
 from .interface import ModelOutput
 from .layers.experts import parse_expert_name
+from .layers.fp8_block import BlockFP8
 from .layers.kernels import Kernels
+from .layers.linear import use_fp8_matmul
 from .layers.mamba_state import MambaStateShape
 from .layers.mla import MLADims, MLAttention
 from .layers.mla_rotary import MLARotary, mla_softmax_scale
@@ -32,7 +39,7 @@ from .layers.norm import RMSNorm
 from .layers.rotary import rope_parameters
 from .layers.router import RouterConfig
 from .layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from .layers.weight_source import WeightShapeError
+from .layers.weight_source import WeightShapeError, named
 from .parallel.collectives import Collectives
 from .parallel.comm_plan import BlockSpec, plan_communication, vocab_group
 from .parallel.communicator import Communicator, ForwardContext
@@ -48,23 +55,26 @@ def is_moe_layer(config: Any, layer_id: int) -> bool:
 
 class DeepseekV3DecoderLayer(nn.Module):
     def __init__(self, config: Any, layer_id: int, groups: ParallelGroups, rotary: MLARotary, scale: float,
-                 dtype: torch.dtype, device: torch.device | str | None, kernels: Kernels | None = None) -> None:
+                 dtype: torch.dtype, device: torch.device | str | None, kernels: Kernels | None = None,
+                 fp8: BlockFP8 | None = None) -> None:
         super().__init__()
         kernels = kernels or Kernels.reference()
         h, eps = config.hidden_size, config.rms_norm_eps
         self.layer_id = layer_id
         self.input_layernorm = RMSNorm(h, eps, dtype, device)
-        self.self_attn = MLAttention(layer_id, MLADims.from_hf(config), groups.attn_tp, rotary, scale, dtype, device,
-                                     attention_backend=kernels.attention)
+        self.self_attn = named(f"layers.{layer_id}.self_attn", lambda: MLAttention(
+            layer_id, MLADims.from_hf(config), groups.attn_tp, rotary, scale, dtype, device,
+            attention_backend=kernels.attention, fp8=fp8))
         self.post_attention_layernorm = RMSNorm(h, eps, dtype, device)
         self.mlp: MoE | GatedMLP
         if is_moe_layer(config, layer_id):
-            self.mlp = MoE(h, config.moe_intermediate_size, RouterConfig.from_hf(config), groups,
-                           shared_intermediate=config.moe_intermediate_size * (config.n_shared_experts or 0),
-                           dtype=dtype, device=device, fused_experts=kernels.fused_moe)
+            self.mlp = named(f"layers.{layer_id}.mlp", lambda: MoE(
+                h, config.moe_intermediate_size, RouterConfig.from_hf(config), groups,
+                shared_intermediate=config.moe_intermediate_size * (config.n_shared_experts or 0), dtype=dtype,
+                device=device, fused_experts=kernels.fused_moe, fp8=fp8, fused_experts_fp8=kernels.fused_moe_fp8))
         else:
-            self.mlp = GatedMLP(h, config.intermediate_size, groups.tp, dtype=dtype, device=device,
-                                act=kernels.silu_and_mul)
+            self.mlp = named(f"layers.{layer_id}.mlp", lambda: GatedMLP(
+                h, config.intermediate_size, groups.tp, dtype=dtype, device=device, act=kernels.silu_and_mul, fp8=fp8))
 
     @property
     def input_boundary(self) -> int:
@@ -90,10 +100,12 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def __init__(self, config: Any, groups: ParallelGroups, collectives: Collectives,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                 kernels: Kernels | None = None, *, dp_combine: str = "reduce_scatter") -> None:
+                 kernels: Kernels | None = None, *, dp_combine: str = "reduce_scatter",
+                 fp8: BlockFP8 | None = None) -> None:
         super().__init__()
         self.config = config
         self.kernels = kernels or Kernels.reference()
+        self.fp8 = fp8
         theta, rope = rope_parameters(config)
         qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
         rotary = MLARotary(config.qk_rope_head_dim, theta, rope, config.max_position_embeddings,
@@ -102,9 +114,11 @@ class DeepseekV3ForCausalLM(nn.Module):
         vgroup = groups.by_name(vocab_group(groups.config))
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, vgroup, dtype, device)
         self.layers = nn.ModuleList(
-            DeepseekV3DecoderLayer(config, i, groups, rotary, scale, dtype, device, self.kernels)
+            DeepseekV3DecoderLayer(config, i, groups, rotary, scale, dtype, device, self.kernels, fp8)
             for i in range(config.num_hidden_layers)
         )
+        if fp8 is not None:
+            use_fp8_matmul(self, self.kernels.block_fp8_matmul)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, vgroup, dtype, device)
         if getattr(config, "tie_word_embeddings", False):

@@ -3,7 +3,12 @@
 Tensors are read lazily through safetensors slices: each parallel layer's ``weight_loader``
 reads only this rank's shard, so no rank materialises the full weights. Every failure names
 what is wrong: a missing file, a corrupt file, a missing tensor, a shape mismatch, an
-unsupported architecture.
+unsupported architecture or quantization.
+
+A block-FP8 checkpoint (``layers/fp8_block.py``, config.json's ``quantization_config``) loads as
+``quantization.py`` decided: kept in FP8 (the model's layers load ``weight`` and ``weight_scale_inv``
+shard by shard), or dequantized: ``iter_checkpoint`` then pairs each FP8 weight with its scales
+(in whichever file they are) into one ``DequantizedSource`` and the model never sees a scale.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +24,14 @@ import torch
 from torch import nn
 
 from .interface import CausalLM
+from .layers.fp8_block import BlockFP8, QuantizationConfigError
 from .layers.kernels import Kernels
 from .layers.linear import default_weight_loader
-from .layers.weight_source import WeightShapeError
+from .layers.weight_source import DequantizedSource, WeightShapeError, WeightSource
 from .parallel.collectives import Collectives
+from .parallel.fusion.selection import device_capability
 from .parallel.groups import ParallelGroups
+from .quantization import Quantization, choose_quantization
 from .registry import model_class
 
 log = logging.getLogger(__name__)
@@ -106,20 +115,50 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint(files: list[Path]) -> Iterator[SafetensorsSource]:
+def _open(file: Path, stack: ExitStack) -> Any:
     from safetensors import safe_open
 
-    for file in files:
-        try:
-            handle_cm = safe_open(str(file), framework="pt", device="cpu")
-            handle = handle_cm.__enter__()
-        except Exception as e:
-            raise CheckpointError(f"{file}: not a readable safetensors file: {e}") from e
-        try:
-            for name in handle.keys():
-                yield SafetensorsSource(name, handle, file)
-        finally:
-            handle_cm.__exit__(None, None, None)
+    try:
+        return stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+    except Exception as e:
+        raise CheckpointError(f"{file}: not a readable safetensors file: {e}") from e
+
+
+SCALE_SUFFIX = "_scale_inv"  # "<x>.weight" -> "<x>.weight_scale_inv"; fused experts "<x>" -> "<x>_scale_inv"
+
+
+def iter_checkpoint(files: list[Path], dequantize: BlockFP8 | None = None) -> Iterator[WeightSource]:
+    """Every tensor of the checkpoint, lazily; with ``dequantize`` each FP8 weight comes with its
+    ``_scale_inv`` as one ``DequantizedSource`` and the scales are not yielded on their own."""
+    if dequantize is None:
+        for file in files:
+            with ExitStack() as stack:
+                handle = _open(file, stack)
+                for name in handle.keys():
+                    yield SafetensorsSource(name, handle, file)
+        return
+    with ExitStack() as stack:  # a weight's scales may sit in another file: every file open at once
+        where = {name: (handle, file) for file in files for handle in [_open(file, stack)] for name in handle.keys()}  # noqa: SIM118
+        for name, (handle, file) in where.items():
+            if name.endswith(SCALE_SUFFIX):
+                continue
+            source = SafetensorsSource(name, handle, file)
+            if name + SCALE_SUFFIX not in where:
+                yield source
+                continue
+            scale = SafetensorsSource(name + SCALE_SUFFIX, *where[name + SCALE_SUFFIX])
+            try:
+                yield DequantizedSource(source, scale, dequantize)
+            except WeightShapeError as e:
+                raise CheckpointError(str(e)) from e
+
+
+def checkpoint_quantization(config: Any) -> BlockFP8 | None:
+    """The checkpoint's block-FP8 format from its config (None = unquantized); CheckpointError if unsupported."""
+    try:
+        return BlockFP8.from_hf(config)
+    except QuantizationConfigError as e:
+        raise CheckpointError(str(e)) from e
 
 
 def load_weights(model: nn.Module, sources: Iterator[Any]) -> None:
@@ -177,16 +216,25 @@ def _expected_loads(model: nn.Module, params: dict[str, torch.Tensor]) -> set[tu
 
 def load_model(model_dir: str | Path, groups: ParallelGroups, collectives: Collectives,
                dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-               kernels: Kernels | None = None, **model_kwargs: Any) -> CausalLM:
+               kernels: Kernels | None = None, quantization: Quantization | None = None,
+               **model_kwargs: Any) -> CausalLM:
     """This rank's shard of a checkpoint. ``collectives``: this rank's (its ``fused`` kernel, or
     None, decides whether the plan fuses); ``kernels``: the model's kernel set (default: the
-    references); ``model_kwargs`` go to the model class (benchmarks only: ``dp_combine``)."""
+    references); ``quantization``: how to keep an FP8 checkpoint (default: ``auto`` on ``device``);
+    ``model_kwargs`` go to the model class (benchmarks only: ``dp_combine``)."""
     config = load_config(model_dir)
-    cls = model_class(architecture_of(config))
+    arch = architecture_of(config)
+    cls = model_class(arch)
     files = checkpoint_files(model_dir)
+    if quantization is None:
+        quantization = choose_quantization("auto", checkpoint_quantization(config), arch,
+                                           device_capability(device or "cpu"))
+    if quantization.fp8 is not None:
+        model_kwargs["fp8"] = quantization.fp8
+    # A shape the split cannot take (e.g. an FP8 shard boundary inside a scale block) raises WeightShapeError here.
     module: nn.Module = cls(config, groups, collectives, dtype=dtype, device=device, kernels=kernels, **model_kwargs)
-    load_weights(module, iter_checkpoint(files))
+    load_weights(module, iter_checkpoint(files, quantization.checkpoint if quantization.dequantize else None))
     model: CausalLM = module  # type: ignore[assignment]
-    log.info("loaded %s from %s (%d files) on rank %d", type(model).__name__, model_dir, len(files),
-             groups.coords.rank)
+    log.info("loaded %s from %s (%d files) on rank %d, quantization: %s", type(model).__name__, model_dir, len(files),
+             groups.coords.rank, quantization.weights)
     return model

@@ -146,6 +146,15 @@ class SpeculativeStatus(SpecModel):
                                           description="1 + accepted/drafts, as text (e.g. \"2.31\")")
 
 
+class QuantizationStatus(SpecModel):
+    checkpoint: Literal["fp8"] | None = Field(default=None, description="the checkpoint's quantization "
+                                              "(config.json quantization_config); null = unquantized")
+    weights: Literal["fp8", "dequantized", "unquantized"] = Field(
+        description="how the engine keeps them: fp8 (block-scaled FP8 GEMMs), dequantized at load, or unquantized")
+    weight_block_size: list[int] | None = Field(default=None, max_length=2)
+    description: str = Field(default="", max_length=256)
+
+
 class InferenceDeploymentStatus(SpecModel):
     observed_generation: int | None = Field(default=None, ge=0)
     replicas: int = 0
@@ -156,6 +165,7 @@ class InferenceDeploymentStatus(SpecModel):
     groups: list[GroupStatus] = Field(default_factory=list, max_length=128)
     endpoint: str | None = Field(default=None, max_length=512)
     speculative: SpeculativeStatus | None = None
+    quantization: QuantizationStatus | None = None
     ray_cluster: str | None = Field(default=None, max_length=63, pattern=DNS_SUBDOMAIN,
                                     description="the RayCluster the Service sends requests to")
     pending_ray_cluster: str | None = Field(default=None, max_length=63, pattern=DNS_SUBDOMAIN,

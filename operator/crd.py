@@ -68,6 +68,7 @@ PRINTER_COLUMNS = [
     {"name": "DP", "type": "integer", "jsonPath": ".spec.parallelism.data"},
     {"name": "EP", "type": "integer", "jsonPath": ".spec.parallelism.expert"},
     {"name": "Accept", "type": "string", "jsonPath": ".status.speculative.acceptanceLength"},
+    {"name": "Weights", "type": "string", "jsonPath": ".status.quantization.weights", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

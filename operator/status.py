@@ -137,6 +137,18 @@ def _acceptance(controller: dict[str, Any]) -> str | None:
     return f"{sum(values) / len(values):.2f}" if values else None
 
 
+def _quantization(controller: dict[str, Any]) -> dict[str, Any] | None:
+    """The first group's (every group loads the same checkpoint the same way), camelCase."""
+    for g in controller.get("groups") or []:
+        q = g.get("quantization")
+        if isinstance(q, dict) and q.get("weights") in ("fp8", "dequantized", "unquantized"):
+            out = {"checkpoint": q.get("checkpoint") if q.get("checkpoint") == "fp8" else None,
+                   "weights": q["weights"], "weightBlockSize": q.get("weight_block_size"),
+                   "description": str(q.get("description", ""))[:256]}
+            return {k: v for k, v in out.items() if v is not None}
+    return None
+
+
 def _scheduled(obs: Observation) -> dict[str, Any]:
     for c in (obs.controller or {}).get("conditions") or []:
         if c.get("type") == "Scheduled" and c.get("status") is False:
@@ -234,12 +246,17 @@ def compute_status(obs: Observation, old: dict[str, Any] | None) -> dict[str, An
             accept = _acceptance(ctl)
             if accept is not None:
                 status["speculative"] = {"acceptanceLength": accept}
+            quant = _quantization(ctl)
+            if quant is not None:
+                status["quantization"] = quant
         else:  # keep what was last seen; Ready turns Unknown
             ready = 0
             status.update({k: old.get(k, 0) for k in ("replicas", "readyReplicas", "updatedReplicas")})
             status["groups"] = old.get("groups", [])
         if "speculative" not in status and old.get("speculative") and spec.speculative is not None:
             status["speculative"] = old["speculative"]
+        if "quantization" not in status and old.get("quantization"):
+            status["quantization"] = old["quantization"]
         status["endpoint"] = endpoint(obs.owner, spec)
         if obs.rollout is not None:
             status["rayCluster"] = obs.rollout.serving

@@ -105,10 +105,8 @@ def test_every_example_gives_a_runtime_config(path: Path) -> None:
     assert rc.ranks >= 1 and rc.tensor % rc.data == 0
     model = ROOT / Path(rc.model_path).expanduser()
     draft = ROOT / rc.speculative.draft_model if rc.speculative is not None else None
-    if path.name == "04-smollm2-eagle3.yaml":  # made by fetch-model and train-draft, not in git (yet)
+    if path.name == "04-smollm2-eagle3.yaml":  # the model is made by fetch-model (the draft is in git)
         assert rc.model_path == "~/.cache/fusedserve/models/smollm2-135m-instruct"  # fetch-model's default
-        if draft is None or not draft.is_dir():
-            pytest.skip("examples/checkpoints/smollm2-eagle3 is trained on the GPU machine (bench/gpu_real.sh train)")
     assert model.is_dir()
     if draft is not None:
         assert draft.is_dir()
@@ -129,6 +127,24 @@ def test_runtime_config_is_frozen_and_its_revision_ignores_replicas_and_ports() 
 def test_dtype_auto_is_bf16_on_gpus_and_fp32_on_cpu() -> None:
     rc = RuntimeConfig.from_manifest(parse_manifest(_with("spec.model.dtype", "auto")))
     assert rc.dtype_on(cuda=True) == "bfloat16" and rc.dtype_on(cuda=False) == "float32"
+
+
+def test_quantization_and_float16_reach_each_rank_s_engine_config() -> None:
+    """spec.model.quantization (auto by default) and dtype float16 reach the EngineConfig a rank is built
+    from; a new quantization rolls the engine groups (another revision)."""
+    from fusedserve.worker.engine.config import EngineConfig, EngineConfigError
+    from fusedserve.worker.ray.rank_actor import engine_config
+
+    rc = RuntimeConfig.from_manifest(parse_manifest(BASE))
+    assert rc.quantization == "auto" and engine_config(rc, "cpu").quantization == "auto"
+    doc = _with("spec.model", {"path": "ckpt", "dtype": "float16", "quantization": "none"})
+    none = RuntimeConfig.from_manifest(parse_manifest(doc))
+    config = engine_config(none, "cuda:0")
+    assert (config.quantization, config.dtype) == ("none", "float16") and none.revision != rc.revision
+    with pytest.raises(SpecError, match="spec.model.quantization"):
+        parse_manifest(_with("spec.model.quantization", "int8"))
+    with pytest.raises(EngineConfigError, match="quantization must be one of auto, fp8, none"):
+        EngineConfig(quantization="fp4")
 
 
 def test_fusedserve_run_refuses_an_invalid_manifest_before_starting_anything(tmp_path: Path) -> None:

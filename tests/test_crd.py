@@ -83,7 +83,9 @@ def test_crd_shape() -> None:
     assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
     assert "status" in version["subresources"]
     assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Ready", "Replicas", "TP", "DP", "EP",
-                                                                        "Accept", "Age"]
+                                                                        "Accept", "Weights", "Age"]
+    assert [c for c in version["additionalPrinterColumns"] if c.get("priority")] == [  # kubectl get -o wide
+        {"name": "Weights", "type": "string", "jsonPath": ".status.quantization.weights", "priority": 1}]
     assert crd()["spec"]["names"]["shortNames"] == ["infd"]
     text = render()
     assert "$ref" not in text and "anyOf" not in text and "additionalProperties: false" not in text
@@ -154,7 +156,9 @@ INVALID: list[tuple[dict[str, Any], str]] = [
     ({"serving": {"kvCacheFraction": 1.5}}, "1.5 is greater than the maximum of 0.98"),
     ({"serving": {"maxSequences": 0}}, "0 is less than the minimum of 1"),
     ({"model": {"path": ""}}, "should be non-empty"),
-    ({"model": {"dtype": "float16", "path": "/m"}}, "'float16' is not one of ['auto', 'float32', 'bfloat16']"),
+    ({"model": {"dtype": "float8", "path": "/m"}},
+     "'float8' is not one of ['auto', 'float32', 'bfloat16', 'float16']"),
+    ({"model": {"quantization": "int4", "path": "/m"}}, "'int4' is not one of ['auto', 'fp8', 'none']"),
     ({"model": {"path": "x" * 2000}}, "is too long"),
     ({"rayVersion": "latest"}, "does not match"),
     ({"placement": {"tolerations": [{"operator": "Sometimes"}]}}, "'Sometimes' is not one of ['Exists', 'Equal']"),

@@ -125,3 +125,20 @@ def test_ray_cluster_observation_reads_kuberay_status() -> None:
     assert RayClusterObservation.of(obj) == RayClusterObservation("ready", 2, 1, "quota exceeded")
     assert RayClusterObservation.of(None) is None
     assert condition_map({"conditions": [{"type": "Ready", "status": "True"}]}) == {"Ready": "True"}
+
+
+def test_quantization_is_mirrored_from_the_controller_and_kept() -> None:
+    """status.quantization: how the engine groups keep a block-FP8 checkpoint's weights (kubectl get -o wide)."""
+    quant = {"requested": "auto", "checkpoint": "fp8", "weight_block_size": [128, 128], "weights": "dequantized",
+             "description": "fp8 e4m3, 128x128 weight blocks, 1x128 dynamic activation groups: dequantized to "
+                            "float32 at load"}
+    ctl = controller(1)
+    ctl["groups"][0]["quantization"] = quant
+    st = compute_status(observe(controller=ctl), None)
+    InferenceDeploymentStatus.model_validate(st)
+    assert st["quantization"] == {"checkpoint": "fp8", "weights": "dequantized", "weightBlockSize": [128, 128],
+                                  "description": quant["description"]}
+    lost = compute_status(observe(controller=None, controller_error="timeout"), st)
+    assert lost["quantization"] == st["quantization"]
+    plain = compute_status(observe(controller=controller(1)), None)
+    assert "quantization" not in plain

@@ -254,7 +254,12 @@ def test_moe_with_dp_attention_and_expert_parallelism_serves_on_both_dp_groups(
 
 
 def _manifest(tmp_path: Path, name: str, replace: dict[str, str]) -> Path:
+    """examples/01 as a deployment of its own, ``tiny-code-<name>``: the ``tiny_code`` fixture's controller is
+    still running on this Ray, and two controllers of one deployment adopt (and remove) each other's groups."""
     text = (ROOT / "examples/01-tiny-code.yaml").read_text()
+    meta = "metadata:\n  name: tiny-code\n"
+    assert meta in text
+    text = text.replace(meta, f"metadata:\n  name: tiny-code-{Path(name).stem}\n")
     for old, new in replace.items():
         assert old in text, old
         text = text.replace(old, new)
@@ -338,4 +343,4 @@ def test_sigterm_drains_requests_in_flight_and_the_api_key_guards_the_api(ray_ad
             last = json.loads(events[-2])
             assert "choices" in last or last["error"]["code"] == "shutting_down", events[-3:]
     assert "draining" in "".join(server.output)
-    assert live_groups("tiny-code") == []
+    assert live_groups("tiny-code-drain") == []

@@ -58,3 +58,22 @@ def test_a_rank_off_plan_a_failure_and_an_outdated_group_are_visible() -> None:
 def test_acceptance_length_is_none_without_speculation() -> None:
     assert acceptance_length((_snapshot(0, 6),)) is None
     assert acceptance_length((_snapshot(0, 6, drafts=4, accepted=2), _snapshot(2, 6, drafts=4, accepted=6))) == 2.0
+
+
+def test_the_group_shows_how_its_leader_keeps_the_weights() -> None:
+    """/status: the leader's quantization (models/quantization.py) per group and on each rank."""
+    from dataclasses import replace
+
+    from fusedserve.models.layers.fp8_block import BlockFP8
+    from fusedserve.models.quantization import Quantization
+
+    fp8 = Quantization("auto", BlockFP8(), BlockFP8()).to_json("bfloat16")
+    ranks = tuple({**_rank(r, role), "quantization": fp8} for r, role in ((0, "leader"), (1, "follower")))
+    group = replace(_group(0, "rev2", (_snapshot(0, 6), _snapshot(1, 6))), ranks=ranks)
+    [g] = controller_status(ControllerObservation("demo", "default", "demo", "rev2", 1, (group,)))["groups"]
+    assert g["quantization"] == {"requested": "auto", "checkpoint": "fp8", "weight_block_size": [128, 128],
+                                 "weights": "fp8", "description": fp8["description"]}
+    assert "FP8 weights, Triton block-scaled FP8 GEMMs" in fp8["description"]
+    assert g["ranks"][1]["quantization"] == fp8
+    plain = controller_status(ControllerObservation("demo", "default", "demo", "rev2", 1, (_group(0, "rev2", ()),)))
+    assert plain["groups"][0]["quantization"] is None  # ranks not started yet

@@ -20,6 +20,8 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 inner = pytest.mark.skipif(not INTERPRETING, reason="runs inside the TRITON_INTERPRET=1 subprocess")
 
 if INTERPRETING:  # Triton's interpreter turns a loaded scalar into int() of a 1-element array (numpy 2 refuses)
+    import numpy as np
+    import triton.language as tl
     import triton.runtime.interpreter as _interpreter
 
     _patch = _interpreter._patch_lang_tensor
@@ -29,6 +31,28 @@ if INTERPRETING:  # Triton's interpreter turns a loaded scalar into int() of a 1
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     _interpreter._patch_lang_tensor = _patch_lang_tensor
+
+    # Two of the interpreter's float conversions are not the GPU's, so kernels are checked with torch's
+    # (round to nearest even, as the hardware's cvt.rn): fp32 -> e4m3 rounds half up and loses the carry
+    # when the mantissa rounds over (31.76 -> 16, not 32), and fp32 -> bf16 truncates.
+    _fp_to_fp, _cast = _interpreter.InterpreterBuilder.create_fp_to_fp, _interpreter.InterpreterBuilder.cast_impl
+
+    def _torch_cast(src, dst_type, dtype, view):  # type: ignore[no-untyped-def]
+        out = torch.from_numpy(np.ascontiguousarray(src.data)).to(dtype).view(view).numpy()
+        return _interpreter.TensorHandle(out.view(np.uint8 if view == torch.uint8 else np.uint16), dst_type.scalar)
+
+    def _create_fp_to_fp(self, src, dst_type, rounding_mode):  # type: ignore[no-untyped-def]
+        if dst_type.scalar == tl.float8e4nv and src.dtype.scalar == tl.float32:
+            return _torch_cast(src, dst_type, torch.float8_e4m3fn, torch.uint8)
+        return _fp_to_fp(self, src, dst_type, rounding_mode)
+
+    def _cast_impl(self, src, dst_type):  # type: ignore[no-untyped-def]
+        if dst_type.scalar == tl.bfloat16 and src.dtype.scalar == tl.float32:
+            return _torch_cast(src, dst_type, torch.bfloat16, torch.int16)
+        return _cast(self, src, dst_type)
+
+    _interpreter.InterpreterBuilder.create_fp_to_fp = _create_fp_to_fp
+    _interpreter.InterpreterBuilder.cast_impl = _cast_impl
 
 
 @pytest.mark.skipif(INTERPRETING or torch.cuda.is_available(), reason="outer runner; GPUs run the real kernels")
@@ -223,3 +247,62 @@ def test_interp_decode_matmul_candidates_and_tuned_dispatch() -> None:
         _close(tuned(x, w), F.linear(x, w), 1e-2)
     x = torch.randn(5, 1024, generator=g).to(torch.bfloat16)
     assert torch.equal(tuned(x, w), F.linear(x, w))
+
+
+@inner
+@pytest.mark.parametrize("m,n,k,block,dtype", [(3, 200, 96, (32, 32), torch.float32),
+                                               (20, 72, 160, (16, 32), torch.bfloat16),
+                                               (1, 576, 256, (128, 128), torch.bfloat16),
+                                               (2, 72, 1000, (128, 128), torch.float32)],
+                         ids=["partial-blocks-fp32", "bn-ne-bk-bf16", "kv_a-shape-bf16", "split-k-fp32"])
+def test_interp_block_fp8_linear_equals_the_w8a8_reference(m: int, n: int, k: int, block: tuple[int, int],
+                                                           dtype: torch.dtype) -> None:
+    """Per-token-group quantization and the block-scaled GEMM (partial last blocks, bn != bk, DeepSeek's
+    576-row kv_a_proj_with_mqa at 128x128) equal the torch w8a8 reference; that one is within the stated
+    activation-quantization error of the dequantized reference."""
+    from fusedserve.models.layers.fp8_block import (
+        BlockFP8,
+        block_fp8_linear_reference,
+        block_fp8_linear_w8a8_reference,
+        quantize_activation,
+        quantize_weight,
+    )
+    from fusedserve.models.layers.fp8_block_triton import block_fp8_linear_triton, group_quant_triton
+
+    g = torch.Generator().manual_seed(m)
+    fmt = BlockFP8(*block)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w, s = quantize_weight(torch.randn(n, k, generator=g) * 0.05, fmt)
+    bias = torch.randn(n, generator=g).to(dtype)
+    q, qs = group_quant_triton(x, fmt.block_k)
+    rq, rs = quantize_activation(x, fmt.block_k)
+    assert torch.equal(q.float(), rq.float()) and torch.equal(qs, rs)
+    want = block_fp8_linear_w8a8_reference(x, w, s, bias, fmt)
+    _close(block_fp8_linear_triton(x, w, s, bias, fmt), want, 1e-6)
+    if k == 1000:  # 8 K blocks (the last partial) over one tile: split in 4
+        from fusedserve.models.layers.fp8_block_triton import k_splits
+
+        assert k_splits(tiles=2, k_blocks=8, sms=132) == 4
+    _close(want, block_fp8_linear_reference(x, w, s, bias, fmt), 5e-2)  # e4m3 activations: ~3% on random data
+
+
+@inner
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_interp_fp8_fused_experts_equal_the_w8a8_reference(dtype: torch.dtype) -> None:
+    from fusedserve.models.layers.fp8_block import BlockFP8, quantize_weight
+    from fusedserve.models.layers.fused_moe import fused_experts_fp8_torch, fused_experts_fp8_w8a8_reference
+    from fusedserve.models.layers.fused_moe_fp8_triton import fused_experts_fp8_triton
+
+    g = torch.Generator().manual_seed(3)
+    experts, hidden, inter, n, k = 4, 64, 32, 5, 2
+    fmt = BlockFP8(16, 16)
+    x = torch.randn(n, hidden, generator=g).to(dtype)
+    gate_up, gate_up_s = quantize_weight(torch.randn(experts, 2 * inter, hidden, generator=g) * 0.1, fmt)
+    down, down_s = quantize_weight(torch.randn(experts, hidden, inter, generator=g) * 0.1, fmt)
+    ids = torch.tensor([[2, 0], [2, -1], [3, 1], [-1, -1], [0, 2]])  # -1: another rank's expert
+    w = torch.rand(n, k, generator=g)
+    want = fused_experts_fp8_w8a8_reference(x, ids, w, gate_up, gate_up_s, down, down_s, fmt)
+    got = fused_experts_fp8_triton(x, ids, w, gate_up, gate_up_s, down, down_s, fmt)
+    _close(got, want, 1e-6)
+    assert torch.equal(got[3], torch.zeros_like(got[3]))
+    _close(want, fused_experts_fp8_torch(x, ids, w, gate_up, gate_up_s, down, down_s, fmt), 8e-2)

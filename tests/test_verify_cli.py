@@ -148,12 +148,15 @@ def test_load_prompts_file(tmp_path: Path) -> None:
 def test_verify_options_validate() -> None:
     with pytest.raises(VerifyError, match="--fusion must be one of off, reference, flashinfer"):
         VerifyOptions(model="m", fusion="on")
-    with pytest.raises(VerifyError, match="--oracle must be one of hf, tp1"):
+    with pytest.raises(VerifyError, match="--oracle must be one of hf, hf-dequantized, tp1"):
         VerifyOptions(model="m", oracle="vllm")
-    with pytest.raises(VerifyError, match="--dtype must be one of float32, bfloat16"):
-        VerifyOptions(model="m", dtype="float16")
+    with pytest.raises(VerifyError, match="--dtype must be one of float32, bfloat16, float16"):
+        VerifyOptions(model="m", dtype="float64")
+    with pytest.raises(VerifyError, match="--quantization must be one of auto, fp8, none"):
+        VerifyOptions(model="m", quantization="int4")
     assert VerifyOptions(model="m").atol == 1e-5  # the floor of the calibrated tolerance
     assert VerifyOptions(model="m", dtype="bfloat16").atol == 1e-1
+    assert VerifyOptions(model="m", dtype="float16").atol == 2e-2
     assert VerifyOptions(model="m", tolerance=1e-3).atol == 1e-3
 
 

@@ -9,7 +9,7 @@ here.
     kind: InferenceDeployment
     metadata: {name: tiny-code, namespace: default}
     spec:
-      model: {path: examples/checkpoints/tiny-code, dtype: float32}
+      model: {path: examples/checkpoints/tiny-code, dtype: float32, quantization: auto}
       replicas: 1
       parallelism: {tensor: 2, data: 1, expert: 1, dataParallelAttention: false}
       communication: {allReduceFusion: auto}
@@ -55,7 +55,12 @@ class SpecModel(BaseModel):
 class ModelSpec(SpecModel):
     path: str = Field(min_length=1, max_length=1024, description="checkpoint directory (HF layout) in the worker")
     name: str | None = Field(default=None, max_length=253, description="served model name (default: deployment name)")
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # Block-FP8 checkpoints (DeepSeek-V3 / Kimi-K2 releases, detected from config.json's quantization_config):
+    # auto keeps them in FP8 with FP8 GEMMs where the GPU has them (SM89+) and dequantizes them to dtype
+    # elsewhere; fp8 requires the FP8 path (an unquantized checkpoint or an unfit GPU fails the group);
+    # none refuses it: the weights are dequantized to dtype at load. models/quantization.py decides per rank.
+    quantization: Literal["auto", "fp8", "none"] = "auto"
     # dummy: random weights from config.json alone (benchmarks at real shapes; vLLM's --load-format dummy)
     load_format: Literal["auto", "dummy"] = "auto"
     # serve token ids only, no tokenizer (vLLM's --skip-tokenizer-init): prompts must be token-id lists
@@ -286,6 +291,7 @@ class RuntimeConfig:
     model_name: str  # served name (``spec.model.name``, default the deployment's name)
     model_path: str
     dtype: str
+    quantization: str  # "auto" | "fp8" | "none" (models/quantization.py)
     load_format: str  # "auto" | "dummy"
     skip_tokenizer: bool
     replicas: int
@@ -317,7 +323,8 @@ class RuntimeConfig:
         return cls(
             name=manifest.metadata.name, namespace=manifest.metadata.namespace,
             model_name=spec.model.name or manifest.metadata.name, model_path=spec.model.path,
-            dtype=spec.model.dtype, load_format=spec.model.load_format, skip_tokenizer=spec.model.skip_tokenizer, replicas=spec.replicas, tensor=par.tensor, data=par.data,
+            dtype=spec.model.dtype, quantization=spec.model.quantization, load_format=spec.model.load_format,
+            skip_tokenizer=spec.model.skip_tokenizer, replicas=spec.replicas, tensor=par.tensor, data=par.data,
             expert=par.expert, dp_attention=par.data_parallel_attention,
             all_reduce_fusion=spec.communication.all_reduce_fusion.value,
             speculative=None if s is None else SpeculativeRuntime(s.draft_model, s.num_steps, s.top_k,

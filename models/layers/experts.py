@@ -22,6 +22,14 @@ Checkpoint layouts, both accepted:
 - fused (transformers' in-memory layout, ``save_pretrained(save_original_format=False)``):
   ``<prefix>.experts.gate_up_proj`` [E, 2I, in] (or ``up_proj`` [E, I, in]) and
   ``<prefix>.experts.down_proj`` [E, in, I]; only this rank's experts are read.
+
+Block FP8 (``fp8_block.py``, chosen at construction with ``fp8``): the weights are float8_e4m3fn
+and ``gate_up_proj_scale_inv`` [E_local, 2*I_local/bn, ceil(in/bk)] / ``down_proj_scale_inv``
+[E_local, ceil(in/bn), I_local/bk] hold their block scales, loaded from ``...{e}.{part}.weight_scale_inv``
+(or the fused ``<prefix>.experts.{param}_scale_inv``). I_local must be whole blocks (gate and up
+are concatenated, down's columns split over moe_tp): sglang's and vLLM's rule, refused otherwise.
+Compute: ``fused_fp8`` (``fused_moe_fp8_triton.py`` on a GPU), else the loop with each expert
+dequantized.
 """
 
 from __future__ import annotations
@@ -35,7 +43,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel.groups import Group
-from .fused_moe import FusedExpertsFn
+from .fp8_block import FP8_DTYPE, BlockFP8, dequantize_weight
+from .fused_moe import FusedExpertsFn, FusedFP8ExpertsFn
+from .linear import fp8_block_aligned
 from .weight_source import WeightShapeError, WeightSource, copy_checked, expect_dim
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -44,9 +54,11 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
 }
 
-_PER_EXPERT = re.compile(r"^(?P<module>.+\.experts)\.(?P<expert>\d+)\.(?P<part>gate_proj|up_proj|down_proj)\.weight$")
-_FUSED = re.compile(r"^(?P<module>.+\.experts)\.(?P<part>gate_up_proj|up_proj|down_proj)$")
+_PER_EXPERT = re.compile(r"^(?P<module>.+\.experts)\.(?P<expert>\d+)\.(?P<part>gate_proj|up_proj|down_proj)"
+                         r"\.weight(?P<scale>_scale_inv)?$")
+_FUSED = re.compile(r"^(?P<module>.+\.experts)\.(?P<part>gate_up_proj|up_proj|down_proj)(?P<scale>_scale_inv)?$")
 FUSED = "fused"  # shard id of a fused [E, ...] checkpoint tensor
+SCALE = "_scale_inv"  # suffix of a block-FP8 weight's scales: ``gate_up_proj`` -> ``gate_up_proj_scale_inv``
 
 
 @dataclass(frozen=True)
@@ -56,17 +68,26 @@ class ExpertTensorName:
     module: str  # e.g. "layers.3.mlp.experts"
     expert: int | None
     part: str  # gate_proj | up_proj | down_proj | gate_up_proj
+    scale: bool = False  # the block-FP8 scales of that weight (``weight_scale_inv``)
 
 
 def parse_expert_name(name: str) -> ExpertTensorName | None:
     """Recognise a routed-expert tensor name (``shared_experts`` are not routed experts)."""
     m = _PER_EXPERT.match(name)
     if m:
-        return ExpertTensorName(m["module"], int(m["expert"]), m["part"])
+        return ExpertTensorName(m["module"], int(m["expert"]), m["part"], m["scale"] is not None)
     m = _FUSED.match(name)
     if m:
-        return ExpertTensorName(m["module"], None, m["part"])
+        return ExpertTensorName(m["module"], None, m["part"], m["scale"] is not None)
     return None
+
+
+@dataclass(frozen=True)
+class _ExpertDims:
+    inter: int  # intermediate size in the checkpoint (elements or scale blocks)
+    inter_local: int  # this rank's share of it
+    start: int  # where this rank's share starts
+    in_dim: int  # the expert's input / output width
 
 
 def _split(total: int, parts: int, what: str) -> int:
@@ -78,7 +99,8 @@ def _split(total: int, parts: int, what: str) -> int:
 class RoutedExperts(nn.Module):
     def __init__(self, num_experts: int, in_dim: int, intermediate: int, ep: Group, moe_tp: Group,
                  gated: bool = True, activation: str = "silu", dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None, fused: FusedExpertsFn | None = None) -> None:
+                 device: torch.device | str | None = None, fused: FusedExpertsFn | None = None,
+                 fp8: BlockFP8 | None = None, fused_fp8: FusedFP8ExpertsFn | None = None) -> None:
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"expert activation must be one of {sorted(ACTIVATIONS)}, not {activation!r}")
@@ -92,17 +114,35 @@ class RoutedExperts(nn.Module):
         self.gated = gated
         self.act = ACTIVATIONS[activation]
         up_rows = (2 if gated else 1) * self.inter_local
-        up = nn.Parameter(torch.empty(self.num_local, up_rows, in_dim, dtype=dtype, device=device),
-                          requires_grad=False)
+        self.fp8 = fp8
+        if fp8 is not None:
+            fp8_block_aligned(self.inter_local, fp8.block_n, f"expert intermediate rows {intermediate}: a shard",
+                              fp8, moe_tp.size)
+            if moe_tp.size > 1:
+                fp8_block_aligned(self.inter_local, fp8.block_k, f"expert down-projection columns {intermediate}: "
+                                  "a shard", fp8, moe_tp.size)
+        wdtype = FP8_DTYPE if fp8 is not None else dtype
+
+        def param(*shape: int, dt: torch.dtype = wdtype) -> nn.Parameter:
+            return nn.Parameter(torch.empty(self.num_local, *shape, dtype=dt, device=device), requires_grad=False)
+
         if gated:
-            self.gate_up_proj = up
+            self.gate_up_proj = param(up_rows, in_dim)
         else:
-            self.up_proj = up
-        self.down_proj = nn.Parameter(
-            torch.empty(self.num_local, in_dim, self.inter_local, dtype=dtype, device=device), requires_grad=False)
+            self.up_proj = param(up_rows, in_dim)
+        self.down_proj = param(in_dim, self.inter_local)
+        if fp8 is not None:  # registered after the weights: named_parameters order stays weights first
+            up_scale = param(*fp8.scale_shape(up_rows, in_dim), dt=torch.float32)
+            if gated:
+                self.gate_up_proj_scale_inv = up_scale
+            else:
+                self.up_proj_scale_inv = up_scale
+            self.down_proj_scale_inv = param(*fp8.scale_shape(in_dim, self.inter_local), dt=torch.float32)
         # The block computation (``fused_moe.py``: no host sync, CUDA-graph capturable) for gated
         # SiLU experts, chosen at construction; None = the per-expert loop below.
-        self.fused = fused if (gated and activation == "silu") else None
+        silu = gated and activation == "silu"
+        self.fused = fused if (silu and fp8 is None) else None
+        self.fused_fp8 = fused_fp8 if (silu and fp8 is not None) else None
 
     @property
     def up_name(self) -> str:
@@ -117,19 +157,26 @@ class RoutedExperts(nn.Module):
         """Parameter name -> the shard ids a complete per-expert load delivers."""
         local = range(self.first, self.first + self.num_local)
         ups = ["gate_proj", "up_proj"] if self.gated else ["up_proj"]
-        return {
+        ids = {
             self.up_name: [(part, e) for e in local for part in ups],
             "down_proj": [("down_proj", e) for e in local],
         }
+        if self.fp8 is None:
+            return ids
+        return {**{name + SCALE: list(v) for name, v in ids.items()}, **ids}  # scales first: longer names
 
     def checkpoint_target(self, name: ExpertTensorName) -> tuple[str, object] | None:
         """(our parameter, relative to this module; shard id) or None for another rank's expert."""
+        if name.scale and self.fp8 is None:
+            raise WeightShapeError(f"{name.module}: FP8 scales ({name.part} ...scale_inv) but this model keeps "
+                                   "plain weights (config.json has no block-FP8 quantization_config)")
+        suffix = SCALE if name.scale else ""
         if name.expert is None:
             param = "down_proj" if name.part == "down_proj" else self.up_name
             if name.part not in ("down_proj", self.up_name):
                 raise WeightShapeError(f"{name.module}.{name.part}: not a tensor of "
                                        f"{'gated' if self.gated else 'non-gated'} experts")
-            return param, FUSED
+            return param + suffix, FUSED
         if not 0 <= name.expert < self.num_experts:
             raise WeightShapeError(f"{name.module}.{name.expert}: expert id outside the "
                                    f"{self.num_experts} routed experts of config.json")
@@ -138,47 +185,61 @@ class RoutedExperts(nn.Module):
         if name.part == "gate_proj" and not self.gated:
             raise WeightShapeError(f"{name.module}.{name.expert}.gate_proj: non-gated experts have no gate")
         param = "down_proj" if name.part == "down_proj" else self.up_name
-        return param, (name.part, name.expert)
+        return param + suffix, (name.part, name.expert)
 
     def weight_loader(self, param: nn.Parameter, source: WeightSource, shard_id: object = None
                       ) -> list[object] | None:
         """Load one per-expert tensor, or this rank's experts of a fused one (returns the shard
         ids a fused tensor filled)."""
-        i_l, r = self.inter_local, self.moe_tp.rank
         if shard_id == FUSED:
             return self._load_fused(param, source)
         if not isinstance(shard_id, tuple):
             raise TypeError(f"{source.name}: expert weights load per expert (shard id (part, expert))")
         part, expert = shard_id
         j = expert - self.first
+        d = self._dims(param, part)
         if part == "down_proj":
-            expect_dim(source, 0, self.in_dim)
-            expect_dim(source, 1, self.intermediate)
-            copy_checked(param[j], source.narrow(1, r * i_l, i_l), source.name)
+            expect_dim(source, 0, d.in_dim)
+            expect_dim(source, 1, d.inter)
+            copy_checked(param[j], source.narrow(1, d.start, d.inter_local), source.name)
             return None
-        expect_dim(source, 0, self.intermediate)
-        expect_dim(source, 1, self.in_dim)
-        offset = i_l if (self.gated and part == "up_proj") else 0
-        copy_checked(param[j].narrow(0, offset, i_l), source.narrow(0, r * i_l, i_l), source.name)
+        expect_dim(source, 0, d.inter)
+        expect_dim(source, 1, d.in_dim)
+        offset = d.inter_local if (self.gated and part == "up_proj") else 0
+        copy_checked(param[j].narrow(0, offset, d.inter_local), source.narrow(0, d.start, d.inter_local),
+                     source.name)
         return None
 
+    def _dims(self, param: nn.Parameter, part: str) -> _ExpertDims:
+        """This rank's slice of an expert tensor, in elements (weights) or in blocks (FP8 scales)."""
+        if self.fp8 is None or not any(param is p for n, p in self.named_parameters(recurse=False)
+                                       if n.endswith(SCALE)):
+            return _ExpertDims(self.intermediate, self.inter_local, self.moe_tp.rank * self.inter_local, self.in_dim)
+        assert self.fp8 is not None
+        # intermediate: rows of gate/up (block_n), columns of down (block_k); in_dim: the other side
+        inter_unit, in_unit = (self.fp8.block_k, self.fp8.block_n) if part == "down_proj" else \
+            (self.fp8.block_n, self.fp8.block_k)
+        local = self.inter_local // inter_unit
+        return _ExpertDims(self.intermediate // inter_unit, local, self.moe_tp.rank * local, -(-self.in_dim // in_unit))
+
     def _load_fused(self, param: nn.Parameter, source: WeightSource) -> list[object]:
-        i_l, r, n = self.inter_local, self.moe_tp.rank, self.num_local
+        n = self.num_local
         expect_dim(source, 0, self.num_experts)
         mine = source.narrow(0, self.first, n)  # only this rank's experts are read
         ids: dict[str, list[object]] = {k: list(v) for k, v in self.shard_ids().items()}
-        if param is self.down_proj:
-            expect_dim(source, 1, self.in_dim)
-            expect_dim(source, 2, self.intermediate)
-            copy_checked(param, mine[:, :, r * i_l : (r + 1) * i_l], source.name)
-            return ids["down_proj"]
+        name = next(k for k, p in self.named_parameters(recurse=False) if p is param)
+        d = self._dims(param, "down_proj" if name.startswith("down_proj") else "up_proj")
+        if name.startswith("down_proj"):
+            expect_dim(source, 1, d.in_dim)
+            expect_dim(source, 2, d.inter)
+            copy_checked(param, mine[:, :, d.start : d.start + d.inter_local], source.name)
+            return ids[name]
         parts = 2 if self.gated else 1
-        expect_dim(source, 1, parts * self.intermediate)
-        expect_dim(source, 2, self.in_dim)
-        slices = [mine[:, p * self.intermediate + r * i_l : p * self.intermediate + (r + 1) * i_l]
-                  for p in range(parts)]
+        expect_dim(source, 1, parts * d.inter)
+        expect_dim(source, 2, d.in_dim)
+        slices = [mine[:, p * d.inter + d.start : p * d.inter + d.start + d.inter_local] for p in range(parts)]
         copy_checked(param, torch.cat(slices, dim=1), source.name)
-        return ids[self.up_name]
+        return ids[name]
 
     # --- compute ----------------------------------------------------------------------
 
@@ -187,9 +248,15 @@ class RoutedExperts(nn.Module):
 
         x: [n, in]; ids: [n, k] global expert ids (-1 = none); weights: [n, k] -> partial [n, in]
         """
-        if self.fused is not None:
+        if self.fused is not None or self.fused_fp8 is not None:
             mine = (ids >= self.first) & (ids < self.first + self.num_local)
-            return self.fused(x, torch.where(mine, ids - self.first, -1), weights, self.gate_up_proj, self.down_proj)
+            local_ids = torch.where(mine, ids - self.first, -1)
+            if self.fused_fp8 is not None:
+                assert self.fp8 is not None
+                return self.fused_fp8(x, local_ids, weights, self.gate_up_proj, self.gate_up_proj_scale_inv,
+                                      self.down_proj, self.down_proj_scale_inv, self.fp8)
+            assert self.fused is not None
+            return self.fused(x, local_ids, weights, self.gate_up_proj, self.down_proj)
         local = ids - self.first
         mine = (local >= 0) & (local < self.num_local)
         token, slot = mine.nonzero(as_tuple=True)
@@ -197,20 +264,27 @@ class RoutedExperts(nn.Module):
         order = torch.argsort(expert, stable=True)
         token, slot, expert = token[order], slot[order], expert[order]
         counts = torch.bincount(expert, minlength=self.num_local).tolist()
-        up = self.gate_up_proj if self.gated else self.up_proj
         out = torch.zeros(x.shape[0], self.in_dim, dtype=torch.float32, device=x.device)
         start = 0
         for j, count in enumerate(counts):
             if count == 0:
                 continue
             rows = token[start : start + count]
-            h = F.linear(x[rows], up[j])
+            h = F.linear(x[rows], self._expert_weight(self.up_name, j, x.dtype))
             if self.gated:
                 gate, h_up = h.chunk(2, dim=-1)
                 h = self.act(gate) * h_up
             else:
                 h = self.act(h)
-            y = F.linear(h, self.down_proj[j]).float() * weights[rows, slot[start : start + count], None]
+            y = F.linear(h, self._expert_weight("down_proj", j, x.dtype)).float() \
+                * weights[rows, slot[start : start + count], None]
             out.index_add_(0, rows, y)
             start += count
         return out.to(x.dtype)
+
+    def _expert_weight(self, name: str, j: int, dtype: torch.dtype) -> torch.Tensor:
+        """Local expert j's ``name`` weight in the compute dtype (block FP8: dequantized, the reference)."""
+        w: torch.Tensor = getattr(self, name)[j]
+        if self.fp8 is None:
+            return w
+        return dequantize_weight(w, getattr(self, name + SCALE)[j], self.fp8, dtype)

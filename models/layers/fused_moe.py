@@ -15,6 +15,10 @@ expert 0 gets pair 1, expert 2 gets pairs 0 and 2::
     block_expert = [0, 2, -1, -1, ...]       # [max_blocks]; -1 = unused block, skipped
 
 ``max_blocks = ceil(P / block_m) + min(P, E)`` bounds the blocks any routing needs.
+
+Block-FP8 experts (``fp8_block.py``) take the same blocks with their scales: ``FusedFP8ExpertsFn``;
+``fused_experts_fp8_torch`` (dequantize, then the torch path) is their plain twin and
+``fused_moe_fp8_triton.py`` the GPU kernels.
 """
 
 from __future__ import annotations
@@ -25,11 +29,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .fp8_block import BlockFP8, dequantize_weight, quantize_activation
+
 BLOCK_M = 16
 
 # (x [n, in], local_ids [n, k] (-1 = not on this rank), weights [n, k] fp32,
 #  gate_up [E, 2I, in], down [E, in, I]) -> this rank's partial sum [n, in] in x's dtype
 FusedExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (x, local_ids, weights, gate_up fp8 [E, 2I, in], its scales [E, 2I/bn, ceil(in/bk)], down fp8 [E, in, I],
+#  its scales [E, ceil(in/bn), I/bk], format) -> this rank's partial sum [n, in] in x's dtype
+FusedFP8ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                              torch.Tensor, BlockFP8], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -100,3 +110,36 @@ def fused_experts_torch(x: torch.Tensor, local_ids: torch.Tensor, weights: torch
     out = torch.zeros(n * k + 1, x.shape[1], dtype=torch.float32, device=x.device)
     out.index_add_(0, torch.where(valid, pair, n * k).reshape(-1), (y * w[..., None]).reshape(-1, x.shape[1]))
     return out[: n * k].view(n, k, x.shape[1]).sum(1).to(x.dtype)
+
+
+def fused_experts_fp8_torch(x: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                            gate_up_scale: torch.Tensor, down: torch.Tensor, down_scale: torch.Tensor,
+                            fmt: BlockFP8) -> torch.Tensor:
+    """Block-FP8 experts, plain twin: every local expert dequantized to x's dtype, then the block
+    computation above (tests/CPU only). Shapes as ``FusedFP8ExpertsFn``."""
+    return fused_experts_torch(x, local_ids, weights, dequantize_weight(gate_up, gate_up_scale, fmt, x.dtype),
+                               dequantize_weight(down, down_scale, fmt, x.dtype))
+
+
+def fused_experts_fp8_w8a8_reference(x: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor,
+                                     gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor,
+                                     down_scale: torch.Tensor, fmt: BlockFP8) -> torch.Tensor:
+    """What the FP8 expert kernels compute, in plain torch: x and the SwiGLU output quantized per token
+    and 1 x bk group, fp32 products (a loop over the local experts; tests only). Shapes as ``FusedFP8ExpertsFn``."""
+    n = local_ids.shape[0]
+
+    def dq(t: torch.Tensor) -> torch.Tensor:
+        q, s = quantize_activation(t, fmt.block_k)
+        return q.float() * s.repeat_interleave(fmt.block_k, dim=-1)[:, : t.shape[1]]
+
+    xq = dq(x)
+    out = torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device)
+    for e in range(gate_up.shape[0]):
+        token, slot = (local_ids == e).nonzero(as_tuple=True)
+        if token.numel() == 0:
+            continue
+        gate, up = (xq[token] @ dequantize_weight(gate_up[e], gate_up_scale[e], fmt).t()).chunk(2, dim=-1)
+        h = (F.silu(gate) * up).to(x.dtype)
+        y = dq(h) @ dequantize_weight(down[e], down_scale[e], fmt).t()
+        out.index_add_(0, token, y * weights[token, slot, None].float())
+    return out.to(x.dtype)

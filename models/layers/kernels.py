@@ -14,6 +14,11 @@ flashinfer   ``flashinfer_attention``, planned      as ``triton``
              once per forward (``planner``)
 ===========  =====================================  ==========================================
 
+Block-FP8 models (``fp8_block.py``) also take ``block_fp8_matmul`` (reference: the weight dequantized,
+then ``F.linear``; triton: per-token-group activation quantization + a block-scaled FP8 GEMM,
+``fp8_block_triton.py``) and ``fused_moe_fp8`` (torch: dequantize + ``fused_experts_torch``; triton:
+``fused_moe_fp8_triton.py``; reference: the per-expert loop, dequantizing).
+
 ``graph_safe`` says whether a forward reads its layout from device tensors (or a plan made before
 it) only, so that the executor may capture it as a CUDA graph (``worker/executor/step_graphs.py``).
 ``planner`` makes the attention's per-forward planner (``attention_layout.AttentionPlanner``) for a
@@ -30,7 +35,8 @@ import torch
 from ..parallel.fusion.reference import NormKernels
 from .attention import AttentionBackend, paged_attention_reference
 from .attention_layout import PlannerFactory
-from .fused_moe import FusedExpertsFn, fused_experts_torch
+from .fp8_block import BlockFP8MatmulFn, block_fp8_linear_reference
+from .fused_moe import FusedExpertsFn, FusedFP8ExpertsFn, fused_experts_fp8_torch, fused_experts_torch
 from .linear import MatmulFn
 from .mlp import silu_and_mul
 from .paged_attention_torch import paged_attention_torch
@@ -49,6 +55,9 @@ class Kernels:
     matmul: MatmulFn | None = None  # None = F.linear (cuBLAS)
     # Routed MoE experts (``fused_moe.py``); None = RoutedExperts' per-expert loop (host sync).
     fused_moe: FusedExpertsFn | None = None
+    # Block-FP8 layers: the linear kernel, and the routed experts' (None = the per-expert loop, dequantizing).
+    block_fp8_matmul: BlockFP8MatmulFn = block_fp8_linear_reference
+    fused_moe_fp8: FusedFP8ExpertsFn | None = None
     graph_safe: bool = False
     planner: PlannerFactory | None = None
 
@@ -58,7 +67,8 @@ class Kernels:
 
     @staticmethod
     def torch_native() -> Kernels:
-        return Kernels(name="torch", attention=paged_attention_torch, fused_moe=fused_experts_torch, graph_safe=True)
+        return Kernels(name="torch", attention=paged_attention_torch, fused_moe=fused_experts_torch,
+                       fused_moe_fp8=fused_experts_fp8_torch, graph_safe=True)
 
     @staticmethod
     def triton(skinny_matmul: bool = False) -> Kernels:
@@ -66,6 +76,8 @@ class Kernels:
         (<= 16 rows) through ``linear_triton`` instead of cuBLAS (off: on an H200 it was 0.7 ms per
         Llama-3-8B token slower, bench/results/2026-11-30-decode-roofline-h200.json)."""
         from .decode_attention_triton import paged_decode_attention_triton
+        from .fp8_block_triton import block_fp8_linear_triton
+        from .fused_moe_fp8_triton import fused_experts_fp8_triton
         from .fused_moe_triton import fused_experts_triton
         from .linear_triton import linear_triton
         from .rms_norm_triton import add_rms_norm_triton, rms_norm_triton
@@ -76,6 +88,7 @@ class Kernels:
                        norms=NormKernels(rms_norm=rms_norm_triton, add_rms_norm=add_rms_norm_triton),
                        rope=rope_triton, silu_and_mul=silu_and_mul_triton,
                        matmul=linear_triton if skinny_matmul else None, fused_moe=fused_experts_triton,
+                       block_fp8_matmul=block_fp8_linear_triton, fused_moe_fp8=fused_experts_fp8_triton,
                        graph_safe=True)
 
     @staticmethod
@@ -88,7 +101,8 @@ class Kernels:
 
         base = Kernels.triton()
         return Kernels(name="flashinfer", attention=flashinfer_attention, norms=base.norms, rope=base.rope,
-                       silu_and_mul=base.silu_and_mul, matmul=None, fused_moe=base.fused_moe, graph_safe=True,
+                       silu_and_mul=base.silu_and_mul, matmul=None, fused_moe=base.fused_moe,
+                       block_fp8_matmul=base.block_fp8_matmul, fused_moe_fp8=base.fused_moe_fp8, graph_safe=True,
                        planner=flashinfer_planner)
 
     @staticmethod

@@ -5,6 +5,13 @@ that uses it wraps the result in ``Unreduced`` and the communicator completes th
 
 Every layer multiplies through ``self.matmul`` (``F.linear``, the reference, unless a model
 chose a kernel at construction with ``use_matmul``, e.g. ``linear_triton.linear_triton``).
+
+Block FP8 (``fp8_block.py``), chosen at construction with ``fp8=BlockFP8(...)`` (every layer here
+but ``QKVParallelLinear``): ``weight`` is float8_e4m3fn and ``weight_scale_inv`` [ceil(out/bn),
+ceil(in/bk)] holds its block scales; the layer multiplies through ``self.fp8_matmul`` (the
+dequantizing reference unless ``use_fp8_matmul`` chose a kernel). Scales shard with their weight,
+in block units, so every shard boundary must fall on a block boundary: a split that cuts a block
+is refused at construction with the reason (as sglang and vLLM refuse it).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel.groups import Group
+from .fp8_block import FP8_DTYPE, BlockFP8, BlockFP8MatmulFn, block_fp8_linear_reference
 from .weight_source import WeightShapeError, WeightSource, copy_checked, expect_dim
 
 # (x [n, in], weight [out, in], bias [out] | None) -> [n, out]
@@ -29,8 +37,25 @@ def use_matmul(module: nn.Module, matmul: MatmulFn) -> None:
             m.matmul = matmul  # type: ignore[assignment]
 
 
+def use_fp8_matmul(module: nn.Module, matmul: BlockFP8MatmulFn) -> None:
+    """Make every block-FP8 layer under ``module`` multiply through this kernel."""
+    for m in module.modules():
+        if isinstance(m, LinearBase) and m.weight_scale_inv is not None:
+            m.fp8_matmul = matmul
+
+
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str | None) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def fp8_block_aligned(size: int, block: int, what: str, fmt: BlockFP8, parts: int = 1) -> None:
+    """Refuse an FP8 shard of ``size`` rows or columns that cuts a ``block``-wide scale block."""
+    if size % block:
+        split = f" over {parts} ranks" if parts > 1 else ""
+        raise WeightShapeError(
+            f"{what} of {size} per rank{split} is not a multiple of the FP8 block's {block} (weight_block_size "
+            f"[{fmt.block_n}, {fmt.block_k}]): its scales cannot be split there; use fewer tensor-parallel ranks "
+            "(experts: more expert-parallel ranks) or quantization: none (weights dequantized at load)")
 
 
 def _split(total: int, parts: int, what: str) -> int:
@@ -39,33 +64,59 @@ def _split(total: int, parts: int, what: str) -> int:
     return total // parts
 
 
-class ReplicatedLinear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
-        super().__init__()
-        self.weight = _param((out_features, in_features), dtype, device)
-        self.bias = _param((out_features,), dtype, device) if bias else None
+class LinearBase(nn.Module):
+    """A weight [out, in] in the compute dtype, or in block FP8 with its scales (``fp8``)."""
+
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+
+    def _init_weight(self, out: int, in_: int, dtype: torch.dtype, device: torch.device | str | None,
+                     fp8: BlockFP8 | None) -> None:
+        self.fp8 = fp8
+        self.weight = _param((out, in_), FP8_DTYPE if fp8 else dtype, device)
+        self.weight_scale_inv: nn.Parameter | None = (
+            _param(fp8.scale_shape(out, in_), torch.float32, device) if fp8 else None)
         self.matmul: MatmulFn = F.linear
+        self.fp8_matmul: BlockFP8MatmulFn = block_fp8_linear_reference
+
+    def _mm(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # x: [n, in] -> [n, out]
+        if self.weight_scale_inv is None:
+            return self.matmul(x, self.weight, bias)
+        assert self.fp8 is not None
+        return self.fp8_matmul(x, self.weight, self.weight_scale_inv, bias, self.fp8)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 fp8: BlockFP8 | None = None) -> None:
+        super().__init__()
+        self._init_weight(out_features, in_features, dtype, device, fp8)
+        self.bias = _param((out_features,), dtype, device) if bias else None
 
     def weight_loader(self, param: nn.Parameter, source: WeightSource, shard_id: object = None) -> None:
         copy_checked(param, source.full(), source.name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [n, in] -> [n, out]
-        return self.matmul(x, self.weight, self.bias)
+        return self._mm(x, self.bias)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(LinearBase):
     """Output features split over the group: rank r holds rows [r*out/size, (r+1)*out/size)."""
 
     def __init__(self, in_features: int, out_features: int, group: Group, bias: bool = False,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 fp8: BlockFP8 | None = None) -> None:
         super().__init__()
         self.group = group
         self.out_per_rank = _split(out_features, group.size, "output features")
-        self.weight = _param((self.out_per_rank, in_features), dtype, device)
+        if fp8 is not None and group.size > 1:
+            fp8_block_aligned(self.out_per_rank, fp8.block_n, f"output rows {out_features}: a shard", fp8,
+                              group.size)
+        self._init_weight(self.out_per_rank, in_features, dtype, device, fp8)
         self.bias = _param((self.out_per_rank,), dtype, device) if bias else None
-        self.matmul: MatmulFn = F.linear
 
     def weight_loader(self, param: nn.Parameter, source: WeightSource, shard_id: object = None) -> None:
         rows = param.shape[0]
@@ -74,22 +125,30 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [n, in] -> [n, out/size]
-        return self.matmul(x, self.weight, self.bias)
+        return self._mm(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel outputs in one matmul (e.g. gate and up); shard_id = index."""
+    """Several column-parallel outputs in one matmul (e.g. gate and up); shard_id = index. In block
+    FP8 every part's shard must be whole blocks (the parts' scales are concatenated too)."""
 
     def __init__(self, in_features: int, out_sizes: list[int], group: Group, bias: bool = False,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
-        super().__init__(in_features, sum(out_sizes), group, bias, dtype, device)
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 fp8: BlockFP8 | None = None) -> None:
         self.out_sizes_per_rank = [_split(s, group.size, "merged output") for s in out_sizes]
+        if fp8 is not None:
+            for total, size in zip(out_sizes, self.out_sizes_per_rank):
+                fp8_block_aligned(size, fp8.block_n, f"merged output part of {total} rows: a shard", fp8,
+                                  group.size)
+        super().__init__(in_features, sum(out_sizes), group, bias, dtype, device, fp8)
 
     def weight_loader(self, param: nn.Parameter, source: WeightSource, shard_id: object = None) -> None:
         if not isinstance(shard_id, int):
             raise TypeError("MergedColumnParallelLinear loads one part at a time (shard_id = index)")
-        rows = self.out_sizes_per_rank[shard_id]
-        offset = sum(self.out_sizes_per_rank[:shard_id])
+        unit = self.fp8.block_n if (self.fp8 is not None and param is self.weight_scale_inv) else 1
+        sizes = [s // unit for s in self.out_sizes_per_rank]
+        rows = sizes[shard_id]
+        offset = sum(sizes[:shard_id])
         expect_dim(source, 0, rows * self.group.size)
         copy_checked(param.narrow(0, offset, rows), source.narrow(0, self.group.rank * rows, rows), source.name)
 
@@ -152,17 +211,20 @@ class QKVParallelLinear(nn.Module):
         return q, k, v
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(LinearBase):
     """Input features split over the group; returns this rank's addend (bias on rank 0 only)."""
 
     def __init__(self, in_features: int, out_features: int, group: Group, bias: bool = False,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 fp8: BlockFP8 | None = None) -> None:
         super().__init__()
         self.group = group
         self.in_per_rank = _split(in_features, group.size, "input features")
-        self.weight = _param((out_features, self.in_per_rank), dtype, device)
+        if fp8 is not None and group.size > 1:
+            fp8_block_aligned(self.in_per_rank, fp8.block_k, f"input columns {in_features}: a shard", fp8,
+                              group.size)
+        self._init_weight(out_features, self.in_per_rank, dtype, device, fp8)
         self.bias = _param((out_features,), dtype, device) if bias else None
-        self.matmul: MatmulFn = F.linear
 
     def weight_loader(self, param: nn.Parameter, source: WeightSource, shard_id: object = None) -> None:
         if param.dim() == 1:  # bias: replicated in the checkpoint
@@ -175,7 +237,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [n, in/size] -> partial [n, out]
         bias = self.bias if self.group.rank == 0 else None
-        return self.matmul(x, self.weight, bias)
+        return self._mm(x, bias)
 
 
 def default_weight_loader(param: torch.Tensor, source: WeightSource, shard_id: object = None) -> None:

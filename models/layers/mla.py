@@ -13,6 +13,7 @@ group. The cache holds the expanded per-head K ([heads, nope+rope]) and V ([head
 paged ``KVCache`` (simplest correct choice; a latent cache of kv_lora_rank+rope per token with
 absorbed kv_b is the memory-saving variant for later). ``attention_backend`` (chosen at
 construction, see ``kernels.py``) attends over that cache; K and V have different head dims.
+With ``fp8`` every projection keeps block-FP8 weights (``linear.py``); the latent norms stay as they are.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from ..forward_batch import ForwardBatch
 from ..parallel.groups import Group
 from ..parallel.layouts import Unreduced
 from .attention import AttentionBackend, paged_attention_reference
+from .fp8_block import BlockFP8
 from .linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from .mla_rotary import MLARotary
 from .norm import RMSNorm
-from .weight_source import WeightShapeError
+from .weight_source import WeightShapeError, named
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,7 @@ class MLADims:
 class MLAttention(nn.Module):
     def __init__(self, layer_id: int, dims: MLADims, group: Group, rotary: MLARotary, scale: float,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                 attention_backend: AttentionBackend = paged_attention_reference) -> None:
+                 attention_backend: AttentionBackend = paged_attention_reference, fp8: BlockFP8 | None = None) -> None:
         super().__init__()
         self.attention = attention_backend
         if dims.num_heads % group.size:
@@ -86,16 +88,22 @@ class MLAttention(nn.Module):
         self.q_a_layernorm: RMSNorm | None = None
         self.q_b_proj: ColumnParallelLinear | None = None
         if d.q_lora_rank is None:
-            self.q_proj = ColumnParallelLinear(h, q_out, group, dtype=dtype, device=device)
+            self.q_proj = named("q_proj", lambda: ColumnParallelLinear(h, q_out, group, dtype=dtype, device=device,
+                                                                       fp8=fp8))
         else:
-            self.q_a_proj = ReplicatedLinear(h, d.q_lora_rank, d.bias, dtype, device)
-            self.q_a_layernorm = RMSNorm(d.q_lora_rank, d.latent_eps, dtype, device)
-            self.q_b_proj = ColumnParallelLinear(d.q_lora_rank, q_out, group, dtype=dtype, device=device)
-        self.kv_a_proj_with_mqa = ReplicatedLinear(h, d.kv_lora_rank + d.qk_rope_head_dim, d.bias, dtype, device)
+            rank = d.q_lora_rank
+            self.q_a_proj = ReplicatedLinear(h, rank, d.bias, dtype, device, fp8)
+            self.q_a_layernorm = RMSNorm(rank, d.latent_eps, dtype, device)
+            self.q_b_proj = named("q_b_proj", lambda: ColumnParallelLinear(rank, q_out, group, dtype=dtype,
+                                                                           device=device, fp8=fp8))
+        self.kv_a_proj_with_mqa = ReplicatedLinear(h, d.kv_lora_rank + d.qk_rope_head_dim, d.bias, dtype, device,
+                                                   fp8)
         self.kv_a_layernorm = RMSNorm(d.kv_lora_rank, d.latent_eps, dtype, device)
-        self.kv_b_proj = ColumnParallelLinear(d.kv_lora_rank, d.num_heads * (d.qk_nope_head_dim + d.v_head_dim),
-                                              group, dtype=dtype, device=device)
-        self.o_proj = RowParallelLinear(d.num_heads * d.v_head_dim, h, group, d.bias, dtype, device)
+        self.kv_b_proj = named("kv_b_proj", lambda: ColumnParallelLinear(
+            d.kv_lora_rank, d.num_heads * (d.qk_nope_head_dim + d.v_head_dim), group, dtype=dtype, device=device,
+            fp8=fp8))
+        self.o_proj = named("o_proj", lambda: RowParallelLinear(d.num_heads * d.v_head_dim, h, group, d.bias, dtype,
+                                                                device, fp8))
 
     def kv_shape(self) -> tuple[int, int, int]:
         """(heads, k_dim, v_dim) this rank caches."""

@@ -10,6 +10,7 @@ from torch import nn
 
 from ..parallel.groups import Group
 from ..parallel.layouts import Unreduced
+from .fp8_block import BlockFP8
 from .linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 
 
@@ -20,17 +21,18 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)). ``act``: a fused ``silu_and_mul`` (chosen at construction)."""
+    """SwiGLU: down(silu(gate(x)) * up(x)). ``act``: a fused ``silu_and_mul`` (chosen at construction);
+    ``fp8``: block-FP8 weights (``linear.py``)."""
 
     def __init__(self, hidden: int, intermediate: int, group: Group, bias: bool = False,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                 act: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 act: Callable[[torch.Tensor], torch.Tensor] | None = None, fp8: BlockFP8 | None = None) -> None:
         super().__init__()
         self.group = group
         self.act = act or silu_and_mul
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate], group, bias,
-                                                       dtype, device)
-        self.down_proj = RowParallelLinear(intermediate, hidden, group, bias, dtype, device)
+                                                       dtype, device, fp8)
+        self.down_proj = RowParallelLinear(intermediate, hidden, group, bias, dtype, device, fp8)
 
     def forward(self, x: torch.Tensor) -> Unreduced:
         # x: [n, hidden] -> owed [n, hidden]

@@ -21,6 +21,8 @@ Constructor choices (one class for DeepSeek-V2/V3, Kimi-K2 and Nemotron-H):
   0 = none.
 - ``fused_experts``: the routed experts' block computation (``fused_moe.py``, CUDA-graph
   capturable; gated SiLU experts only); None = their per-expert loop.
+- ``fp8``: block-FP8 routed and shared experts (``fp8_block.py``; DeepSeek-V3 / Kimi-K2 releases),
+  computed by ``fused_experts_fp8`` (or the per-expert loop, dequantizing); the router stays bf16.
 - ``latent_size``: Nemotron-H latent MoE (``moe_latent_size``): routed experts work in L dims
   between ``fc1_latent_proj`` (H→L) and ``fc2_latent_proj`` (L→H); shared experts see full H.
   ``latent_bias`` and ``shared_bias`` are Nemotron-H's ``mlp_bias`` (routed experts have no
@@ -41,8 +43,9 @@ from torch import nn
 
 from ..parallel.groups import ParallelGroups
 from ..parallel.layouts import Unreduced
-from .experts import RoutedExperts
-from .fused_moe import FusedExpertsFn
+from .experts import SCALE, RoutedExperts
+from .fp8_block import BlockFP8
+from .fused_moe import FusedExpertsFn, FusedFP8ExpertsFn
 from .linear import ReplicatedLinear
 from .mlp import GatedMLP, Relu2MLP
 from .router import RouterConfig, TopKRouter
@@ -53,7 +56,8 @@ class MoE(nn.Module):
                  gated: bool = True, activation: str = "silu", shared_intermediate: int = 0,
                  latent_size: int | None = None, latent_bias: bool = False, shared_bias: bool = False,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                 fused_experts: FusedExpertsFn | None = None) -> None:
+                 fused_experts: FusedExpertsFn | None = None, fp8: BlockFP8 | None = None,
+                 fused_experts_fp8: FusedFP8ExpertsFn | None = None) -> None:
         super().__init__()
         self.tp = groups.tp
         self.gate = TopKRouter(hidden, router, device)
@@ -64,16 +68,18 @@ class MoE(nn.Module):
             self.fc1_latent_proj = ReplicatedLinear(hidden, latent_size, latent_bias, dtype, device)
             self.fc2_latent_proj = ReplicatedLinear(latent_size, hidden, latent_bias, dtype, device)
         self.experts = RoutedExperts(router.num_experts, expert_dim, expert_intermediate, groups.moe_ep,
-                                     groups.moe_tp, gated, activation, dtype, device, fused=fused_experts)
+                                     groups.moe_tp, gated, activation, dtype, device, fused=fused_experts, fp8=fp8,
+                                     fused_fp8=fused_experts_fp8)
         self.shared_experts: GatedMLP | Relu2MLP | None = None
         if shared_intermediate:
             if (gated, activation) == (True, "silu"):
-                self.shared_experts = GatedMLP(hidden, shared_intermediate, groups.tp, shared_bias, dtype, device)
-            elif (gated, activation) == (False, "relu2"):
+                self.shared_experts = GatedMLP(hidden, shared_intermediate, groups.tp, shared_bias, dtype, device,
+                                               fp8=fp8)
+            elif (gated, activation) == (False, "relu2") and fp8 is None:
                 self.shared_experts = Relu2MLP(hidden, shared_intermediate, groups.tp, shared_bias, dtype, device)
             else:
-                raise ValueError(f"shared experts support gated silu or non-gated relu2, "
-                                 f"not gated={gated} {activation}")
+                raise ValueError(f"shared experts support gated silu or non-gated relu2 (block FP8: gated silu), "
+                                 f"not gated={gated} {activation}" + (" in FP8" if fp8 else ""))
 
     def forward(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> Unreduced:
         """x: [n, hidden]; valid: bool [n] real rows (None = all) -> owed [n, hidden] to "tp".
@@ -99,5 +105,6 @@ def expert_stacked_params(experts: RoutedExperts) -> list[tuple[str, str, object
     """``stacked_params`` rows (ours, theirs, shard id) for a model's routed-expert parameters,
     so the loader expects every local expert's tensors (the same ids in every MoE layer), e.g.
     (".experts.gate_up_proj", ".experts.5.up_proj.weight", ("up_proj", 5))."""
-    return [(f".experts.{param}", f".experts.{expert}.{part}.weight", (part, expert))
+    return [(f".experts.{param}", f".experts.{expert}.{part}.weight" + (SCALE if param.endswith(SCALE) else ""),
+             (part, expert))
             for param, ids in experts.shard_ids().items() for part, expert in ids]

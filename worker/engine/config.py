@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ...models.layers.kernels import KERNEL_SETS
+from ...models.quantization import QUANTIZATION_MODES
 from ..spec_decode.config import SpeculativeConfig
 from .block_manager import BlockManager
 from .scheduler import SchedulerConfig
@@ -31,6 +32,8 @@ class EngineConfig:
     watermark: float = 0.0  # share of blocks kept free when admitting new sequences
     num_lookahead_tokens: int = 0  # KV slots reserved per sampling sequence (speculative drafts)
     dtype: str = "float32"
+    # A block-FP8 checkpoint kept in FP8 or dequantized to ``dtype`` (models/quantization.py): auto | fp8 | none.
+    quantization: str = "auto"
     device: str = "cpu"
     # "auto": the checkpoint's weights; "dummy": random weights from config.json alone, drawn on the
     # device with ``seed`` (vLLM's and sglang's ``--load-format dummy``: benchmarks at real shapes).
@@ -59,6 +62,9 @@ class EngineConfig:
                                     f"({self.max_num_seqs}): every running sequence needs a token per step")
         if self.dtype not in DTYPES:
             raise EngineConfigError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        if self.quantization not in QUANTIZATION_MODES:
+            raise EngineConfigError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, "
+                                    f"not {self.quantization!r}")
         if self.kernels != "auto" and self.kernels not in KERNEL_SETS:
             raise EngineConfigError(f"kernels must be auto or one of {', '.join(KERNEL_SETS)}, not {self.kernels!r}")
         if self.load_format not in LOAD_FORMATS:

@@ -1,8 +1,8 @@
 """Building one rank, the one recipe: used by the Ray rank actor, ``verify``, tests and every benchmark.
 
 ``build_rank(model_dir, config, groups, backend, fusion)`` loads this rank's shard of the model with
-the kernels, fusion and CUDA-graph readiness decided once (``executor/kernel_set.py``,
-``models/parallel/fusion/selection.py``), sizes the KV cache (the smallest any rank of the group
+the kernels, fusion, quantization and CUDA-graph readiness decided once (``executor/kernel_set.py``,
+``models/parallel/fusion/selection.py``, ``models/quantization.py``), sizes the KV cache (the smallest any rank of the group
 could allocate: block tables are shared) and returns the rank's ``StepExecutor``.
 ``run_engine_group`` runs a whole engine group on ranks already joined in torch.distributed (e.g.
 by ``run_on_ranks``): the leader builds the ``Engine`` over a ``LeaderExecutor``, followers follow.
@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ...models.forward_batch import KVCache
 from ...models.interface import CausalLM
 from ...models.layers.mamba_state import MambaStateCache
-from ...models.loader import load_config, load_model
+from ...models.loader import architecture_of, checkpoint_quantization, load_config, load_model
 from ...models.parallel.collectives import Collectives
 from ...models.parallel.fusion.selection import (
     FusionMode,
@@ -39,6 +39,7 @@ from ...models.parallel.fusion.selection import (
     mode_of,
 )
 from ...models.parallel.groups import Group, ParallelConfig, ParallelGroups, build_groups
+from ...models.quantization import Quantization, choose_quantization
 from ...models.random_init import random_model
 from ..engine.config import EngineConfig
 from ..engine.engine import Engine
@@ -61,6 +62,7 @@ class Rank:
     executor: StepExecutor
     fusion: FusionMode  # what this rank really runs (FlashInfer may have fallen back on every rank)
     kernels: KernelChoice
+    quantization: Quantization  # how the checkpoint's weights are kept (block FP8 or plain)
 
 
 def agree_min(value: int, group: Group) -> int:
@@ -92,11 +94,16 @@ def build_rank(model_dir: str | Path, config: EngineConfig, groups: ParallelGrou
     choice = kernel_choice(device, config.cuda_graphs, model_config, dtype, libraries() if cuda else frozenset(),
                            config.kernels)
     kernels = choice.kernel_set()
-    if config.load_format == "dummy":
+    dummy = config.load_format == "dummy"
+    quant = choose_quantization(config.quantization, checkpoint_quantization(model_config),
+                                architecture_of(model_config), device_capability(device), dummy)
+    if dummy:  # random weights as the checkpoint config.json describes would hold them (FP8: kept or dequantized)
+        fp8 = {"fp8": quant.fp8} if quant.fp8 is not None else {}
         model: CausalLM = random_model(model_config, groups, collectives, dtype, device, config.seed or 0,
-                                       kernels=kernels, **model_kwargs)
+                                       dequantized=quant.checkpoint if quant.dequantize else None, kernels=kernels,
+                                       **fp8, **model_kwargs)
     else:
-        model = load_model(model_dir, groups, collectives, dtype, device, kernels, **model_kwargs)
+        model = load_model(model_dir, groups, collectives, dtype, device, kernels, quant, **model_kwargs)
     model.eval()
     state_shapes = model.state_shapes()
     num_blocks = config.num_blocks
@@ -119,10 +126,10 @@ def build_rank(model_dir: str | Path, config: EngineConfig, groups: ParallelGrou
     executor = StepExecutor(model, cache, device, collectives.ledger, state_cache, reserved, aux,
                             dp=par.dp if par.dp_attention else 0, graph_ready=choice.graphs, attention=attention,
                             kernels=kernels)
-    log.info("rank %d: %s, %d KV blocks of %d, fusion %s, kernels %s%s", groups.coords.rank, type(model).__name__,
-             num_blocks, config.block_size, mode_of(kernel).value, choice.kernels,
-             ", CUDA graphs" if choice.graphs else "")
-    return Rank(groups, model, executor, mode_of(kernel), choice)
+    log.info("rank %d: %s, %d KV blocks of %d, fusion %s, kernels %s%s, quantization %s", groups.coords.rank,
+             type(model).__name__, num_blocks, config.block_size, mode_of(kernel).value, choice.kernels,
+             ", CUDA graphs" if choice.graphs else "", quant.describe(config.dtype, choice.kernels))
+    return Rank(groups, model, executor, mode_of(kernel), choice, quant)
 
 
 def lead_engine(rank: Rank, model_dir: str | Path, config: EngineConfig) -> tuple[Engine, LeaderExecutor]:

@@ -90,12 +90,21 @@ def check_checkpoint_split(rc: RuntimeConfig) -> None:
     if not (Path(rc.model_path) / "config.json").is_file():
         log.info("%s: no config.json here; the ranks check the split", rc.model_path)
         return
-    from ...models.loader import CheckpointError, load_config
+    from ...models.loader import CheckpointError, architecture_of, checkpoint_quantization, load_config
     from ...models.parallel.groups import ParallelConfig
+    from ...models.quantization import QuantizationError, choose_quantization
     from ...models.split_check import SplitError, check_split
 
     try:
-        check_split(load_config(rc.model_path), ParallelConfig(rc.tensor, rc.data, rc.expert))
+        config = load_config(rc.model_path)
+        fp8 = None
+        if rc.quantization == "fp8":  # FP8 on any GPU, so its blocks must survive the split (auto: the ranks check)
+            try:
+                fp8 = choose_quantization("fp8", checkpoint_quantization(config), architecture_of(config), None,
+                                          rc.load_format == "dummy").fp8
+            except QuantizationError as e:
+                raise SpecError(f"spec.model.quantization: {e}") from e
+        check_split(config, ParallelConfig(rc.tensor, rc.data, rc.expert), fp8)
     except (CheckpointError, SplitError) as e:
         raise SpecError(f"spec.parallelism: {e}") from e
 

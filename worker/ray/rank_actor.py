@@ -72,7 +72,8 @@ def engine_config(rc: RuntimeConfig, device: str) -> Any:
     return EngineConfig(
         block_size=rc.block_size, num_blocks=None if cuda else CPU_KV_BLOCKS, kv_memory_fraction=rc.kv_cache_fraction,
         max_num_seqs=rc.max_sequences, max_batch_tokens=rc.max_batch_tokens, max_model_len=rc.max_model_len,
-        dtype=rc.dtype_on(cuda), device=device, load_format=rc.load_format, skip_tokenizer=rc.skip_tokenizer,
+        dtype=rc.dtype_on(cuda), quantization=rc.quantization, device=device, load_format=rc.load_format,
+        skip_tokenizer=rc.skip_tokenizer,
         speculative=None if s is None else SpeculativeConfig(s.draft_model, s.num_steps, s.top_k, s.num_draft_tokens))
 
 
@@ -98,6 +99,7 @@ class RankActor:
         self.client: Any = None  # LocalEngineClient on a leader
         self.ledger: Any = None  # this rank's CollectiveLedger once loaded
         self.kernel = "off"
+        self.quantization: dict[str, Any] | None = None  # models/quantization.py's choice, once loaded
         self.error: str | None = None
         self.ready = False
         self._follower: threading.Thread | None = None
@@ -150,6 +152,7 @@ class RankActor:
         config = engine_config(rc, device)
         rank = build_rank(rc.model_path, config, groups, backend, rc.all_reduce_fusion)
         self.kernel = rank.fusion.value
+        self.quantization = rank.quantization.to_json(config.dtype, rank.kernels.kernels)
         self.ledger = rank.executor.ledger
         log.info("rank %d/%d of group %d loaded (%s, fusion %s)", self.rank, rc.ranks, self.group_index,
                  backend, self.kernel)
@@ -193,7 +196,7 @@ class RankActor:
         return {"rank": self.rank, "role": "leader" if self.leader else "follower", "labels": self.labels,
                 "node": ray.util.get_node_ip_address(), "pid": os.getpid(),
                 "actor_id": ray.get_runtime_context().get_actor_id(), "revision": self.rc.revision,
-                "fusion": self.kernel, "ready": self.ready, "error": self.error,
+                "fusion": self.kernel, "quantization": self.quantization, "ready": self.ready, "error": self.error,
                 "max_model_len": int(self.client.max_model_len) if self.client is not None else None}
 
     async def metrics(self) -> list[MetricsSnapshot]:

@@ -6,8 +6,11 @@ Inputs are what the controller observed: each engine group's placement and phase
     {"deployment", "namespace", "model", "revision", "ready", "replicas", "ready_replicas",
      "restarts", "last_failure", "failures": [...], "conditions": [...],
      "groups": [{"index", "placement_group", "strategy", "bundles", "phase", "revision",
-                 "outdated", "acceptance_length", "collectives_match_plan",
+                 "outdated", "acceptance_length", "collectives_match_plan", "quantization",
                  "ranks": [{"rank", "role", "node", "pid", ..., "collectives": {...}}]}]}
+
+``quantization`` is the leader's view of how the checkpoint's weights are kept (``models/quantization.py``:
+checkpoint format, weights "fp8" / "dequantized" / "unquantized", a description).
 """
 
 from __future__ import annotations
@@ -78,12 +81,14 @@ def group_entry(g: GroupObservation, desired_revision: str) -> dict[str, Any]:
                                                    "kv_cache_usage", "acceptance_length")})
         ranks.append(entry)
     matches = [r["collectives"]["matches_plan"] for r in ranks if "collectives" in r]
+    leader = next((r for r in g.ranks if r.get("role") == "leader"), g.ranks[0] if g.ranks else {})
     out: dict[str, Any] = {
         "index": g.index, "placement_group": g.name, "strategy": g.strategy, "bundles": list(g.bundles),
         "phase": g.phase, "ready": g.phase == "Ready", "revision": g.revision,
         "outdated": g.revision != desired_revision, "adopted": g.adopted,
         "acceptance_length": acceptance_length(g.snapshots),
-        "collectives_match_plan": all(matches) if matches else None, "ranks": ranks,
+        "collectives_match_plan": all(matches) if matches else None, "quantization": leader.get("quantization"),
+        "ranks": ranks,
     }
     if g.error:
         out["error"] = g.error

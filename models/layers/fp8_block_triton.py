@@ -1,0 +1,167 @@
+"""Block-scaled FP8 linear in Triton (Hopper / Ada; CUDA-graph capturable): two launches.
+
+Plain references: ``fp8_block.block_fp8_linear_w8a8_reference`` (same maths) and
+``block_fp8_linear_reference`` (the dequantized model). For y = x @ W^T with W [N, K] in e4m3 and
+its scales [ceil(N/bn), ceil(K/bk)]:
+
+1. ``_group_quant_kernel``, a program per (row, group of bk columns): s = max(|x|, 1e-10 x 448) / 448,
+   q = x / s in e4m3 -> q [M, K], s [M, ceil(K/bk)] (sglang's per-token-group quantization);
+2. ``_gemm_kernel``, a program per (BLOCK_M rows, BLOCK_N columns) and K split, grouped along M for
+   L2 reuse: K in steps of bk (one activation scale per row and one weight scale per column in each
+   step), acc += dot(q, W^T tile) * s[:, None] * scale_inv[n // bn][None, :], in fp32; bias added,
+   stored in x's dtype. Decode-sized products with few column tiles (kv_a_proj_with_mqa: 576 columns
+   = 9 tiles for 132 SMs) split K over up to 8 programs per tile; their fp32 partials are summed after.
+
+Tiles by rows: M <= 16 (decode) BLOCK_M 16 x BLOCK_N 64, up to 64 rows 32/64 x 64, larger 64/128
+x 128 (sglang's untuned defaults are of this kind). The weight scale of a column is looked up per
+column, so BLOCK_N need not divide bn. bk must be a power of two >= 16 (a tl.dot's K); other
+formats, non-2-D inputs or non-contiguous weights go to the w8a8 torch reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .fp8_block import ACT_SCALE_MIN, FP8_DTYPE, FP8_MAX, BlockFP8, block_fp8_linear_w8a8_reference
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU interpreter: dots in fp32 (exact for e4m3 values)
+
+
+@triton.jit
+def _group_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, fp8_max, eps,
+                        GROUP: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    cols = g * GROUP + tl.arange(0, GROUP)
+    mask = cols < K
+    x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    s = tl.maximum(tl.max(tl.abs(x), axis=0) / fp8_max, eps)
+    q = tl.clamp(x / s, -fp8_max, fp8_max)
+    tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row * stride_sm + g, s)
+
+
+@triton.jit
+def _gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, N, K, k_blocks_per_split,
+                 stride_am, stride_bn, stride_cs, stride_cm, stride_asm, stride_bsn,
+                 GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    rows_here = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % rows_here
+    pid_n = (pid % per_group) // rows_here
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    n_ok = rn < N
+    kb_first = split * k_blocks_per_split
+    kb_last = tl.minimum(kb_first + k_blocks_per_split, tl.cdiv(K, BLOCK_K))
+    a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + rk[None, :] + kb_first * BLOCK_K
+    b_ptrs = b_ptr + rn[None, :].to(tl.int64) * stride_bn + rk[:, None] + kb_first * BLOCK_K
+    as_ptrs = as_ptr + rm.to(tl.int64) * stride_asm
+    bs_ptrs = bs_ptr + (rn // GROUP_N).to(tl.int64) * stride_bsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for kb in range(kb_first, kb_last):
+        k_ok = rk + kb * BLOCK_K < K
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        a_s = tl.load(as_ptrs + kb, mask=m_ok, other=0.0)
+        b_s = tl.load(bs_ptrs + kb, mask=n_ok, other=0.0)
+        if DOT_FP32:
+            part = tl.dot(a.to(tl.float32), b.to(tl.float32))
+        else:
+            part = tl.dot(a, b)
+        acc += part * a_s[:, None] * b_s[None, :]
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + split.to(tl.int64) * stride_cs + rm[:, None].to(tl.int64) * stride_cm + rn[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def supported(fmt: BlockFP8) -> bool:
+    """Formats the kernels take: bk a power of two >= 16 (one activation scale per K tile)."""
+    return fmt.block_k >= 16 and fmt.block_k & (fmt.block_k - 1) == 0
+
+
+def group_quant_triton(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (last dim contiguous) -> (e4m3 [M, K], scales fp32 [M, ceil(K/group)]); as
+    ``fp8_block.quantize_activation``. ``group``: a power of two."""
+    m, k = x.shape
+    groups = -(-k // group)
+    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty(m, groups, dtype=torch.float32, device=x.device)
+    if m:
+        _group_quant_kernel[(m, groups)](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), FP8_MAX, ACT_SCALE_MIN,
+                                         GROUP=group, num_warps=1 if group <= 128 else 4)
+    return q, s
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of the GPU (the interpreter: an H200's 132, to run the same splits)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def k_splits(tiles: int, k_blocks: int, sms: int) -> int:
+    """K splits per output tile: enough programs for the SMs, each at least two K blocks, at most 8."""
+    return max(1, min(8, k_blocks // 2, sms // max(tiles, 1)))
+
+
+def _tiles(m: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) by rows."""
+    if m <= 16:
+        return 16, 64, 4, 4
+    if m <= 32:
+        return 32, 64, 4, 4
+    if m <= 64:
+        return 64, 64, 4, 3
+    if m <= 256:
+        return 64, 128, 4, 3
+    return 128, 128, 8, 3
+
+
+def block_fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+                            bias: torch.Tensor | None, fmt: BlockFP8) -> torch.Tensor:
+    """x [M, K] @ (weight e4m3 [N, K] with scale_inv [ceil(N/bn), ceil(K/bk)])^T (+ bias) -> [M, N] in x's dtype."""
+    if (x.dim() != 2 or not supported(fmt) or weight.dtype != FP8_DTYPE or not weight.is_contiguous()
+            or scale_inv.dtype != torch.float32 or x.shape[1] != weight.shape[1]):
+        return block_fp8_linear_w8a8_reference(x, weight, scale_inv, bias, fmt)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    q, s = group_quant_triton(x, fmt.block_k)
+    bm, bn, warps, stages = _tiles(m)
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    k_blocks = triton.cdiv(k, fmt.block_k)
+    split = k_splits(tiles, k_blocks, _sm_count(x.device)) if m <= 64 else 1
+    per_split = triton.cdiv(k_blocks, split)
+    split = triton.cdiv(k_blocks, per_split)  # no empty split
+    dest = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    scale_inv = scale_inv.contiguous()
+    _gemm_kernel[(tiles, split)](
+        q, weight, dest, s, scale_inv, bias if bias is not None and split == 1 else out, m, n, k, per_split,
+        q.stride(0), weight.stride(0), dest.stride(0) if split > 1 else 0, dest.stride(-2), s.stride(0),
+        scale_inv.stride(0), GROUP_N=fmt.block_n, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=fmt.block_k, GROUP_M=8,
+        HAS_BIAS=bias is not None and split == 1, DOT_FP32=_INTERPRET, num_warps=warps, num_stages=stages)
+    if split == 1:
+        return out
+    total = dest.sum(0)
+    if bias is not None:
+        total += bias.float()
+    return total.to(x.dtype)
