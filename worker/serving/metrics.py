@@ -277,16 +277,15 @@ class MetricsRegistry:
         v.e2e.observe(e2e)
         if after_first is not None and out.num_output_tokens > 1:
             v.tpot.observe(after_first / (out.num_output_tokens - 1))
-        for ours, theirs, value in ((self.prompt_len, v.prompt_tokens, out.num_prompt_tokens),
-                                    (self.generation_len, v.generation_tokens, out.num_output_tokens)):
+        pairs: list[tuple[Any, Any, float]] = [
+            (self.prompt_len, v.prompt_tokens, float(out.num_prompt_tokens)),
+            (self.generation_len, v.generation_tokens, float(out.num_output_tokens))]
+        if out.times is not None:
+            pairs += [(self.queue, v.queue, out.times.queue_s), (self.prefill, v.prefill, out.times.prefill_s),
+                      (self.decode, v.decode, out.times.decode_s)]
+        for ours, theirs, value in pairs:
             ours.observe(value)
             theirs.observe(value)
-        if out.times is not None:
-            for ours, theirs, value in ((self.queue, v.queue, out.times.queue_s),
-                                        (self.prefill, v.prefill, out.times.prefill_s),
-                                        (self.decode, v.decode, out.times.decode_s)):
-                ours.observe(value)
-                theirs.observe(value)
 
 
 def package_version() -> str:
