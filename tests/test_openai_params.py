@@ -30,6 +30,7 @@ import torch
 
 from fusedserve.worker.engine.config import EngineConfig
 from fusedserve.worker.engine.engine import Engine
+from fusedserve.worker.engine.tokenizer import Tokenizer
 from fusedserve.worker.serving.http_api import build_app
 from fusedserve.worker.serving.http_server import HttpServer
 from fusedserve.worker.serving.local_engine_client import LocalEngineClient
@@ -403,3 +404,28 @@ def test_speculation_accepts_drafts_under_adjustments(served: Served) -> None:
         assert accepted and accepted[0] > 0
     else:
         assert accepted == []
+
+
+def test_greedy_speculation_equals_plain_under_every_adjustment() -> None:
+    """Greedy tokens with a chain and a tree of drafts equal the plain engine's, for every adjustment and a grammar
+    (the verifier adjusts each draft position with its own history and grammar state)."""
+    from fusedserve.worker.engine.sequence import GrammarSpec, SamplingParams
+
+    schema = json.dumps(SCHEMAS[9])
+    cases = [SamplingParams(temperature=0, max_tokens=20, **{k: (tuple((int(t), b) for t, b in v.items())
+                                                                 if k == "logit_bias" else v) for k, v in c.items()})
+             for c in GREEDY_CASES]
+    cases += [SamplingParams(temperature=0, max_tokens=40, grammar=GrammarSpec("json_schema", schema)),
+              SamplingParams(temperature=0, max_tokens=20, min_tokens=8, logit_bias=((EOS, 8.0),))]
+    prompts = [PROMPT]
+
+    def run(spec: SpeculativeConfig | None) -> list[list[int]]:
+        engine = Engine(TINY, EngineConfig(num_blocks=96, max_model_len=512, dtype="float32", seed=0,
+                                           speculative=spec))
+        return [c.token_ids for c in engine.generate([p for p in prompts for _ in cases], cases * len(prompts))]
+
+    plain_out = run(None)
+    assert run(SpeculativeConfig(str(DRAFT), num_steps=3)) == plain_out
+    assert run(SpeculativeConfig(str(DRAFT), num_steps=3, topk=2, num_draft_tokens=6)) == plain_out
+    grammar_out = plain_out[len(GREEDY_CASES)]
+    jsonschema.validate(json.loads(Tokenizer.from_dir(TINY).decode(grammar_out)), SCHEMAS[9])
