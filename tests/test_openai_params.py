@@ -429,3 +429,24 @@ def test_greedy_speculation_equals_plain_under_every_adjustment() -> None:
     assert run(SpeculativeConfig(str(DRAFT), num_steps=3, topk=2, num_draft_tokens=6)) == plain_out
     grammar_out = plain_out[len(GREEDY_CASES)]
     jsonschema.validate(json.loads(Tokenizer.from_dir(TINY).decode(grammar_out)), SCHEMAS[9])
+
+
+def test_streamed_echo_and_logprobs_assemble_to_the_whole_response(served: Served) -> None:
+    args: dict[str, Any] = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": 2,
+                            "echo": True}
+    whole = served.oai.completions.create(**args).choices[0]
+    text, tokens, lps = "", [], []
+    for chunk in served.oai.completions.create(**args, stream=True):
+        for c in chunk.choices:
+            text += c.text
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens
+                lps += c.logprobs.token_logprobs
+    assert text == whole.text and tokens == whole.logprobs.tokens
+    assert lps == pytest.approx(whole.logprobs.token_logprobs, abs=1e-6)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 6, "temperature": 0,
+            "logprobs": True, "top_logprobs": 1}
+    full = served.oai.chat.completions.create(**chat).choices[0].logprobs.content
+    streamed = [e for ch in served.oai.chat.completions.create(**chat, stream=True) for c in ch.choices
+                if c.logprobs is not None for e in c.logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in full]
