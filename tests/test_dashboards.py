@@ -238,7 +238,9 @@ def test_the_checker_catches_mistakes(exported: Exported) -> None:
 def test_dashboards_use_every_worker_and_operator_metric(exported: Exported) -> None:
     """A family nobody can see is a gap in the dashboards (build_info feeds the variables)."""
     text = "\n".join(path.read_text() for path in DASHBOARDS)
-    families = {re.sub(r"_(total|bucket|sum|count|created)$", "", name) for name in exported.labels}
+    # vllm:* twins are for vLLM's own dashboards and tooling (test_vllm_dashboard_queries_resolve).
+    families = {re.sub(r"_(total|bucket|sum|count|created)$", "", name) for name in exported.labels
+                if not name.startswith("vllm:")}
     unused = sorted(f for f in families if not re.search(re.escape(f) + r"(_total|_bucket|_sum|_count)?\b", text))
     assert unused == []
 
@@ -445,3 +447,59 @@ def test_dashboard_panels_compute_what_they_say(tmp_path: Path) -> None:
     result = subprocess.run([promtool, "test", "rules", "tests.yaml"], check=False, cwd=tmp_path,
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# Queries of vLLM's published Grafana dashboard (vllm-project/vllm, examples/online_serving/prometheus_grafana/
+# grafana.json, panels "E2E Request Latency", "Token Throughput", "Time Per Output Token Latency", "Scheduler State",
+# "Time To First Token Latency", "Cache Utilization", "Request Prompt/Generation Length", "Finish Reason", "Queue
+# Time", "Requests Prefill and Decode Time"), with vLLM v1's name for the cache gauge (kv_cache_usage_perc, which
+# replaced gpu_cache_usage_perc), plus the spec-decode, preemption, inter-token and endpoint-picker queries
+# (the Gateway API Inference Extension reads vllm:num_requests_waiting and vllm:kv_cache_usage_perc).
+VLLM_QUERIES = [
+    ('histogram_quantile(0.99, sum by(le) (rate(vllm:e2e_request_latency_seconds_bucket{model_name="$model_name"}'
+     '[$__rate_interval])))'),
+    ('rate(vllm:e2e_request_latency_seconds_sum{model_name="$model_name"}[$__rate_interval])\n/\n'
+     'rate(vllm:e2e_request_latency_seconds_count{model_name="$model_name"}[$__rate_interval])'),
+    'rate(vllm:prompt_tokens_total{model_name="$model_name"}[$__rate_interval])',
+    'rate(vllm:generation_tokens_total{model_name="$model_name"}[$__rate_interval])',
+    ('histogram_quantile(0.99, sum by(le) (rate(vllm:time_per_output_token_seconds_bucket{model_name="$model_name"}'
+     '[$__rate_interval])))'),
+    'vllm:num_requests_running{model_name="$model_name"}',
+    'vllm:num_requests_waiting{model_name="$model_name"}',
+    ('histogram_quantile(0.5, sum by(le) (rate(vllm:time_to_first_token_seconds_bucket{model_name="$model_name"}'
+     '[$__rate_interval])))'),
+    'vllm:kv_cache_usage_perc{model_name="$model_name"}',
+    'sum by(le) (increase(vllm:request_prompt_tokens_bucket{model_name="$model_name"}[$__rate_interval]))',
+    'sum by(le) (increase(vllm:request_generation_tokens_bucket{model_name="$model_name"}[$__rate_interval]))',
+    'sum by(finished_reason) (increase(vllm:request_success_total{model_name="$model_name"}[$__rate_interval]))',
+    'rate(vllm:request_queue_time_seconds_sum{model_name="$model_name"}[$__rate_interval])',
+    'rate(vllm:request_prefill_time_seconds_sum{model_name="$model_name"}[$__rate_interval])',
+    'rate(vllm:request_decode_time_seconds_sum{model_name="$model_name"}[$__rate_interval])',
+    ('histogram_quantile(0.9, sum by(le) (rate(vllm:inter_token_latency_seconds_bucket{model_name="$model_name"}'
+     '[$__rate_interval])))'),
+    'rate(vllm:num_preemptions_total{model_name="$model_name"}[$__rate_interval])',
+    ('1 + sum(rate(vllm:spec_decode_num_accepted_tokens_total{model_name="$model_name"}[$__rate_interval]))'
+     ' / sum(rate(vllm:spec_decode_num_drafts_total{model_name="$model_name"}[$__rate_interval]))'),
+    ('sum(rate(vllm:spec_decode_num_accepted_tokens_total[$__rate_interval])) / '
+     'sum(rate(vllm:spec_decode_num_draft_tokens_total[$__rate_interval]))'),
+    ('sum by (position) (rate(vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="$model_name"}'
+     '[$__rate_interval]))'),
+    'sum by (model_name, engine) (vllm:num_requests_waiting)',
+]
+
+
+@pytest.mark.parametrize("expr", VLLM_QUERIES)
+def test_vllm_dashboard_queries_resolve(expr: str, exported: Exported) -> None:
+    """Every metric a vLLM dashboard query selects is scraped from the worker, with the labels it matches on."""
+    parsed = pq.parse(substituted(expr))
+    names = [vs.name for vs in _selectors(parsed)]
+    assert names and all(n.startswith("vllm:") for n in names)
+    assert list(problems(parsed, exported)) == []
+    for vs in _selectors(parsed):
+        assert "model_name" in exported.labels[vs.name], vs.name
+
+
+def test_vllm_series_are_one_per_engine_group(exported: Exported) -> None:
+    """The tp=2 group's serving gauges come once (engine "0"), not once per rank."""
+    assert exported.values["engine"] == {"0"}
+    assert exported.values["model_name"] == {"tiny-code"}

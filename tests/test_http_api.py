@@ -185,15 +185,15 @@ def test_malformed_and_mistyped_bodies(served: Served) -> None:
 
 def test_invalid_and_unsupported_parameters(served: Served) -> None:
     cases: list[tuple[dict[str, Any], str]] = [
-        ({"echo": True}, "echo"), ({"logprobs": 2}, "logprobs"), ({"best_of": 3}, "best_of"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"suffix": "y"}, "suffix"), ({"logprobs": 21}, "logprobs"), ({"best_of": 3}, "best_of"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
     ]
     for extra, param in cases:
         err = assert_error(post(served, "/v1/completions", {"prompt": "x", **extra}), 400, param)
         assert param in err["message"]
-    chat = {"messages": [{"role": "user", "content": "x"}], "logprobs": True}
-    assert_error(post(served, "/v1/chat/completions", chat), 400, "logprobs")
+    chat = {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}
+    assert_error(post(served, "/v1/chat/completions", chat), 400, "tools")
     with pytest.raises(openai.BadRequestError):
         complete(served, prompt="")  # no tokens
     with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):

@@ -178,12 +178,16 @@ def test_every_series_has_the_common_labels_and_nothing_per_request(served: Serv
     s = scrape(served.url)
     allowed_extra = {"op", "group", "path", "position", "finished_reason", "le", "version", "model"}
     names = {x.name for f in s.families.values() for x in f.samples}
-    assert all(name.startswith("fusedserve_") for name in names)
+    assert all(name.startswith(("fusedserve_", "vllm:")) for name in names)
     for family in s.families.values():
         for x in family.samples:
+            assert not any(v.startswith(("cmpl-", "chatcmpl-")) for v in x.labels.values()), x
+            if x.name.startswith("vllm:"):  # vLLM's labels: the model, the engine group (engine series)
+                assert x.labels["model_name"] == MODEL, x
+                assert set(x.labels) <= {"model_name", "engine", "position", "finished_reason", "le"}, x
+                continue
             assert {k: x.labels[k] for k in LABELS} == LABELS, x
             assert set(x.labels) <= set(LABELS) | allowed_extra, x
-            assert not any(v.startswith(("cmpl-", "chatcmpl-")) for v in x.labels.values()), x
     assert s.families["fusedserve_time_to_first_token_seconds"].type == "histogram"
     buckets = [float(x.labels["le"]) for x in s.samples("fusedserve_time_to_first_token_seconds_bucket")]
     assert buckets[0] == 0.001 and 60.0 in buckets

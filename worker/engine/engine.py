@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Protocol
 
@@ -42,11 +43,14 @@ from .block_manager import BlockManager
 from .config import EngineConfig, prefix_cache_for, resolve_max_model_len
 from .detokenizer import IncrementalDetokenizer
 from .forward_step import forward_step
+from .grammar import GrammarCompiler
 from .outputs import Completion, RequestOutput
+from .request_state import RequestState
 from .sampler import Sampler
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import FinishReason, InvalidRequest, SamplingParams, Sequence, truncate_at_stop
 from .stats import EngineStats
+from .token_sampler import Pick, TokenSampler
 from .tokenizer import Tokenizer, generation_eos_ids
 
 log = logging.getLogger(__name__)
@@ -64,14 +68,6 @@ class Runner(Protocol):
     def copy_kv(self, src: list[int], dst: list[int]) -> None: ...
 
     def capture(self, shapes: Seq[StepShape], max_blocks: int) -> None: ...
-
-
-@dataclass
-class _Request:
-    seq_id: int
-    prompt_ids: list[int]
-    detokenizer: IncrementalDetokenizer | None
-    generator: torch.Generator | None
 
 
 class Engine:
@@ -97,22 +93,24 @@ class Engine:
         self.blocks = BlockManager(executor.num_blocks, config.block_size, config.watermark,
                                    prefix_cache_for(config, recurrent))
         self.scheduler = Scheduler(config.scheduler_config(), self.blocks)
-        self.sampler = Sampler(config.seed, executor.device)
-        self.speculator: SpecDecoder | None = None
-        if config.speculative is not None:
-            self.speculator = SpecDecoder.load(config.speculative, model_dir, model_config, runner, self.sampler,
-                                               config.torch_dtype)
-        self.max_model_len = resolve_max_model_len(
-            config, getattr(model_config, "max_position_embeddings", None), self.blocks)
-        if executor.graph_ready:
-            self._capture_graphs()
         eos = set(generation_eos_ids(model_dir))
         if self.tokenizer is not None:
             eos |= self.tokenizer.eos_token_ids
         elif not eos and isinstance(getattr(model_config, "eos_token_id", None), int):
             eos.add(model_config.eos_token_id)
         self.eos_token_ids: frozenset[int] = frozenset(eos)
-        self._requests: dict[str, _Request] = {}
+        self.sampler = Sampler(config.seed, executor.device)
+        self.tokens = TokenSampler(self.sampler, self.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.speculator: SpecDecoder | None = None
+        if config.speculative is not None:
+            self.speculator = SpecDecoder.load(config.speculative, model_dir, model_config, runner, self.tokens,
+                                               config.torch_dtype)
+        self.max_model_len = resolve_max_model_len(
+            config, getattr(model_config, "max_position_embeddings", None), self.blocks)
+        if executor.graph_ready:
+            self._capture_graphs()
+        self._requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()
         self._pending: list[RequestOutput] = []
         log.info("engine ready: %d KV blocks of %d tokens, max_model_len %d, prefix caching %s, eos %s",
@@ -152,8 +150,13 @@ class Engine:
             detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens)
         elif params.stop:
             raise InvalidRequest("stop strings need a tokenizer (the engine runs with skip_tokenizer)")
+        bad_bias = [t for t, _ in params.logit_bias if t >= self.vocab_size]
+        if bad_bias:
+            raise InvalidRequest(f"logit_bias token ids outside the vocabulary [0, {self.vocab_size}): {bad_bias[:5]}")
+        grammar = self.grammars.matcher(params.grammar) if params.grammar is not None else None
         generator = Sampler.request_generator(params, self.executor.device)
-        self._requests[request_id] = _Request(seq_id, prompt_ids, detok, generator)
+        self._requests[request_id] = RequestState(seq_id, prompt_ids, detok, generator, grammar,
+                                                  queued_at=time.monotonic())
         self.scheduler.add(Sequence(seq_id, request_id, list(prompt_ids), params))
         return request_id
 
@@ -203,44 +206,58 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return outputs
+        now = time.monotonic()
+        for e in batch.seqs:
+            state = self._requests[self.scheduler.get(e.seq_id).request_id]
+            if state.scheduled_at is None:
+                state.scheduled_at = now
         if self.speculator is not None:
-            spec = self.speculator.step(batch, self.scheduler, self._generator)
-            return outputs + self.commit_step(spec.batch, spec.seqs, spec.new_tokens, spec.settled)
-        logits = self.runner.run(forward_step(batch)).logits  # [sampling sequences, vocab]
-        sampling = [s for s in batch.seqs if s.num_logits > 0]
-        seqs = [self.scheduler.get(s.seq_id) for s in sampling]
-        generators = [self._requests[s.request_id].generator for s in seqs]
-        tokens = self.sampler(logits, [s.params for s in seqs], generators)
-        outputs += self.commit_step(batch, seqs, [[t] for t in tokens])
+            spec = self.speculator.step(batch, self.scheduler, self.state_of)
+            return outputs + self.commit_step(spec.batch, spec.seqs, spec.picks, spec.settled)
+        logits = self.runner.run(forward_step(batch)).logits  # [sum(num_logits), vocab]
+        entries = [(e, s, self.state_of(s)) for e in batch.seqs for s in [self.scheduler.get(e.seq_id)]]
+        first_rows = list(itertools.accumulate((e.num_logits for e in batch.seqs), initial=0))[:-1]
+        picks = self.tokens.pick(logits, entries, first_rows)
+        chosen = [(s, p) for (e, s, _), p in zip(entries, picks) if e.num_logits]
+        outputs += self.commit_step(batch, [s for s, _ in chosen], [p for _, p in chosen])
         return outputs
 
-    def _generator(self, seq: Sequence) -> torch.Generator | None:
-        return self._requests[seq.request_id].generator
+    def state_of(self, seq: Sequence) -> RequestState:
+        return self._requests[seq.request_id]
 
-    def commit_step(self, batch: ScheduledBatch, seqs: list[Sequence], new_tokens: list[list[int]],
+    def commit_step(self, batch: ScheduledBatch, seqs: list[Sequence], picks: list[Pick],
                     settled: Mapping[int, int] | None = None) -> list[RequestOutput]:
         """Apply stops to each sequence's new tokens, record the step, free finished sequences.
 
-        ``new_tokens[i]`` may hold several tokens (a speculative step's accepted drafts and bonus
-        token); tokens after a stop are dropped. ``settled``: the tokens per sequence whose K/V is
-        final in the draft's cache too (``Scheduler.update``).
+        ``picks[i].tokens`` may hold several tokens (a speculative step's accepted drafts and bonus
+        token), or none (a prompt chunk that only scored prompt tokens); tokens after a stop are
+        dropped, and so are their logprobs. A grammar's matcher advances over the kept tokens.
+        ``settled``: the tokens per sequence whose K/V is final in the draft's cache too
+        (``Scheduler.update``).
         """
         outputs: list[RequestOutput] = []
         sampled: dict[int, list[int]] = {}
         finished: list[tuple[Sequence, FinishReason]] = []
-        for seq, tokens in zip(seqs, new_tokens):
-            kept, reason = truncate_at_stop(seq, tokens, self.eos_token_ids, self.max_model_len)
+        now = time.monotonic()
+        for seq, pick in zip(seqs, picks):
+            state = self._requests[seq.request_id]
+            kept, reason = truncate_at_stop(seq, pick.tokens, self.eos_token_ids, self.max_model_len)
             delta = ""
-            detok = self._requests[seq.request_id].detokenizer
-            if detok is not None:
-                text = detok.push(kept, finished=reason is not None)
+            if state.detokenizer is not None and (kept or reason is not None):
+                text = state.detokenizer.push(kept, finished=reason is not None)
                 kept, delta = kept[: text.num_tokens_kept], text.delta
                 reason = FinishReason.STOP if text.stopped else reason
+            if state.grammar is not None:
+                state.grammar.accept(kept)
             sampled[seq.seq_id] = kept
+            if kept and state.first_token_at is None:
+                state.first_token_at = now
             if reason is not None:
                 finished.append((seq, reason))
             outputs.append(RequestOutput(seq.request_id, kept, delta, reason is not None, reason,
-                                         seq.num_prompt_tokens, seq.num_output_tokens + len(kept)))
+                                         seq.num_prompt_tokens, seq.num_output_tokens + len(kept),
+                                         tuple(pick.logprobs[: len(kept)]), tuple(pick.prompt_logprobs),
+                                         state.times(now) if reason is not None else None))
         self.scheduler.update(batch, sampled, settled)
         for seq, reason in finished:
             self.scheduler.finish(seq.seq_id, reason)

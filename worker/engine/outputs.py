@@ -3,8 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
+from .logprobs import TokenLogprob
 from .sequence import FinishReason
+
+
+class RequestTimes(NamedTuple):
+    """A finished request's phases in seconds (vLLM's): waiting to be first scheduled, from then to the
+    first token (prefill), from the first token to the last (decode)."""
+
+    queue_s: float
+    prefill_s: float
+    decode_s: float
 
 
 @dataclass(frozen=True)
@@ -24,6 +35,9 @@ class RequestOutput:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_output_tokens: int  # generated so far, including new_token_ids
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per new token when the request asked for logprobs
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # prompt tokens 1.. (in order, over the first outputs)
+    times: RequestTimes | None = None  # on a finished request's last output (not an abort's)
 
 
 def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
@@ -32,7 +46,9 @@ def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
         return outs[0]
     last = outs[-1]
     return RequestOutput(last.request_id, [t for o in outs for t in o.new_token_ids], "".join(o.text_delta for o in outs),
-                         last.finished, last.finish_reason, last.num_prompt_tokens, last.num_output_tokens)
+                         last.finished, last.finish_reason, last.num_prompt_tokens, last.num_output_tokens,
+                         tuple(lp for o in outs for lp in o.logprobs),
+                         tuple(lp for o in outs for lp in o.prompt_logprobs), last.times)
 
 
 @dataclass

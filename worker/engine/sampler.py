@@ -1,4 +1,8 @@
-"""Next tokens from logits: greedy, temperature, top-k, top-p, with a random stream per request.
+"""Next tokens from logits: greedy, temperature, min-p, top-k, top-p, with a random stream per request.
+
+The logits handed in are already adjusted (penalties, bias, ``min_tokens``, grammar:
+``logits_processor.py``); ``min_p`` keeps the tokens whose probability after temperature is at
+least ``min_p`` x the most likely token's.
 
 Each row has its own parameters. A seeded request draws from its own ``torch.Generator``,
 exactly one uniform number per sampled token, so its tokens depend on its seed and its own
@@ -18,6 +22,12 @@ from .sequence import SamplingParams
 def apply_temperature(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
     """logits: [n, vocab]; temperatures: [n] (> 0) -> [n, vocab] float32"""
     return logits.float() / temperatures[:, None]
+
+
+def min_p_mask(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """True where p(token) >= min_p x max p. logits: [n, vocab] (after temperature); min_p: [n] -> [n, vocab] bool"""
+    probs = torch.softmax(logits, dim=-1)
+    return probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
 
 
 def top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -71,14 +81,17 @@ class Sampler:
         return g
 
     def probs(self, logits: torch.Tensor, params: Seq[SamplingParams]) -> torch.Tensor:
-        """The distribution each row samples from, after temperature, top-k and top-p.
-        logits: [n, vocab] -> [n, vocab] float32; greedy rows are one-hot on the argmax."""
+        """The distribution each row samples from, after temperature, min-p, top-k and top-p.
+        logits: [n, vocab] (adjusted) -> [n, vocab] float32; greedy rows are one-hot on the argmax."""
         vocab = logits.shape[-1]
         device = logits.device
         temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
         top_k = torch.tensor([min(p.top_k_or_none or vocab, vocab) for p in params], device=device)
         top_p = torch.tensor([float(p.top_p) for p in params], device=device)
         scaled = apply_temperature(logits, temps)
+        if any(p.min_p > 0 for p in params):
+            min_p = torch.tensor([float(p.min_p) for p in params], device=device)
+            scaled = scaled.masked_fill(~min_p_mask(scaled, min_p), float("-inf"))
         scaled = scaled.masked_fill(~top_k_top_p_mask(scaled, top_k, top_p), float("-inf"))
         out = torch.softmax(scaled, dim=-1)
         greedy = torch.tensor([p.greedy for p in params], device=device)

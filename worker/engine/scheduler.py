@@ -56,7 +56,9 @@ class ScheduledSeq:
     """One sequence's share of a step: feed ``token_ids`` at positions ``start ..``.
 
     ``num_logits`` trailing rows get logits: 1 when the step reaches the sequence's last known
-    token (it samples), 0 for a prefill chunk that does not (a speculative verify asks for more).
+    token (it samples), 0 for a prefill chunk that does not (a speculative verify asks for more, and
+    so does a prompt chunk of a request with ``prompt_logprobs``: all its rows). A sequence samples
+    when the chunk reaches its last known token (``context_len`` = its token count).
     """
 
     seq_id: int
@@ -229,12 +231,15 @@ class Scheduler:
 
     def _plan(self, seq: Sequence, n: int) -> ScheduledSeq:
         start = seq.num_computed
+        samples = n == seq.num_uncomputed
+        # prompt_logprobs: every row of a chunk that predicts prompt tokens gets logits too
+        scores = seq.params.prompt_logprobs is not None and start + 1 < seq.num_prompt_tokens
         return ScheduledSeq(
             seq_id=seq.seq_id,
             token_ids=seq.token_ids(start, start + n),
             start=start,
             block_table=self.blocks.table(seq.seq_id),
-            num_logits=1 if n == seq.num_uncomputed else 0,
+            num_logits=n if scores else 1 if samples else 0,
             state_slot=seq.state_slot,
         )
 

@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or server-sent events
 with ``stream``: ``data: {chunk}`` lines and a final ``data: [DONE]``), ``GET /v1/models``,
-``/health``, ``/status`` (the client's status as JSON) and ``/metrics`` (Prometheus text,
+``/v1/models/{id}`` (404 for another id), vLLM's ``POST /tokenize`` / ``/detokenize`` and
+``GET /version``, ``/health``, ``/status`` (the client's status as JSON) and ``/metrics`` (Prometheus text,
 when a ``MetricsRegistry`` is given). Errors are OpenAI-style ``{"error": {message, type,
 param, code}}``: 400 for a bad request (malformed JSON, wrong types, invalid or unsupported
 parameters, too many sequences, a prompt or ``max_tokens`` beyond the context), 401 without
@@ -29,7 +30,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -39,32 +39,27 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.outputs import RequestOutput
-from ..engine.sequence import InvalidRequest
+from ..engine.sequence import GrammarSpec, InvalidRequest
+from ..engine.tokenizer import Tokenizer, TokenizerError
 from ..spec import ServingLimits
 from .access import AccessMiddleware, ApiAccess
 from .api_error import engine_unavailable, internal_error, validation_message
 from .drain import Drain, DrainMiddleware
 from .engine_client import EngineClient, EngineDead
-from .metrics import MetricsRegistry
+from .metrics import MetricsRegistry, package_version
 from .openai_protocol import ApiError, ChatCompletionRequest, CompletionRequest, _GenerationRequest
+from .openai_response import ChatShape, Choice, CompletionShape, usage
 from .output_streams import close_all, disconnected, merge
 from .prompt_tokenizer import PromptTokenizer
 from .request_body import RequestBodyMiddleware
 from .request_limits import check_sequences, max_tokens_for
 from .status_view import public_status
+from .tokenize_protocol import DetokenizeRequest, TokenizeRequest
 
 log = logging.getLogger(__name__)
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # as OpenAI's legacy completions
 UNLIMITED_MAX_TOKENS = 2**31 - 1  # chat without max_tokens: until a stop or the context ends
-
-
-@dataclass
-class _Choice:
-    text: str = ""
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
 
 
 def _response(err: ApiError) -> JSONResponse:
@@ -100,7 +95,7 @@ class _Api:
 
     # --- running requests ------------------------------------------------------------------------
 
-    def _check_model(self, body: _GenerationRequest) -> str:
+    def _check_model(self, body: _GenerationRequest | TokenizeRequest | DetokenizeRequest) -> str:
         name = self.client.model_name
         if body.model is not None and body.model != name:
             raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {name!r}",
@@ -108,13 +103,13 @@ class _Api:
         return name
 
     def _start(self, prompts: list[list[int]], body: _GenerationRequest, max_tokens: list[int],
-               request_id: str) -> list[AsyncIterator[RequestOutput]]:
+               request_id: str, grammar: GrammarSpec | None) -> list[AsyncIterator[RequestOutput]]:
         """One engine request per (prompt, choice); choice index = prompt index * n + choice."""
         streams: list[AsyncIterator[RequestOutput]] = []
         for p, prompt in enumerate(prompts):
             for i in range(body.n):
                 try:
-                    params = body.sampling_params(max_tokens[p], i)
+                    params = body.sampling_params(max_tokens[p], i, grammar)
                 except InvalidRequest as e:
                     raise ApiError(400, str(e), code="invalid_parameter") from e
                 stream = self.client.generate(prompt, params, f"{request_id}-{p * body.n + i}")
@@ -138,10 +133,10 @@ class _Api:
             raise error
         return [r for r in results if isinstance(r, RequestOutput)]
 
-    async def _collect(self, streams: list[AsyncIterator[RequestOutput]], request: Request) -> list[_Choice]:
+    async def _collect(self, streams: list[AsyncIterator[RequestOutput]], request: Request) -> list[Choice]:
         """Run the requests to their end; abort them if the client disconnects first."""
         firsts = await self._first(streams)
-        choices = [_Choice() for _ in streams]
+        choices = [Choice() for _ in streams]
         work = asyncio.ensure_future(self._drain(streams, firsts, choices))
         gone = asyncio.ensure_future(disconnected(request))
         try:
@@ -163,10 +158,10 @@ class _Api:
 
     @staticmethod
     async def _drain(streams: list[AsyncIterator[RequestOutput]], firsts: list[RequestOutput],
-                     choices: list[_Choice]) -> None:
+                     choices: list[Choice]) -> None:
         try:
             async for index, out in merge(streams, firsts):
-                _apply(choices[index], out)
+                choices[index].apply(out)
         finally:
             await close_all(streams)
 
@@ -175,66 +170,56 @@ class _Api:
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         model = self._check_model(body)
         body.check()
+        grammar = body.grammar()
         prompts = body.prompts()
         check_sequences(len(prompts), body.n, self.limits.max_sequences_per_request)
         max_len = self.client.max_model_len
         ids = await asyncio.gather(*(self.tokens.prompt_ids(p, max_len) for p in prompts))
         max_tokens = [max_tokens_for(len(i), body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, max_len) for i in ids]
+        texts = ([p if isinstance(p, str) else await self.tokens.decode(list(p), param="prompt") for p in prompts]
+                 if body.echo else [])
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        streams = self._start(list(ids), body, max_tokens, rid)
-
-        def chunk(index: int, text: str, reason: str | None) -> dict[str, Any]:
-            return {"id": rid, "object": "text_completion", "created": created, "model": model,
-                    "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": reason}]}
-
+        shape = CompletionShape(rid, created, model, body.n, body.logprobs, body.echo, texts, list(ids),
+                                body.prompt_logprobs is not None)
+        streams = self._start(list(ids), body, max_tokens, rid, grammar)
         if body.stream:
             firsts = await self._first(streams)
-            return self._stream(streams, firsts, body, rid, created, model, "text_completion", chunk, None)
+            return self._stream(streams, firsts, body, shape, "text_completion", None)
         choices = await self._collect(streams, request)
-        return JSONResponse({
-            "id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
-                        for i, c in enumerate(choices)],
-            "usage": _usage(choices, body.n),
-        })
+        return JSONResponse(shape.body(choices, await self._texts(shape, choices, body)))
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         model = self._check_model(body)
         body.check()
+        grammar = body.grammar()
         check_sequences(1, body.n, self.limits.max_sequences_per_request)
         max_len = self.client.max_model_len
         ids = await self.tokens.chat_ids(body.conversation(), max_len)
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = max_tokens_for(len(ids), body.requested_max_tokens(), None, max_len, param, UNLIMITED_MAX_TOKENS)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        streams = self._start([ids], body, [max_tokens], rid)
-
-        def chunk(index: int, text: str, reason: str | None) -> dict[str, Any]:
-            delta = {"content": text} if text else {}
-            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}]}
-
-        def opening(index: int) -> dict[str, Any]:
-            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                 "logprobs": None, "finish_reason": None}]}
-
+        shape = ChatShape(rid, created, model, body.n, bool(body.logprobs), body.prompt_logprobs is not None)
+        streams = self._start([ids], body, [max_tokens], rid, grammar)
         if body.stream:
             firsts = await self._first(streams)
-            return self._stream(streams, firsts, body, rid, created, model, "chat.completion.chunk", chunk,
-                                opening)
+            return self._stream(streams, firsts, body, shape, "chat.completion.chunk", shape.opening)
         choices = await self._collect(streams, request)
-        return JSONResponse({
-            "id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
-                         "finish_reason": c.finish_reason} for i, c in enumerate(choices)],
-            "usage": _usage(choices, body.n),
-        })
+        return JSONResponse(shape.body(choices, await self._texts(shape, choices, body)))
+
+    async def _texts(self, shape: CompletionShape | ChatShape, choices: list[Choice],
+                     body: _GenerationRequest) -> dict[int, str]:
+        needed = sorted({t for i, c in enumerate(choices) for t in shape.needs(c, i)})
+        return await self.token_texts(needed, body)
+
+    async def token_texts(self, ids: list[int], body: _GenerationRequest) -> dict[int, str]:
+        if body.return_tokens_as_token_ids:
+            return {i: f"token_id:{i}" for i in ids}
+        return await self.tokens.token_texts(ids)
 
     def _stream(self, streams: list[AsyncIterator[RequestOutput]], firsts: list[RequestOutput],
-                body: _GenerationRequest, rid: str, created: int, model: str, obj: str,
-                chunk: Any, opening: Any) -> StreamingResponse:
-        choices = [_Choice() for _ in streams]
+                body: _GenerationRequest, shape: CompletionShape | ChatShape, obj: str,
+                opening: Any) -> StreamingResponse:
+        choices = [Choice() for _ in streams]
         include_usage = body.include_usage
 
         def emit(payload: dict[str, Any]) -> str:
@@ -248,15 +233,17 @@ class _Api:
                     for index in range(len(streams)):
                         yield emit(opening(index))
                 async for index, out in merge(streams, firsts):
-                    _apply(choices[index], out)
+                    choice = choices[index]
+                    choice.apply(out)
                     reason = out.finish_reason.value if out.finished and out.finish_reason else None
                     # A chunk for every step that produced tokens (vLLM's rule), even when the text
                     # delta is empty (a partial character held back, or a deployment without tokenizer).
                     if out.new_token_ids or out.text_delta or reason:
-                        yield emit(chunk(index, out.text_delta, reason))
+                        texts = await self.token_texts(shape.chunk_needs(index, choice, out), body)
+                        yield emit(shape.chunk(index, choice, out, reason, texts))
                 if include_usage:
-                    yield _sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-                                "usage": _usage(choices, body.n)})
+                    yield _sse({"id": shape.rid, "object": obj, "created": shape.created, "model": shape.model,
+                                "choices": [], "usage": usage(choices, body.n)})
             except EngineDead as e:
                 yield self.event(engine_unavailable(e))
             except Exception as e:  # noqa: BLE001 (the stream has started: end it with an error event)
@@ -269,6 +256,35 @@ class _Api:
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     # --- the rest --------------------------------------------------------------------------------
+
+    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        self._check_model(body)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "give either prompt or messages", param="prompt")
+        if body.messages is not None:
+            conversation = body.conversation()
+            special = bool(body.add_special_tokens)
+
+            def encode(t: Tokenizer) -> list[int]:
+                try:
+                    text = t.apply_chat_template(conversation, add_generation_prompt=body.add_generation_prompt)
+                except TokenizerError as e:
+                    raise ApiError(400, str(e), param="messages", code="invalid_messages") from e
+                return t.encode(text, add_special_tokens=special)
+
+            ids = await self.tokens.on_lane(encode, "messages", sum(len(m["content"]) for m in conversation))
+        else:
+            prompt, special = body.prompt or "", body.add_special_tokens is not False
+            ids = await self.tokens.on_lane(lambda t: t.encode(prompt, add_special_tokens=special), "prompt",
+                                            len(prompt))
+        strs = None
+        if body.return_token_strs:
+            strs = await self.tokens.on_lane(lambda t: list(t.hf.convert_ids_to_tokens(ids)), "prompt")
+        return {"count": len(ids), "max_model_len": self.client.max_model_len, "tokens": ids, "token_strs": strs}
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        self._check_model(body)
+        return {"prompt": await self.tokens.decode(body.tokens, skip_special_tokens=False)}
 
     async def status(self) -> dict[str, Any]:
         """The client's status; ``ready`` false while draining; internals only for those who may see them."""
@@ -288,21 +304,6 @@ class _Api:
         except EngineDead:
             ready = False
         return JSONResponse({"status": "ok" if ready else "unavailable"}, status_code=200 if ready else 503)
-
-
-def _apply(choice: _Choice, out: RequestOutput) -> None:
-    choice.text += out.text_delta
-    choice.prompt_tokens = out.num_prompt_tokens
-    choice.completion_tokens = out.num_output_tokens
-    if out.finished and out.finish_reason is not None:
-        choice.finish_reason = out.finish_reason.value
-
-
-def _usage(choices: list[_Choice], n: int) -> dict[str, int]:
-    """Each prompt counts once (not once per choice); every choice's tokens count."""
-    prompt = sum(c.prompt_tokens for c in choices[::n])
-    completion = sum(c.completion_tokens for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def is_work(path: str) -> bool:
@@ -352,10 +353,31 @@ def build_app(client: EngineClient, metrics: MetricsRegistry | None = None, *, l
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await api.chat(body, request)
 
+    def card() -> dict[str, Any]:
+        return {"id": client.model_name, "object": "model", "created": 0, "owned_by": "fusedserve",
+                "root": client.model_name, "parent": None, "max_model_len": client.max_model_len}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": client.model_name, "object": "model", "created": 0,
-                                            "owned_by": "fusedserve"}]}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != client.model_name:
+            raise ApiError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
+        return card()
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        return await api.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        return await api.detokenize(body)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": package_version()}
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -24,10 +24,15 @@ Names (counters end in ``_total``; labels beyond the common ones in braces)::
     fusedserve_prefix_cache_queries_tokens_total, fusedserve_prefix_cache_hits_tokens_total,
     fusedserve_request_success_total{finished_reason}
     fusedserve_time_to_first_token_seconds, fusedserve_inter_token_latency_seconds,
-    fusedserve_e2e_request_latency_seconds (histograms), fusedserve_build_info{version,model}
+    fusedserve_e2e_request_latency_seconds, fusedserve_request_queue_time_seconds,
+    fusedserve_request_prefill_time_seconds, fusedserve_request_decode_time_seconds,
+    fusedserve_request_prompt_tokens, fusedserve_request_generation_tokens (histograms),
+    fusedserve_build_info{version,model}
     fusedserve_api_errors_total{code} (every error the API answered, by its OpenAI-style code:
         context_length_exceeded, too_many_sequences, request_too_large, request_timeout,
         invalid_api_key, shutting_down, no_ready_engine, engine_dead, internal_error, ...)
+
+Beside them, the vLLM-named twins (``vllm:*``, label ``model_name``): ``vllm_metrics.py``.
 
 PromQL: mean acceptance length = ``1 + rate(..accepted_tokens_total) / rate(..drafts_total)``; prefix-cache
 hit rate = ``rate(..prefix_cache_hits_tokens_total) / rate(..prefix_cache_queries_tokens_total)``.
@@ -55,9 +60,11 @@ from prometheus_client.utils import floatToGoString
 from ..engine.outputs import RequestOutput
 from ..engine.sequence import FinishReason
 from .engine_client import SNAPSHOT_LABELS, HistogramData, MetricsSnapshot
+from .vllm_metrics import VllmRequestHistograms, VllmSnapshotCollector, length_buckets
 
 PREFIX = "fusedserve_"
 LABELS = SNAPSHOT_LABELS
+DEFAULT_MAX_MODEL_LEN = 131072  # the request length histograms' top bucket when the server does not say
 # 1 ms .. 60 s
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
                    0.75, 1.0, 1.5, 2.0, 2.5, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0)
@@ -200,17 +207,28 @@ class MetricsRegistry:
     """
 
     def __init__(self, labels: Mapping[str, str] | None = None, model_name: str = "",
-                 version: str | None = None) -> None:
+                 version: str | None = None, max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> None:
         disable_created_metrics()  # no *_created series (process-wide, as vLLM does)
         self.registry = CollectorRegistry(auto_describe=False)
         self.labels = {k: str((labels or {}).get(k, "")) for k in LABELS}
         self._collector = SnapshotCollector()
+        self._vllm = VllmSnapshotCollector(model_name)
         self.registry.register(self._collector)
+        self.registry.register(self._vllm)  # type: ignore[arg-type]
         self._lock = threading.Lock()
+        self.vllm = VllmRequestHistograms(self.registry, model_name, max_model_len)
 
-        def histogram(name: str, doc: str) -> Any:
-            return Histogram(PREFIX + name, doc, LABELS, buckets=LATENCY_BUCKETS,
+        def histogram(name: str, doc: str, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> Any:
+            return Histogram(PREFIX + name, doc, LABELS, buckets=buckets,
                              registry=self.registry).labels(**self.labels)
+
+        self.queue = histogram("request_queue_time_seconds", "Time from request to first scheduled.")
+        self.prefill = histogram("request_prefill_time_seconds", "Time from first scheduled to the first token.")
+        self.decode = histogram("request_decode_time_seconds", "Time from the first token to the last.")
+        lengths = length_buckets(max_model_len)
+        self.prompt_len = histogram("request_prompt_tokens", "Prompt tokens per finished request.", lengths)
+        self.generation_len = histogram("request_generation_tokens", "Tokens generated per finished request.",
+                                        lengths)
 
         self.ttft = histogram("time_to_first_token_seconds", "Time from request to its first token.")
         self.itl = histogram("inter_token_latency_seconds",
@@ -220,7 +238,7 @@ class MetricsRegistry:
                                registry=self.registry)
         info = Gauge(PREFIX + "build_info", "fusedserve version and served model.",
                      [*LABELS, "version", "model"], registry=self.registry)
-        info.labels(**self.labels, version=version or _version(), model=model_name).set(1)
+        info.labels(**self.labels, version=version or package_version(), model=model_name).set(1)
 
     def count_error(self, code: str) -> None:
         self._errors.labels(**self.labels, code=code).inc()
@@ -228,24 +246,30 @@ class MetricsRegistry:
     def exposition(self, snapshots: list[MetricsSnapshot]) -> bytes:
         """The Prometheus text exposition with these engine snapshots."""
         with self._lock:
-            self._collector.snapshots = snapshots
+            self._collector.snapshots = self._vllm.snapshots = snapshots
             try:
                 return generate_latest(self.registry)
             finally:
-                self._collector.snapshots = []
+                self._collector.snapshots = self._vllm.snapshots = []
 
     async def track(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
         """Pass a request's outputs through, observing its latencies (aborted requests: none)."""
         start = last = time.perf_counter()
-        first = True
+        first_at: float | None = None
         try:
             async for out in outputs:
                 now = time.perf_counter()
                 if out.new_token_ids:
-                    (self.ttft if first else self.itl).observe(now - (start if first else last))
-                    first, last = False, now
+                    if first_at is None:
+                        first_at = now
+                        self.ttft.observe(now - start)
+                        self.vllm.ttft.observe(now - start)
+                    else:
+                        self.itl.observe(now - last)
+                        self.vllm.itl.observe(now - last)
+                    last = now
                 if out.finished and out.finish_reason is not FinishReason.ABORT:
-                    self.e2e.observe(now - start)
+                    self._finished(out, now - start, None if first_at is None else now - first_at)
                 yield out
         finally:
             aclose = getattr(outputs, "aclose", None)
@@ -253,7 +277,24 @@ class MetricsRegistry:
                 await aclose()
 
 
-def _version() -> str:
+    def _finished(self, out: RequestOutput, e2e: float, after_first: float | None) -> None:
+        v = self.vllm
+        self.e2e.observe(e2e)
+        v.e2e.observe(e2e)
+        if after_first is not None and out.num_output_tokens > 1:
+            v.tpot.observe(after_first / (out.num_output_tokens - 1))
+        pairs: list[tuple[Any, Any, float]] = [
+            (self.prompt_len, v.prompt_tokens, float(out.num_prompt_tokens)),
+            (self.generation_len, v.generation_tokens, float(out.num_output_tokens))]
+        if out.times is not None:
+            pairs += [(self.queue, v.queue, out.times.queue_s), (self.prefill, v.prefill, out.times.prefill_s),
+                      (self.decode, v.decode, out.times.decode_s)]
+        for ours, theirs, value in pairs:
+            ours.observe(value)
+            theirs.observe(value)
+
+
+def package_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     try:

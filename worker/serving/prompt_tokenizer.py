@@ -102,3 +102,19 @@ class PromptTokenizer:
         ids = await self._on_lane(chars, render, "messages", max_model_len)
         check_prompt_tokens(len(ids), max_model_len, "messages")
         return ids
+
+    async def on_lane(self, fn: Callable[[Tokenizer], T], param: str, chars: int = 0) -> T:
+        """Run ``fn`` with this process's tokenizer (400 naming ``param`` when there is none)."""
+        return await self._on_lane(chars, fn, param, None)
+
+    async def token_texts(self, ids: list[int]) -> dict[int, str]:
+        """Each token's own text (its decoding alone); ``token_id:<id>`` without a tokenizer."""
+        if not ids:
+            return {}
+        try:
+            return await self.on_lane(lambda t: {i: t.decode([i], skip_special_tokens=False) for i in ids}, "logprobs")
+        except ApiError:
+            return {i: f"token_id:{i}" for i in ids}
+
+    async def decode(self, ids: list[int], skip_special_tokens: bool = True, param: str = "tokens") -> str:
+        return await self.on_lane(lambda t: t.decode(ids, skip_special_tokens=skip_special_tokens), param)

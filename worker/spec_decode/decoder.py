@@ -11,7 +11,11 @@ token, with at least one token already in the cache):
 2. Verify: the sequence's entry in the step's one target forward carries the root and the
    drafts, positions by depth and the tree's parents (a tree mask over its own slots); the
    target's forward returns the aux states of every row beside the logits (``ModelOutput.hidden``).
-3. Accept: greedy requests exactly (``accept_greedy``); sampled requests by the rejection rule
+3. Accept, against the target's ADJUSTED distribution at each node (``TokenSampler``: penalties,
+   bias, ``min_tokens`` and the grammar's mask with the history as it would be at that node, then
+   temperature, min-p, top-k, top-p; the draft's proposals are not adjusted, which the rules
+   allow: a draft the adjusted target gives no mass is rejected): greedy requests exactly (the
+   adjusted argmax, ``accept_greedy``); sampled requests by the rejection rule
    (``rejection_sampler``: the standard rule for a chain, whose drafts are sampled from the
    draft's distribution; the target-only rule for a tree, whose candidates are the draft's
    top-k), with the request's own random stream. The accepted nodes' K/V move to the
@@ -43,9 +47,10 @@ import torch
 
 from ...models.eagle3 import Eagle3Draft
 from ..engine.forward_step import forward_step
-from ..engine.sampler import Sampler
+from ..engine.request_state import RequestState
 from ..engine.scheduler import ScheduledBatch, ScheduledSeq, Scheduler
-from ..engine.sequence import SamplingParams, Sequence
+from ..engine.sequence import Sequence
+from ..engine.token_sampler import Pick, TokenSampler
 from ..executor.executor import StepExecutor
 from ..executor.step_shape import StepShape
 from .config import SpeculativeConfig, SpeculativeConfigError
@@ -66,12 +71,12 @@ class SpecStep:
     """A step as run, for ``Engine.commit_step``: verify entries carry their drafts."""
 
     batch: ScheduledBatch
-    seqs: list[Sequence]  # the sequences that sampled, in batch order
-    new_tokens: list[list[int]]
+    seqs: list[Sequence]  # the sequences with logits, in batch order
+    picks: list[Pick]
     settled: dict[int, int]  # per sequence of the batch: tokens whose K/V is final in the draft's cache
 
 
-GeneratorOf = Callable[[Sequence], torch.Generator | None]
+StateOf = Callable[[Sequence], RequestState]
 
 
 class SpecDecoder:
@@ -79,12 +84,13 @@ class SpecDecoder:
     ``layers`` with every forward); ``draft``: the draft's own executor (leader only)."""
 
     def __init__(self, config: SpeculativeConfig, target: Runner, draft_model: Eagle3Draft, draft: StepExecutor,
-                 sampler: Sampler, vocab_size: int) -> None:
+                 tokens: TokenSampler, vocab_size: int) -> None:
         self.config = config
         self.target = target
         self.draft_model = draft_model
         self.draft = draft
-        self.sampler = sampler
+        self.tokens = tokens
+        self.sampler = sampler = tokens.sampler
         self.layers = target.local.aux_layers
         if not self.layers:
             raise SpeculativeConfigError("the target executor returns no aux states (built without the speculative "
@@ -96,7 +102,7 @@ class SpecDecoder:
 
     @staticmethod
     def load(config: SpeculativeConfig, target_dir: str | Path, target_config: Any, target: Runner,
-             sampler: Sampler, dtype: torch.dtype) -> SpecDecoder:
+             tokens: TokenSampler, dtype: torch.dtype) -> SpecDecoder:
         """The draft next to the target's cache (the same block tables and block count)."""
         local = target.local
         if local.state_cache is not None:
@@ -109,7 +115,7 @@ class SpecDecoder:
             raise SpeculativeConfigError(f"topk {config.topk} exceeds the draft vocabulary ({model.draft_vocab})")
         log.info("EAGLE3 draft %s: aux layers %s, %d steps, topk %d, %d verified tokens", config.draft_model,
                  local.aux_layers, config.num_steps, config.topk, config.verify_tokens)
-        return SpecDecoder(config, target, model, draft, sampler, int(target_config.vocab_size))
+        return SpecDecoder(config, target, model, draft, tokens, int(target_config.vocab_size))
 
     def stats(self) -> SpecDecodeStats:
         return self.counters.snapshot()
@@ -127,7 +133,7 @@ class SpecDecoder:
 
     # --- one engine step ----------------------------------------------------------------------
 
-    def step(self, batch: ScheduledBatch, scheduler: Scheduler, generator_of: GeneratorOf) -> SpecStep:
+    def step(self, batch: ScheduledBatch, scheduler: Scheduler, state_of: StateOf) -> SpecStep:
         """Draft for the decoding sequences, run the step's target forward, accept and sample."""
         live = {s.seq_id for s in scheduler.running}
         for seq_id in [s for s in self._states if s not in live]:
@@ -139,7 +145,7 @@ class SpecDecoder:
             state = self._states.get(e.seq_id)
             if state is None or state.num_bases + state.num_pending != e.start:
                 raise RuntimeError(f"sequence {e.seq_id}: draft state out of step with the target's cache")
-        work = [DraftWork(e, s, self._states[e.seq_id], self._draw(generator_of(s)))
+        work = [DraftWork(e, s, self._states[e.seq_id], self._draw(state_of(s).generator))
                 for e, s in zip(batch.seqs, seqs) if self._drafts(e, self._states[e.seq_id])]
         proposals = dict(zip((w.entry.seq_id for w in work), self.propose(work)))
         entries = [self._verify_entry(e, proposals[e.seq_id].tree) if e.seq_id in proposals else e
@@ -149,10 +155,10 @@ class SpecDecoder:
         logits = out.logits  # [sum(num_logits), vocab]
         aux = torch.cat(out.hidden, dim=-1)  # [num_tokens, 3H]: the layers' complete input streams
         draws = {w.entry.seq_id: w.draw for w in work}
-        results = self._accept(run, seqs, logits, aux, proposals, draws, generator_of)
+        results = self._accept(run, seqs, logits, aux, proposals, draws, state_of)
         sampling = [(s, results[i]) for i, (e, s) in enumerate(zip(entries, seqs)) if e.num_logits > 0]
         settled = {e.seq_id: self._states[e.seq_id].num_bases for e in run.seqs}
-        return SpecStep(run, [s for s, _ in sampling], [t for _, t in sampling], settled)
+        return SpecStep(run, [s for s, _ in sampling], [p for _, p in sampling], settled)
 
     @staticmethod
     def _drafts(e: ScheduledSeq, state: DraftState) -> bool:
@@ -179,12 +185,11 @@ class SpecDecoder:
     # --- verification -------------------------------------------------------------------------
 
     def _accept(self, run: ScheduledBatch, seqs: list[Sequence], logits: torch.Tensor, aux: torch.Tensor,
-                proposals: dict[int, Proposal], draws: dict[int, Draw], generator_of: GeneratorOf
-                ) -> dict[int, list[int]]:
-        """New tokens per sampling entry (by index); queues aux rows, moves accepted K/V, counts."""
-        results: dict[int, list[int]] = {}
-        plain: list[tuple[int, int]] = []  # (entry index, logits row)
-        argmax: list[int] = logits.argmax(dim=-1).tolist() if logits.numel() else []
+                proposals: dict[int, Proposal], draws: dict[int, Draw], state_of: StateOf
+                ) -> dict[int, Pick]:
+        """A Pick per entry with logits (by index); queues aux rows, moves accepted K/V, counts."""
+        results: dict[int, Pick] = {}
+        plain: list[tuple[int, int]] = []  # (entry index, first logits row)
         src: list[int] = []
         dst: list[int] = []
         bs = self.target.local.block_size
@@ -197,8 +202,8 @@ class SpecDecoder:
                 if e.num_logits:
                     plain.append((i, logit_row))
             else:
-                acc = self._verify(prop, seq.params, logits[logit_row: logit_row + e.num_logits],
-                                   argmax[logit_row: logit_row + e.num_logits], draws[e.seq_id])
+                node_logits = logits[logit_row: logit_row + e.num_logits]
+                acc = self._verify(prop, seq, state_of(seq), node_logits, draws[e.seq_id])
                 self.counters.record(prop.tree.num_nodes - 1, acc.num_accepted)
                 rows = torch.tensor([tok_row, *(tok_row + k for k in acc.path)], device=aux.device)
                 state.pending.append(aux.index_select(0, rows))
@@ -206,24 +211,36 @@ class SpecDecoder:
                 for a, b in relocation(acc.path):
                     src.append(table[(e.start + a) // bs] * bs + (e.start + a) % bs)
                     dst.append(table[(e.start + b) // bs] * bs + (e.start + b) % bs)
-                results[i] = list(acc.tokens)
+                drawn_at = [0, *acc.path]  # the node row each emitted token was drawn at
+                results[i] = Pick(list(acc.tokens), self.tokens.logprobs(node_logits[drawn_at], seq, list(acc.tokens)),
+                                  [])
             tok_row += e.num_tokens
             logit_row += e.num_logits
         if src:
             self.target.copy_kv(src, dst)
         if plain:
-            idx = [r for _, r in plain]
-            chosen = [seqs[i] for i, _ in plain]
-            tokens = self.sampler(logits[idx], [s.params for s in chosen], [generator_of(s) for s in chosen])
-            results.update({i: [t] for (i, _), t in zip(plain, tokens)})
+            entries = [(run.seqs[i], seqs[i], state_of(seqs[i])) for i, _ in plain]
+            picks = self.tokens.pick(logits, entries, [r for _, r in plain])
+            results.update({i: pick for (i, _), pick in zip(plain, picks)})
         return results
 
-    def _verify(self, prop: Proposal, params: SamplingParams, logits: torch.Tensor, argmax: list[int],
+    def _verify(self, prop: Proposal, seq: Sequence, state: RequestState, logits: torch.Tensor,
                 draw: Draw) -> Acceptance:
-        """logits: [num_nodes, vocab], row i = the target after node i."""
-        if params.greedy:
-            return accept_greedy(prop.tree, argmax)
-        p = self.sampler.probs(logits, [params] * prop.tree.num_nodes)
+        """logits: [num_nodes, vocab] raw, row i = the target after node i; adjusted per node with the
+        drafts on the path to it as history."""
+        tree = prop.tree
+        adjusted = self.tokens.adjusted(logits, seq, state, paths(tree))
+        if seq.params.greedy:
+            return accept_greedy(tree, adjusted.argmax(dim=-1).tolist())
+        p = self.sampler.probs(adjusted, [seq.params] * tree.num_nodes)
         if prop.draft_probs is not None:
-            return verify_chain_sampled(list(prop.tree.tokens[1:]), prop.draft_probs, p, draw)
-        return verify_tree_sampled(prop.tree, p, draw)
+            return verify_chain_sampled(list(tree.tokens[1:]), prop.draft_probs, p, draw)
+        return verify_tree_sampled(tree, p, draw)
+
+
+def paths(tree: DraftTree) -> list[tuple[int, ...]]:
+    """Each node's draft tokens from the root's first child down to the node itself (the root: none)."""
+    out: list[tuple[int, ...]] = [()]
+    for i in range(1, tree.num_nodes):
+        out.append((*out[tree.parents[i]], tree.tokens[i]))
+    return out
