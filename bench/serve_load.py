@@ -88,12 +88,12 @@ def http_sender(url: str, model: str) -> Send:
 
 
 def engine_sender(model_dir: str, max_num_seqs: int) -> tuple[Send, Any]:
+    import torch
+
     from fusedserve.worker.engine.config import EngineConfig
     from fusedserve.worker.engine.engine import Engine
     from fusedserve.worker.engine.sequence import SamplingParams
     from fusedserve.worker.serving.local_engine_client import LocalEngineClient
-
-    import torch
 
     cuda = torch.cuda.is_available()
     engine = Engine(model_dir, EngineConfig(device="cuda" if cuda else "cpu", dtype="bfloat16" if cuda else "float32",

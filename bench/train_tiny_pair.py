@@ -238,7 +238,7 @@ def train_draft(target, stream: torch.Tensor, out: Path, steps: int, ttt: int, d
         labels = [greedy[:, 1 + j : T + 1 + j] for j in range(ttt)]
         logits = draft(aux[:, :T], tokens, ttt)
         losses = [F.cross_entropy(lg.float().reshape(-1, VOCAB), lb.reshape(-1)) for lg, lb in zip(logits, labels)]
-        loss = sum(w * l for w, l in zip([0.8 ** j for j in range(ttt)], losses))
+        loss = sum(w * step_loss for w, step_loss in zip([0.8 ** j for j in range(ttt)], losses))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from fusedserve.worker.engine.block_manager import BlockManager, NoFreeBlocks
 from fusedserve.worker.engine.prefix_cache import PrefixCache, block_key
 

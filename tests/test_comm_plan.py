@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
 from fusedserve.models.llama import LlamaForCausalLM
 from fusedserve.models.parallel.collectives import Collectives
 from fusedserve.models.parallel.comm_plan import (

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from fusedserve.models.deepseek_v3 import DeepseekV3ForCausalLM
 from fusedserve.models.forward_batch import ForwardBatch, KVCache
 from fusedserve.models.layers.moe import MoE

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from fusedserve.worker.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
 from fusedserve.worker.spec_decode.draft_tree import (
     DraftTree,
     TreeBuilder,
@@ -17,9 +19,12 @@ from fusedserve.worker.spec_decode.draft_tree import (
     tree_depths,
     tree_positions,
 )
-from fusedserve.worker.spec_decode.rejection_sampler import sample_token, verify_chain_sampled, verify_tree_sampled
+from fusedserve.worker.spec_decode.rejection_sampler import (
+    sample_token,
+    verify_chain_sampled,
+    verify_tree_sampled,
+)
 from fusedserve.worker.spec_decode.stats import SpecDecodeCounters
-from fusedserve.worker.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
 
 # --- tree structure ---------------------------------------------------------------------------
 

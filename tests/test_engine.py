@@ -13,22 +13,26 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from fusedserve.models.forward_batch import ForwardBatch, KVCache
 from fusedserve.models.interface import ModelOutput
 from fusedserve.models.layers.mamba_state import MambaStateCache, MambaStateShape
+from fusedserve.tiny import make_tiny_llama, make_tiny_nemotron_h
+from fusedserve.tiny_tokenizer import make_tiny_tokenizer
 from fusedserve.worker.engine.config import EngineConfig, EngineConfigError
 from fusedserve.worker.engine.engine import Engine
 from fusedserve.worker.engine.forward_step import forward_step
-from fusedserve.worker.executor.executor import StepExecutor
-from fusedserve.worker.executor.kv_cache import kv_bytes_per_block, num_blocks_for_memory, state_bytes_per_slot
-from fusedserve.worker.executor.step import Step
 from fusedserve.worker.engine.outputs import RequestOutput
 from fusedserve.worker.engine.scheduler import ScheduledBatch, ScheduledSeq
 from fusedserve.worker.engine.sequence import FinishReason, InvalidRequest, SamplingParams
 from fusedserve.worker.engine.tokenizer import Tokenizer, TokenizerError
-
-from fusedserve.tiny import make_tiny_llama, make_tiny_nemotron_h
-from fusedserve.tiny_tokenizer import make_tiny_tokenizer
+from fusedserve.worker.executor.executor import StepExecutor
+from fusedserve.worker.executor.kv_cache import (
+    kv_bytes_per_block,
+    num_blocks_for_memory,
+    state_bytes_per_slot,
+)
+from fusedserve.worker.executor.step import Step
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 

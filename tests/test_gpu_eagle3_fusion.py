@@ -67,11 +67,11 @@ def test_aux_states_under_flashinfer_fusion_equal_tp1(tmp_path: Path) -> None:
 
 
 def _spec_run(rank: int, world: int, backend: str, dtype: str) -> dict[str, Any] | None:
-    from fusedserve.worker.parallel.rank import run_engine_group
     from fusedserve.worker.engine.config import EngineConfig
     from fusedserve.worker.engine.sequence import SamplingParams
-    from fusedserve.worker.spec_decode.config import SpeculativeConfig
     from fusedserve.worker.engine.tokenizer import Tokenizer
+    from fusedserve.worker.parallel.rank import run_engine_group
+    from fusedserve.worker.spec_decode.config import SpeculativeConfig
 
     tok = Tokenizer.from_dir(TARGET)
     prompts = [tok.encode(p) for p in ("def fib(n):\n    ", "import os\nimport sys\n\n", "class Foo:\n    def ")]

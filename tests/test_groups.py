@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from fusedserve.models.parallel.collectives import Collectives
 from fusedserve.models.parallel.groups import (
     GROUP_NAMES,

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from fusedserve.models.forward_batch import ForwardBatch, KVCache
 from fusedserve.models.layers.rotary import rope_inv_freq, rope_parameters
 from fusedserve.models.parallel.comm_plan import FUSION_MAX_TOKENS, plan_table

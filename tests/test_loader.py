@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from fusedserve.models.forward_batch import ForwardBatch, KVCache
 from fusedserve.models.layers.weight_source import WeightShapeError
 from fusedserve.models.loader import (
@@ -129,8 +130,9 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_each_rank_reads_only_its_shard_and_the_shards_reassemble(tiny_llama: Path, tp: int) -> None:
-    from fusedserve.models.llama import LlamaForCausalLM
     from safetensors.torch import load_file
+
+    from fusedserve.models.llama import LlamaForCausalLM
 
     full = load_file(str(tiny_llama / "model.safetensors"))
     config = json.loads((tiny_llama / "config.json").read_text())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from fusedserve.models.forward_batch import ForwardBatch
 from fusedserve.models.layers.mamba2 import Mamba2Config, Mamba2Mixer
 from fusedserve.models.layers.mamba2_sharding import Mamba2Sharding

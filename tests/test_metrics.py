@@ -15,6 +15,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
 from fusedserve.worker.engine.config import EngineConfig
 from fusedserve.worker.engine.engine import Engine
 from fusedserve.worker.serving.engine_client import SNAPSHOT_LABELS, HistogramData, MetricsSnapshot
@@ -23,8 +26,6 @@ from fusedserve.worker.serving.http_api import build_app
 from fusedserve.worker.serving.http_server import HttpServer
 from fusedserve.worker.serving.local_engine_client import LocalEngineClient
 from fusedserve.worker.serving.metrics import MetricsRegistry
-from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.samples import Sample
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "examples" / "checkpoints" / "tiny-code"
 MODEL = "tiny-code"

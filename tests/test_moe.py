@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from fusedserve.models.layers.experts import FUSED, RoutedExperts, parse_expert_name
 from fusedserve.models.layers.moe import MoE, expert_stacked_params
 from fusedserve.models.layers.router import RouterConfig, TopKRouter, select_experts

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from fusedserve.models.forward_batch import ForwardBatch, KVCache
 from fusedserve.models.layers.mamba_state import MambaStateCache
 from fusedserve.models.nemotron_h import NemotronHForCausalLM, layer_pattern

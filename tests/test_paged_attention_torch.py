@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from fusedserve.models.forward_batch import ForwardBatch, KVCache, PagedAttentionMetadata
 from fusedserve.models.layers.attention import paged_attention_reference
 from fusedserve.models.layers.paged_attention_torch import paged_attention_torch

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from fusedserve.worker.ray.placement import (
     LOCAL_GPU_RESOURCE,
     ClusterShape,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from fusedserve.worker.serving.engine_client import MetricsSnapshot
 from fusedserve.worker.ray.runtime_status import (
     ControllerObservation,
     Failure,
@@ -10,6 +9,7 @@ from fusedserve.worker.ray.runtime_status import (
     acceptance_length,
     controller_status,
 )
+from fusedserve.worker.serving.engine_client import MetricsSnapshot
 
 
 def _rank(rank: int, role: str) -> dict[str, object]:

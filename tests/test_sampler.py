@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from fusedserve.worker.engine.sampler import Sampler, top_k_top_p_mask
 from fusedserve.worker.engine.sequence import InvalidSamplingParams, SamplingParams
 

@@ -12,6 +12,7 @@ import random
 from dataclasses import dataclass, field
 
 import pytest
+
 from fusedserve.worker.engine.block_manager import BlockManager
 from fusedserve.worker.engine.prefix_cache import PrefixCache
 from fusedserve.worker.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig

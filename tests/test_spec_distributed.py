@@ -8,20 +8,19 @@ tp=1 engine accepts, and greedy output with speculation equals greedy output wit
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
-import time
-
 import pytest
 import torch
-from fusedserve.worker.engine.config import EngineConfig
-from fusedserve.worker.engine.engine import Engine
-from fusedserve.worker.parallel.local_ranks import RankFailed, run_on_ranks
-from fusedserve.worker.engine.sequence import SamplingParams
-from fusedserve.worker.spec_decode.config import SpeculativeConfig
 
 from fusedserve.tiny import make_tiny_eagle3_draft, make_tiny_llama
+from fusedserve.worker.engine.config import EngineConfig
+from fusedserve.worker.engine.engine import Engine
+from fusedserve.worker.engine.sequence import SamplingParams
+from fusedserve.worker.parallel.local_ranks import RankFailed, run_on_ranks
+from fusedserve.worker.spec_decode.config import SpeculativeConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TARGET = str(REPO_ROOT / "examples/checkpoints/tiny-code")

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from fusedserve.worker.spec_decode.draft_tree import DraftTree
+
+from fusedserve.tiny import make_tiny_eagle3_draft, make_tiny_llama, make_tiny_nemotron_h
 from fusedserve.worker.engine.config import EngineConfig
 from fusedserve.worker.engine.engine import Engine
 from fusedserve.worker.engine.sequence import SamplingParams
 from fusedserve.worker.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
+from fusedserve.worker.spec_decode.draft_tree import DraftTree
 from fusedserve.worker.spec_decode.drafter import Proposal
-
-from fusedserve.tiny import make_tiny_eagle3_draft, make_tiny_llama, make_tiny_nemotron_h
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TARGET = REPO_ROOT / "examples/checkpoints/tiny-code"

@@ -13,12 +13,12 @@ import torch
 from fusedserve.models.forward_batch import ForwardBatch, KVCache, PagedAttentionMetadata
 from fusedserve.models.layers.attention import paged_attention_reference
 from fusedserve.models.layers.paged_attention_torch import paged_attention_torch
-from fusedserve.worker.spec_decode.draft_tree import tree_attention_mask
 from fusedserve.worker.engine.config import EngineConfig
 from fusedserve.worker.engine.engine import Engine
-from fusedserve.worker.executor.step import ancestor_mask
 from fusedserve.worker.engine.sequence import SamplingParams
+from fusedserve.worker.executor.step import ancestor_mask
 from fusedserve.worker.spec_decode.config import SpeculativeConfig
+from fusedserve.worker.spec_decode.draft_tree import tree_attention_mask
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = ROOT / "examples/checkpoints/tiny-code"

@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
-from fusedserve.worker.engine.detokenizer import IncrementalDetokenizer
-from fusedserve.worker.engine.tokenizer import Tokenizer, TokenizerError
 
 from fusedserve.tiny_tokenizer import make_tiny_tokenizer
+from fusedserve.worker.engine.detokenizer import IncrementalDetokenizer
+from fusedserve.worker.engine.tokenizer import Tokenizer, TokenizerError
 
 TEXT = "héllo wörld 日本語, the quick fox END! print(i)"
 
