@@ -453,7 +453,7 @@ def test_dashboard_panels_compute_what_they_say(tmp_path: Path) -> None:
 # grafana.json, panels "E2E Request Latency", "Token Throughput", "Time Per Output Token Latency", "Scheduler State",
 # "Time To First Token Latency", "Cache Utilization", "Request Prompt/Generation Length", "Finish Reason", "Queue
 # Time", "Requests Prefill and Decode Time"), with vLLM v1's name for the cache gauge (kv_cache_usage_perc, which
-# replaced gpu_cache_usage_perc), plus the spec-decode, preemption, inter-token and endpoint-picker queries
+# replaced gpu_cache_usage_perc), plus the spec-decode, prefix-cache, preemption, inter-token and endpoint-picker queries
 # (the Gateway API Inference Extension reads vllm:num_requests_waiting and vllm:kv_cache_usage_perc).
 VLLM_QUERIES = [
     ('histogram_quantile(0.99, sum by(le) (rate(vllm:e2e_request_latency_seconds_bucket{model_name="$model_name"}'
@@ -485,6 +485,8 @@ VLLM_QUERIES = [
     ('sum by (position) (rate(vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="$model_name"}'
      '[$__rate_interval]))'),
     'sum by (model_name, engine) (vllm:num_requests_waiting)',
+    ('sum(rate(vllm:prefix_cache_hits_total{model_name="$model_name"}[$__rate_interval])) / '
+     'sum(rate(vllm:prefix_cache_queries_total{model_name="$model_name"}[$__rate_interval]))'),
 ]
 
 
