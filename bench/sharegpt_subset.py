@@ -29,22 +29,11 @@ def load_tokenizer(path: str) -> Any:
 
 
 def conversations(path: Path) -> list[dict[str, Any]]:
-    """The file's conversations, read one array element at a time: the packaged copy ends mid-record
-    (its last conversation is cut off), so everything before the cut is kept."""
-    text = path.read_text()
-    decoder = json.JSONDecoder()
-    i = text.index("[") + 1
-    out: list[dict[str, Any]] = []
-    while True:
-        while i < len(text) and text[i] in " \r\n\t,":
-            i += 1
-        if i >= len(text) or text[i] == "]":
-            return out
-        try:
-            item, i = decoder.raw_decode(text, i)
-        except json.JSONDecodeError:
-            return out  # the truncated tail
-        out.append(item)
+    """The file's conversations; the packaged copy ends mid-record, so everything before the cut is kept
+    (``train_draft.json_array_items``, the one reader of it)."""
+    from fusedserve.train_draft import json_array_items
+
+    return json_array_items(path.read_text())
 
 
 def requests(sharegpt: Path, tokenizer: Any, num: int, seed: int) -> list[dict[str, Any]]:
