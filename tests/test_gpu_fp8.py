@@ -69,7 +69,7 @@ def test_graphed_fp8_model_is_within_tolerance_of_the_dequantized_one(tmp_path: 
     from fusedserve.worker.executor.step_shape import StepShape
     from fusedserve.worker.parallel.rank import build_rank
 
-    path = make_tiny_deepseek_v3_fp8(tmp_path / "fp8", block=(16, 16))  # Triton takes bk >= 16
+    path = make_tiny_deepseek_v3_fp8(tmp_path / "fp8", block=(32, 32))  # Triton takes bk >= 32
     prompts = [[5, 9, 200, 3, 7, 11], [17, 4], [1, 2, 3]]
     decode = Step(tuple(SeqRows((i,), (t,), (len(p),), len(p) + 1) for i, (p, t) in enumerate(zip(prompts, [8, 9, 10]))))
     logits = {}

@@ -295,7 +295,7 @@ def test_interp_fp8_fused_experts_equal_the_w8a8_reference(dtype: torch.dtype) -
 
     g = torch.Generator().manual_seed(3)
     experts, hidden, inter, n, k = 4, 64, 32, 5, 2
-    fmt = BlockFP8(16, 16)
+    fmt = BlockFP8(32, 32)
     x = torch.randn(n, hidden, generator=g).to(dtype)
     gate_up, gate_up_s = quantize_weight(torch.randn(experts, 2 * inter, hidden, generator=g) * 0.1, fmt)
     down, down_s = quantize_weight(torch.randn(experts, hidden, inter, generator=g) * 0.1, fmt)

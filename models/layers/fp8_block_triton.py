@@ -14,7 +14,8 @@ its scales [ceil(N/bn), ceil(K/bk)]:
 
 Tiles by rows: M <= 16 (decode) BLOCK_M 16 x BLOCK_N 64, up to 64 rows 32/64 x 64, larger 64/128
 x 128 (sglang's untuned defaults are of this kind). The weight scale of a column is looked up per
-column, so BLOCK_N need not divide bn. bk must be a power of two >= 16 (a tl.dot's K); other
+column, so BLOCK_N need not divide bn. bk must be a power of two >= 32 (the K of an e4m3 tl.dot on
+Hopper: 16 compiles in the CPU interpreter and fails on the H200, "K >= 32"); other
 formats, non-2-D inputs or non-contiguous weights go to the w8a8 torch reference.
 """
 
@@ -92,8 +93,9 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, N, K, k_block
 
 
 def supported(fmt: BlockFP8) -> bool:
-    """Formats the kernels take: bk a power of two >= 16 (one activation scale per K tile)."""
-    return fmt.block_k >= 16 and fmt.block_k & (fmt.block_k - 1) == 0
+    """Formats the kernels take: bk a power of two >= 32 (one activation scale per K tile, and an e4m3
+    tl.dot needs K >= 32)."""
+    return fmt.block_k >= 32 and fmt.block_k & (fmt.block_k - 1) == 0
 
 
 def group_quant_triton(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
