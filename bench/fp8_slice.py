@@ -264,10 +264,11 @@ def prefill_step(length: int, vocab: int, first_block: int, num_logits: int = 1)
     return Step((SeqRows(blocks, ids, tuple(range(length)), length, num_logits=num_logits),))
 
 
-def build(path: str, quantization: str, device: torch.device, kernels: str, graphs: bool) -> Rank:
-    num_blocks = max(BATCH_SIZES) * SEQ_BLOCKS + -(-max(PREFILL) // BLOCK)
+def build(path: str, quantization: str, device: torch.device, kernels: str, graphs: bool,
+          prefill: tuple[int, ...] = PREFILL) -> Rank:
+    num_blocks = max(BATCH_SIZES) * SEQ_BLOCKS + -(-max(prefill) // BLOCK)
     config = EngineConfig(device=str(device), dtype="bfloat16", load_format="dummy", seed=0, block_size=BLOCK,
-                          num_blocks=num_blocks, max_num_seqs=max(BATCH_SIZES), max_batch_tokens=max(PREFILL),
+                          num_blocks=num_blocks, max_num_seqs=max(BATCH_SIZES), max_batch_tokens=max(prefill),
                           quantization=quantization, kernels=kernels, cuda_graphs=graphs, skip_tokenizer=True)
     built = build_rank(path, config)
     randomize_kv(built.executor, BLOCK * max(BATCH_SIZES) * SEQ_BLOCKS, 7)
@@ -285,7 +286,7 @@ def slice_run(path: str, quantization: str, opts: dict[str, Any], bw: float) -> 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t = time.perf_counter()
-    built = build(path, quantization, device, opts["kernels"], graphs=True)
+    built = build(path, quantization, device, opts["kernels"], graphs=True, prefill=opts["prefill"])
     sync(device)
     ex, model = built.executor, built.model
     out: dict[str, Any] = {"quantization": built.quantization.to_json("bfloat16", built.kernels.kernels),
@@ -333,10 +334,11 @@ def slice_run(path: str, quantization: str, opts: dict[str, Any], bw: float) -> 
     logits["decode_routing"], _ = routed_ids(model, partial(eager_forward, built, check))
     first_block = max(BATCH_SIZES) * SEQ_BLOCKS
     prefill = []
-    check = prefill_step(PREFILL[0], vocab, first_block, num_logits=PREFILL[0])  # every row's logits
+    lengths = opts["prefill"]
+    check = prefill_step(lengths[0], vocab, first_block, num_logits=lengths[0])  # every row's logits
     logits["prefill_routing"], result = routed_ids(model, partial(ex.run, check))
     logits["prefill"] = result.logits.float().cpu()
-    for length in PREFILL[:1] if tiny else PREFILL:
+    for length in lengths[:1] if tiny else lengths:
         step = prefill_step(length, vocab, first_block)
         timed(partial(ex.run, step), 1, device)  # warm-up at this length
         runs = [timed(partial(ex.run, step), 1, device) for _ in range(1 if tiny else 3)]
@@ -391,6 +393,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny config on CPU (torch kernel set): checks the script")
     ap.add_argument("--flashinfer", action="store_true", help="also time FlashInfer's fp8_blockscale_gemm_sm90")
     ap.add_argument("--skip-gemms", action="store_true")
+    ap.add_argument("--prefill", type=int, nargs="+", default=list(PREFILL), help="prompt lengths (the first: logits check)")
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
     device = torch.device("cuda") if cuda else torch.device("cpu")
@@ -426,7 +429,7 @@ def main() -> None:
         record["copy_bandwidth_TBps"] = bw / 1e12
         progress(f"copy bandwidth {bw / 1e12:.3f} TB/s")
         opts = {"device": device, "tiny": args.tiny, "vocab": shape["vocab_size"],
-                "kernels": "triton" if cuda else "torch"}
+                "kernels": "triton" if cuda else "torch", "prefill": tuple(args.prefill)}
         runs: dict[str, dict[str, Any]] = {}
         for quantization in ("fp8", "none"):  # the new path first: its problems show before the long bf16 build
             runs[quantization] = slice_run(str(path), quantization, opts, bw)

@@ -3,7 +3,7 @@ with vs without speculation, through the engine and through the HTTP server.
 
     python bench/spec_decode_real.py --target DIR --draft DIR [--data-dir .whl/real/data]
         [--mtbench 80] [--humaneval 164] [--turns 2] [--max-new-tokens 256] [--temperatures 0,1]
-        [--configs none,chain-3,chain-5,chain-7,tree] [--http none,chain-5] [--hf-peer 8] [--out FILE]
+        [--configs none,chain-3,chain-5,chain-7,tree] [--http none,chain-5] [--hf-peer 8] [--profile] [--out FILE]
     python bench/spec_decode_real.py --tiny        # CPU, the tiny pair, a few prompts: checks the script
 
 Engine (``worker/engine/``, CUDA graphs on a GPU): batch 1, one fresh engine per (configuration,
@@ -74,7 +74,8 @@ def prompt_sets(args: argparse.Namespace) -> dict[str, list[tuple[str, list[str]
 
 
 def run_engine(args: argparse.Namespace, name: str, temperature: float,
-               sets: dict[str, list[tuple[str, list[str]]]]) -> dict[str, Any]:
+               sets: dict[str, list[tuple[str, list[str]]]]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(per set: per turn numbers, the profile with --profile)"""
     from fusedserve.worker.engine.config import EngineConfig
     from fusedserve.worker.engine.engine import Engine
     from fusedserve.worker.engine.sequence import SamplingParams
@@ -100,6 +101,11 @@ def run_engine(args: argparse.Namespace, name: str, temperature: float,
 
     generate([{"role": "user", "content": "Hello!"}], 0)  # warm-up
     out: dict[str, Any] = {}
+    prof = None
+    if args.profile:
+        first = next(iter(sets.values()))[0][1][0]
+        prof = profile_generate(lambda: generate([{"role": "user", "content": first}], 7), cuda)
+        progress(f"engine {name:8s} T={temperature:g} profile: {json.dumps(prof['summary'])}")
     for set_name, prompts in sets.items():
         turns_out: list[dict[str, Any]] = []
         for turn in range(max(len(t) for _, t in prompts)):
@@ -122,7 +128,44 @@ def run_engine(args: argparse.Namespace, name: str, temperature: float,
                      + (f", acceptance length {turns_out[-1]['acceptance']['acceptance_length']:.3f}"
                         if name != "none" else ""))
         out[set_name] = turns_out
-    return out
+    return out, prof
+
+
+def profile_generate(run: Any, cuda: bool) -> dict[str, Any]:
+    """One generate call profiled twice: the device's kernel time against the wall time (torch.profiler;
+    the rest is the host's, GPU idle), and the host's Python by function (cProfile, fusedserve code only,
+    the top 25 by own time; cProfile slows the host about 2x, so read its shares, not its seconds)."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch_profile(activities=activities) as prof:
+        ids, seconds, counts = run()
+    kernel_us = sum(float(getattr(e, "self_device_time_total", 0.0) or 0.0) for e in prof.key_averages()
+                    if getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type))
+    top_kernels = sorted(((float(getattr(e, "self_device_time_total", 0.0) or 0.0), e.count, e.key[:90])
+                          for e in prof.key_averages()), reverse=True)[:12]
+    host = cProfile.Profile()
+    host.enable()
+    _, seconds2, _ = run()
+    host.disable()
+    stats = pstats.Stats(host)
+    rows = []
+    for (file, line, fn), (_cc, calls, tottime, cumtime, _callers) in stats.stats.items():  # type: ignore[attr-defined]
+        if "fusedserve" in file or "/worker/" in file or "/models/" in file:
+            rows.append({"fn": f"{Path(file).name}:{line}:{fn}", "calls": calls, "own_s": round(tottime, 4),
+                         "cum_s": round(cumtime, 4)})
+    rows.sort(key=lambda r: -r["own_s"])
+    return {"summary": {"tokens": len(ids), "wall_ms": round(1000 * seconds, 2),
+                        "kernel_ms": round(kernel_us / 1000, 2),
+                        "kernel_share": round(kernel_us / 1000 / max(1000 * seconds, 1e-9), 3),
+                        "drafts_accepted": list(counts), "ms_per_token": round(1000 * seconds / max(len(ids), 1), 3),
+                        "cprofile_wall_ms": round(1000 * seconds2, 2)},
+            "top_kernels_us": [{"us": round(us, 1), "calls": n, "name": k} for us, n, k in top_kernels],
+            "host_top_own_time": rows[:25]}
 
 
 def per_prompt_history(turns_out: list[dict[str, Any]], pid: str, user_turns: list[str], turn: int,
@@ -251,6 +294,8 @@ def main() -> None:
     ap.add_argument("--http", default="", help="configurations also measured through the HTTP server")
     ap.add_argument("--hf-peer", type=int, default=0, help="HF generate on this many MT-bench prompts")
     ap.add_argument("--num-blocks", type=int, default=None)
+    ap.add_argument("--profile", action="store_true", help="profile one generate per configuration (device "
+                    "kernel time vs wall, host Python by function)")
     ap.add_argument("--tiny", action="store_true", help="CPU check of the script: the tiny pair, a few prompts")
     ap.add_argument("--out", default=f"bench/results/{datetime.date.today()}-spec-decode-real.json")
     args = ap.parse_args()
@@ -271,16 +316,21 @@ def main() -> None:
     progress(f"{args.device}: {', '.join(f'{k} {len(v)}' for k, v in sets.items())} prompts, configs {configs}, "
              f"temperatures {temperatures}")
     engine: dict[str, Any] = {}
+    profiles: dict[str, Any] = {}
     for temp in temperatures:
         for name in configs:
-            engine[f"{name}@T={temp:g}"] = run_engine(args, name, temp, sets)
+            engine[f"{name}@T={temp:g}"], prof = run_engine(args, name, temp, sets)
+            if prof is not None:
+                profiles[f"{name}@T={temp:g}"] = prof
             # what is done so far, in case the run is cut short (a device call's time limit)
-            write_record({**record_header(), "partial": True, "numbers": {
+            write_record({**record_header(), "partial": True, "profiles": profiles, "numbers": {
                 "speedup_engine": {t: v for tt in temperatures[: temperatures.index(temp) + 1]
                                    for t, v in speedups(engine, [tt], [c for c in configs
                                                                        if f"{c}@T={tt:g}" in engine]).items()},
                 "engine_done": sorted(engine)}}, args.out)
     numbers: dict[str, Any] = {"engine": engine, "speedup_engine": speedups(engine, temperatures, configs)}
+    if profiles:
+        numbers["profiles"] = profiles
     numbers["greedy_equal_to_no_speculation"] = greedy_equal(engine, configs)
     if args.http:
         numbers["http"] = {f"{name}@T={temp:g}": run_http(args, name, temp, sets)

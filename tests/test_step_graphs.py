@@ -64,3 +64,40 @@ def test_static_shape_steps_equal_eager(spec: SpeculativeConfig | None) -> None:
             if engine.speculator is not None:
                 assert engine.speculator.draft.graphs is not None and engine.speculator.draft.graphs.runs > 0
     assert outputs[True] == outputs[False]
+
+
+def test_chained_greedy_drafts_equal_step_by_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A greedy chain's draft steps as one chained replay (device-side feedback of token, hidden
+    state, position and slot, across a block boundary: block size 4, 5 steps) propose exactly the
+    step-by-step drafts: same tokens, same acceptance at every position."""
+    from fusedserve.worker.executor.executor import StepExecutor
+
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    spec = SpeculativeConfig(DRAFT, num_steps=5)
+    runs: dict[str, tuple[list[list[int]], object]] = {}
+    replays: dict[str, int] = {}
+    for name in ("chained", "step-by-step"):
+        if name == "step-by-step":
+            monkeypatch.setattr(StepExecutor, "chainable", lambda self, shape, max_blocks: False)
+        engine = Engine(TARGET, EngineConfig(num_blocks=24, block_size=4, max_num_seqs=3, speculative=spec,
+                                             cuda_graphs=True, cuda_graph_batch_sizes=(1, 2, 4)))
+        assert engine.speculator is not None
+        graphs = engine.speculator.draft.graphs
+        assert graphs is not None and any(s.chain == 4 for s in graphs.captured) == (name == "chained")
+        outputs = [c.token_ids for c in engine.generate(PROMPTS, params)]
+        runs[name] = (outputs, engine.stats().spec)
+        replays[name] = graphs.runs
+    assert runs["chained"][0] == runs["step-by-step"][0]
+    assert runs["chained"][1] == runs["step-by-step"][1]
+    stats = runs["chained"][1]
+    assert stats is not None and stats.accepted_tokens > 0
+    # each chained replay stands for the 4 step replays of the step-by-step path
+    saved = replays["step-by-step"] - replays["chained"]
+    assert saved > 0 and saved % 3 == 0, replays
+
+
+def test_chained_shape_needs_device_metadata_attention() -> None:
+    from fusedserve.worker.executor.step_shape import StepShape
+
+    with pytest.raises(ValueError, match="one row per sequence"):
+        StepShape(2, 3, hidden=8, chain=2)

@@ -147,7 +147,7 @@ class FlashInferPlanner:
     def graph_state(self, slot: GraphSlot) -> Any:
         fi, dev, i32 = self._fi, self.device, torch.int32
         b = slot.batch
-        if slot.tokens == 1 and slot.tail == 0 and b <= TRITON_DECODE_MAX_BATCH:
+        if self.device_only(slot):
             return TritonDecodePlan()
         indptr = torch.zeros(b + 1, dtype=i32, device=dev)
         indices = torch.zeros(b * max(slot.max_blocks, 1), dtype=i32, device=dev)
@@ -165,6 +165,9 @@ class FlashInferPlanner:
         return fi.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=qo, paged_kv_indptr_buf=indptr,
             paged_kv_indices_buf=indices, paged_kv_last_page_len_buf=last, backend="fa2", **extra)
+
+    def device_only(self, slot: GraphSlot) -> bool:
+        return slot.tokens == 1 and slot.tail == 0 and slot.batch <= TRITON_DECODE_MAX_BATCH
 
     def plan_graph(self, state: Any, layout: AttentionLayout) -> None:
         if isinstance(state, TritonDecodePlan):

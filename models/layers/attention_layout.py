@@ -88,6 +88,11 @@ class AttentionPlanner(Protocol):
 
     def plan_graph(self, state: Any, layout: AttentionLayout) -> None: ...
 
+    def device_only(self, slot: GraphSlot) -> bool:
+        """The plan of this shape reads the batch's device metadata alone (``plan_graph`` does
+        nothing): a replay may change context lengths on the device (chained forwards)."""
+        ...
+
 
 class PlannerFactory(Protocol):
     """Makes a model's planner for one KV cache: heads and dims on this rank, the softmax scale."""

@@ -29,12 +29,12 @@ import torch
 
 from ...models.forward_batch import ForwardBatch, KVCache
 from ...models.interface import ModelOutput, StepModel
-from ...models.layers.attention_layout import AttentionPlanner
+from ...models.layers.attention_layout import AttentionPlanner, GraphSlot
 from ...models.layers.kernels import Kernels
 from ...models.layers.mamba_state import MambaStateCache
 from ...models.parallel.ledger import CollectiveLedger
 from .step import SeqRows, Step
-from .step_graphs import PackedSeq, StepGraphs
+from .step_graphs import FeedFn, PackedSeq, StepGraphs
 from .step_shape import ShapeKey, StepShape
 
 log = logging.getLogger(__name__)
@@ -141,7 +141,7 @@ class StepExecutor:
         if all(s.rows == q and s.num_logits == q and s.tail == tail and (s.tail_mask is None) == (first.tail_mask
                                                                                                    is None)
                for s in step.seqs):
-            key: ShapeKey = (q, tail, False, hidden)
+            key: ShapeKey = (q, tail, False, hidden, 0)
             if key in graphs.batch_sizes:
                 return key
         if all(s.num_logits == 1 and s.tail_mask is None for s in step.seqs):
@@ -158,6 +158,32 @@ class StepExecutor:
         key = self.graph_key(step, hidden)
         return None if key is None else self.graphs.shape_for(len(step.seqs), key)
 
+    def chainable(self, shape: StepShape, max_blocks: int) -> bool:
+        """A chained shape can be captured here: no DP attention, and attention that reads device
+        metadata only at that shape."""
+        return not self.dp and (self.attention is None or self.attention.device_only(
+            GraphSlot(shape.batch, shape.tokens, shape.tail, max_blocks)))
+
+    @torch.inference_mode()
+    def run_chain(self, step: Step, hidden: torch.Tensor, first_ids: torch.Tensor, chain: int
+                  ) -> torch.Tensor | None:
+        """``chain`` forwards of one row per sequence in one replay, each fed the previous one's
+        ``feed`` tokens and hidden state (a captured chained shape); the first is fed ``first_ids``
+        ([len(step.seqs)], on the device) in place of the step's token ids and ``hidden``
+        ([len(step.seqs), width]). -> the tokens fed after each forward [len(step.seqs), chain], or
+        None when no captured chained shape fits (the caller runs the forwards one by one)."""
+        graphs = self.graphs
+        if graphs is None or self.dp or not step.seqs or not all(
+                s.rows == 1 and s.num_logits == 1 and s.tail_mask is None for s in step.seqs):
+            return None
+        shape = graphs.shape_for(len(step.seqs), (1, 0, False, int(hidden.shape[-1]), chain))
+        if shape is None:
+            return None
+        bs = self.kv_cache.block_size
+        packed = [PackedSeq(s.block_table, s.token_ids, s.positions, s.slots(bs), s.context_len) for s in step.seqs]
+        [fed] = graphs.run(shape, packed, hidden, input_ids=first_ids)
+        return fed
+
     def _replay(self, shape: StepShape, step: Step, hidden: torch.Tensor | None) -> ModelOutput:
         graphs = self.graphs
         assert graphs is not None
@@ -170,14 +196,15 @@ class StepExecutor:
 
     # --- start-up and cache moves -------------------------------------------------------------
 
-    def capture(self, shapes: Sequence[StepShape], max_blocks: int) -> None:
-        """Capture the forward at these shapes (once, at start-up); from now on matching steps replay."""
+    def capture(self, shapes: Sequence[StepShape], max_blocks: int, feed: FeedFn | None = None) -> None:
+        """Capture the forward at these shapes (once, at start-up); from now on matching steps replay.
+        ``feed``: a chained shape's logits -> next tokens (``step_graphs.py``)."""
         if not self.graph_ready:
             raise ValueError("this executor was not built for CUDA graphs (graph-safe kernels, a padding block)")
         dtype = next(self.model.parameters()).dtype
         self.graphs = StepGraphs(self.model, self.kv_cache, shapes, max_blocks, dtype, self.ledger,
                                  self.aux_layers, self.dp, use_graphs=self.device.type == "cuda",
-                                 attention=self.attention)
+                                 attention=self.attention, feed=feed)
         log.info("captured %d step shapes (%s) %s", len(shapes), ", ".join(str(s) for s in sorted(shapes)[:4]),
                  "as CUDA graphs" if self.graphs.use_graphs else "(run eagerly off CUDA)")
 

@@ -15,6 +15,14 @@ holds replay by replay. Under DP attention the captured forward sees every DP gr
 shape's row count (MAX_LEN padding) and the groups' real token counts as a device tensor in the
 static buffer, from which the communicator builds the valid-rows mask on the device.
 
+A chained shape (``StepShape.chain``: the EAGLE3 draft's greedy chain) captures ``chain`` forwards
+of one row per sequence back to back: after each, ``feed`` turns its logits into the next input
+tokens and its hidden output becomes the next hidden input, and positions, causal limits, context
+lengths and cache slots advance by one on the device (the next slot through the block table;
+padding rows keep writing to ``pad_slot``). Its one output is every forward's fed token,
+[rows, chain]. Only attention that reads the batch's device metadata alone can be chained (a
+planner's ``device_only``): a host plan could not follow the contexts growing inside the replay.
+
 Off CUDA (``use_graphs=False``: the CPU tests, tp > 1 over gloo too) the same padded
 static-buffer forward runs eagerly: "capture" runs it once with the ledger capturing, and every
 "replay" runs it again the same way, checks that it ran exactly the captured collectives, and
@@ -42,6 +50,7 @@ log = logging.getLogger(__name__)
 
 WARMUP_RUNS = 2
 StepFn = Callable[[ForwardBatch], ModelOutput]
+FeedFn = Callable[[torch.Tensor], torch.Tensor]  # a chained forward's logits [rows, vocab] -> next tokens [rows]
 
 
 class GraphReplayMismatch(RuntimeError):
@@ -95,9 +104,15 @@ class StepGraphs:
     def __init__(self, fn: StepFn, kv_cache: KVCache, shapes: Sequence[StepShape], max_blocks: int,
                  hidden_dtype: torch.dtype, ledger: CollectiveLedger | None = None,
                  aux_layers: tuple[int, ...] = (), dp: int = 0, use_graphs: bool | None = None,
-                 attention: AttentionPlanner | None = None) -> None:
+                 attention: AttentionPlanner | None = None, feed: FeedFn | None = None) -> None:
         if not shapes:
             raise ValueError("no step shapes to capture")
+        for shape in shapes:
+            if shape.chain and (feed is None or dp or (attention is not None and not attention.device_only(
+                    GraphSlot(shape.batch, shape.tokens, shape.tail, max_blocks)))):
+                raise ValueError(f"{shape}: a chained forward needs a feed, no DP attention and attention that "
+                                 "reads device metadata only")
+        self.feed = feed
         self.fn = fn
         self.kv_cache = kv_cache
         self.max_blocks = max_blocks
@@ -175,8 +190,26 @@ class StepGraphs:
             dp_num_tokens=[shape.rows] * self.dp if self.dp else None,
             dp_padding=Padding.MAX_LEN if self.dp else None, dp_real_tokens=v.dp_real,
             aux_layers=self.aux_layers, input_hidden=v.hidden, attention=attention)
-        out = self.fn(batch)
-        return (out.logits, *out.hidden)
+        if not shape.chain:
+            out = self.fn(batch)
+            return (out.logits, *out.hidden)
+        fed = []
+        bs = self.kv_cache.block_size
+        real = v.slots != self.pad_slot  # [b]: one row per sequence
+        assert self.feed is not None and v.hidden is not None
+        for j in range(shape.chain):
+            out = self.fn(batch)
+            fed.append(self.feed(out.logits))
+            if j + 1 == shape.chain:
+                break
+            v.ids.copy_(fed[-1])
+            v.hidden.copy_(out.hidden[0])
+            v.positions.add_(1)
+            v.index.add_(1)
+            v.context_lens.add_(1)
+            block = v.tables.gather(1, (v.index // bs).view(b, 1)).view(b)
+            v.slots.copy_(torch.where(real, block * bs + v.index % bs, self.pad_slot))
+        return (torch.stack(fed, dim=1),)
 
     def _capture(self, shape: StepShape) -> _Captured:
         views = self._views(shape)
@@ -259,11 +292,12 @@ class StepGraphs:
         return self._host_t[:size]
 
     def run(self, shape: StepShape, seqs: Sequence[PackedSeq], hidden: torch.Tensor | None = None,
-            dp_real: Sequence[int] = ()) -> list[torch.Tensor]:
+            dp_real: Sequence[int] = (), input_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
         """One step at ``shape`` (from ``shape_for``) -> each output's real rows, in ``seqs`` order:
         a per-row output [real rows, ...], a per-sequence one (``last_only`` logits) [len(seqs), ...].
         hidden: [real rows, shape.hidden] (the draft's hidden input) or None; dp_real: every DP
-        group's real tokens (DP attention)."""
+        group's real tokens (DP attention); input_ids: [real rows] on the device, in place of the
+        rows' token ids (a chain's first tokens, chosen on the device)."""
         entry = self.captured[shape]
         v = entry.views
         self.runs += 1
@@ -280,6 +314,8 @@ class StepGraphs:
             self._copied.record()
         num_real = sum(len(s.token_ids) for s in seqs)
         dest = v.dest[:num_real]
+        if input_ids is not None:
+            v.ids.index_copy_(0, dest, input_ids.to(v.ids.dtype))
         if v.hidden is not None:
             if hidden is None:
                 raise ValueError(f"{shape} takes a hidden input")

@@ -4,20 +4,23 @@
 over each context's last ``tail`` slots (a draft tree), logits of every row or of each
 sequence's last row only (``last_only``: a sequence may bring fewer rows than ``tokens``,
 padded in front, e.g. the draft's first pass), and, for the EAGLE3 draft, a ``hidden`` input of
-that width. Examples (chain of 3 drafts, batch padded to 8):
+that width; ``chain``: that many forwards of one row per sequence replayed back to back, each
+feeding its rows' greedy next token and hidden state to the next on the device (the EAGLE3 draft's
+chain steps in one replay). Examples (chain of 3 drafts, batch padded to 8):
 
     StepShape(8, 1)                              target decode: one token per sequence
     StepShape(8, 4)                              target verify of a chain (root + 3 drafts, causal)
     StepShape(8, 8, tail=8)                      target verify of an 8-node tree (tree mask)
     StepShape(8, 4, last_only=True, hidden=384)  draft first pass: <= 4 bases, aux states in
     StepShape(8, 1, hidden=128)                  draft step of a chain: its own hidden state in
+    StepShape(8, 1, hidden=128, chain=2)         the chain's 2 remaining draft steps, one replay
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-ShapeKey = tuple[int, int, bool, int]  # (tokens, tail, last_only, hidden): a shape without its batch
+ShapeKey = tuple[int, int, bool, int, int]  # (tokens, tail, last_only, hidden, chain): a shape without its batch
 
 
 @dataclass(frozen=True, order=True)
@@ -27,6 +30,11 @@ class StepShape:
     tail: int = 0  # mask over each context's last ``tail`` slots; 0 = causal
     last_only: bool = False  # logits of each sequence's last row; fewer rows padded in front
     hidden: int = 0  # width of the hidden-state input (EAGLE3 draft); 0 = none
+    chain: int = 0  # forwards chained on the device (one row per sequence each); 0 = one plain forward
+
+    def __post_init__(self) -> None:
+        if self.chain and (self.tokens != 1 or self.tail or self.last_only or not self.hidden):
+            raise ValueError(f"a chained shape feeds one row per sequence with a hidden input: {self}")
 
     @property
     def rows(self) -> int:
@@ -34,7 +42,7 @@ class StepShape:
 
     @property
     def key(self) -> ShapeKey:
-        return (self.tokens, self.tail, self.last_only, self.hidden)
+        return (self.tokens, self.tail, self.last_only, self.hidden, self.chain)
 
     @staticmethod
     def of(batch: int, key: ShapeKey) -> StepShape:

@@ -54,7 +54,7 @@ from ..engine.token_sampler import Pick, TokenSampler
 from ..executor.executor import StepExecutor
 from ..executor.step_shape import StepShape
 from .config import SpeculativeConfig, SpeculativeConfigError
-from .draft_model import build_draft, draft_shapes
+from .draft_model import build_draft, chain_shapes, draft_shapes
 from .draft_tree import Acceptance, DraftTree, accept_greedy, relocation, tree_positions
 from .drafter import Drafter, DraftState, DraftWork, Proposal
 from .rejection_sampler import Draw, verify_chain_sampled, verify_tree_sampled
@@ -127,9 +127,12 @@ class SpecDecoder:
         return [StepShape(b, q, 0 if self.config.is_chain else q) for b in batch_sizes]
 
     def capture_graphs(self, batch_sizes: list[int], max_blocks: int) -> None:
-        """Capture the draft's first pass and steps (once, at start-up)."""
-        self.draft.capture(draft_shapes(self.draft_model, batch_sizes, self.config.num_steps, self.config.topk),
-                           max_blocks)
+        """Capture the draft's first pass and steps (once, at start-up); a chain's steps also chained."""
+        shapes = draft_shapes(self.draft_model, batch_sizes, self.config.num_steps, self.config.topk)
+        if self.config.is_chain:
+            shapes += [s for s in chain_shapes(self.draft_model, batch_sizes, self.config.num_steps)
+                       if self.draft.chainable(s, max_blocks)]
+        self.draft.capture(shapes, max_blocks, feed=self.drafter.greedy_tokens)
 
     # --- one engine step ----------------------------------------------------------------------
 

@@ -14,7 +14,9 @@ tree steps pass a mask over the scratch slots (each node sees the bases, its anc
 
 CUDA graphs (``draft_shapes``): the first pass (at most ``num_steps + 1`` bases per sequence,
 padded in front, the last row's logits) and the draft steps (``width`` nodes per sequence; a
-tree's step j with its mask over the ``j * width`` scratch slots) at every captured batch size.
+tree's step j with its mask over the ``j * width`` scratch slots) at every captured batch size;
+for a chain also (``chain_shapes``) its steps after the first pass chained in one replay, at the
+batch sizes whose attention reads device metadata only.
 """
 
 from __future__ import annotations
@@ -80,6 +82,12 @@ def build_draft(draft_dir: str | Path, target_dir: str | Path, target_config: An
         planner = kernels.planner(dims.num_qo_heads, dims.num_kv_heads, dims.head_dim, dims.scale, cache)
     return model, StepExecutor(model, cache, device, reserved_blocks=reserved_blocks, graph_ready=graph_ready,
                                attention=planner)
+
+
+def chain_shapes(model: Eagle3Draft, batch_sizes: list[int], num_steps: int) -> list[StepShape]:
+    """A greedy chain's steps 1 .. num_steps - 1 as one chained replay per batch size (none for one step)."""
+    h = int(model.config.hidden_size)
+    return [StepShape(b, 1, hidden=h, chain=num_steps - 1) for b in batch_sizes] if num_steps > 1 else []
 
 
 def draft_shapes(model: Eagle3Draft, batch_sizes: list[int], num_steps: int, width: int) -> list[StepShape]:

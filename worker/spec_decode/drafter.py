@@ -13,6 +13,11 @@ Per sequence and step (``n`` = the position of the last known token, the root):
 
 Candidates are the draft's top-k by log-probability, except for a sampled request's chain,
 whose drafts are drawn from the draft's distribution q (kept for the rejection rule).
+
+A greedy chain (every sequence of the batch greedy, topk 1) runs steps 1 .. num_steps - 1 as one
+chained replay (``StepExecutor.run_chain``: each step's argmax token and hidden state feed the next
+on the device) and reads the drafts back once; where no chained shape was captured (or off
+graphs) it takes the step-by-step path above, which proposes the same drafts.
 """
 
 from __future__ import annotations
@@ -79,6 +84,10 @@ class Drafter:
             return []
         width = self.topk
         logits, root_hidden = self._first_pass(work)
+        if self.is_chain and all(w.seq.params.greedy for w in work):
+            chained = self._greedy_chain(work, logits, root_hidden)
+            if chained is not None:
+                return chained
         builders = [TreeBuilder(w.seq.token_ids(w.entry.start, w.entry.start + 1)[0]) for w in work]
         q_rows: list[list[torch.Tensor]] = [[] for _ in work]
         feed_hidden: list[dict[int, torch.Tensor]] = [{} for _ in work]
@@ -114,6 +123,28 @@ class Drafter:
             q = torch.stack(q_rows[i]) if q_rows[i] else None
             proposals.append(Proposal(b.build(self.num_nodes), q))
         return proposals
+
+    def greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor:
+        """The draft's greedy choice as target ids. logits: [rows, draft_vocab] -> [rows] (on the device;
+        the chained replay's feed)."""
+        return self._draft_to_target[logits.argmax(dim=-1)]
+
+    def _greedy_chain(self, work: list[DraftWork], logits: torch.Tensor, root_hidden: torch.Tensor
+                      ) -> list[Proposal] | None:
+        """Steps 1 .. num_steps - 1 of a greedy chain in one chained replay; None = none captured fits."""
+        first = self.greedy_tokens(logits)  # [B]: each root's first draft
+        drafts = first[:, None]
+        if self.num_steps > 1:
+            seqs = tuple(SeqRows(tuple(w.entry.block_table), (0,), (w.entry.start + 1,), w.entry.start + 1)
+                         for w in work)  # token ids: ``first``, on the device
+            fed = self.draft.run_chain(Step(seqs), root_hidden, first, self.num_steps - 1)
+            if fed is None:
+                return None
+            drafts = torch.cat([drafts, fed], dim=1)
+        rows = drafts.tolist()  # the step's one read-back of the drafts
+        return [Proposal(DraftTree.chain(w.seq.token_ids(w.entry.start, w.entry.start + 1)[0],
+                                         row[: self.num_nodes - 1]))
+                for w, row in zip(work, rows)]
 
     def _first_pass(self, work: list[DraftWork]) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft over every base not yet in its cache, up to the root; consumes the pending
