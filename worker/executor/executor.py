@@ -33,6 +33,7 @@ from ...models.layers.attention_layout import AttentionPlanner, GraphSlot
 from ...models.layers.kernels import Kernels
 from ...models.layers.mamba_state import MambaStateCache
 from ...models.parallel.ledger import CollectiveLedger
+from .host_copy import to_device
 from .step import SeqRows, Step
 from .step_graphs import FeedFn, PackedSeq, StepGraphs
 from .step_shape import ShapeKey, StepShape
@@ -99,20 +100,20 @@ class StepExecutor:
         state_slots = [s.state_slot if s.state_slot is not None else -1 for s in step.seqs]
         counts = list(step.dp_num_tokens) if step.dp_num_tokens is not None else None
         return ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            input_ids=to_device(ids, dev),
+            positions=to_device(positions, dev),
             query_lens=[s.rows for s in step.seqs],
             context_lens=[s.context_len for s in step.seqs],
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            slot_mapping=to_device(slots, dev),
             block_tables=[list(s.block_table) for s in step.seqs],
             kv_cache=self.kv_cache,
-            logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
+            logits_indices=to_device(logits_rows, dev),
             attn_masks=[None if m is None else m.to(dev) for m in masks] if any(m is not None for m in masks)
             else None,
             state_slots=state_slots if self.state_cache is not None else None,
             state_cache=self.state_cache,
             dp_num_tokens=counts, dp_padding=step.dp_padding,
-            dp_real_tokens=None if counts is None else torch.tensor(counts, dtype=torch.long, device=dev),
+            dp_real_tokens=None if counts is None else to_device(counts, dev),
             aux_layers=self.aux_layers,
             input_hidden=None if hidden is None else hidden.to(dev),
             attention=self.attention.plan(step.attention_layout()) if self.attention is not None and step.seqs
@@ -122,14 +123,19 @@ class StepExecutor:
     # --- the one entry point --------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, step: Step, hidden: torch.Tensor | None = None) -> ModelOutput:
+    def run(self, step: Step, hidden: torch.Tensor | None = None, input_ids: torch.Tensor | None = None
+            ) -> ModelOutput:
         """Logits of every sequence's last ``num_logits`` rows ([step.num_logits, vocab]) and the
-        model's per-row hidden states ([step.num_tokens, width] each)."""
+        model's per-row hidden states ([step.num_tokens, width] each). ``input_ids``: [step.num_tokens]
+        on the device, in place of the step's token ids (a verify of drafts still on the device)."""
         shape = self.graph_shape(step, 0 if hidden is None else int(hidden.shape[-1]))
         if shape is None:
-            out: ModelOutput = self.model(self.forward_batch(step, hidden))
+            batch = self.forward_batch(step, hidden)
+            if input_ids is not None:
+                batch.input_ids = input_ids.to(batch.input_ids.dtype)
+            out: ModelOutput = self.model(batch)
             return out
-        return self._replay(shape, step, hidden)
+        return self._replay(shape, step, hidden, input_ids)
 
     def graph_key(self, step: Step, hidden: int = 0) -> ShapeKey | None:
         """The captured kind of forward this step fits (its shape without the batch), or None."""
@@ -164,6 +170,11 @@ class StepExecutor:
         return not self.dp and (self.attention is None or self.attention.device_only(
             GraphSlot(shape.batch, shape.tokens, shape.tail, max_blocks)))
 
+    def can_chain(self, num_seqs: int, chain: int) -> bool:
+        """A captured chained shape holds ``num_seqs`` sequences (``run_chain`` will replay it)."""
+        return self.graphs is not None and not self.dp and any(
+            k[4] == chain and k[0] == 1 and max(b) >= num_seqs for k, b in self.graphs.batch_sizes.items())
+
     @torch.inference_mode()
     def run_chain(self, step: Step, hidden: torch.Tensor, first_ids: torch.Tensor, chain: int
                   ) -> torch.Tensor | None:
@@ -184,14 +195,15 @@ class StepExecutor:
         [fed] = graphs.run(shape, packed, hidden, input_ids=first_ids)
         return fed
 
-    def _replay(self, shape: StepShape, step: Step, hidden: torch.Tensor | None) -> ModelOutput:
+    def _replay(self, shape: StepShape, step: Step, hidden: torch.Tensor | None,
+                input_ids: torch.Tensor | None = None) -> ModelOutput:
         graphs = self.graphs
         assert graphs is not None
         bs = self.kv_cache.block_size
         packed = [PackedSeq(s.block_table, s.token_ids, s.positions, s.slots(bs), s.context_len, s.tail_mask)
                   for s in step.seqs]
         dp_real = list(step.dp_num_tokens) if self.dp and step.dp_num_tokens is not None else []
-        logits, *rest = graphs.run(shape, packed, hidden, dp_real)
+        logits, *rest = graphs.run(shape, packed, hidden, dp_real, input_ids)
         return ModelOutput(logits, tuple(rest))
 
     # --- start-up and cache moves -------------------------------------------------------------
@@ -216,8 +228,7 @@ class StepExecutor:
             raise ValueError(f"{len(src)} source slots for {len(dst)} destinations")
         if not src:
             return
-        s = torch.tensor(src, dtype=torch.long, device=self.device)
-        d = torch.tensor(dst, dtype=torch.long, device=self.device)
+        s, d = to_device(src, self.device), to_device(dst, self.device)
         for cache in (self.kv_cache.k, self.kv_cache.v):
             for layer in cache.values():
                 layer[d] = layer[s]

@@ -52,6 +52,7 @@ from ..engine.scheduler import ScheduledBatch, ScheduledSeq, Scheduler
 from ..engine.sequence import Sequence
 from ..engine.token_sampler import Pick, TokenSampler
 from ..executor.executor import StepExecutor
+from ..executor.host_copy import to_device
 from ..executor.step_shape import StepShape
 from .config import SpeculativeConfig, SpeculativeConfigError
 from .draft_model import build_draft, chain_shapes, draft_shapes
@@ -150,11 +151,16 @@ class SpecDecoder:
                 raise RuntimeError(f"sequence {e.seq_id}: draft state out of step with the target's cache")
         work = [DraftWork(e, s, self._states[e.seq_id], self._draw(state_of(s).generator))
                 for e, s in zip(batch.seqs, seqs) if self._drafts(e, self._states[e.seq_id])]
-        proposals = dict(zip((w.entry.seq_id for w in work), self.propose(work)))
-        entries = [self._verify_entry(e, proposals[e.seq_id].tree) if e.seq_id in proposals else e
-                   for e in batch.seqs]
-        run = ScheduledBatch(seqs=entries, preempted=batch.preempted)
-        out = self.target.run(forward_step(run))
+        deferred = self._deferred_verify(batch, work)
+        if deferred is not None:
+            run, out, proposals = deferred
+        else:
+            proposals = dict(zip((w.entry.seq_id for w in work), self.propose(work)))
+            entries = [self._verify_entry(e, proposals[e.seq_id].tree) if e.seq_id in proposals else e
+                       for e in batch.seqs]
+            run = ScheduledBatch(seqs=entries, preempted=batch.preempted)
+            out = self.target.run(forward_step(run))
+        entries = run.seqs
         logits = out.logits  # [sum(num_logits), vocab]
         aux = torch.cat(out.hidden, dim=-1)  # [num_tokens, 3H]: the layers' complete input streams
         draws = {w.entry.seq_id: w.draw for w in work}
@@ -162,6 +168,41 @@ class SpecDecoder:
         sampling = [(s, results[i]) for i, (e, s) in enumerate(zip(entries, seqs)) if e.num_logits > 0]
         settled = {e.seq_id: self._states[e.seq_id].num_bases for e in run.seqs}
         return SpecStep(run, [s for s, _ in sampling], [p for _, p in sampling], settled)
+
+    def _deferred_verify(self, batch: ScheduledBatch, work: list[DraftWork]
+                         ) -> tuple[ScheduledBatch, Any, dict[int, Proposal]] | None:
+        """A greedy chain on one rank: the drafts stay on the device, the verify forward is queued right
+        behind the draft's replays with the drafts as its token ids (placeholders on the host), and the
+        drafts are read back once the verify is queued, so the GPU runs draft and verify back to back.
+        None where this does not apply (several ranks take the step's token ids as values, a sampled
+        request's chain draws on the host, nothing chained captured)."""
+        if (not work or self.target is not self.target.local or not self.drafter.is_chain
+                or not all(w.seq.params.greedy for w in work)):
+            return None
+        drafts = self.drafter.greedy_chain(work)  # [B, num_steps] target ids, on the device
+        if drafts is None:
+            return None
+        n = self.config.verify_tokens - 1
+        drafting = {w.entry.seq_id: i for i, w in enumerate(work)}
+        local = self.target.local
+        pieces: list[torch.Tensor] = []
+        placeholder: list[ScheduledSeq] = []
+        for e in batch.seqs:
+            i = drafting.get(e.seq_id)
+            if i is None:
+                pieces.append(to_device(e.token_ids, local.device))
+                placeholder.append(e)
+            else:
+                pieces += [to_device(e.token_ids, local.device), drafts[i, :n]]
+                placeholder.append(replace(e, token_ids=[*e.token_ids, *[0] * n], num_logits=n + 1))
+        out = local.run(forward_step(ScheduledBatch(seqs=placeholder, preempted=batch.preempted)),
+                        input_ids=torch.cat(pieces))
+        rows = drafts[:, :n].tolist()  # waits for the draft only; the verify is queued behind it
+        proposals = {w.entry.seq_id: Proposal(DraftTree.chain(w.entry.token_ids[0], row))
+                     for w, row in zip(work, rows)}
+        entries = [self._verify_entry(e, proposals[e.seq_id].tree) if e.seq_id in proposals else e
+                   for e in batch.seqs]
+        return ScheduledBatch(seqs=entries, preempted=batch.preempted), out, proposals
 
     @staticmethod
     def _drafts(e: ScheduledSeq, state: DraftState) -> bool:
@@ -208,7 +249,7 @@ class SpecDecoder:
                 node_logits = logits[logit_row: logit_row + e.num_logits]
                 acc = self._verify(prop, seq, state_of(seq), node_logits, draws[e.seq_id])
                 self.counters.record(prop.tree.num_nodes - 1, acc.num_accepted)
-                rows = torch.tensor([tok_row, *(tok_row + k for k in acc.path)], device=aux.device)
+                rows = to_device([tok_row, *(tok_row + k for k in acc.path)], aux.device)
                 state.pending.append(aux.index_select(0, rows))
                 table = e.block_table
                 for a, b in relocation(acc.path):

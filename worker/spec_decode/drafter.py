@@ -31,6 +31,7 @@ from ..engine.sampler import Sampler
 from ..engine.scheduler import ScheduledSeq
 from ..engine.sequence import SamplingParams, Sequence
 from ..executor.executor import StepExecutor
+from ..executor.host_copy import to_device
 from ..executor.step import SeqRows, Step
 from .draft_tree import DraftTree, TreeBuilder
 from .rejection_sampler import Draw, sample_token
@@ -83,11 +84,12 @@ class Drafter:
         if not work:
             return []
         width = self.topk
-        logits, root_hidden = self._first_pass(work)
         if self.is_chain and all(w.seq.params.greedy for w in work):
-            chained = self._greedy_chain(work, logits, root_hidden)
-            if chained is not None:
-                return chained
+            drafts = self.greedy_chain(work)
+            if drafts is not None:
+                rows = drafts[:, : self.num_nodes - 1].tolist()  # the step's one read-back of the drafts
+                return [Proposal(DraftTree.chain(w.entry.token_ids[0], row)) for w, row in zip(work, rows)]
+        logits, root_hidden = self._first_pass(work)
         builders = [TreeBuilder(w.seq.token_ids(w.entry.start, w.entry.start + 1)[0]) for w in work]
         q_rows: list[list[torch.Tensor]] = [[] for _ in work]
         feed_hidden: list[dict[int, torch.Tensor]] = [{} for _ in work]
@@ -129,22 +131,21 @@ class Drafter:
         the chained replay's feed)."""
         return self._draft_to_target[logits.argmax(dim=-1)]
 
-    def _greedy_chain(self, work: list[DraftWork], logits: torch.Tensor, root_hidden: torch.Tensor
-                      ) -> list[Proposal] | None:
-        """Steps 1 .. num_steps - 1 of a greedy chain in one chained replay; None = none captured fits."""
+    def greedy_chain(self, work: list[DraftWork]) -> torch.Tensor | None:
+        """A greedy chain's drafts, left on the device: the first pass, then steps 1 .. num_steps - 1 in
+        one chained replay. -> [len(work), num_steps] target ids; None (before running anything) when
+        no captured chained shape fits."""
+        if self.num_steps > 1 and not self.draft.can_chain(len(work), self.num_steps - 1):
+            return None
+        logits, root_hidden = self._first_pass(work)
         first = self.greedy_tokens(logits)  # [B]: each root's first draft
-        drafts = first[:, None]
-        if self.num_steps > 1:
-            seqs = tuple(SeqRows(tuple(w.entry.block_table), (0,), (w.entry.start + 1,), w.entry.start + 1)
-                         for w in work)  # token ids: ``first``, on the device
-            fed = self.draft.run_chain(Step(seqs), root_hidden, first, self.num_steps - 1)
-            if fed is None:
-                return None
-            drafts = torch.cat([drafts, fed], dim=1)
-        rows = drafts.tolist()  # the step's one read-back of the drafts
-        return [Proposal(DraftTree.chain(w.seq.token_ids(w.entry.start, w.entry.start + 1)[0],
-                                         row[: self.num_nodes - 1]))
-                for w, row in zip(work, rows)]
+        if self.num_steps == 1:
+            return first[:, None]
+        seqs = tuple(SeqRows(tuple(w.entry.block_table), (0,), (w.entry.start + 1,), w.entry.start + 1)
+                     for w in work)  # token ids: ``first``, on the device
+        fed = self.draft.run_chain(Step(seqs), root_hidden, first, self.num_steps - 1)
+        assert fed is not None  # can_chain said a shape fits
+        return torch.cat([first[:, None], fed], dim=1)
 
     def _first_pass(self, work: list[DraftWork]) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft over every base not yet in its cache, up to the root; consumes the pending
@@ -158,7 +159,7 @@ class Drafter:
             hidden += w.state.pending
             w.state.num_bases, w.state.pending = n, []
         logits, out = self._run(inputs, torch.cat(hidden))
-        last = torch.tensor([d.rows for d in inputs], device=out.device).cumsum(0) - 1
+        last = to_device([d.rows for d in inputs], out.device).cumsum(0) - 1
         return logits, out[last]
 
     def _run(self, seqs: list[SeqRows], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
