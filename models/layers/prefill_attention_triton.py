@@ -5,17 +5,20 @@ decoding and mixed batches (decode rows beside prefill rows). Plain reference:
 ``paged_attention_torch.paged_attention_torch`` (same signature and result; it gathers the whole
 padded context for every token, this kernel reads only what each token may see).
 
-The new K/V are stored first (``kv_write_triton``), then one program per (query tile, KV head,
-sequence) attends: its rows are ``BLOCK_Q`` consecutive new tokens of the sequence times the KV
-head's query group (GQA; ``ROWS = BLOCK_Q * group`` padded to a power of two, at least 16 for
-``tl.dot``), with an online softmax in fp32 over the sequence's cache in ``BLOCK_N`` tiles read
-through its block table. Each program loops only up to its rows' largest causal limit
-(``token_index``, read on the device), so the work follows the real context, not the table's
-``max_blocks * block_size``; tiles past the sequence's new tokens exit at once. The layout comes
-from ``ForwardBatch.paged_metadata()`` device tensors only (``query_start``, ``token_index``,
-``block_tables``) and the grid from static shapes (B, kv_heads, ``max_query_len``): CUDA-graph
-capturable. Head dims need not be powers of two and K's may differ from V's (MLA's expanded
-cache: K 192 = nope 128 + rope 64, V 128, one KV head per query head): they are padded, masked.
+The new K/V are stored first (``kv_write_triton``), then one program per (query tile, KV head)
+attends: its rows are ``BLOCK_Q`` consecutive new tokens of one sequence times the KV head's query
+group (GQA; ``ROWS = BLOCK_Q * group`` padded to a power of two, at least 16 for ``tl.dot``),
+with an online softmax in fp32 over the sequence's cache in ``BLOCK_N`` tiles read through its
+block table. The grid is every sequence's tiles laid end to end, ``T // BLOCK_Q + B`` of them (a
+few empty), so a long prompt beside many decode rows launches no program per (decode row,
+prompt tile); a program finds its sequence by a binary search over ``query_start``. Each program
+loops only up to its rows' largest causal limit (``token_index``, read on the device), so the
+work follows the real context, not the table's ``max_blocks * block_size``. The layout comes from
+``ForwardBatch.paged_metadata()`` device tensors only (``query_start``, ``token_index``,
+``block_tables``) and the grid and tiles from static shapes (T, B, kv_heads, ``max_query_len``):
+CUDA-graph capturable. Head dims need not be powers of two and K's may differ from V's (MLA's
+expanded cache: K 192 = nope 128 + rope 64, V 128, one KV head per query head): they are padded
+(to at least 16), masked.
 
 Trees stay on the torch path: a metadata ``tail_mask`` (capturable there) or ``batch.attn_masks``.
 """
@@ -57,7 +60,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, qstart_ptr, index_pt
         ahead = tl.load(qstart_ptr + mid) // BLOCK_Q + mid > pid
         seq_lo = tl.where(ahead, seq_lo, mid)
         seq_hi = tl.where(ahead, mid - 1, seq_hi)
-    b = seq_lo.to(tl.int64)
+    b = tl.cast(seq_lo, tl.int64)
     q_start = tl.load(qstart_ptr + b)
     q_end = tl.load(qstart_ptr + b + 1)
     first = q_start + (pid - q_start // BLOCK_Q - b) * BLOCK_Q
