@@ -52,6 +52,8 @@ class PagedAttentionMetadata:
         context_lens = [6, 3]             # [B] int32, cached tokens after this step
         token_seq    = [0, 1, 1, 1]       # [T] sequence of each new token
         token_index  = [5, 0, 1, 2]       # [T] each new token's index in its context (causal limit)
+        query_start  = [0, 1, 4]          # [B+1] int32, sequence i's new tokens are rows
+                                          #   query_start[i]..query_start[i+1]-1
         max_query_len = 3                 # static: 1 means a decode batch (token i is sequence i)
 
     ``tail_mask`` ([T, L] bool, optional) replaces the causal rule over the last L cache indices
@@ -63,6 +65,7 @@ class PagedAttentionMetadata:
     context_lens: torch.Tensor
     token_seq: torch.Tensor
     token_index: torch.Tensor
+    query_start: torch.Tensor
     max_query_len: int
     tail_mask: torch.Tensor | None = None
 
@@ -77,11 +80,15 @@ class PagedAttentionMetadata:
             tables[i, : len(t)] = torch.tensor(t[:width], dtype=torch.int32)
         seq = [i for i, q in enumerate(query_lens) for _ in range(q)]
         index = [c - q + j for q, c in zip(query_lens, context_lens) for j in range(q)]
+        starts = [0]
+        for q in query_lens:
+            starts.append(starts[-1] + q)
         return PagedAttentionMetadata(
             block_tables=tables.to(device),
             context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
             token_seq=torch.tensor(seq, dtype=torch.long, device=device),
             token_index=torch.tensor(index, dtype=torch.long, device=device),
+            query_start=torch.tensor(starts, dtype=torch.int32, device=device),
             max_query_len=max(query_lens, default=0),
         )
 
@@ -95,6 +102,7 @@ class PagedAttentionMetadata:
             context_lens=context_lens,
             token_seq=torch.arange(b, device=block_tables.device),
             token_index=context_lens.long() - 1,
+            query_start=torch.arange(b + 1, dtype=torch.int32, device=block_tables.device),
             max_query_len=1,
         )
 

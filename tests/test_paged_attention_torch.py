@@ -82,9 +82,10 @@ def test_metadata_from_lists_and_decode_form_agree() -> None:
     meta = PagedAttentionMetadata.from_lists([1, 3], [6, 3], [[7, 2], [5]], max_blocks=3)
     assert meta.block_tables.tolist() == [[7, 2, 0], [5, 0, 0]]
     assert meta.token_seq.tolist() == [0, 1, 1, 1] and meta.token_index.tolist() == [5, 0, 1, 2]
-    assert meta.max_query_len == 3
+    assert meta.max_query_len == 3 and meta.query_start.tolist() == [0, 1, 4]
     dec = PagedAttentionMetadata.decode(meta.block_tables, torch.tensor([6, 1], dtype=torch.int32))
     assert dec.token_seq.tolist() == [0, 1] and dec.token_index.tolist() == [5, 0] and dec.max_query_len == 1
+    assert dec.query_start.tolist() == [0, 1, 2] and dec.query_start.dtype == torch.int32
 
 
 def test_padding_rows_on_a_pad_slot_leave_real_sequences_alone() -> None:

@@ -209,6 +209,124 @@ def test_interp_decode_attention_pads_mla_head_dims() -> None:
     assert torch.equal(kv.k[0], ref_kv.k[0]) and torch.equal(kv.v[0], ref_kv.v[0])
 
 
+# Prefill-shaped steps (query lens, context lens after the step, query heads, KV heads, K dim, V dim). The
+# kernel's query tile is 64 rows (tokens x group): 16 tokens at group 4, 21 at group 3, 64 at group 1.
+PREFILL_LAYOUTS = {
+    "prompts-gqa4": ([21, 6], [21, 6], 8, 2, 16, 16),  # fresh prompts; 21 tokens: two tiles, the last partial
+    "chunked-gqa3": ([25, 4], [40, 11], 6, 2, 16, 16),  # cached prefixes longer than the new tokens
+    "mixed-gqa1": ([1, 9, 1, 70, 2], [13, 9, 1, 75, 5], 2, 2, 16, 16),  # decode rows beside prefill rows
+    "mla-dims": ([6, 3], [6, 20], 3, 3, 24, 16),  # one KV head per query head, K 24 != V 16 (padded to 32)
+}
+
+
+@inner
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout", list(PREFILL_LAYOUTS))
+def test_interp_prefill_attention_stores_kv_and_equals_reference(layout: str, dtype: torch.dtype) -> None:
+    """Causal paged flash attention over padded block tables (3 spare columns) of scattered blocks equals
+    the per-sequence reference, and leaves the cache as the reference does (the new K/V stored)."""
+    from fusedserve.models.forward_batch import ForwardBatch, KVCache, PagedAttentionMetadata
+    from fusedserve.models.layers.attention import paged_attention_reference
+    from fusedserve.models.layers.prefill_attention_triton import paged_prefill_attention_triton
+
+    query_lens, context_lens, heads, kv_heads, kdim, vdim = PREFILL_LAYOUTS[layout]
+    g = torch.Generator().manual_seed(len(layout))
+    block, num_blocks, t = 4, 48, sum(query_lens)
+    kv = KVCache.allocate({0: (kv_heads, kdim, vdim)}, num_blocks, block, dtype)
+    kv.k[0].copy_(torch.randn(kv.k[0].shape, generator=g))  # cached prefixes (and stale slots)
+    kv.v[0].copy_(torch.randn(kv.v[0].shape, generator=g))
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, slots = [], []
+    for q_len, c in zip(query_lens, context_lens):
+        table, perm = perm[: -(-c // block)], perm[-(-c // block):]
+        tables.append(table)
+        slots += [table[p // block] * block + p % block for p in range(c - q_len, c)]
+    width = max(len(tb) for tb in tables) + 3
+    q = torch.randn(t, heads, kdim, generator=g).to(dtype)
+    k = torch.randn(t, kv_heads, kdim, generator=g).to(dtype)
+    v = torch.randn(t, kv_heads, vdim, generator=g).to(dtype)
+
+    def batch(cache: KVCache, padded: bool) -> ForwardBatch:
+        meta = PagedAttentionMetadata.from_lists(query_lens, context_lens, tables, max_blocks=width)
+        return ForwardBatch(torch.zeros(t, dtype=torch.long), torch.zeros(t, dtype=torch.long), query_lens,
+                            context_lens, torch.tensor(slots), tables, cache, paged=meta if padded else None)
+
+    ref_kv = KVCache({0: kv.k[0].clone()}, {0: kv.v[0].clone()}, block, num_blocks)
+    got = paged_prefill_attention_triton(q, k, v, 0, batch(kv, True), kdim**-0.5)
+    want = paged_attention_reference(q, k, v, 0, batch(ref_kv, False), kdim**-0.5)
+    _close(got, want, 1e-5 if dtype == torch.float32 else 1e-2)
+    assert torch.equal(kv.k[0], ref_kv.k[0]) and torch.equal(kv.v[0], ref_kv.v[0])
+
+
+@inner
+def test_interp_prefill_attention_on_a_graph_padded_verify_layout_equals_torch() -> None:
+    """StepGraphs' padded layout: every sequence 4 rows, real rows last; the leading padding rows share
+    the first real row's causal limit and write the pad slot; a padding sequence sees one slot of block 0."""
+    from fusedserve.models.forward_batch import ForwardBatch, KVCache, PagedAttentionMetadata
+    from fusedserve.models.layers.paged_attention_torch import paged_attention_torch
+    from fusedserve.models.layers.prefill_attention_triton import paged_prefill_attention_triton
+
+    g = torch.Generator().manual_seed(11)
+    block, num_blocks, b, n, pad_slot = 4, 12, 3, 4, 47
+    kv = KVCache.allocate({0: (2, 16)}, num_blocks, block, torch.bfloat16)
+    kv.k[0].copy_(torch.randn(kv.k[0].shape, generator=g))
+    kv.v[0].copy_(torch.randn(kv.v[0].shape, generator=g))
+    # sequence 0: 4 real rows, context 9 in blocks [5, 2, 7]; 1: 2 real rows, context 6 in [3, 9]; 2: padding
+    meta = PagedAttentionMetadata(
+        block_tables=torch.tensor([[5, 2, 7], [3, 9, 0], [0, 0, 0]], dtype=torch.int32),
+        context_lens=torch.tensor([9, 6, 1], dtype=torch.int32),
+        token_seq=torch.arange(b).repeat_interleave(n),
+        token_index=torch.tensor([5, 6, 7, 8, 4, 4, 4, 5, 0, 0, 0, 0]),
+        query_start=torch.arange(b + 1, dtype=torch.int32) * n, max_query_len=n)
+    slots = torch.tensor([9, 10, 11, 28, pad_slot, pad_slot, 36, 37] + [pad_slot] * 4)  # block * 4 + offset
+    q = torch.randn(b * n, 8, 16, generator=g).to(torch.bfloat16)
+    k = torch.randn(b * n, 2, 16, generator=g).to(torch.bfloat16)
+    v = torch.randn(b * n, 2, 16, generator=g).to(torch.bfloat16)
+
+    def batch(cache: KVCache) -> ForwardBatch:
+        zeros = torch.zeros(b * n, dtype=torch.long)
+        return ForwardBatch(zeros, zeros, [n] * b, [n] * b, slots, [[0]] * b, cache, paged=meta)
+
+    ref_kv = KVCache({0: kv.k[0].clone()}, {0: kv.v[0].clone()}, block, num_blocks)
+    got = paged_prefill_attention_triton(q, k, v, 0, batch(kv), 0.25)
+    want = paged_attention_torch(q, k, v, 0, batch(ref_kv), 0.25)
+    _close(got, want, 1e-2)
+    assert torch.equal(kv.k[0][:pad_slot], ref_kv.k[0][:pad_slot])  # the pad slot: whichever row wrote last
+
+
+@inner
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
+def test_interp_prefill_and_chunked_prefill_with_triton_kernels_equal_reference(arch: str) -> None:
+    """A whole tiny model (Llama: GQA 2; DeepSeek-V3: MLA, K 24 / V 16) prefills two prompts, then extends
+    one by a chunk over its cached prefix beside a decode row: Triton kernel set vs the references (fp32)."""
+    from transformers import DeepseekV3Config, LlamaConfig
+
+    from fusedserve.models.forward_batch import ForwardBatch, KVCache
+    from fusedserve.models.layers.kernels import Kernels
+    from fusedserve.models.parallel.collectives import Collectives
+    from fusedserve.models.parallel.groups import ParallelGroups
+    from fusedserve.models.random_init import random_model
+    from fusedserve.tiny import DEEPSEEK_V3_DEFAULTS
+
+    if arch == "llama":
+        config = LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, architectures=["LlamaForCausalLM"])
+    else:
+        config = DeepseekV3Config(**{**DEEPSEEK_V3_DEFAULTS, "vocab_size": 100, "num_hidden_layers": 2,
+                                     "v_head_dim": 16, "architectures": ["DeepseekV3ForCausalLM"]})
+    logits = {}
+    for name in ("reference", "triton"):
+        model = random_model(config, ParallelGroups.single_rank(), Collectives("gloo"), seed=5,
+                             kernels=Kernels.named(name))
+        kv = KVCache.allocate(model.kv_shapes(), 8, 4, torch.float32)
+        first = model(ForwardBatch.prefill([[3, 1, 4, 1, 5, 9], [2, 7, 1]], kv)).logits  # blocks [0, 1], [2]
+        # Sequence 0 extends 6 -> 11 tokens (blocks 0, 1, 3), sequence 1 decodes its 4th token.
+        step = ForwardBatch(torch.tensor([2, 6, 5, 3, 5, 8]), torch.tensor([6, 7, 8, 9, 10, 3]), [5, 1],
+                            [11, 4], torch.tensor([6, 7, 12, 13, 14, 11]), [[0, 1, 3], [2]], kv)
+        logits[name] = torch.cat([first, model(step).logits])
+    _close(logits["triton"], logits["reference"], 1e-4)
+
+
 @inner
 @pytest.mark.parametrize("n,k,experts", [(1, 4, 6), (13, 3, 5), (40, 2, 3)])
 def test_interp_fused_experts_equal_the_torch_blocks(n: int, k: int, experts: int) -> None:

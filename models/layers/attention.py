@@ -1,8 +1,9 @@
 """Attention over the paged KV cache: the plain torch reference.
 
 Faster backends with the same signature (``AttentionBackend``): ``paged_attention_torch.py``
-(CUDA-graph capturable torch ops) and ``decode_attention_triton.py`` (GPU decode kernel); a
-model picks one at construction (``kernels.py``).
+(CUDA-graph capturable torch ops) and ``decode_attention_triton.py`` (GPU decode kernel, which
+hands steps of several new tokens per sequence to ``prefill_attention_triton.py``); a model
+picks one at construction (``kernels.py``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """Paged GQA decode attention in Triton that also stores the new token's K/V (GPU; split-KV).
 
 Plain reference: ``paged_attention_torch.paged_attention_torch`` (itself checked against
-``attention.paged_attention_reference``); batches that are not decode-shaped (more than one
-new token per sequence) go to it. A program per (sequence, KV head, split) handles the head's
+``attention.paged_attention_reference``). Steps that are not decode-shaped (more than one new
+token per sequence: prefill, chunked prefill, chain verify, mixed batches) go to the paged flash
+attention of ``prefill_attention_triton.py``; trees (a metadata ``tail_mask`` or
+``batch.attn_masks``) to the torch path. A program per (sequence, KV head, split) handles the head's
 query group (padded to 16 rows for ``tl.dot``) with an online softmax over the sequence's
 blocks; when there are few sequences, each context is split over several programs (split-KV:
 ``num_splits``) whose partial softmax states a second small kernel combines. The new token
@@ -23,6 +25,7 @@ import triton.language as tl
 
 from ..forward_batch import ForwardBatch
 from .paged_attention_torch import paged_attention_torch
+from .prefill_attention_triton import paged_prefill_attention_triton
 
 BLOCK_N = 64
 TARGET_PROGRAMS = 256
@@ -139,15 +142,18 @@ def paged_decode_attention_triton(
     batch: ForwardBatch,
     scale: float,
 ) -> torch.Tensor:
-    """Decode: store each sequence's new K/V and attend over its context; other batches: the torch path.
+    """Decode: store each sequence's new K/V and attend over its context; steps of several new tokens
+    per sequence: ``paged_prefill_attention_triton``; trees: the torch path.
 
-    q: [B, heads, head_dim]; k, v: [B, kv_heads, head_dim] -> [B, heads, v_head_dim]
+    q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] -> [T, heads, v_head_dim] (decode: T = B)
     """
     meta = batch.paged_metadata()
     cache = batch.kv_cache
-    if meta.max_query_len != 1 or cache is None or (
+    if cache is None or meta.tail_mask is not None or (
             batch.attn_masks is not None and any(m is not None for m in batch.attn_masks)):
         return paged_attention_torch(q, k, v, layer_id, batch, scale)
+    if meta.max_query_len != 1:
+        return paged_prefill_attention_triton(q, k, v, layer_id, batch, scale)
     kc, vc = cache.k[layer_id], cache.v[layer_id]
     n, heads, dim = q.shape
     kv_heads, vdim = k.shape[1], v.shape[2]

@@ -8,8 +8,10 @@ name         attention                              norms, RoPE, SiLU-and-mul; r
 reference    ``paged_attention_reference``          the torch references; per-expert loop
 torch        ``paged_attention_torch`` (graphable)  the torch references; ``fused_experts_torch``
 triton       ``paged_decode_attention_triton``      Triton kernels (``*_triton.py``; GPU only);
-             (decode; other steps: the torch one)   matmuls stay cuBLAS unless ``skinny_matmul``;
-                                                    ``fused_experts_triton``
+             (decode; several new tokens per        matmuls stay cuBLAS unless ``skinny_matmul``;
+             sequence: the flash kernel of          ``fused_experts_triton``
+             ``prefill_attention_triton.py``;
+             trees: the torch one)
 flashinfer   ``flashinfer_attention``, planned      as ``triton``
              once per forward (``planner``)
 ===========  =====================================  ==========================================

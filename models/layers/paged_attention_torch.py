@@ -5,9 +5,12 @@ tests/test_paged_attention_torch.py), but every piece of the layout comes from
 ``ForwardBatch.paged_metadata()`` as device tensors of static shape: no Python loop over
 sequences, no ``.item()``, no host sync. Each new token attends to the cache indices
 ``0..token_index`` of its sequence, gathered through the block table; keys past that (block
-table padding, future tokens) are masked. Tree masks (speculative verify) go to the reference. Memory grows as tokens x max_blocks*block_size, so
-long prefills belong to a kernel; the decode fast path is ``decode_attention_triton.py``. A tree
-given as the metadata's ``tail_mask`` (device tensor) stays here, capturable.
+table padding, future tokens) are masked. Tree masks given as ``batch.attn_masks`` (eager
+speculative verify) go to the reference; a tree given as the metadata's ``tail_mask`` (device
+tensor) stays here, capturable. Memory grows as tokens x max_blocks*block_size, so on the GPU
+this is no fast path: the ``triton`` kernel set attends with ``decode_attention_triton.py``
+(decode) and ``prefill_attention_triton.py`` (several new tokens per sequence), and sends only
+trees here.
 """
 
 from __future__ import annotations

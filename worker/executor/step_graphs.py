@@ -84,6 +84,7 @@ class _Views:
     tail: torch.Tensor  # [rows, tail] 0/1
     dp_real: torch.Tensor | None  # [dp] real tokens of every DP group
     token_seq: torch.Tensor  # [rows] constant
+    query_start: torch.Tensor  # [batch + 1] constant: each sequence's first row (int32)
     last_rows: torch.Tensor  # [batch] constant: each sequence's last row
     hidden: torch.Tensor | None  # [rows, hidden]
 
@@ -172,6 +173,7 @@ class StepGraphs:
                       context_lens=parts[5], tables=parts[6].view(b, m), tail=parts[7].view(t, shape.tail),
                       dp_real=parts[8] if self.dp else None,
                       token_seq=torch.arange(b, device=dev).repeat_interleave(q),
+                      query_start=torch.arange(b + 1, dtype=torch.int32, device=dev) * q,
                       last_rows=torch.arange(b, device=dev) * q + q - 1,
                       hidden=self._hidden[shape.hidden][:t] if shape.hidden else None)
 
@@ -179,7 +181,8 @@ class StepGraphs:
         """The padded forward on the static views (captured: everything here is replayed)."""
         b = shape.batch
         meta = PagedAttentionMetadata(block_tables=v.tables, context_lens=v.context_lens, token_seq=v.token_seq,
-                                      token_index=v.index, max_query_len=shape.tokens,
+                                      token_index=v.index, query_start=v.query_start,
+                                      max_query_len=shape.tokens,
                                       tail_mask=(v.tail != 0) if shape.tail else None)
         batch = ForwardBatch(
             input_ids=v.ids, positions=v.positions,
