@@ -203,19 +203,24 @@ def _scheduling_state(pg: Any) -> str:
 
 
 def _first_rank_error(group: EngineGroup, e: BaseException) -> str:
-    """Which rank failed: a rank that died or raised first, rather than its peers' transport errors."""
+    """Which rank failed: a rank that died, before any live rank's problem (a live peer of a dead rank
+    reports the transport error of its collective, whose wording gloo and NCCL vary), then a live
+    rank's own error rather than its peers' transport errors. Every rank is asked before choosing."""
     import ray
 
-    for rank, actor in enumerate(group.actors):
+    pings = [actor.ping.remote() for actor in group.actors]
+    problems: list[str] = []
+    for rank, ping in enumerate(pings):
         try:
-            problem = ray.get(actor.ping.remote(), timeout=2)
+            problem = ray.get(ping, timeout=2)
         except ray.exceptions.GetTimeoutError:
             continue
         except ray.exceptions.RayError as dead:
             return f"rank {rank} died ({short(dead)})"
-        if problem and "Connection" not in problem and "closed" not in problem:
-            return str(problem)
-    return short(e)
+        if problem:
+            problems.append(str(problem))
+    own = [p for p in problems if "Connection" not in p and "closed" not in p]
+    return (own or problems or [short(e)])[0]
 
 
 def find_placement_groups(rc: RuntimeConfig) -> dict[int, Any]:
