@@ -20,6 +20,13 @@ import torch
 
 pytestmark = pytest.mark.gpu
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+try:
+    import flashinfer  # noqa: F401
+
+    HAVE_FLASHINFER = True
+except ImportError:
+    HAVE_FLASHINFER = False
+needs_flashinfer = pytest.mark.skipif(not HAVE_FLASHINFER, reason="needs FlashInfer (bench/device_env.sh stages it)")
 BLOCK = 16
 
 
@@ -87,6 +94,7 @@ CASES = {
 
 
 @needs_gpu
+@needs_flashinfer
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_flashinfer_attention_equals_the_reference(name: str) -> None:
     from fusedserve.models.forward_batch import KVCache
@@ -116,6 +124,7 @@ def _small_model(root: Path) -> Path:
 
 
 @needs_gpu
+@needs_flashinfer
 def test_graphed_fast_executor_equals_the_eager_reference(tmp_path: Path) -> None:
     from fusedserve.worker.engine.config import EngineConfig
     from fusedserve.worker.executor.step import SeqRows, Step
