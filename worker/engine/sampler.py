@@ -16,6 +16,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
+from ..executor.host_copy import to_device
 from .sequence import SamplingParams
 
 
@@ -85,17 +86,21 @@ class Sampler:
         logits: [n, vocab] (adjusted) -> [n, vocab] float32; greedy rows are one-hot on the argmax."""
         vocab = logits.shape[-1]
         device = logits.device
-        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
-        top_k = torch.tensor([min(p.top_k_or_none or vocab, vocab) for p in params], device=device)
-        top_p = torch.tensor([float(p.top_p) for p in params], device=device)
+        # The rows' parameters go to the device without waiting for it (``to_device``), and the
+        # filters run only where a row asks for them (decided on the host, from the parameters).
+        temps = to_device([p.temperature if not p.greedy else 1.0 for p in params], device, torch.float32)
         scaled = apply_temperature(logits, temps)
         if any(p.min_p > 0 for p in params):
-            min_p = torch.tensor([float(p.min_p) for p in params], device=device)
+            min_p = to_device([float(p.min_p) for p in params], device, torch.float32)
             scaled = scaled.masked_fill(~min_p_mask(scaled, min_p), float("-inf"))
-        scaled = scaled.masked_fill(~top_k_top_p_mask(scaled, top_k, top_p), float("-inf"))
+        top_k = [min(p.top_k_or_none or vocab, vocab) for p in params]
+        if any(k < vocab for k in top_k) or any(p.top_p < 1.0 for p in params):
+            keep = top_k_top_p_mask(scaled, to_device(top_k, device),
+                                    to_device([float(p.top_p) for p in params], device, torch.float32))
+            scaled = scaled.masked_fill(~keep, float("-inf"))
         out = torch.softmax(scaled, dim=-1)
-        greedy = torch.tensor([p.greedy for p in params], device=device)
-        if bool(greedy.any()):
+        if any(p.greedy for p in params):
+            greedy = to_device([p.greedy for p in params], device, torch.bool)
             one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), vocab).float()
             out = torch.where(greedy[:, None], one_hot, out)
         return out

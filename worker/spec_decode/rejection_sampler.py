@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from ..engine.sampler import sample_from_probs
+from ..executor.host_copy import to_device
 from .draft_tree import Acceptance, DraftTree
 
 Draw = Callable[[], float]  # one uniform number in [0, 1) from the request's stream
@@ -31,7 +32,7 @@ Draw = Callable[[], float]  # one uniform number in [0, 1) from the request's st
 
 def sample_token(probs: torch.Tensor, u: float) -> int:
     """Inverse-CDF draw from one (unnormalised, non-negative) row. probs: [vocab]"""
-    return int(sample_from_probs(probs[None], torch.tensor([u], dtype=torch.float64, device=probs.device))[0])
+    return int(sample_from_probs(probs[None], to_device([u], probs.device, torch.float64))[0])
 
 
 def verify_chain_sampled(drafts: list[int], draft_probs: torch.Tensor, target_probs: torch.Tensor,
