@@ -44,7 +44,8 @@ class TokenSampler:
         """One row per continuation: the sequence's outputs followed by those tokens (a draft path)."""
         masks = (state.grammar.allowed_after(continuations) if state.grammar is not None
                  else [None] * len(continuations))
-        return [LogitsRow(seq.params, seq.prompt_ids, [*seq.output_ids, *c], self.eos_ids, m)
+        # used at once (adjust_logits), so a row with no continuation may share the sequence's list
+        return [LogitsRow(seq.params, seq.prompt_ids, [*seq.output_ids, *c] if c else seq.output_ids, self.eos_ids, m)
                 for c, m in zip(continuations, masks)]
 
     def adjusted(self, logits: torch.Tensor, seq: Sequence, state: RequestState,
