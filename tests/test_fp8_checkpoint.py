@@ -384,3 +384,24 @@ def test_verify_runs_fp8_checkpoints_and_names_the_oracle_to_use(checkpoints: di
     assert "quantization: fp8 e4m3, 16x16 weight blocks" in report.to_text()
     with pytest.raises(VerifyError, match="try --oracle hf-dequantized"):
         _oracle_logits(VerifyOptions(path, oracle="hf"), _prompts(checkpoints["b16"]))
+
+
+def test_fp8_slice_benchmark_runs_at_tiny_scale(tmp_path: Path) -> None:
+    """bench/fp8_slice.py's CPU dry run (the H200 run is bench/gpu_fp8.sh): a complete record, and the
+    logits compared with the bf16 build run on the FP8 build's routing (every forced route used)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "slice.json"
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "bench/fp8_slice.py", "--tiny", "--skip-gemms", "--prefill", "64",
+                           "--out", str(out)], cwd=root, capture_output=True, text=True, timeout=600, check=False,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["complete"] and {"date", "machine", "command"} <= record.keys()
+    logits = record["summary"]["logits"]
+    for what in ("decode", "prefill"):
+        assert logits[what]["rel_l2_same_routing"] <= logits["tolerance_rel_l2"], logits
