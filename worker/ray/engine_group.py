@@ -25,6 +25,7 @@ RAY_NAMESPACE = "fusedserve"
 SCHEDULE_TIMEOUT_S = 30.0  # a feasible placement group still pending after this is reported
 START_TIMEOUT_S = 300.0
 PING_TIMEOUT_S = 10.0
+REPING_TIMEOUT_S = PING_TIMEOUT_S + 2  # the second look, once a rank reported a problem: longer than a busy rank's own status wait
 
 
 class GroupError(RuntimeError):
@@ -136,7 +137,7 @@ class EngineGroup:
             master = ray.get(self.actors[0].address.remote(), timeout=START_TIMEOUT_S) if rc.ranks > 1 else None
             self.ranks = ray.get([a.start.remote(master) for a in self.actors], timeout=START_TIMEOUT_S)
         except Exception as e:
-            raise GroupStartFailed(f"engine group {self.name} failed to start: {_first_rank_error(self, e)}") from e
+            raise GroupStartFailed(f"engine group {self.name} failed to start: {_first_rank_error(self, short(e))}") from e
 
     @classmethod
     def adopt(cls, rc: RuntimeConfig, index: int, pg: Any, cluster: ClusterShape) -> EngineGroup:
@@ -172,8 +173,11 @@ class EngineGroup:
         except ray.exceptions.GetTimeoutError:
             return None  # busy ranks (a long step on a loaded host); a dead one raises instead
         except ray.exceptions.RayError as e:
-            return _first_rank_error(self, e)
-        return next((a for a in answers if a), None)
+            return _first_rank_error(self, short(e))
+        problem = next((a for a in answers if a), None)
+        # Each rank answers when it gets to it: a peer may have answered "fine" just before it was
+        # killed, and the survivor after its collective failed. Ask again before naming a rank.
+        return None if problem is None else _first_rank_error(self, str(problem))
 
     def teardown(self) -> None:
         import ray
@@ -202,25 +206,31 @@ def _scheduling_state(pg: Any) -> str:
         return ""
 
 
-def _first_rank_error(group: EngineGroup, e: BaseException) -> str:
-    """Which rank failed: a rank that died, before any live rank's problem (a live peer of a dead rank
-    reports the transport error of its collective, whose wording gloo and NCCL vary), then a live
-    rank's own error rather than its peers' transport errors. Every rank is asked before choosing."""
+def _first_rank_error(group: EngineGroup, first: str) -> str:
+    """Which rank failed, every rank asked again: a rank that died; else one that stopped answering
+    while a peer reports a problem (its process is gone, Ray not yet sure); else a live rank's own
+    error rather than its peers' transport errors (a survivor's collective fails when its peer dies,
+    in words gloo and NCCL vary); else ``first``, what the first look saw."""
     import ray
 
     pings = [actor.ping.remote() for actor in group.actors]
     problems: list[str] = []
+    silent: list[int] = []
     for rank, ping in enumerate(pings):
         try:
-            problem = ray.get(ping, timeout=2)
+            problem = ray.get(ping, timeout=REPING_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
+            silent.append(rank)
             continue
         except ray.exceptions.RayError as dead:
             return f"rank {rank} died ({short(dead)})"
         if problem:
             problems.append(str(problem))
-    own = [p for p in problems if "Connection" not in p and "closed" not in p]
-    return (own or problems or [short(e)])[0]
+    reported = problems or [first]
+    if silent:
+        return f"rank {silent[0]} stopped answering; {reported[0]}"
+    own = [p for p in reported if "Connection" not in p and "closed" not in p]
+    return (own or reported)[0]
 
 
 def find_placement_groups(rc: RuntimeConfig) -> dict[int, Any]:
