@@ -173,7 +173,7 @@ class SpecDecoder:
                          ) -> tuple[ScheduledBatch, Any, dict[int, Proposal]] | None:
         """A greedy chain on one rank: the drafts stay on the device, the verify forward is queued right
         behind the draft's replays with the drafts as its token ids (placeholders on the host), and the
-        drafts are read back once the verify is queued, so the GPU runs draft and verify back to back.
+        drafts are read back after it (one wait for both), so the GPU runs draft and verify back to back.
         None where this does not apply (several ranks take the step's token ids as values, a sampled
         request's chain draws on the host, nothing chained captured)."""
         if (not work or self.target is not self.target.local or not self.drafter.is_chain
@@ -197,7 +197,7 @@ class SpecDecoder:
                 placeholder.append(replace(e, token_ids=[*e.token_ids, *[0] * n], num_logits=n + 1))
         out = local.run(forward_step(ScheduledBatch(seqs=placeholder, preempted=batch.preempted)),
                         input_ids=torch.cat(pieces))
-        rows = drafts[:, :n].tolist()  # waits for the draft only; the verify is queued behind it
+        rows = drafts[:, :n].tolist()  # queued behind the verify: the step's one wait, for draft and verify
         proposals = {w.entry.seq_id: Proposal(DraftTree.chain(w.entry.token_ids[0], row))
                      for w, row in zip(work, rows)}
         entries = [self._verify_entry(e, proposals[e.seq_id].tree) if e.seq_id in proposals else e
