@@ -132,18 +132,25 @@ def nbytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-def routed_ids(model: Any, fn: Callable[[], Any]) -> tuple[list[torch.Tensor], Any]:
-    """(the expert ids [n, k] each MoE layer's router chose while ``fn`` ran eagerly, fn's result).
+def routes_of(model: Any, fn: Callable[[], Any]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], Any]:
+    """(each MoE router call's (routing weights, expert ids [n, k]) while ``fn`` ran eagerly, fn's result).
     A read-only forward hook on each router, removed afterwards."""
-    seen: list[torch.Tensor] = []
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
     gates = [layer.mlp.gate for layer in model.layers if hasattr(layer.mlp, "gate")]
-    hooks = [g.register_forward_hook(lambda _m, _i, out: seen.append(out[1].detach().clone())) for g in gates]
+    hooks = [g.register_forward_hook(lambda _m, _i, out: seen.append((out[0].detach().clone(), out[1].detach().clone())))
+             for g in gates]
     try:
         result = fn()
     finally:
         for h in hooks:
             h.remove()
     return seen, result
+
+
+def routed_ids(model: Any, fn: Callable[[], Any]) -> tuple[list[torch.Tensor], Any]:
+    """(the expert ids [n, k] each MoE layer's router chose while ``fn`` ran eagerly, fn's result)."""
+    routes, result = routes_of(model, fn)
+    return [ids for _, ids in routes], result
 
 
 def build(opts: dict[str, Any], rank: int, backend: str, groups: Any, kernels: str, graphs: bool) -> Rank:

@@ -85,6 +85,7 @@ from bench.deepseek_slice import (
     nbytes,
     randomize_kv,
     routed_ids,
+    routes_of,
     tokens_of,
 )
 
@@ -276,20 +277,6 @@ def build(path: str, quantization: str, device: torch.device, kernels: str, grap
     built = build_rank(path, config)
     randomize_kv(built.executor, BLOCK * max(BATCH_SIZES) * SEQ_BLOCKS, 7)
     return built
-
-
-def routes_of(model: Any, fn: Callable[[], Any]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], Any]:
-    """(each MoE router call's (weights, expert ids) while ``fn`` ran eagerly, fn's result); read-only hooks."""
-    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
-    gates = [layer.mlp.gate for layer in model.layers if hasattr(layer.mlp, "gate")]
-    hooks = [g.register_forward_hook(lambda _m, _i, out: seen.append((out[0].detach().clone(), out[1].detach().clone())))
-             for g in gates]
-    try:
-        result = fn()
-    finally:
-        for h in hooks:
-            h.remove()
-    return seen, result
 
 
 def with_routes(model: Any, routes: list[tuple[torch.Tensor, torch.Tensor]], fn: Callable[[], Any]) -> Any:
