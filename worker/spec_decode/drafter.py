@@ -78,6 +78,7 @@ class Drafter:
         self.is_chain = topk == 1
         self._vocab = vocab
         self._draft_to_target = model.to_target_ids(torch.arange(model.draft_vocab, device=draft.device))
+        self._draft_to_target_host: list[int] = self._draft_to_target.tolist()  # a sampled draft's lookup, no sync
 
     def propose(self, work: list[DraftWork]) -> list[Proposal]:
         """Each sequence's draft tree (and a sampled chain's draft distributions)."""
@@ -172,10 +173,11 @@ class Drafter:
                   parents: list[list[int]], q_rows: list[list[torch.Tensor]]) -> list[list[int]]:
         """Add the children of every fed node (one logits row each, in order); returns, per
         sequence, the new candidates in order (``topk`` per parent)."""
-        logprobs = torch.log_softmax(logits, dim=-1)  # [rows, draft_vocab]
-        top_lp, top_ids = logprobs.topk(self.topk, dim=-1)
-        top_tokens = self._draft_to_target[top_ids].tolist()
-        top_lp_list = top_lp.tolist()
+        top_tokens: list[list[int]] = []
+        top_lp_list: list[list[float]] = []
+        if not (self.is_chain and all(not w.seq.params.greedy for w in work)):  # some row takes the top-k
+            top_lp, top_ids = torch.log_softmax(logits, dim=-1).topk(self.topk, dim=-1)
+            top_tokens, top_lp_list = self._draft_to_target[top_ids].tolist(), top_lp.tolist()
         out: list[list[int]] = []
         row = 0
         for i, w in enumerate(work):
@@ -203,7 +205,7 @@ class Drafter:
         d = sample_token(q_draft, draw())
         q = torch.zeros(self._vocab, dtype=q_draft.dtype, device=q_draft.device)
         q[self._draft_to_target] = q_draft
-        token = int(self._draft_to_target[d])
+        token = self._draft_to_target_host[d]
         return token, float(torch.log(q_draft[d])), q
 
     @staticmethod
