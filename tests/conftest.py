@@ -6,11 +6,13 @@ classes + ``save_pretrained``), so the oracle is nobody's code but HuggingFace's
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -92,6 +94,24 @@ def smollm2() -> Path:
 @pytest.fixture(scope="session")
 def llama_prompts() -> list[list[int]]:
     return [list(p) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny matrices: intra-op threads only add contention on a busy 2-core machine. A module takes it
+    with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama of 2 layers (seed 1), made once per test module."""
+    from fusedserve.tiny import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("llama"), seed=1, num_hidden_layers=2)
 
 
 @pytest.fixture(scope="session")

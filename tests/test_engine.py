@@ -8,7 +8,6 @@ tokens it would get alone, and every block comes back.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,21 +33,9 @@ from fusedserve.worker.executor.kv_cache import (
 )
 from fusedserve.worker.executor.step import Step
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("llama"), seed=1, num_hidden_layers=2)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny matrices: intra-op threads only add contention on a busy 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,8 @@ from fusedserve.worker.engine.sequence import SamplingParams
 from fusedserve.worker.parallel.local_ranks import run_on_ranks
 from fusedserve.worker.spec_decode.config import SpeculativeConfig
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TARGET = REPO_ROOT / "examples/checkpoints/tiny-code"
 DRAFT = REPO_ROOT / "examples/checkpoints/tiny-code-eagle3"
@@ -32,19 +33,6 @@ SYSTEM = ("# Helpers for the service: read the config, talk to the database, for
 QUESTIONS = ["def fib(n):\n    ", "class Foo:\n    def __init__(self", "for i in range(10):\n",
              "def load(path):\n    with open(", "    return self._", "def main():\n"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("llama"), seed=1, num_hidden_layers=2)
 
 
 def shared_prompts(n: int, seed: int, system_len: int = 37) -> list[list[int]]:

@@ -9,11 +9,9 @@ right tokens at awkward tree positions forces deep acceptance with K/V relocatio
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from fusedserve.tiny import make_tiny_eagle3_draft, make_tiny_llama, make_tiny_nemotron_h
 from fusedserve.worker.engine.config import EngineConfig
@@ -22,6 +20,8 @@ from fusedserve.worker.engine.sequence import SamplingParams
 from fusedserve.worker.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
 from fusedserve.worker.spec_decode.draft_tree import DraftTree
 from fusedserve.worker.spec_decode.drafter import Proposal
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TARGET = REPO_ROOT / "examples/checkpoints/tiny-code"
@@ -38,14 +38,6 @@ def chain(draft: Path | str, steps: int = 3) -> SpeculativeConfig:
 
 def tree(draft: Path | str, steps: int = 4, topk: int = 4, nodes: int = 8) -> SpeculativeConfig:
     return SpeculativeConfig(str(draft), num_steps=steps, topk=topk, num_draft_tokens=nodes)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
