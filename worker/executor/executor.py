@@ -170,10 +170,11 @@ class StepExecutor:
         return not self.dp and (self.attention is None or self.attention.device_only(
             GraphSlot(shape.batch, shape.tokens, shape.tail, max_blocks)))
 
-    def can_chain(self, num_seqs: int, chain: int) -> bool:
-        """A captured chained shape holds ``num_seqs`` sequences (``run_chain`` will replay it)."""
-        return self.graphs is not None and not self.dp and any(
-            k[4] == chain and k[0] == 1 and max(b) >= num_seqs for k, b in self.graphs.batch_sizes.items())
+    def chain_shape(self, num_seqs: int, hidden: int, chain: int) -> StepShape | None:
+        """The captured chained shape ``run_chain`` replays for ``num_seqs`` sequences, or None."""
+        if self.graphs is None or self.dp:
+            return None
+        return self.graphs.shape_for(num_seqs, (1, 0, False, hidden, chain))
 
     @torch.inference_mode()
     def run_chain(self, step: Step, hidden: torch.Tensor, first_ids: torch.Tensor, chain: int
@@ -183,13 +184,12 @@ class StepExecutor:
         ([len(step.seqs)], on the device) in place of the step's token ids and ``hidden``
         ([len(step.seqs), width]). -> the tokens fed after each forward [len(step.seqs), chain], or
         None when no captured chained shape fits (the caller runs the forwards one by one)."""
+        if not step.seqs or not all(s.rows == 1 and s.num_logits == 1 and s.tail_mask is None for s in step.seqs):
+            return None
+        shape = self.chain_shape(len(step.seqs), int(hidden.shape[-1]), chain)
+        if shape is None or self.graphs is None:
+            return None
         graphs = self.graphs
-        if graphs is None or self.dp or not step.seqs or not all(
-                s.rows == 1 and s.num_logits == 1 and s.tail_mask is None for s in step.seqs):
-            return None
-        shape = graphs.shape_for(len(step.seqs), (1, 0, False, int(hidden.shape[-1]), chain))
-        if shape is None:
-            return None
         bs = self.kv_cache.block_size
         packed = [PackedSeq(s.block_table, s.token_ids, s.positions, s.slots(bs), s.context_len) for s in step.seqs]
         [fed] = graphs.run(shape, packed, hidden, input_ids=first_ids)

@@ -197,9 +197,8 @@ class SpecDecoder:
                 placeholder.append(replace(e, token_ids=[*e.token_ids, *[0] * n], num_logits=n + 1))
         out = local.run(forward_step(ScheduledBatch(seqs=placeholder, preempted=batch.preempted)),
                         input_ids=torch.cat(pieces))
-        rows = drafts[:, :n].tolist()  # queued behind the verify: the step's one wait, for draft and verify
-        proposals = {w.entry.seq_id: Proposal(DraftTree.chain(w.entry.token_ids[0], row))
-                     for w, row in zip(work, rows)}
+        # the read-back is queued behind the verify: the step's one wait, for draft and verify
+        proposals = dict(zip((w.entry.seq_id for w in work), self.drafter.chain_proposals(work, drafts)))
         entries = [self._verify_entry(e, proposals[e.seq_id].tree) if e.seq_id in proposals else e
                    for e in batch.seqs]
         return ScheduledBatch(seqs=entries, preempted=batch.preempted), out, proposals

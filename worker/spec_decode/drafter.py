@@ -79,6 +79,7 @@ class Drafter:
         self._vocab = vocab
         self._draft_to_target = model.to_target_ids(torch.arange(model.draft_vocab, device=draft.device))
         self._draft_to_target_host: list[int] = self._draft_to_target.tolist()  # a sampled draft's lookup, no sync
+        self._hidden = int(model.config.hidden_size)  # the chained steps' hidden input
 
     def propose(self, work: list[DraftWork]) -> list[Proposal]:
         """Each sequence's draft tree (and a sampled chain's draft distributions)."""
@@ -88,8 +89,7 @@ class Drafter:
         if self.is_chain and all(w.seq.params.greedy for w in work):
             drafts = self.greedy_chain(work)
             if drafts is not None:
-                rows = drafts[:, : self.num_nodes - 1].tolist()  # the step's one read-back of the drafts
-                return [Proposal(DraftTree.chain(w.entry.token_ids[0], row)) for w, row in zip(work, rows)]
+                return self.chain_proposals(work, drafts)
         logits, root_hidden = self._first_pass(work)
         builders = [TreeBuilder(w.seq.token_ids(w.entry.start, w.entry.start + 1)[0]) for w in work]
         q_rows: list[list[torch.Tensor]] = [[] for _ in work]
@@ -136,7 +136,7 @@ class Drafter:
         """A greedy chain's drafts, left on the device: the first pass, then steps 1 .. num_steps - 1 in
         one chained replay. -> [len(work), num_steps] target ids; None (before running anything) when
         no captured chained shape fits."""
-        if self.num_steps > 1 and not self.draft.can_chain(len(work), self.num_steps - 1):
+        if self.num_steps > 1 and self.draft.chain_shape(len(work), self._hidden, self.num_steps - 1) is None:
             return None
         logits, root_hidden = self._first_pass(work)
         first = self.greedy_tokens(logits)  # [B]: each root's first draft
@@ -145,8 +145,13 @@ class Drafter:
         seqs = tuple(SeqRows(tuple(w.entry.block_table), (0,), (w.entry.start + 1,), w.entry.start + 1)
                      for w in work)  # token ids: ``first``, on the device
         fed = self.draft.run_chain(Step(seqs), root_hidden, first, self.num_steps - 1)
-        assert fed is not None  # can_chain said a shape fits
+        assert fed is not None  # chain_shape said a shape fits
         return torch.cat([first[:, None], fed], dim=1)
+
+    def chain_proposals(self, work: list[DraftWork], drafts: torch.Tensor) -> list[Proposal]:
+        """Each sequence's chain from ``greedy_chain``'s drafts (read back here: the caller's one wait)."""
+        rows = drafts[:, : self.num_nodes - 1].tolist()
+        return [Proposal(DraftTree.chain(w.entry.token_ids[0], row)) for w, row in zip(work, rows)]
 
     def _first_pass(self, work: list[DraftWork]) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft over every base not yet in its cache, up to the root; consumes the pending
