@@ -5,8 +5,9 @@
 
 A Llama-3-8B-shaped model (random bf16 weights: ``load_format="dummy"``, the engine's defaults
 otherwise: CUDA graphs and the fast kernel set on the GPU) is driven only through
-``Engine.add_request`` / ``Engine.step``; every figure is wall time of ``step()`` (it returns
-sampled tokens, so each step is synchronised), after a warm-up. In one run:
+``Engine.add_request`` / ``Engine.step``; every figure is wall time of ``step()`` calls run back to
+back, as a serving loop runs them, after a warm-up (the engine overlaps a step's host work with the
+GPU running the next: ``inflight_step.py``; the time of ``steps`` steps over ``steps``). In one run:
 
 1. ceilings: copy bandwidth (read + write counted) and a large bf16 matmul;
 2. decode at batch 1 .. 64: each sequence a 128-token prompt, then ``--steps`` greedy decode
@@ -21,7 +22,9 @@ sampled tokens, so each step is synchronised), after a warm-up. In one run:
 5. the peer a user would otherwise pick on one GPU: HF transformers with a ``StaticCache`` and a
    ``torch.compile``d one-token step (``cudagraph_mark_step_begin`` before each call) at the same
    batches and prompt length;
-6. the fast kernel set's greedy tokens against the reference set's (same weights, eager) for
+6. decode at batch 1 / 16 / 64 with ``overlap_scheduling=False`` (each step's tokens read back
+   before the next is planned), what the overlap gains;
+7. the fast kernel set's greedy tokens against the reference set's (same weights, eager) for
    ``--check-tokens`` steps at batch 1: first divergence, and the max |logit| difference of the
    first step (bf16 tolerance).
 """
@@ -114,17 +117,21 @@ def decode_run(engine: Engine, batch: int, steps: int, vocab: int, dev: torch.de
     for _ in range(3):
         engine.step()  # warm-up decode steps
     times = []
-    for _ in range(steps):
-        sync(dev)
-        t = time.perf_counter()
+    sync(dev)
+    t0 = t = time.perf_counter()
+    for _ in range(steps):  # back to back, as a serving loop runs them (overlapped steps run ahead of the GPU)
         engine.step()
-        times.append(time.perf_counter() - t)
+        now = time.perf_counter()
+        times.append(now - t)
+        t = now
+    sync(dev)
+    per_step = (time.perf_counter() - t0) / steps
     while engine.has_unfinished():
         engine.step()
     s = spread(times)
-    return {"batch": batch, "ms_per_step": 1000 * s["median"], "ms_min": 1000 * s["min"], "ms_max": 1000 * s["max"],
-            "spread": s["spread"], "steps": steps, "tok_per_s": batch / s["median"],
-            "context_at_midpoint": PROMPT_LEN + 3 + steps // 2}
+    return {"batch": batch, "ms_per_step": 1000 * per_step, "ms_median": 1000 * s["median"], "ms_min": 1000 * s["min"],
+            "ms_max": 1000 * s["max"], "spread": s["spread"], "steps": steps, "tok_per_s": batch / per_step,
+            "overlapped": engine.overlap, "context_at_midpoint": PROMPT_LEN + 3 + steps // 2}
 
 
 def host_profile(engine: Engine, batch: int, steps: int, vocab: int, top: int = 25) -> list[str]:
@@ -151,8 +158,9 @@ def host_profile(engine: Engine, batch: int, steps: int, vocab: int, top: int = 
     return [line for line in buf.getvalue().splitlines() if line.strip()][:top + 12]
 
 
-def ttft(engine: Engine, length: int, vocab: int, dev: torch.device) -> float:
-    [prompt] = prompts_of(1, length, vocab, seed=length)
+def ttft(engine: Engine, length: int, vocab: int, dev: torch.device, seed: int) -> float:
+    """Time to the first token of a fresh prompt (its own ``seed``: no prefix-cache hit)."""
+    [prompt] = prompts_of(1, length, vocab, seed=seed)
     sync(dev)
     t = time.perf_counter()
     engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
@@ -166,8 +174,8 @@ def ttft(engine: Engine, length: int, vocab: int, dev: torch.device) -> float:
 
 def prefill_run(engine: Engine, length: int, shape: dict[str, Any], dev: torch.device, peak: float
                 ) -> dict[str, Any]:
-    ttft(engine, length, shape["vocab_size"], dev)  # warm-up at this shape
-    s = spread([ttft(engine, length, shape["vocab_size"], dev) for _ in range(3)])
+    ttft(engine, length, shape["vocab_size"], dev, seed=100 * length)  # warm-up at this shape
+    s = spread([ttft(engine, length, shape["vocab_size"], dev, seed=100 * length + k) for k in range(1, 4)])
     flops = prefill_flops(shape, length)
     r = {"prompt_tokens": length, "max_batch_tokens": engine.config.max_batch_tokens, "ttft_ms": 1000 * s["median"],
          "spread": s["spread"], "model_flops": flops, "TFLOPs": flops / s["median"] / 1e12,
@@ -320,6 +328,15 @@ def main() -> None:
         prefill += [prefill_run(one_chunk, n, shape, dev, peak) for n in lengths]
         del one_chunk
         record["prefill"] = prefill
+        if cuda:
+            torch.cuda.empty_cache()
+        # The same decode with every step's tokens read back before the next is planned: what overlapping gains.
+        serial = engine_for(path, device, overlap_scheduling=False)
+        record["decode_without_overlap"] = [decode_run(serial, b, args.steps, shape["vocab_size"], dev)
+                                            for b in batches if b in (1, 16, 64)]
+        del serial
+        for r in record["decode_without_overlap"]:
+            progress(f"without overlap, batch {r['batch']}: {r['ms_per_step']:.2f} ms/step ({r['tok_per_s']:.0f} tok/s)")
         if cuda:
             torch.cuda.empty_cache()
         record["greedy_fast_vs_reference"] = token_check(path, device, args.check_tokens, shape["vocab_size"])

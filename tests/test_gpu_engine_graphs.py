@@ -52,3 +52,22 @@ def test_graph_engine_equals_eager_engine() -> None:
         assert graphed == eager, name
         baseline = baseline if baseline is not None else eager
         assert graphed == baseline, f"{name}: speculation changed the greedy output"
+
+
+@needs_gpu
+def test_overlapped_steps_equal_read_back_steps_on_the_gpu() -> None:
+    """Overlapped steps (on by default here) against every step read back, with graphs: greedy and seeded
+    sampling, stop tokens found while the next step runs."""
+    from fusedserve.worker.engine.config import EngineConfig
+    from fusedserve.worker.engine.engine import Engine
+    from fusedserve.worker.engine.sequence import SamplingParams
+
+    params = [SamplingParams(temperature=0 if i % 2 else 0.9, seed=i, max_tokens=24 + 5 * i,
+                             stop_token_ids=(13,) if i % 3 == 0 else ()) for i in range(len(PROMPTS))]
+    runs = {}
+    for overlap in (None, False):
+        engine = Engine(TARGET, EngineConfig(num_blocks=64, max_num_seqs=4, device="cuda",
+                                             overlap_scheduling=overlap))
+        assert engine.overlap is (overlap is None)
+        runs[overlap] = [(c.token_ids, c.finish_reason) for c in engine.generate(PROMPTS, params)]
+    assert runs[None] == runs[False]

@@ -9,6 +9,13 @@ finished sequences. The outputs of a step are streaming deltas (``RequestOutput`
 With ``EngineConfig.speculative`` the step's forward also verifies EAGLE3 drafts
 (``SpecDecoder``): a decoding sequence may gain several tokens per step.
 
+Overlapped steps (``overlap_scheduling``, on by default on one GPU without speculation;
+``inflight_step.py``): a plain step whose sampling rows can all be drawn on the device is left in
+flight, its tokens as placeholders; the next ``step`` schedules and launches the following forward
+first (its rows take those tokens on the device) and then reads them back and turns them into
+outputs, while the GPU runs. Each ``step`` then returns the previous forward's outputs. A step with
+a request that needs its tokens on the host (logprobs, a grammar, history penalties) runs as before.
+
 CUDA graphs (decided once, when the rank is built: ``executor/kernel_set.py``): the target's
 decode steps (or, with speculation, its verify forwards) and the draft's first pass and steps
 are captured at start-up at the batch sizes of ``cuda_graph_batch_sizes`` up to ``max_num_seqs``
@@ -36,19 +43,21 @@ from ...models.interface import ModelOutput
 from ...models.loader import load_config
 from ...models.parallel.ledger import CollectiveLedger
 from ..executor.executor import StepExecutor
+from ..executor.host_copy import to_device
 from ..executor.step import Step
 from ..executor.step_shape import StepShape
 from ..spec_decode.decoder import SpecDecoder
 from .block_manager import BlockManager
-from .config import EngineConfig, prefix_cache_for, resolve_max_model_len
+from .config import EngineConfig, EngineConfigError, prefix_cache_for, resolve_max_model_len
 from .detokenizer import IncrementalDetokenizer
 from .forward_step import forward_step
 from .grammar import GrammarCompiler
+from .inflight_step import InFlightStep
 from .outputs import Completion, RequestOutput
 from .request_state import RequestState
 from .sampler import Sampler
-from .scheduler import ScheduledBatch, Scheduler
-from .sequence import FinishReason, InvalidRequest, SamplingParams, Sequence, truncate_at_stop
+from .scheduler import ScheduledBatch, ScheduledSeq, Scheduler
+from .sequence import PLACEHOLDER, FinishReason, InvalidRequest, SamplingParams, Sequence, truncate_at_stop
 from .stats import EngineStats
 from .token_sampler import Pick, TokenSampler
 from .tokenizer import Tokenizer, generation_eos_ids
@@ -63,7 +72,13 @@ class Runner(Protocol):
     @property
     def local(self) -> StepExecutor: ...
 
-    def run(self, step: Step, hidden: torch.Tensor | None = None) -> ModelOutput: ...
+    @property
+    def single_rank(self) -> bool:
+        """No other rank runs the forwards: ``run`` may take ``input_ids`` on the device."""
+        ...
+
+    def run(self, step: Step, hidden: torch.Tensor | None = None, input_ids: torch.Tensor | None = None
+            ) -> ModelOutput: ...
 
     def copy_kv(self, src: list[int], dst: list[int]) -> None: ...
 
@@ -113,9 +128,20 @@ class Engine:
         self._requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()
         self._pending: list[RequestOutput] = []
+        self.overlap = self._overlap_allowed(config)
+        self._inflight: InFlightStep | None = None
         log.info("engine ready: %d KV blocks of %d tokens, max_model_len %d, prefix caching %s, eos %s",
                  self.blocks.num_blocks, config.block_size, self.max_model_len,
                  "on" if self.blocks.cache.enabled else "off", sorted(self.eos_token_ids))
+
+    def _overlap_allowed(self, config: EngineConfig) -> bool:
+        one_rank = self.runner.single_rank
+        if config.overlap_scheduling is None:
+            return self.executor.device.type == "cuda" and one_rank and self.speculator is None
+        if config.overlap_scheduling and not (one_rank and self.speculator is None):
+            raise EngineConfigError("overlap_scheduling runs on one rank without speculation (the ranks of a "
+                                    "parallel engine and the verifier read each step's tokens on the host)")
+        return config.overlap_scheduling
 
     def _capture_graphs(self) -> None:
         """Capture the step forwards once, at start-up (every rank of the group the same shapes)."""
@@ -181,13 +207,13 @@ class Engine:
         if request is None:
             return False
         seq = self.scheduler.finish(request.seq_id, FinishReason.ABORT)
-        n_out = seq.num_output_tokens if seq else 0
+        n_out = sum(t != PLACEHOLDER for t in seq.output_ids) if seq else 0
         self._pending.append(RequestOutput(request_id, [], "", True, FinishReason.ABORT,
                                            len(request.prompt_ids), n_out))
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return self.scheduler.has_unfinished() or bool(self._pending) or self._inflight is not None
 
     def stats(self) -> EngineStats:
         s = self.scheduler.stats()
@@ -201,11 +227,13 @@ class Engine:
     # --- the loop -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled forward; returns the requests' new tokens and text."""
+        """Run one scheduled forward; returns the requests' new tokens and text (overlapped: those of
+        the forward before it)."""
         outputs, self._pending = self._pending, []
+        prev, self._inflight = self._inflight, None
         batch = self.scheduler.schedule()
         if batch.is_empty:
-            return outputs
+            return outputs + (self._resolve(prev) if prev is not None else [])
         now = time.monotonic()
         for e in batch.seqs:
             state = self._requests[self.scheduler.get(e.seq_id).request_id]
@@ -214,16 +242,77 @@ class Engine:
         if self.speculator is not None:
             spec = self.speculator.step(batch, self.scheduler, self.state_of)
             return outputs + self.commit_step(spec.batch, spec.seqs, spec.picks, spec.settled)
-        logits = self.runner.run(forward_step(batch)).logits  # [sum(num_logits), vocab]
+        step = forward_step(batch)
+        input_ids = prev.input_ids(batch, self.executor.device) if prev is not None else None
+        logits = self.runner.run(step, input_ids=input_ids).logits
         entries = [(e, s, self.state_of(s)) for e in batch.seqs for s in [self.scheduler.get(e.seq_id)]]
         first_rows = list(itertools.accumulate((e.num_logits for e in batch.seqs), initial=0))[:-1]
+        if self.overlap and all(s.params.samples_on_device for e, s, _ in entries if e.num_logits):
+            self._inflight = self._launch(batch, logits, entries, first_rows)
+            return outputs + (self._resolve(prev) if prev is not None else [])
+        if prev is not None:  # the histories this step's sampling reads become real
+            outputs += self._resolve(prev)
         picks = self.tokens.pick(logits, entries, first_rows)
-        chosen = [(s, p) for (e, s, _), p in zip(entries, picks) if e.num_logits]
+        chosen = [(s, p) for (e, s, _), p in zip(entries, picks) if e.num_logits and not s.is_finished]
         outputs += self.commit_step(batch, [s for s, _ in chosen], [p for _, p in chosen])
+        return outputs
+
+    def _launch(self, batch: ScheduledBatch, logits: torch.Tensor,
+                entries: list[tuple[ScheduledSeq, Sequence, RequestState]], first_rows: list[int]) -> InFlightStep:
+        """Draw the sampling rows' tokens on the device and leave the step in flight (placeholders)."""
+        sampling = [i for i, (e, s, _) in enumerate(entries) if e.num_logits and e.context_len == s.num_tokens]
+        rows = [first_rows[i] for i in sampling]  # one logits row each: no prompt logprobs here
+        if rows != list(range(logits.shape[0])):
+            logits = logits.index_select(0, to_device(rows, logits.device))
+        seqs = [entries[i][1] for i in sampling]
+        tokens = self.tokens.draw(logits, seqs, [entries[i][2] for i in sampling])
+        inflight = InFlightStep.launch(batch, tokens, seqs)
+        self.scheduler.update(batch, {}, {s.seq_id: s.num_prompt_tokens + _known_outputs(s) for _, s, _ in entries})
+        return inflight
+
+    def _resolve(self, step: InFlightStep) -> list[RequestOutput]:
+        """Read an in-flight step's tokens back (waiting for its copy only) and commit them."""
+        values = step.values()
+        outputs: list[RequestOutput] = []
+        finished: list[tuple[Sequence, FinishReason]] = []
+        now = time.monotonic()
+        for seq, at, token in zip(step.seqs, step.at, values):
+            if seq.is_finished:  # aborted, or stopped while this step was in flight
+                continue
+            seq.output_ids[at] = token
+            out, _, reason = self._commit_tokens(seq, [token], at, (), (), now)
+            outputs.append(out)
+            if reason is not None:
+                finished.append((seq, reason))
+            else:
+                self.scheduler.settle(seq.seq_id, seq.num_prompt_tokens + _known_outputs(seq))
+        for seq, reason in finished:
+            self.scheduler.finish(seq.seq_id, reason)
+            del self._requests[seq.request_id]
         return outputs
 
     def state_of(self, seq: Sequence) -> RequestState:
         return self._requests[seq.request_id]
+
+    def _commit_tokens(self, seq: Sequence, tokens: list[int], num_before: int, logprobs: Seq,
+                       prompt_logprobs: Seq, now: float) -> tuple[RequestOutput, list[int], FinishReason | None]:
+        """One sequence's new tokens after ``num_before`` outputs: stops, text, grammar, timing -> its
+        output, the tokens it keeps and why it finishes (None = it goes on)."""
+        state = self._requests[seq.request_id]
+        kept, reason = truncate_at_stop(seq, tokens, self.eos_token_ids, self.max_model_len, num_before)
+        delta = ""
+        if state.detokenizer is not None and (kept or reason is not None):
+            text = state.detokenizer.push(kept, finished=reason is not None)
+            kept, delta = kept[: text.num_tokens_kept], text.delta
+            reason = FinishReason.STOP if text.stopped else reason
+        if state.grammar is not None:
+            state.grammar.accept(kept)
+        if kept and state.first_token_at is None:
+            state.first_token_at = now
+        out = RequestOutput(seq.request_id, kept, delta, reason is not None, reason, seq.num_prompt_tokens,
+                            num_before + len(kept), tuple(logprobs[: len(kept)]), tuple(prompt_logprobs),
+                            state.times(now) if reason is not None else None)
+        return out, kept, reason
 
     def commit_step(self, batch: ScheduledBatch, seqs: list[Sequence], picks: list[Pick],
                     settled: Mapping[int, int] | None = None) -> list[RequestOutput]:
@@ -240,24 +329,12 @@ class Engine:
         finished: list[tuple[Sequence, FinishReason]] = []
         now = time.monotonic()
         for seq, pick in zip(seqs, picks):
-            state = self._requests[seq.request_id]
-            kept, reason = truncate_at_stop(seq, pick.tokens, self.eos_token_ids, self.max_model_len)
-            delta = ""
-            if state.detokenizer is not None and (kept or reason is not None):
-                text = state.detokenizer.push(kept, finished=reason is not None)
-                kept, delta = kept[: text.num_tokens_kept], text.delta
-                reason = FinishReason.STOP if text.stopped else reason
-            if state.grammar is not None:
-                state.grammar.accept(kept)
+            out, kept, reason = self._commit_tokens(seq, pick.tokens, seq.num_output_tokens, pick.logprobs,
+                                                    pick.prompt_logprobs, now)
             sampled[seq.seq_id] = kept
-            if kept and state.first_token_at is None:
-                state.first_token_at = now
             if reason is not None:
                 finished.append((seq, reason))
-            outputs.append(RequestOutput(seq.request_id, kept, delta, reason is not None, reason,
-                                         seq.num_prompt_tokens, seq.num_output_tokens + len(kept),
-                                         tuple(pick.logprobs[: len(kept)]), tuple(pick.prompt_logprobs),
-                                         state.times(now) if reason is not None else None))
+            outputs.append(out)
         self.scheduler.update(batch, sampled, settled)
         for seq, reason in finished:
             self.scheduler.finish(seq.seq_id, reason)
@@ -289,3 +366,12 @@ class Engine:
                 c.text += out.text_delta
                 c.finish_reason = out.finish_reason
         return list(results.values())
+
+
+def _known_outputs(seq: Sequence) -> int:
+    """The outputs before the first placeholder (the tokens of steps still in flight come last)."""
+    out = seq.output_ids
+    n = len(out)
+    while n and out[n - 1] == PLACEHOLDER:
+        n -= 1
+    return n

@@ -108,16 +108,20 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, params: Seq[SamplingParams],
                  generators: Seq[torch.Generator | None]) -> list[int]:
         """One token per row. logits: [n, vocab]; params, generators: n each -> n token ids"""
+        return [int(t) for t in self.draw(logits, params, generators).tolist()]
+
+    def draw(self, logits: torch.Tensor, params: Seq[SamplingParams],
+             generators: Seq[torch.Generator | None]) -> torch.Tensor:
+        """``__call__`` left on the device (nothing read back): [n] int64 token ids."""
         if logits.shape[0] != len(params) or len(params) != len(generators):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(params)} params / {len(generators)} generators")
         if not params:
-            return []
+            return torch.zeros(0, dtype=torch.long, device=logits.device)
         if all(p.greedy for p in params):
-            return [int(t) for t in logits.argmax(dim=-1).tolist()]
+            return logits.argmax(dim=-1)
         probs = self.probs(logits, params)
         # One uniform per random row from its own stream; greedy rows (one-hot) draw nothing.
         uniforms = [torch.rand((), generator=g or self.generator, dtype=torch.float64, device=self.device)
                     if not p.greedy else torch.zeros((), dtype=torch.float64, device=self.device)
                     for p, g in zip(params, generators)]
-        tokens = sample_from_probs(probs, torch.stack(uniforms).to(probs.device))
-        return [int(t) for t in tokens.tolist()]
+        return sample_from_probs(probs, torch.stack(uniforms).to(probs.device))

@@ -172,7 +172,9 @@ class Scheduler:
         budget = self.config.max_batch_tokens
         planned: dict[int, ScheduledSeq] = {}
         preempted: list[int] = []
-        decoding = [s for s in self.running if s.num_uncomputed <= 1]
+        # A sequence whose last allowed token is still a placeholder (an overlapped step in flight) waits
+        # for it: that token finishes it.
+        decoding = [s for s in self.running if s.num_uncomputed <= 1 and s.num_output_tokens < s.params.max_tokens]
         prefilling = [s for s in self.running if s.num_uncomputed > 1]
         for seq in decoding + prefilling:
             if budget <= 0:
@@ -279,6 +281,13 @@ class Scheduler:
             seq.num_computed = entry.context_len if not tokens else min(entry.context_len, seq.num_tokens - 1)
             final = seq.num_computed if settled is None else min(seq.num_computed, settled.get(seq.seq_id, 0))
             self.blocks.cache_blocks(seq.seq_id, seq, final)
+
+    def settle(self, seq_id: int, num_settled: int) -> None:
+        """More of a running sequence's tokens are final (an overlapped step's tokens read back): cache
+        the full blocks within them and its computed tokens."""
+        seq = self._seqs.get(seq_id)
+        if seq is not None and seq.status is SequenceStatus.RUNNING:
+            self.blocks.cache_blocks(seq_id, seq, min(seq.num_computed, num_settled))
 
     def finish(self, seq_id: int, reason: FinishReason) -> Sequence | None:
         """End a sequence (running or waiting) and free what it holds; None if unknown."""

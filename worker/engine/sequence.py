@@ -22,6 +22,9 @@ class InvalidSamplingParams(InvalidRequest):
 
 
 MAX_LOGPROBS = 20  # the most alternatives per token (OpenAI's top_logprobs limit)
+# An output token sampled on the device and not yet read back (an overlapped step: ``inflight_step.py``);
+# the engine writes the real id over it before anything reads the value.
+PLACEHOLDER = -1
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,13 @@ class SamplingParams:
                     or self.repetition_penalty != 1.0)
 
     @property
+    def samples_on_device(self) -> bool:
+        """Whether a step's token can be drawn without reading anything back: no logprobs, no grammar, no
+        adjustment that reads the output history (``min_tokens`` reads only its length)."""
+        return (self.logprobs is None and self.prompt_logprobs is None and self.grammar is None
+                and not (self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0))
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
@@ -214,21 +224,25 @@ class Sequence:
 
 
 def truncate_at_stop(seq: Sequence, new_tokens: list[int], eos_token_ids: frozenset[int],
-                     max_model_len: int) -> tuple[list[int], FinishReason | None]:
-    """The new tokens ``seq`` keeps, and why it finishes (None = it goes on).
+                     max_model_len: int, num_before: int | None = None) -> tuple[list[int], FinishReason | None]:
+    """The new tokens ``seq`` keeps, and why it finishes (None = it goes on). ``num_before``: the
+    outputs before the new tokens (default: all of ``seq.output_ids``; an overlapped step's tokens
+    are already in them, as placeholders).
 
     Token-level stops only (EOS unless ``ignore_eos``, stop token ids, ``max_tokens``, the model's
     maximum length); stop strings need text and are the detokenizer's. A stopping token is kept,
     as in vLLM; tokens after it (e.g. the rest of an accepted speculative run) are dropped.
     """
     params = seq.params
+    before = seq.num_output_tokens if num_before is None else num_before
+    total = seq.num_prompt_tokens + before
     kept: list[int] = []
     for token in new_tokens:
         kept.append(token)
         if token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids):
             return kept, FinishReason.STOP
-        if seq.num_output_tokens + len(kept) >= params.max_tokens:
+        if before + len(kept) >= params.max_tokens:
             return kept, FinishReason.LENGTH
-        if seq.num_tokens + len(kept) >= max_model_len:
+        if total + len(kept) >= max_model_len:
             return kept, FinishReason.LENGTH
     return kept, None

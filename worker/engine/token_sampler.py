@@ -63,6 +63,11 @@ class TokenSampler:
         rows = [r for s, st in zip(seqs, states) for r in self.rows(s, st, [()])]
         return self.sampler(adjust_logits(logits, rows), [s.params for s in seqs], [st.generator for st in states])
 
+    def draw(self, logits: torch.Tensor, seqs: Seq[Sequence], states: Seq[RequestState]) -> torch.Tensor:
+        """``sample`` left on the device: [n] int64 (requests whose params ``samples_on_device``)."""
+        rows = [r for s, st in zip(seqs, states) for r in self.rows(s, st, [()])]
+        return self.sampler.draw(adjust_logits(logits, rows), [s.params for s in seqs], [st.generator for st in states])
+
     def pick(self, logits: torch.Tensor, entries: Seq[tuple[ScheduledSeq, Sequence, RequestState]],
              first_rows: Seq[int]) -> list[Pick]:
         """Plain (not verified) entries: each entry's logits rows start at ``first_rows[i]`` of ``logits``;

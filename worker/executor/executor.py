@@ -72,6 +72,11 @@ class StepExecutor:
         return self
 
     @property
+    def single_rank(self) -> bool:
+        """The engine's runner protocol: no other rank needs each forward's token ids on its host."""
+        return True
+
+    @property
     def num_blocks(self) -> int:
         """Cache blocks the scheduler may hand out (the padding block excluded)."""
         return self.kv_cache.num_blocks - self.reserved_blocks

@@ -87,14 +87,22 @@ class LeaderExecutor:
         self.rounds = rounds
         self.in_forward = False  # between announcing a forward and finishing it
 
-    def run(self, step: Step, hidden: torch.Tensor | None = None) -> ModelOutput:
+    @property
+    def single_rank(self) -> bool:
+        """No follower: a forward may take its token ids from the device (overlapped engine steps)."""
+        return self.channel.group.is_trivial and self.rounds is None
+
+    def run(self, step: Step, hidden: torch.Tensor | None = None, input_ids: torch.Tensor | None = None
+            ) -> ModelOutput:
         if hidden is not None:
             raise ValueError("a parallel engine's target forward takes no hidden input")
+        if input_ids is not None and not self.single_rank:
+            raise ValueError("token ids on the leader's device cannot reach its followers")
         if self.rounds is not None:
             step = self.rounds.agree(step, self.local)
         self.in_forward = True
         self.channel.send(StepMessage(StepKind.FORWARD, step))
-        out = self.local.run(step)
+        out = self.local.run(step, input_ids=input_ids)
         self.in_forward = False
         return out
 
