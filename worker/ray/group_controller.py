@@ -42,6 +42,7 @@ from .engine_group import (
     find_placement_groups,
     short,
 )
+from .output_pump import OutputPump
 from .placement import ClusterShape, PlacementError, lowest_free_index
 from .router import NoCandidate, Router
 from .runtime_status import ControllerObservation, Failure, GroupObservation, controller_status
@@ -73,6 +74,8 @@ class GroupController:
         self._start_failures = 0
         self._router = Router()
         self._requests: dict[str, tuple[EngineGroup, Any]] = {}  # request id -> (group, leader) serving it
+        # (event loop, leader) -> the leader's output stream read on that loop (touched on that loop only)
+        self._pumps: dict[tuple[int, int], OutputPump] = {}
         self._thread: threading.Thread | None = None
 
     # --- lifecycle --------------------------------------------------------------------------------
@@ -283,17 +286,20 @@ class GroupController:
             group, leader = self._pick()
             self._requests[request_id] = (group, leader)
         finished = False
+        pump: OutputPump | None = None
         try:
-            stream = leader.generate.options(num_returns="streaming").remote(prompt, asdict(params), request_id)
-            async for ref in stream:
-                d = await ref
-                reason = d.get("finish_reason")
-                d["finish_reason"] = FinishReason(reason) if reason is not None else None
-                out = RequestOutput(**d)
+            pump = self._pump(group, leader)
+            queue = pump.open(request_id)
+            await leader.submit.remote(prompt, asdict(params), request_id, pump.channel)
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, EngineDead):
+                    raise item
+                reason = item.get("finish_reason")
+                item["finish_reason"] = FinishReason(reason) if reason is not None else None
+                out = RequestOutput(**item)
                 finished = out.finished
                 yield out
-            if not finished:
-                raise EngineDead(f"engine group {group.index} ended the request without finishing it")
         except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError
                 ) as e:
             raise EngineDead(f"engine group {group.index} failed: {short(e)}") from None
@@ -303,6 +309,8 @@ class GroupController:
                 raise cause from None
             raise EngineDead(f"engine group {group.index}: {short(e)}") from None
         finally:
+            if pump is not None:
+                pump.close(request_id)
             with self._lock:
                 self._requests.pop(request_id, None)
             if not finished:  # the consumer went away, or the group failed
@@ -310,6 +318,19 @@ class GroupController:
                     leader.abort.remote(request_id)
                 except ray.exceptions.RayError as e:
                     log.debug("abort %s: %s", request_id, short(e))
+
+    def _pump(self, group: EngineGroup, leader: Any) -> OutputPump:
+        """The output stream of ``leader`` on the running loop (a new one after the last one ended)."""
+        key = (id(asyncio.get_running_loop()), id(leader))
+        pump = self._pumps.get(key)
+        if pump is None or not pump.alive or pump.leader is not leader:
+            pump = self._pumps[key] = OutputPump(leader, group.index, on_end=self._forget_pump)
+        return pump
+
+    def _forget_pump(self, pump: OutputPump) -> None:
+        key = (id(pump.loop), id(pump.leader))
+        if self._pumps.get(key) is pump:
+            del self._pumps[key]
 
     async def abort(self, request_id: str) -> None:
         entry = self._requests.get(request_id)

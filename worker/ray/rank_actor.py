@@ -103,6 +103,7 @@ class RankActor:
         self.ready = False
         self._follower: threading.Thread | None = None
         self._last_snapshot: MetricsSnapshot | None = None
+        self._channels: dict[str, Any] = {}  # name -> OutputChannel (serving, on a leader)
 
     # --- start ------------------------------------------------------------------------------------
 
@@ -222,14 +223,39 @@ class RankActor:
     def max_model_len(self) -> int:
         return int(self.client.max_model_len)
 
-    async def generate(self, prompt: str | list[int], params: dict[str, Any], request_id: str
-                       ) -> AsyncIterator[dict[str, Any]]:
+    async def submit(self, prompt: str | list[int], params: dict[str, Any], request_id: str, channel: str) -> None:
+        """Start a request whose outputs go to ``channel``'s stream (``outputs``); raises ``InvalidRequest``."""
         from ..engine.sequence import SamplingParams
 
-        # Merged: what queued up while this generator waited goes as one Ray item (one per wake-up, not
-        # one per engine step per request: the stream's cost would otherwise grow with the load).
-        async for out in self.client.generate_merged(prompt, SamplingParams(**params), request_id):
-            yield asdict(out)
+        await self.client.submit(prompt, SamplingParams(**params), request_id, self._channel(channel))
+
+    async def outputs(self, channel: str) -> AsyncIterator[list[dict[str, Any]]]:
+        """One consumer's stream (a Ray streaming call, ``num_returns="streaming"``): the outputs of every
+        request submitted on ``channel``, one item per wake-up with all that was delivered meanwhile —
+        an engine step's outputs travel as one Ray object, not one per request. An engine failure is
+        the last item (``{"engine_dead": reason}``); a consumer that goes away aborts its requests."""
+        from ..serving.engine_client import EngineDead
+
+        ch = self._channel(channel)
+        try:
+            while True:
+                batch: list[dict[str, Any]] = []
+                for item in await ch.next_batch():
+                    if isinstance(item, EngineDead):
+                        yield batch + [{"engine_dead": str(item)}]
+                        return
+                    batch.append(asdict(item))
+                yield batch
+        finally:
+            if self._channels.pop(channel, None) is ch:
+                self.client.close_channel(ch)
+
+    def _channel(self, name: str) -> Any:
+        """The named output channel (made by whichever comes first: a submit or the stream)."""
+        ch = self._channels.get(name)
+        if ch is None:
+            ch = self._channels[name] = self.client.open_channel()
+        return ch
 
     async def abort(self, request_id: str) -> None:
         await self.client.abort(request_id)

@@ -3,8 +3,10 @@
 The engine is single-threaded: only the engine thread touches it. Callers (coroutines on any
 event loop) hand it work as commands; the thread runs the queued commands between steps,
 steps while requests are unfinished and otherwise sleeps on a condition variable. Each
-request's outputs go to its own asyncio queue through ``loop.call_soon_threadsafe``. A
-consumer that stops iterating (a client that went away) aborts its request.
+request's outputs go to its own asyncio queue through ``loop.call_soon_threadsafe`` (``generate``),
+or — for a consumer in another process, a Ray group leader's output stream — to an
+``OutputChannel`` that many requests share (``submit``): a step's outputs arrive there as one
+delivery. A consumer that stops iterating (a client that went away) aborts its request.
 
 If a step raises, the engine is dead: every request in flight gets ``EngineDead`` and so does
 every later call. The same class runs inside a Ray group-leader actor, so it knows no HTTP.
@@ -87,6 +89,33 @@ class _Stream:
     queue: asyncio.Queue[_Item]
 
 
+class OutputChannel:
+    """Many requests' outputs on one queue, for one consumer across a process boundary (a Ray stream):
+    each ``next_batch`` returns everything delivered since the last one — every request's outputs of
+    an engine step in one piece, not one piece per request. Made on the consumer's loop
+    (``LocalEngineClient.open_channel``); an ``EngineDead`` in a batch ends every request on it."""
+
+    def __init__(self) -> None:
+        self.stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self.requests: set[str] = set()  # submitted and not yet finished
+
+    async def next_batch(self) -> list[_Item]:
+        """What was delivered since the last call (waits for at least one item); a request's
+        consecutive outputs merged into one."""
+        queue = self.stream.queue
+        items = [await queue.get()]
+        while not queue.empty():
+            items.append(queue.get_nowait())
+        dead = [i for i in items if isinstance(i, EngineDead)]
+        per_request: dict[str, list[RequestOutput]] = {}
+        for item in items:
+            if isinstance(item, RequestOutput):
+                per_request.setdefault(item.request_id, []).append(item)
+                if item.finished:
+                    self.requests.discard(item.request_id)
+        return [*(merge_outputs(outs) for outs in per_request.values()), *dead[:1]]
+
+
 @dataclass
 class _Track:
     """A request the engine holds. ``stream`` is None once its consumer went away."""
@@ -134,14 +163,6 @@ class LocalEngineClient:
             for item in chunk:
                 yield item
 
-    async def generate_merged(self, prompt: str | list[int], params: SamplingParams, request_id: str
-                              ) -> AsyncIterator[RequestOutput]:
-        """``generate``, with the outputs that queued up while the consumer was busy merged into one
-        (a consumer across a process boundary, e.g. a Ray stream, then carries one item per wake-up
-        instead of one per engine step)."""
-        async for chunk in self._chunks(prompt, params, request_id):
-            yield merge_outputs(chunk)
-
     async def _chunks(self, prompt: str | list[int], params: SamplingParams, request_id: str
                       ) -> AsyncIterator[list[RequestOutput]]:
         """The request's outputs, each time as many as have queued up (at least one)."""
@@ -170,6 +191,34 @@ class LocalEngineClient:
         finally:
             if not finished:
                 self._detach(request_id, track)
+
+    def open_channel(self) -> OutputChannel:
+        """A channel for ``submit`` (call on the loop that will read it)."""
+        return OutputChannel()
+
+    async def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                     channel: OutputChannel) -> None:
+        """Start a request whose outputs go to ``channel`` (raises ``InvalidRequest`` here)."""
+        track = _Track(channel.stream)
+
+        def add() -> None:
+            self.engine.add_request(prompt, params, request_id)
+            self._tracks[request_id] = track
+
+        channel.requests.add(request_id)  # before any output of it can arrive
+        try:
+            await self._call(add)
+        except BaseException:
+            channel.requests.discard(request_id)
+            raise
+
+    def close_channel(self, channel: OutputChannel) -> None:
+        """Its consumer went away: abort every request of it that is still running."""
+        for request_id in list(channel.requests):
+            track = self._tracks.get(request_id)
+            if track is not None:
+                self._detach(request_id, track)
+        channel.requests.clear()
 
     async def abort(self, request_id: str) -> None:
         """Cancel a request; its consumer receives a last output with reason "abort"."""
