@@ -12,7 +12,8 @@ of the engine's counters around it (``bench/acceptance_stats.py``: pooled accept
 spread, bootstrap intervals). MT-bench: first turns, and with ``--turns 2`` the second turn asked after
 the configuration's own first answer. HumanEval: the problem's prompt as the user message.
 tok/s = generated tokens / wall time of the prompts of a set (after warm-up), the same run for every
-configuration. Configurations: chains of 3/5/7 steps, a tree of topK 4 over 5 steps verifying 8 tokens.
+configuration. Configurations: chains of 3/5/7 steps, a tree of topK 4 over 5 steps verifying 8 tokens;
+any ``chain-N`` and ``tree-sS-kK-tT`` (S steps, topK K, T verified tokens) by name.
 
 HTTP (``--http``): ``fusedserve run`` on a manifest per configuration, the prompts sent one at a time with
 the openai client (chat completions), tok/s from the client's wall time, acceptance from /metrics.
@@ -55,10 +56,24 @@ CONFIGS: dict[str, dict[str, int] | None] = {
 progress = Progress("spec_decode_real")
 
 
+def config_of(name: str) -> dict[str, int] | None:
+    """A configuration by name: one of ``CONFIGS``, ``chain-N``, or ``tree-sS-kK-tT`` (S steps, topK K, T
+    verified tokens). KeyError for anything else."""
+    if name in CONFIGS:
+        return CONFIGS[name]
+    parts = name.split("-")
+    if parts[0] == "chain" and len(parts) == 2 and parts[1].isdigit():
+        return {"num_steps": int(parts[1])}
+    if parts[0] == "tree" and len(parts) == 4 and [p[0] for p in parts[1:]] == ["s", "k", "t"] \
+            and all(p[1:].isdigit() for p in parts[1:]):
+        return {"num_steps": int(parts[1][1:]), "topk": int(parts[2][1:]), "num_draft_tokens": int(parts[3][1:])}
+    raise KeyError(name)
+
+
 def spec_config(draft: str, name: str) -> Any:
     from fusedserve.worker.spec_decode.config import SpeculativeConfig
 
-    cfg = CONFIGS[name]
+    cfg = config_of(name)
     return None if cfg is None else SpeculativeConfig(draft, **cfg)
 
 
@@ -187,7 +202,7 @@ def run_http(args: argparse.Namespace, name: str, temperature: float,
 
     from fusedserve.worker.parallel.local_ranks import free_port
 
-    cfg = CONFIGS[name]
+    cfg = config_of(name)
     tokens = f", numDraftTokens: {cfg['num_draft_tokens']}" if cfg and "num_draft_tokens" in cfg else ""
     spec = "" if cfg is None else (f"  speculative: {{draftModel: {args.draft}, numSteps: {cfg['num_steps']}, "
                                    f"topK: {cfg.get('topk', 1)}{tokens}}}\n")
@@ -309,9 +324,14 @@ def main() -> None:
     args.device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     temperatures = [float(t) for t in args.temperatures.split(",") if t]
     configs = [c for c in args.configs.split(",") if c]
-    unknown = [c for c in configs + [c for c in args.http.split(",") if c] if c not in CONFIGS]
+    unknown = []
+    for c in configs + [c for c in args.http.split(",") if c]:
+        try:
+            config_of(c)
+        except KeyError:
+            unknown.append(c)
     if unknown:
-        ap.error(f"unknown configurations {unknown}; known: {', '.join(CONFIGS)}")
+        ap.error(f"unknown configurations {unknown}; known: {', '.join(CONFIGS)}, chain-N, tree-sS-kK-tT")
     sets = prompt_sets(args)
     progress(f"{args.device}: {', '.join(f'{k} {len(v)}' for k, v in sets.items())} prompts, configs {configs}, "
              f"temperatures {temperatures}")
