@@ -41,10 +41,10 @@ class Served:
     oai: openai.OpenAI
 
 
-@pytest.fixture(scope="module")
-def served() -> Iterator[Served]:
+def serve(overlap: bool = False) -> Iterator[Served]:
     engine = Engine(MODEL_DIR, EngineConfig(num_blocks=64, max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
-                                            max_batch_tokens=512, dtype="float32", seed=0))
+                                            max_batch_tokens=512, dtype="float32", seed=0,
+                                            overlap_scheduling=overlap))
     client = LocalEngineClient(engine, {"deployment": "test", "engine_group": "0", "rank": "0"}, model_name=MODEL)
     server = HttpServer(build_app(client, MetricsRegistry(client.labels, MODEL))).start()
     oai = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
@@ -53,6 +53,17 @@ def served() -> Iterator[Served]:
     finally:
         server.stop()
         client.close()
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    yield from serve()
+
+
+@pytest.fixture(scope="module")
+def served_overlapped() -> Iterator[Served]:
+    """The engine as on a GPU: overlapped steps (each step hands back the one before it)."""
+    yield from serve(overlap=True)
 
 
 def complete(s: Served, **kw: Any) -> Any:
@@ -249,6 +260,22 @@ def test_client_disconnect_aborts_the_request(served: Served) -> None:
     wait_idle(served)
     assert aborted(served) == aborts + 2
     assert time.monotonic() - start < 8
+
+
+def test_overlapped_engine_serves_the_same_text_streams_stops_seeds_and_aborts(
+        served: Served, served_overlapped: Served) -> None:
+    assert served_overlapped.client.engine.overlap and not served.client.engine.overlap
+    for kw in ({"max_tokens": 12}, {"max_tokens": 10, "temperature": 1.0, "seed": 7},
+               {"max_tokens": 8, "logprobs": 2}, {"n": 2, "temperature": 1.0, "seed": 11, "max_tokens": 6}):
+        a, b = complete(served, **kw), complete(served_overlapped, **kw)
+        assert [(c.text, c.finish_reason) for c in a.choices] == [(c.text, c.finish_reason) for c in b.choices]
+        assert a.usage.completion_tokens == b.usage.completion_tokens
+    full = complete(served, max_tokens=16).choices[0].text
+    stop = full[4:7]
+    chunks = list(complete(served_overlapped, max_tokens=16, stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == complete(served, max_tokens=16, stop=stop).choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    test_client_disconnect_aborts_the_request(served_overlapped)
 
 
 def test_idle_engine_thread_sleeps(served: Served) -> None:
