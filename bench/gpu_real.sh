@@ -11,6 +11,12 @@
 #                                           (fusedserve fetch-model --gguf), trains the draft (fusedserve
 #                                           train-draft, MINUTES, default 6.5) into /tmp/real/smollm2-eagle3;
 #                                           $OUT/smollm2-eagle3/ and $OUT/train-draft.json come back
+#   bash bench/gpu_real.sh decode [ARGS]    issue #14: bench/decode_engine.py ARGS -> $OUT/decode-engine.json
+#                                           (carry the FlashInfer files: .whl/*.whl, .whl/flashinfer-aot-*.tar.gz)
+#   bash bench/gpu_real.sh serve            issue #14: bench/serve_load.py on the engine in-process and through
+#                                           `fusedserve run bench/llama-8b-shape.yaml` -> $OUT/serve-engine.json,
+#                                           serve-http.json (carry .whl/serving-site-cp312.tar.xz and
+#                                           .whl/sharegpt-requests.json; FlashInfer staged by an earlier call)
 #   bash bench/gpu_real.sh bench [ARGS...]  bench/spec_decode_real.py ARGS on /tmp/real/smollm2 and the draft
 #                                           ($DRAFT, else /tmp/real/smollm2-eagle3, else a carried
 #                                           .whl/real/draft, else examples/checkpoints/smollm2-eagle3)
@@ -84,6 +90,28 @@ case "$cmd" in
     [ -d "$draft" ] || draft=$PWD/examples/checkpoints/smollm2-eagle3
     python3 -P bench/spec_decode_real.py --target "$R/smollm2" --draft "$draft" --data-dir "$R/data" \
       --out "$OUT/spec-decode-real.json" "$@"
+    ;;
+  decode)  # issue #14: bench/decode_engine.py (8B shape, engine vs the HF static-cache peer) -> $OUT/decode-engine.json
+    layout
+    python3 -P bench/decode_engine.py --out "$OUT/decode-engine.json" "$@"
+    ;;
+  serve)  # issue #14: ShareGPT load on the engine in-process, then through `fusedserve run` (Ray + HTTP);
+          # carry .whl/serving-site-cp312.tar.xz and .whl/sharegpt-requests.json (FlashInfer from an earlier call)
+    layout
+    python3 -P -c 'import sys; sys.path.append("."); from pathlib import Path; from bench.decode_engine import LLAMA3_8B, model_dir; model_dir(LLAMA3_8B, Path("/tmp/llama-8b-shape"))'
+    load=(--requests "$PWD/.whl/sharegpt-requests.json" --rates "${SERVE_RATES:-2,4,8,16,inf}" --duration 10 --num-inf 200)
+    python3 -P bench/serve_load.py --in-process /tmp/llama-8b-shape/llama-shape "${load[@]}" --out "$OUT/serve-engine.json"
+    export RAY_USAGE_STATS_ENABLED=0
+    (cd /tmp && exec python3 -m fusedserve.cli run "$OLDPWD/bench/llama-8b-shape.yaml") > "$OUT/fusedserve-run.log" 2>&1 &
+    run_pid=$!
+    for _ in $(seq 240); do
+      python3 -c 'import urllib.request; urllib.request.urlopen("http://127.0.0.1:8123/v1/models", timeout=2)' \
+        2>/dev/null && break
+      kill -0 $run_pid 2>/dev/null || { tail -30 "$OUT/fusedserve-run.log" >&2; exit 1; }
+      sleep 1
+    done
+    python3 -P bench/serve_load.py --url http://127.0.0.1:8123 --model llama-8b-shape "${load[@]}" --out "$OUT/serve-http.json"
+    kill -INT $run_pid; wait $run_pid || true
     ;;
   *) echo "unknown command $cmd" >&2; exit 2 ;;
 esac
