@@ -3,7 +3,9 @@
 Faster backends with the same signature (``AttentionBackend``): ``paged_attention_torch.py``
 (CUDA-graph capturable torch ops) and ``decode_attention_triton.py`` (GPU decode kernel, which
 hands steps of several new tokens per sequence to ``prefill_attention_triton.py``); a model
-picks one at construction (``kernels.py``).
+picks one at construction (``kernels.py``). Every backend takes GQA groups of any size (MLA's
+absorbed attention: all of a rank's heads over one latent KV head) and K / V dims that differ; a
+layer whose V is K's first columns (``KVCache.v_in_k``: MLA's latent cache) has K alone stored.
 """
 
 from __future__ import annotations

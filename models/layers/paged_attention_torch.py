@@ -1,4 +1,5 @@
-"""Paged attention in plain torch ops that CUDA graphs can capture (GQA; decode, verify, short prefill).
+"""Paged attention in plain torch ops that CUDA graphs can capture (GQA, MLA's latent cache; decode,
+verify, short prefill).
 
 Same function as ``attention.paged_attention_reference`` (its plain reference, compared in
 tests/test_paged_attention_torch.py), but every piece of the layout comes from
