@@ -376,6 +376,35 @@ def _latent_step(query_lens: list[int], context_lens: list[int], heads: int, ran
 
 
 @inner
+def test_interp_deepseek_v3_decode_with_triton_kernels_equals_reference() -> None:
+    """A whole tiny DeepSeek-V3 (absorbed MLA, 16 heads on one latent KV head): two prompts prefilled, then
+    two batched decode steps through the Triton decode kernel: Triton kernel set vs the references (fp32)."""
+    from transformers import DeepseekV3Config
+
+    from fusedserve.models.forward_batch import ForwardBatch, KVCache
+    from fusedserve.models.layers.kernels import Kernels
+    from fusedserve.models.parallel.collectives import Collectives
+    from fusedserve.models.parallel.groups import ParallelGroups
+    from fusedserve.models.random_init import random_model
+    from fusedserve.tiny import DEEPSEEK_V3_DEFAULTS
+
+    config = DeepseekV3Config(**{**DEEPSEEK_V3_DEFAULTS, "vocab_size": 100, "num_hidden_layers": 2,
+                                 "num_attention_heads": 16, "num_key_value_heads": 16,
+                                 "architectures": ["DeepseekV3ForCausalLM"]})
+    logits = {}
+    for name in ("reference", "triton"):
+        model = random_model(config, ParallelGroups.single_rank(), Collectives("gloo"), seed=6,
+                             kernels=Kernels.named(name))
+        kv = KVCache.allocate(model.kv_shapes(), 8, 4, torch.float32)
+        out = [model(ForwardBatch.prefill([[3, 1, 4, 1, 5, 9], [2, 7, 1]], kv)).logits]  # blocks [0, 1], [2]
+        for i, tokens in enumerate(([2, 6], [8, 8])):  # contexts 7 / 4, then 8 / 5 (block 3 for sequence 1)
+            out.append(model(ForwardBatch(torch.tensor(tokens), torch.tensor([6 + i, 3 + i]), [1, 1], [7 + i, 4 + i],
+                                          torch.tensor([[6, 11], [7, 12]][i]), [[0, 1], [2, 3]], kv)).logits)
+        logits[name] = torch.cat(out)
+    _close(logits["triton"], logits["reference"], 1e-4)
+
+
+@inner
 @pytest.mark.parametrize("case", list(LATENT))
 def test_interp_decode_attention_on_the_latent_cache_equals_reference(case: str) -> None:
     """Split-KV decode (contexts 2..200: 4 splits, their combine) over the latent cache: K alone stored,
