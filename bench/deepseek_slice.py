@@ -15,8 +15,9 @@ boundaries, the vocab split over both.
 Each rank is built by ``build_rank`` and driven only through its ``StepExecutor``: every
 sequence has 128 cached tokens (random K/V in the paged cache) and decodes one token (a ``Step``).
 Three builds of the same weights, one after another (one slice fits on a GPU at a time):
-- graphs: the Triton kernel set (decode attention over the expanded MLA cache, head dim 192
-  padded to 256; routed experts as two block launches, ``fused_moe_triton.py``), captured by
+- graphs: the Triton kernel set (absorbed MLA decode attention over the latent cache: all of a
+  rank's heads against one KV head of K 576 = latent 512 + rope 64, V = its first 512 columns;
+  routed experts as two block launches, ``fused_moe_triton.py``), captured by
   ``executor.capture`` at batch 1..64 (``worker/executor/step_graphs.py``). A step is
   ``executor.run(step)``: its inputs packed into the static buffers, the graph replayed.
   ``ms_per_step``: 5 steps back to back (the host packs the next while the GPU runs one),
@@ -30,8 +31,11 @@ Three builds of the same weights, one after another (one slice fits on a GPU at 
 Roofline per GPU and step = bytes that GPU must read / its copy bandwidth, with bytes = its
 attention weights + router + its shared-expert slice + the distinct local experts the batch
 routes to (counted from the routing of the timed inputs, per layer) + final norm and its
-LM-head shard; the step's roofline is the larger of the two GPUs'. The KV cache read (the
-expanded MLA cache, 40 KB per token per layer per GPU) is reported beside it, not in it.
+LM-head shard; the step's roofline is the larger of the two GPUs'. The attention weights counted are
+what the absorbed forward reads: the projections and ``w_uk`` / ``w_uv`` (``attention_bytes``), not the
+``kv_b_proj`` they are derived from. The KV cache read (the latent MLA cache, 1152 bytes per token per
+layer in bf16, the same on each GPU: every attention-TP rank caches the whole latent) is reported
+beside it, not in it.
 Progress lines go to stderr; the JSON record to --out.
 """
 
@@ -112,7 +116,7 @@ def randomize_kv(executor: StepExecutor, slots: int, seed: int) -> None:
     """Random K/V in the cache's first ``slots`` slots (the same values in every build of this shape)."""
     cache = executor.kv_cache
     gen = torch.Generator(device=executor.device).manual_seed(seed)
-    for t in (*cache.k.values(), *cache.v.values()):
+    for t in cache.stored():  # (a latent layer's V is a view of its K: drawn with it)
         t[:slots].normal_(0.0, 1.0, generator=gen)
 
 
@@ -130,6 +134,13 @@ def tokens_of(bs: int, vocab: int, seed: int) -> list[int]:
 
 def nbytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def attention_bytes(attn: Any) -> int:
+    """The weight bytes one forward of an MLA layer reads: its parameters but ``kv_b_proj`` (only loaded
+    from), plus the absorbed ``w_uk`` / ``w_uv`` made from it (compute dtype, also in an FP8 build)."""
+    derived = sum(t.numel() * t.element_size() for t in (attn.w_uk, attn.w_uv))
+    return nbytes(attn) - nbytes(attn.kv_b_proj) + derived
 
 
 def routes_of(model: Any, fn: Callable[[], Any]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], Any]:
@@ -255,12 +266,12 @@ def rank_main(rank: int, world: int, backend: str, opts: dict[str, Any]) -> dict
     moe0 = model.layers[0].mlp
     experts = moe0.experts
     expert_bytes = (experts.gate_up_proj[0].numel() + experts.down_proj[0].numel()) * experts.down_proj.element_size()
-    per_layer = {"attention": nbytes(model.layers[0].self_attn), "router": nbytes(moe0.gate),
+    per_layer = {"attention": attention_bytes(model.layers[0].self_attn), "router": nbytes(moe0.gate),
                  "shared_expert": nbytes(moe0.shared_experts),
                  "norms": nbytes(model.layers[0].input_layernorm) + nbytes(model.layers[0].post_attention_layernorm)}
     fixed = sum(per_layer.values()) * len(model.layers) + nbytes(model.norm) + nbytes(model.lm_head)
     kv = built.executor.kv_cache
-    kv_token_bytes = sum(c[0].numel() * c.element_size() for c in (*kv.k.values(), *kv.v.values()))
+    kv_token_bytes = kv.bytes_per_token()  # the latent cache: K alone (V is its first 512 columns)
     first, num_local = experts.first, experts.num_local
     out.update(fusion=built.fusion.value, kernels=built.kernels.kernels, weight_bytes=nbytes(model),
                local_experts=num_local, first_local_expert=first, expert_bytes=expert_bytes,
@@ -372,7 +383,8 @@ def main() -> None:
         "layers": f"{args.layers} full-width layers, all MoE (first_k_dense_replace=0); vocab-parallel embedding and "
                   "LM head",
         "context": f"{CONTEXT} cached tokens per sequence (random K/V), one decoded",
-        "kv_cache_layout": "expanded per-head MLA cache (K 192, V 128 per head), not the latent cache",
+        "kv_cache_layout": "latent MLA cache: one row of [latent 512 | rope 64] per token and layer (V = its "
+                           "first 512 columns), absorbed attention; 1152 bytes per token per layer in bf16",
         "mode": "build_rank + StepExecutor: CUDA graphs (executor.capture; Triton decode attention + Triton block "
                 "MoE) vs the eager reference path (kernels='reference')" if cuda else
                 "build_rank + StepExecutor on CPU ranks: padded static-shape forwards run eagerly (script check only)",

@@ -19,8 +19,10 @@ Both builds are made by ``build_rank`` (Triton kernel set, CUDA graphs) and driv
   the FP8 build's, dequantized: ``random_init``), cuBLAS bf16 GEMMs and the bf16 fused MoE.
 Per build: decode steps at batch 1..64 (128 cached tokens each, one new) captured as CUDA graphs and
 timed as ``bench/deepseek_slice.py`` does (5 steps back to back, median of 10), their weight roofline
-(the weights one step must read, with the distinct experts the batch routes to, over the copy bandwidth)
-and the same with the K/V the step reads (every sequence's 129 cached tokens, all layers),
+(the weights one step must read, with the distinct experts the batch routes to, over the copy bandwidth;
+attention: the projections and the absorbed ``w_uk`` / ``w_uv``, bf16 in both builds, not ``kv_b_proj``)
+and the same with the K/V the step reads (every sequence's 129 cached tokens, all layers: the latent
+MLA cache, 576 values = 1152 bytes per token per layer in bf16),
 a kernel profile at batch 1 and 64; prefill of one 512- and one 2048-token prompt (eager; device time of
 ``executor.run`` with the first token's logits); the logits of a batch-4 decode step and of every row of
 the 512-token prompt.
@@ -80,6 +82,7 @@ from bench.deepseek_slice import (
     DEEPSEEK_V3,
     SLICE_KINDS,
     TINY,
+    attention_bytes,
     decode_step,
     free,
     model_dir,
@@ -319,12 +322,12 @@ def slice_run(path: str, quantization: str, opts: dict[str, Any], bw: float,
     moe0 = model.layers[0].mlp
     experts = moe0.experts
     expert_bytes = sum(p[0].numel() * p.element_size() for n, p in experts.named_parameters(recurse=False))
-    fixed = (sum(nbytes(m) for layer in model.layers for m in (layer.self_attn, layer.mlp.gate,
-                                                                layer.mlp.shared_experts, layer.input_layernorm,
-                                                                layer.post_attention_layernorm))
+    fixed = (sum(attention_bytes(layer.self_attn) + sum(nbytes(m) for m in (
+                 layer.mlp.gate, layer.mlp.shared_experts, layer.input_layernorm, layer.post_attention_layernorm))
+                 for layer in model.layers)
              + nbytes(model.norm) + nbytes(model.lm_head))
     kv = ex.kv_cache
-    kv_token_bytes = sum(c[0].numel() * c.element_size() for c in (*kv.k.values(), *kv.v.values()))
+    kv_token_bytes = kv.bytes_per_token()  # the latent cache: K alone (V is its first 512 columns)
     out.update(expert_bytes=expert_bytes, fixed_bytes_per_step=fixed, kv_bytes_per_token_all_layers=kv_token_bytes)
     progress(f"{quantization}: {len(model.layers)}-layer slice built in {out['build_s']:.1f}s, "
              f"{nbytes(model) / 1e9:.1f} GB of weights: {out['quantization']['description']}")
@@ -447,6 +450,8 @@ def main() -> None:
         "layers": f"{args.layers} full-width MoE layers (first_k_dense_replace=0), embedding and LM head",
         "parallel": "one GPU: tp=1, ep=1 (all 256 experts here; the ep=2 slice needs 2 GPUs)",
         "context": f"decode: {CONTEXT} cached tokens per sequence (random K/V), one new; prefill: one prompt",
+        "kv_cache_layout": "latent MLA cache: one row of [latent 512 | rope 64] per token and layer (V = its "
+                           "first 512 columns), absorbed attention; 1152 bytes per token per layer in bf16",
         "timing": "decode: CUDA graphs, 5 executor.run calls back to back, median of 10; prefill: eager, "
                   "executor.run with the last row's logits, median of 3; GEMMs: 10 calls in a CUDA graph, "
                   "median of 10 replays",

@@ -11,34 +11,83 @@ that must not read Python lists (CUDA graphs replay without running Python).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from .parallel.dp_geometry import Padding
 
 
+class KVShape(NamedTuple):
+    """One attention layer's cache on this rank: ``kv_heads`` heads of K (``k_dim``) and V (``v_dim``).
+
+    ``v_in_k``: only K is stored and V is its first ``v_dim`` columns, a view (MLA's latent cache:
+    K = [normed latent | rope key], V = the latent). ``kv_shapes()`` may also give the short forms
+    (kv_heads, head_dim) and (kv_heads, k_dim, v_dim): ``of`` reads all three.
+    """
+
+    kv_heads: int
+    k_dim: int
+    v_dim: int
+    v_in_k: bool = False
+
+    @staticmethod
+    def of(shape: tuple[int, ...]) -> KVShape:
+        if isinstance(shape, KVShape):
+            return shape
+        if len(shape) == 2:
+            return KVShape(shape[0], shape[1], shape[1])
+        if len(shape) == 3:
+            return KVShape(shape[0], shape[1], shape[2])
+        raise ValueError(f"a KV shape is (kv_heads, dim), (kv_heads, k_dim, v_dim) or a KVShape, not {shape}")
+
+    @property
+    def elements_per_token(self) -> int:
+        """Cache elements one token takes (K, and V unless it is in K)."""
+        return self.kv_heads * (self.k_dim + (0 if self.v_in_k else self.v_dim))
+
+
 @dataclass
 class KVCache:
-    """Paged K/V storage of every attention layer: [num_blocks * block_size, kv_heads, head_dim]."""
+    """Paged K/V storage of every attention layer: [num_blocks * block_size, kv_heads, head_dim].
+
+    A layer in ``v_in_k`` stores K only: its ``v`` tensor is a view of K's first v_dim columns (the
+    attention backends write K alone there and may read V out of the K rows they load).
+    """
 
     k: dict[int, torch.Tensor]
     v: dict[int, torch.Tensor]
     block_size: int
     num_blocks: int
+    v_in_k: frozenset[int] = frozenset()
 
     @staticmethod
     def allocate(layer_shapes: dict[int, tuple[int, ...]], num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device | str | None = None) -> KVCache:
-        """layer_shapes: layer id -> (kv_heads, head_dim) or (kv_heads, k_dim, v_dim) on this rank."""
+        """layer_shapes: layer id -> a ``KVShape`` (or one of its short forms) on this rank."""
         slots = num_blocks * block_size
         k: dict[int, torch.Tensor] = {}
         v: dict[int, torch.Tensor] = {}
-        for i, shape in layer_shapes.items():
-            heads, k_dim, v_dim = (shape[0], shape[1], shape[1]) if len(shape) == 2 else shape
-            k[i] = torch.zeros(slots, heads, k_dim, dtype=dtype, device=device)
-            v[i] = torch.zeros(slots, heads, v_dim, dtype=dtype, device=device)
-        return KVCache(k=k, v=v, block_size=block_size, num_blocks=num_blocks)
+        shared: set[int] = set()
+        for i, raw in layer_shapes.items():
+            shape = KVShape.of(raw)
+            k[i] = torch.zeros(slots, shape.kv_heads, shape.k_dim, dtype=dtype, device=device)
+            if shape.v_in_k:
+                if shape.v_dim > shape.k_dim:
+                    raise ValueError(f"layer {i}: V of {shape.v_dim} cannot be the first columns of K of {shape.k_dim}")
+                v[i] = k[i][..., : shape.v_dim]
+                shared.add(i)
+            else:
+                v[i] = torch.zeros(slots, shape.kv_heads, shape.v_dim, dtype=dtype, device=device)
+        return KVCache(k=k, v=v, block_size=block_size, num_blocks=num_blocks, v_in_k=frozenset(shared))
+
+    def stored(self) -> list[torch.Tensor]:
+        """Every tensor that owns cache memory (each layer's K, and its V unless that is a view of K)."""
+        return [*self.k.values(), *(t for i, t in self.v.items() if i not in self.v_in_k)]
+
+    def bytes_per_token(self) -> int:
+        """Cache bytes one token takes over every layer (what a decode step reads per context token)."""
+        return sum(t[0].numel() * t.element_size() for t in self.stored())
 
 
 @dataclass

@@ -27,7 +27,7 @@ from .interface import CausalLM
 from .layers.fp8_block import BlockFP8, QuantizationConfigError
 from .layers.kernels import Kernels
 from .layers.linear import default_weight_loader
-from .layers.weight_source import DequantizedSource, WeightShapeError, WeightSource
+from .layers.weight_source import DequantizedSource, WeightShapeError, WeightSource, finish_loading
 from .parallel.collectives import Collectives
 from .parallel.fusion.selection import device_capability
 from .parallel.groups import ParallelGroups
@@ -162,7 +162,8 @@ def checkpoint_quantization(config: Any) -> BlockFP8 | None:
 
 
 def load_weights(model: nn.Module, sources: Iterator[Any]) -> None:
-    """Load every tensor into its parameter; fail on any parameter left unloaded."""
+    """Load every tensor into its parameter; fail on any parameter left unloaded; then the tensors
+    derived from weights (``finish_loading``)."""
     params: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     # Buffers a checkpoint fills (e.g. EAGLE3's d2t map) load like parameters.
     params.update({n: b for n, b in model.named_buffers() if n in getattr(model, "checkpoint_buffers", ())})
@@ -188,6 +189,7 @@ def load_weights(model: nn.Module, sources: Iterator[Any]) -> None:
     if missing:
         raise CheckpointError(f"checkpoint lacks {len(missing)} tensor(s): {', '.join(missing[:8])}"
                               + (" ..." if len(missing) > 8 else ""))
+    finish_loading(model)
 
 
 def _checkpoint_name(model: nn.Module, pname: str, shard: object) -> str:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .layers.fp8_block import FP8_DTYPE, BlockFP8, dequantize_weight, quantize_weight
+from .layers.weight_source import finish_loading
 from .parallel.collectives import Collectives
 from .parallel.groups import ParallelGroups
 from .registry import model_class
@@ -27,8 +28,9 @@ from .registry import model_class
 @torch.no_grad()
 def init_random_(model: nn.Module, seed: int = 0, std: float = 0.02,
                  dequantized: dict[str, BlockFP8] | None = None) -> nn.Module:
-    """Draw every parameter in place, in name order; ``dequantized``: parameter -> the FP8 format whose
-    dequantized values it takes (as its FP8 twin draws them)."""
+    """Draw every parameter in place, in name order, then the tensors derived from weights
+    (``finish_loading``); ``dequantized``: parameter -> the FP8 format whose dequantized values it
+    takes (as its FP8 twin draws them)."""
     params = dict(model.named_parameters())
     for name, p in sorted(params.items()):
         gen = torch.Generator(device=p.device).manual_seed(seed + _stable_hash(name))
@@ -44,6 +46,7 @@ def init_random_(model: nn.Module, seed: int = 0, std: float = 0.02,
             p.uniform_(0.8, 1.2, generator=gen)
         else:
             p.zero_()
+    finish_loading(model)
     return model
 
 

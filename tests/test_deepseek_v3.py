@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from fusedserve.models.deepseek_v3 import DeepseekV3ForCausalLM
-from fusedserve.models.forward_batch import ForwardBatch, KVCache
+from fusedserve.models.forward_batch import ForwardBatch, KVCache, KVShape
 from fusedserve.models.layers.moe import MoE
 from fusedserve.models.parallel.comm_plan import BlockSpec
 from fusedserve.models.parallel.groups import (
@@ -251,8 +251,8 @@ def test_blocks_layers_and_cache_shapes(checkpoints: dict[str, Path]) -> None:
     # Built (not loaded) on rank 3 of tp=4, ep=2: no process group is needed to construct it.
     model = DeepseekV3ForCausalLM(config, fake_groups(4, 1, 2, 3), Collectives("gloo"), device="meta")
     assert not isinstance(model.layers[0].mlp, MoE) and isinstance(model.layers[1].mlp, MoE)
-    # 1 of 4 heads; K = nope 16 + rope 8, V = 24
-    assert model.kv_shapes() == {0: (1, 24, 24), 1: (1, 24, 24), 2: (1, 24, 24)}
+    # The latent cache, whatever the heads per rank: one KV head of [latent 32 | rope 8], V = the latent
+    assert model.kv_shapes() == {i: KVShape(1, 40, 32, v_in_k=True) for i in range(3)}
     experts = model.layers[2].mlp.experts
     assert (experts.first, experts.num_local, experts.inter_local) == (4, 4, 16)
 

@@ -88,8 +88,9 @@ def test_triton_kernels_equal_references() -> None:
 
 @needs_gpu
 def test_mla_decode_attention_and_fused_experts_equal_references() -> None:
-    """DeepSeek-V3 shapes: decode attention over the expanded MLA cache (K 192 padded to 256, V 128,
-    one KV head per query head) and the routed experts' two block launches (7168 x 2048 experts)."""
+    """DeepSeek-V3 shapes: decode attention over MLA's former expanded cache (K 192 padded to 256, V 128,
+    one KV head per query head: still a shape the kernel takes; the latent cache MLA keeps now is
+    tests/test_gpu_mla_attention.py's) and the routed experts' two block launches (7168 x 2048 experts)."""
     from fusedserve.models.forward_batch import ForwardBatch, KVCache
     from fusedserve.models.layers.decode_attention_triton import paged_decode_attention_triton
     from fusedserve.models.layers.fused_moe import fused_experts_torch

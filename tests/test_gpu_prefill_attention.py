@@ -1,6 +1,7 @@
 """GPU (-m gpu): the Triton paged prefill attention equals the torch references at bf16 on real shapes
-(Llama-3-8B: 32 heads / 8 KV heads, dim 128; DeepSeek-V3's MLA: 128 heads, K 192, V 128) and a CUDA
-graph of a chain-verify step (4 sequences x 4 new tokens) replays what the eager call computes.
+(Llama-3-8B: 32 heads / 8 KV heads, dim 128; MLA's former expanded cache: 128 heads, K 192, V 128 — the
+latent cache MLA keeps now is tests/test_gpu_mla_attention.py's) and a CUDA graph of a chain-verify step
+(4 sequences x 4 new tokens) replays what the eager call computes.
 
 Run outside the checkout (the source folder fusedserve/ would shadow the package), e.g.
 ``cd /tmp && python -m pytest <repo>/tests/test_gpu_prefill_attention.py -m gpu``.
@@ -68,7 +69,7 @@ def test_llama_8b_shape_prompt_chunk_and_decode_equal_torch() -> None:
 
 
 def test_mla_shape_prompt_and_chunk_equal_reference() -> None:
-    """DeepSeek-V3's expanded MLA cache: a 1k-token prompt and a 128-token chunk over 896 cached tokens.
+    """MLA's former expanded cache at DeepSeek-V3's heads: a 1k-token prompt and a 128-token chunk over 896 cached tokens.
     (paged_attention_torch's fp32 gather would take ~170 GiB here: the per-sequence reference instead.)"""
     from fusedserve.models.layers.attention import paged_attention_reference
     from fusedserve.models.layers.prefill_attention_triton import paged_prefill_attention_triton

@@ -10,11 +10,16 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
+
+if TYPE_CHECKING:
+    from fusedserve.models.forward_batch import ForwardBatch, KVCache
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 inner = pytest.mark.skipif(not INTERPRETING, reason="runs inside the TRITON_INTERPRET=1 subprocess")
@@ -181,7 +186,8 @@ def test_interp_llama_decode_with_triton_kernels_equals_reference() -> None:
 
 @inner
 def test_interp_decode_attention_pads_mla_head_dims() -> None:
-    """MLA's expanded cache: one KV head per query head, K and V dims not powers of two (24 / 20)."""
+    """K and V dims not powers of two (24 / 20), one KV head per query head (the layout of MLA's former
+    expanded cache; the latent cache has its own tests below)."""
     from fusedserve.models.forward_batch import ForwardBatch, KVCache
     from fusedserve.models.layers.decode_attention_triton import paged_decode_attention_triton
     from fusedserve.models.layers.paged_attention_torch import paged_attention_torch
@@ -215,7 +221,7 @@ PREFILL_LAYOUTS = {
     "prompts-gqa4": ([21, 6], [21, 6], 8, 2, 16, 16),  # fresh prompts; 21 tokens: two tiles, the last partial
     "chunked-gqa3": ([25, 4], [40, 11], 6, 2, 16, 16),  # cached prefixes longer than the new tokens
     "mixed-gqa1": ([1, 9, 1, 70, 2], [13, 9, 1, 75, 5], 2, 2, 16, 16),  # decode rows beside prefill rows
-    "mla-dims": ([6, 3], [6, 20], 3, 3, 24, 16),  # one KV head per query head, K 24 != V 16 (padded to 32)
+    "kv-dims": ([6, 3], [6, 20], 3, 3, 24, 16),  # one KV head per query head, K 24 != V 16 (padded to 32)
 }
 
 
@@ -297,8 +303,9 @@ def test_interp_prefill_attention_on_a_graph_padded_verify_layout_equals_torch()
 @inner
 @pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
 def test_interp_prefill_and_chunked_prefill_with_triton_kernels_equal_reference(arch: str) -> None:
-    """A whole tiny model (Llama: GQA 2; DeepSeek-V3: MLA, K 24 / V 16) prefills two prompts, then extends
-    one by a chunk over its cached prefix beside a decode row: Triton kernel set vs the references (fp32)."""
+    """A whole tiny model (Llama: GQA 2; DeepSeek-V3: absorbed MLA over the latent cache, its 4 heads on one
+    KV head of K 40 = latent 32 + rope 8, V = the latent) prefills two prompts, then extends one by a chunk
+    over its cached prefix beside a decode row: Triton kernel set vs the references (fp32)."""
     from transformers import DeepseekV3Config, LlamaConfig
 
     from fusedserve.models.forward_batch import ForwardBatch, KVCache
@@ -325,6 +332,140 @@ def test_interp_prefill_and_chunked_prefill_with_triton_kernels_equal_reference(
                             [11, 4], torch.tensor([6, 7, 12, 13, 14, 11]), [[0, 1, 3], [2]], kv)
         logits[name] = torch.cat([first, model(step).logits])
     _close(logits["triton"], logits["reference"], 1e-4)
+
+
+# MLA's latent cache (KVShape(1, rank + rope, rank, v_in_k=True)): every query head on one KV head of
+# [latent | rope], V = its first rank columns (not stored apart). (heads, kv_lora_rank, rope, dtype):
+LATENT = {
+    "group20-k40-fp32": (20, 32, 8, torch.float32),  # a group past 16 that is no power of two, tiny dims
+    "group40-k576-fp32": (40, 512, 64, torch.float32),  # head blocks of 16 + 16 + 8 (decode), 32 + 8 (prefill)
+    "group128-k576-bf16": (128, 512, 64, torch.bfloat16),  # DeepSeek-V3 at attention-TP 1
+}
+
+
+def _latent_step(query_lens: list[int], context_lens: list[int], heads: int, rank: int, rope: int,
+                 dtype: torch.dtype, seed: int) -> tuple[KVCache, KVCache, Callable[..., ForwardBatch], torch.Tensor,
+                                                        torch.Tensor, torch.Tensor]:
+    """A step over a latent cache of scattered blocks (random cached rows): (cache, its copy, batch maker
+    (cache, padded) -> batch with 3 spare block-table columns when padded, q, k, v = k's first columns)."""
+    from fusedserve.models.forward_batch import ForwardBatch, KVCache, KVShape, PagedAttentionMetadata
+
+    g = torch.Generator().manual_seed(seed)
+    block, num_blocks, t = 4, sum(-(-c // 4) for c in context_lens) + 4, sum(query_lens)
+    shape = KVShape(1, rank + rope, rank, v_in_k=True)
+    kv = KVCache.allocate({0: shape}, num_blocks, block, dtype)
+    kv.k[0].copy_(torch.randn(kv.k[0].shape, generator=g))
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, slots = [], []
+    for q_len, c in zip(query_lens, context_lens):
+        table, perm = perm[: -(-c // block)], perm[-(-c // block):]
+        tables.append(table)
+        slots += [table[p // block] * block + p % block for p in range(c - q_len, c)]
+    width = max(len(tb) for tb in tables) + 3
+    q = torch.randn(t, heads, rank + rope, generator=g).to(dtype)
+    k = torch.randn(t, 1, rank + rope, generator=g).to(dtype)
+
+    def batch(cache: KVCache, padded: bool = False) -> ForwardBatch:
+        meta = PagedAttentionMetadata.from_lists(query_lens, context_lens, tables, max_blocks=width)
+        return ForwardBatch(torch.zeros(t, dtype=torch.long), torch.zeros(t, dtype=torch.long), query_lens,
+                            context_lens, torch.tensor(slots), tables, cache, paged=meta if padded else None)
+
+    ref = KVCache.allocate({0: shape}, num_blocks, block, dtype)
+    ref.k[0].copy_(kv.k[0])
+    return kv, ref, batch, q, k, k[..., :rank]
+
+
+@inner
+def test_interp_deepseek_v3_decode_with_triton_kernels_equals_reference() -> None:
+    """A whole tiny DeepSeek-V3 (absorbed MLA, 16 heads on one latent KV head): two prompts prefilled, then
+    two batched decode steps through the Triton decode kernel: Triton kernel set vs the references (fp32)."""
+    from transformers import DeepseekV3Config
+
+    from fusedserve.models.forward_batch import ForwardBatch, KVCache
+    from fusedserve.models.layers.kernels import Kernels
+    from fusedserve.models.parallel.collectives import Collectives
+    from fusedserve.models.parallel.groups import ParallelGroups
+    from fusedserve.models.random_init import random_model
+    from fusedserve.tiny import DEEPSEEK_V3_DEFAULTS
+
+    config = DeepseekV3Config(**{**DEEPSEEK_V3_DEFAULTS, "vocab_size": 100, "num_hidden_layers": 2,
+                                 "num_attention_heads": 16, "num_key_value_heads": 16,
+                                 "architectures": ["DeepseekV3ForCausalLM"]})
+    logits = {}
+    for name in ("reference", "triton"):
+        model = random_model(config, ParallelGroups.single_rank(), Collectives("gloo"), seed=6,
+                             kernels=Kernels.named(name))
+        kv = KVCache.allocate(model.kv_shapes(), 8, 4, torch.float32)
+        out = [model(ForwardBatch.prefill([[3, 1, 4, 1, 5, 9], [2, 7, 1]], kv)).logits]  # blocks [0, 1], [2]
+        for i, tokens in enumerate(([2, 6], [8, 8])):  # contexts 7 / 4, then 8 / 5 (block 3 for sequence 1)
+            out.append(model(ForwardBatch(torch.tensor(tokens), torch.tensor([6 + i, 3 + i]), [1, 1], [7 + i, 4 + i],
+                                          torch.tensor([[6, 11], [7, 12]][i]), [[0, 1], [2, 3]], kv)).logits)
+        logits[name] = torch.cat(out)
+    _close(logits["triton"], logits["reference"], 1e-4)
+
+
+@inner
+@pytest.mark.parametrize("case", list(LATENT))
+def test_interp_decode_attention_on_the_latent_cache_equals_reference(case: str) -> None:
+    """Split-KV decode (contexts 2..200: 4 splits, their combine) over the latent cache: K alone stored,
+    V read out of the K tiles, the group cut into head blocks; equals the per-sequence reference."""
+    from fusedserve.models.layers.attention import paged_attention_reference
+    from fusedserve.models.layers.decode_attention_triton import paged_decode_attention_triton
+
+    heads, rank, rope, dtype = LATENT[case]
+    ctx = [2, 9, 70, 200]
+    kv, ref, batch, q, k, v = _latent_step([1] * 4, ctx, heads, rank, rope, dtype, seed=heads)
+    got = paged_decode_attention_triton(q, k, v, 0, batch(kv, True), (rank + rope) ** -0.5)
+    want = paged_attention_reference(q, k, v, 0, batch(ref), (rank + rope) ** -0.5)
+    _close(got, want, 1e-5 if dtype == torch.float32 else 1e-2)
+    assert torch.equal(kv.k[0], ref.k[0]) and kv.v[0].data_ptr() == kv.k[0].data_ptr()
+
+
+@inner
+@pytest.mark.parametrize("case", list(LATENT))
+def test_interp_prefill_attention_on_the_latent_cache_equals_reference(case: str) -> None:
+    """A fresh prompt, a chunk over a cached prefix, a decode row and a longer chunk in one step over the
+    latent cache (padded block tables); the new rows' [latent | rope] stored and nothing else."""
+    from fusedserve.models.layers.attention import paged_attention_reference
+    from fusedserve.models.layers.prefill_attention_triton import paged_prefill_attention_triton
+
+    heads, rank, rope, dtype = LATENT[case]
+    kv, ref, batch, q, k, v = _latent_step([6, 3, 1, 17], [6, 20, 33, 40], heads, rank, rope, dtype, seed=rank)
+    got = paged_prefill_attention_triton(q, k, v, 0, batch(kv, True), (rank + rope) ** -0.5)
+    want = paged_attention_reference(q, k, v, 0, batch(ref), (rank + rope) ** -0.5)
+    _close(got, want, 1e-5 if dtype == torch.float32 else 1e-2)
+    assert torch.equal(kv.k[0], ref.k[0])
+
+
+@inner
+def test_interp_graph_padded_decode_on_the_latent_cache_equals_torch() -> None:
+    """StepGraphs' padded decode batch over the latent cache: two real rows and a padding row (context 1,
+    block 0, writing the pad slot); the real rows equal the torch path's, the pad slot aside."""
+    from fusedserve.models.forward_batch import ForwardBatch, KVCache, KVShape, PagedAttentionMetadata
+    from fusedserve.models.layers.decode_attention_triton import paged_decode_attention_triton
+    from fusedserve.models.layers.paged_attention_torch import paged_attention_torch
+
+    g = torch.Generator().manual_seed(12)
+    heads, rank, rope, pad_slot = 32, 512, 64, 47
+    shape = KVShape(1, rank + rope, rank, v_in_k=True)
+    kv = KVCache.allocate({0: shape}, 12, 4, torch.bfloat16)
+    kv.k[0].copy_(torch.randn(kv.k[0].shape, generator=g))
+    meta = PagedAttentionMetadata.decode(torch.tensor([[5, 2, 7], [3, 9, 0], [0, 0, 0]], dtype=torch.int32),
+                                         torch.tensor([11, 6, 1], dtype=torch.int32))
+    slots = torch.tensor([7 * 4 + 2, 9 * 4 + 1, pad_slot])
+    q = torch.randn(3, heads, rank + rope, generator=g).to(torch.bfloat16)
+    k = torch.randn(3, 1, rank + rope, generator=g).to(torch.bfloat16)
+
+    def batch(cache: KVCache) -> ForwardBatch:
+        zeros = torch.zeros(3, dtype=torch.long)
+        return ForwardBatch(zeros, zeros, [1] * 3, [1] * 3, slots, [[0]] * 3, cache, paged=meta)
+
+    ref = KVCache.allocate({0: shape}, 12, 4, torch.bfloat16)
+    ref.k[0].copy_(kv.k[0])
+    got = paged_decode_attention_triton(q, k, k[..., :rank], 0, batch(kv), 0.05)
+    want = paged_attention_torch(q, k, k[..., :rank], 0, batch(ref), 0.05)
+    _close(got[:2], want[:2], 1e-2)
+    assert torch.equal(kv.k[0][:pad_slot], ref.k[0][:pad_slot])
 
 
 @inner

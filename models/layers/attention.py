@@ -3,7 +3,9 @@
 Faster backends with the same signature (``AttentionBackend``): ``paged_attention_torch.py``
 (CUDA-graph capturable torch ops) and ``decode_attention_triton.py`` (GPU decode kernel, which
 hands steps of several new tokens per sequence to ``prefill_attention_triton.py``); a model
-picks one at construction (``kernels.py``).
+picks one at construction (``kernels.py``). Every backend takes GQA groups of any size (MLA's
+absorbed attention: all of a rank's heads over one latent KV head) and K / V dims that differ; a
+layer whose V is K's first columns (``KVCache.v_in_k``: MLA's latent cache) has K alone stored.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ def paged_attention_reference(
     batch: ForwardBatch,
     scale: float,
 ) -> torch.Tensor:
-    """Write the new K/V into the cache, then attend each sequence to its whole context.
+    """Write the new K/V into the cache, then attend each sequence to its whole context (fp32 math).
+    A layer whose V is in K (``KVCache.v_in_k``, MLA's latent cache) stores K alone.
 
     q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] -> [T, heads, v_head_dim]
     """
@@ -35,11 +38,13 @@ def paged_attention_reference(
         raise ValueError("attention needs a KV cache in the forward batch")
     kc, vc = cache.k[layer_id], cache.v[layer_id]
     kc[batch.slot_mapping] = k.to(kc.dtype)
-    vc[batch.slot_mapping] = v.to(vc.dtype)
+    if layer_id not in cache.v_in_k:
+        vc[batch.slot_mapping] = v.to(vc.dtype)
     bs = cache.block_size
-    heads, kv_heads = q.shape[1], k.shape[1]
-    group = heads // kv_heads
-    out = torch.empty((q.shape[0], heads, vc.shape[-1]), dtype=q.dtype, device=q.device)
+    t, heads, dim = q.shape
+    kv_heads = kc.shape[1]
+    group = heads // kv_heads  # query head h reads KV head h // group
+    out = torch.empty((t, heads, vc.shape[-1]), dtype=q.dtype, device=q.device)
     start = 0
     for i, (qlen, clen) in enumerate(zip(batch.query_lens, batch.context_lens)):
         if qlen == 0:
@@ -47,16 +52,17 @@ def paged_attention_reference(
         table = torch.tensor(batch.block_tables[i], dtype=torch.long, device=q.device)
         pos = torch.arange(clen, device=q.device)
         slots = table[pos // bs] * bs + pos % bs
-        keys = kc[slots].repeat_interleave(group, dim=1)  # [clen, heads, hd]
-        values = vc[slots].repeat_interleave(group, dim=1)
-        qi = q[start : start + qlen]
-        scores = torch.einsum("qhd,khd->hqk", qi.float(), keys.float()) * scale
+        keys = kc[slots].float()  # [clen, kv_heads, dim]
+        values = vc[slots].float()
+        qi = q[start : start + qlen].float().view(qlen, kv_heads, group, dim)
+        scores = torch.einsum("qngd,knd->ngqk", qi, keys) * scale
         mask = None if batch.attn_masks is None else batch.attn_masks[i]
         if mask is None:
             qpos = torch.arange(clen - qlen, clen, device=q.device)
             mask = pos[None, :] <= qpos[:, None]
-        scores = scores.masked_fill(~mask[None], float("-inf"))
+        scores = scores.masked_fill(~mask[None, None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        out[start : start + qlen] = torch.einsum("hqk,khd->qhd", probs, values.float()).to(q.dtype)
+        o = torch.einsum("ngqk,knd->qngd", probs, values)
+        out[start : start + qlen] = o.reshape(qlen, heads, vc.shape[-1]).to(q.dtype)
         start += qlen
     return out

@@ -4,15 +4,20 @@ Plain reference: ``paged_attention_torch.paged_attention_torch`` (itself checked
 ``attention.paged_attention_reference``). Steps that are not decode-shaped (more than one new
 token per sequence: prefill, chunked prefill, chain verify, mixed batches) go to the paged flash
 attention of ``prefill_attention_triton.py``; trees (a metadata ``tail_mask`` or
-``batch.attn_masks``) to the torch path. A program per (sequence, KV head, split) handles the head's
-query group (padded to 16 rows for ``tl.dot``) with an online softmax over the sequence's
+``batch.attn_masks``) to the torch path. A program per (sequence, KV head, block of its query
+heads, split) handles up to ``heads_per_program`` heads of the KV head's query group (padded to 16
+rows for ``tl.dot``; a large group, e.g. MLA's 128 heads over one latent KV head, is cut into
+blocks of 16 whose programs read the same K/V tiles) with an online softmax over the sequence's
 blocks; when there are few sequences, each context is split over several programs (split-KV:
 ``num_splits``) whose partial softmax states a second small kernel combines. The new token
-(cache index context_len-1) is read from ``k``/``v`` directly and
-stored at its slot by the same program, so no program reads a slot written in this launch.
+(cache index context_len-1) is read from ``k``/``v`` directly and stored at its slot by one
+program (head block 0, split 0), so no program reads a slot written in this launch.
 Metadata is read on the device only (``ForwardBatch.paged_metadata()``): CUDA-graph safe.
-Head dims need not be powers of two: they are padded (masked) to one, e.g. MLA's expanded
-K of 192 (nope 128 + rope 64) next to V of 128, one KV head per query head.
+
+Head dims need not be powers of two: each is padded (masked: no lane past a dim is loaded) to one.
+MLA's latent cache (``KVCache.v_in_k``: K = [latent 512 | rope 64], V = K's first 512 columns) is
+read as two K parts, [BLOCK_N, 512] and [BLOCK_N, 64] (scores = q_a k_a^T + q_b k_b^T, no padding of
+576 to 1024), and the first part is the V tile too: each cached token's 1152 bytes are read once.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from .prefill_attention_triton import paged_prefill_attention_triton
 
 BLOCK_N = 64
 TARGET_PROGRAMS = 256
+# Accumulator elements of one program ([heads, V dim] fp32): bounds the heads a program takes.
+ACC_ELEMENTS = 8192
 # Triton's CPU interpreter (TRITON_INTERPRET=1, used by the CPU tests) multiplies bf16 matrices
 # wrongly; there the dots run on fp32 copies. Decided once, as Triton decides to interpret.
 _DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"
@@ -39,35 +46,52 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, p
                    bt_ptr, ctx_ptr, slot_ptr,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                    stride_kcs, stride_kch, stride_vcs, stride_vch, stride_ot, stride_oh, stride_bt,
-                   scale, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, VDIM: tl.constexpr,
-                   DIM_PAD: tl.constexpr, VDIM_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SPLIT_TOKENS: tl.constexpr,
-                   DOT_FP32: tl.constexpr):
+                   scale, HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+                   HEAD_BLOCKS: tl.constexpr, H_PAD: tl.constexpr, DA: tl.constexpr, DA_PAD: tl.constexpr,
+                   DB: tl.constexpr, DB_PAD: tl.constexpr, VDIM: tl.constexpr, VDIM_PAD: tl.constexpr,
+                   V_IN_K: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+                   SPLIT_TOKENS: tl.constexpr, DOT_FP32: tl.constexpr):
+    # K's columns are part A (0..DA) and part B (DA..DA+DB, none when DB = 0); V_IN_K: V is part A.
     ctx = tl.load(ctx_ptr + tl.program_id(0))
     b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+    h = tl.program_id(1) // HEAD_BLOCKS  # KV head
+    hb = tl.program_id(1) % HEAD_BLOCKS  # block of its query heads
     split = tl.program_id(2)
     last = ctx - 1
     first = split * SPLIT_TOKENS
     end = tl.minimum(ctx, first + SPLIT_TOKENS)
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, DIM_PAD)  # head dims padded to a power of two (e.g. MLA's 192 -> 256), masked
-    dv = tl.arange(0, VDIM_PAD)
-    dmask = d < DIM
-    dvmask = dv < VDIM
-    gmask = g < GROUP
-    heads = h * GROUP + g
-    q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=gmask[:, None] & dmask[None, :], other=0.0)
-    k_new = tl.load(k_ptr + b * stride_kt + h * stride_kh + d, mask=dmask, other=0.0)
-    v_new = tl.load(v_ptr + b * stride_vt + h * stride_vh + dv, mask=dvmask, other=0.0)
-    if split == 0:  # one writer per (sequence, head); nobody reads this slot in this launch
+    g = tl.arange(0, H_PAD)
+    in_group = hb * BLOCK_H + g
+    gmask = (g < BLOCK_H) & (in_group < GROUP)
+    heads = h * GROUP + in_group
+    da = tl.arange(0, DA_PAD)
+    damask = da < DA
+    q_a = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + da[None, :],
+                  mask=gmask[:, None] & damask[None, :], other=0.0)
+    k_a_new = tl.load(k_ptr + b * stride_kt + h * stride_kh + da, mask=damask, other=0.0)
+    if DB > 0:
+        db = DA + tl.arange(0, DB_PAD)
+        dbmask = db < DA + DB
+        q_b = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + db[None, :],
+                      mask=gmask[:, None] & dbmask[None, :], other=0.0)
+        k_b_new = tl.load(k_ptr + b * stride_kt + h * stride_kh + db, mask=dbmask, other=0.0)
+    if not V_IN_K:
+        dv = tl.arange(0, VDIM_PAD)
+        dvmask = dv < VDIM
+        v_new = tl.load(v_ptr + b * stride_vt + h * stride_vh + dv, mask=dvmask, other=0.0)
+    if (split == 0) & (hb == 0):  # one writer per (sequence, KV head); nobody reads this slot in this launch
         slot = tl.load(slot_ptr + b).to(tl.int64)
-        tl.store(kc_ptr + slot * stride_kcs + h * stride_kch + d, k_new.to(kc_ptr.dtype.element_ty), mask=dmask)
-        tl.store(vc_ptr + slot * stride_vcs + h * stride_vch + dv, v_new.to(vc_ptr.dtype.element_ty), mask=dvmask)
+        tl.store(kc_ptr + slot * stride_kcs + h * stride_kch + da, k_a_new.to(kc_ptr.dtype.element_ty), mask=damask)
+        if DB > 0:
+            tl.store(kc_ptr + slot * stride_kcs + h * stride_kch + db, k_b_new.to(kc_ptr.dtype.element_ty),
+                     mask=dbmask)
+        if not V_IN_K:
+            tl.store(vc_ptr + slot * stride_vcs + h * stride_vch + dv, v_new.to(vc_ptr.dtype.element_ty),
+                     mask=dvmask)
 
-    m = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
-    l_sum = tl.zeros((GROUP_PAD,), tl.float32)
-    acc = tl.zeros((GROUP_PAD, VDIM_PAD), tl.float32)
+    m = tl.full((H_PAD,), float("-inf"), tl.float32)
+    l_sum = tl.zeros((H_PAD,), tl.float32)
+    acc = tl.zeros((H_PAD, VDIM_PAD), tl.float32)
     for start in range(first, end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         in_range = n < end
@@ -75,37 +99,49 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, p
         is_new = n == last
         block = tl.load(bt_ptr + b * stride_bt + n // PAGE, mask=in_range, other=0).to(tl.int64)
         slots = block * PAGE + n % PAGE
-        kt = tl.load(kc_ptr + slots[:, None] * stride_kcs + h * stride_kch + d[None, :],
-                     mask=cached[:, None] & dmask[None, :], other=0.0)
-        kt = tl.where(is_new[:, None], k_new[None, :].to(kt.dtype), kt)
+        kt = tl.load(kc_ptr + slots[:, None] * stride_kcs + h * stride_kch + da[None, :],
+                     mask=cached[:, None] & damask[None, :], other=0.0)
+        kt = tl.where(is_new[:, None], k_a_new[None, :].to(kt.dtype), kt)
         if DOT_FP32:
-            s = tl.dot(q.to(tl.float32), tl.trans(kt.to(tl.float32)))
+            s = tl.dot(q_a.to(tl.float32), tl.trans(kt.to(tl.float32)))
         else:
-            s = tl.dot(q.to(kt.dtype), tl.trans(kt))
-        s = s * scale  # [GROUP_PAD, BLOCK_N] fp32
+            s = tl.dot(q_a.to(kt.dtype), tl.trans(kt))
+        if DB > 0:
+            kb = tl.load(kc_ptr + slots[:, None] * stride_kcs + h * stride_kch + db[None, :],
+                         mask=cached[:, None] & dbmask[None, :], other=0.0)
+            kb = tl.where(is_new[:, None], k_b_new[None, :].to(kb.dtype), kb)
+            if DOT_FP32:
+                s += tl.dot(q_b.to(tl.float32), tl.trans(kb.to(tl.float32)))
+            else:
+                s += tl.dot(q_b.to(kb.dtype), tl.trans(kb))
+        s = s * scale  # [H_PAD, BLOCK_N] fp32
         s = tl.where(in_range[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        vt = tl.load(vc_ptr + slots[:, None] * stride_vcs + h * stride_vch + dv[None, :],
-                     mask=cached[:, None] & dvmask[None, :], other=0.0)
-        vt = tl.where(is_new[:, None], v_new[None, :].to(vt.dtype), vt)
+        if V_IN_K:
+            vt = kt  # V = K's first VDIM (= DA) columns: the tile already loaded
+        else:
+            vt = tl.load(vc_ptr + slots[:, None] * stride_vcs + h * stride_vch + dv[None, :],
+                         mask=cached[:, None] & dvmask[None, :], other=0.0)
+            vt = tl.where(is_new[:, None], v_new[None, :].to(vt.dtype), vt)
         if DOT_FP32:
             pv = tl.dot(p, vt.to(tl.float32))
         else:
             pv = tl.dot(p.to(vt.dtype), vt)
         acc = acc * alpha[:, None] + pv
         m = m_new
+    do = tl.arange(0, VDIM_PAD)
     if SPLITS == 1:
         out = acc / l_sum[:, None]
-        tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + dv[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & dvmask[None, :])
-    else:  # partial results [B, heads, SPLITS, ...]; an empty split leaves m = -inf, l = 0
-        row = (b * (tl.num_programs(1) * GROUP) + heads) * SPLITS + split
+        tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + do[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & (do < VDIM)[None, :])
+    else:  # partial results [B, HEADS, SPLITS, ...]; an empty split leaves m = -inf, l = 0
+        row = (b * HEADS + heads) * SPLITS + split
         tl.store(part_m_ptr + row, m, mask=gmask)
         tl.store(part_l_ptr + row, l_sum, mask=gmask)
-        tl.store(part_acc_ptr + row[:, None] * VDIM_PAD + dv[None, :], acc, mask=gmask[:, None])
+        tl.store(part_acc_ptr + row[:, None] * VDIM_PAD + do[None, :], acc, mask=gmask[:, None])
 
 
 @triton.jit
@@ -124,14 +160,26 @@ def _combine_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_ot, st
     tl.store(out_ptr + b * stride_ot + head * stride_oh + dv, out.to(out_ptr.dtype.element_ty), mask=dv < VDIM)
 
 
-def num_splits(num_seqs: int, kv_heads: int, max_context: int) -> int:
-    """Splits of each sequence's context (a power of two): enough programs to fill the GPU's ~132
-    multiprocessors twice, never more than one BLOCK_N tile per split. Static for a captured batch."""
-    tiles = -(-max_context // BLOCK_N)
+def num_splits(programs: int, max_context: int, block_n: int = BLOCK_N) -> int:
+    """Splits of each sequence's context (a power of two): enough programs (``programs`` without
+    splits: sequences x KV heads x head blocks) to fill the GPU's ~132 multiprocessors twice, never
+    more than one ``block_n`` tile per split. Static for a captured batch."""
+    tiles = -(-max_context // block_n)
     splits = 1
-    while splits * 2 <= tiles and num_seqs * kv_heads * splits < TARGET_PROGRAMS:
+    while splits * 2 <= tiles and programs * splits < TARGET_PROGRAMS:
         splits *= 2
     return splits
+
+
+def heads_per_program(group: int, vdim_pad: int) -> int:
+    """Query heads of one KV head's group that one program takes: the whole group while its
+    accumulator stays within ``ACC_ELEMENTS`` (GQA groups of Llama-style models: one program), else
+    blocks of at least 16 (MLA's latent cache: 16 heads x 512)."""
+    return min(group, max(16, ACC_ELEMENTS // vdim_pad))
+
+
+def _pad(dim: int) -> int:
+    return max(16, triton.next_power_of_2(dim))  # tl.dot takes K and N of 16 at least
 
 
 def paged_decode_attention_triton(
@@ -143,7 +191,9 @@ def paged_decode_attention_triton(
     scale: float,
 ) -> torch.Tensor:
     """Decode: store each sequence's new K/V and attend over its context; steps of several new tokens
-    per sequence: ``paged_prefill_attention_triton``; trees: the torch path.
+    per sequence: ``paged_prefill_attention_triton``; trees: the torch path. A layer whose V is in K
+    (``KVCache.v_in_k``) stores K alone and takes V from the K tiles (``v`` must then be K's first
+    columns, as MLA passes it).
 
     q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] -> [T, heads, v_head_dim] (decode: T = B)
     """
@@ -160,26 +210,35 @@ def paged_decode_attention_triton(
     group = heads // kv_heads
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("decode attention kernel needs unit-stride head dims")
-    dim_pad, vdim_pad = triton.next_power_of_2(dim), triton.next_power_of_2(vdim)
+    v_in_k = layer_id in cache.v_in_k
+    da = vdim if v_in_k else dim  # K part A (V's columns when V is in K), part B the rest
+    vdim_pad = _pad(vdim)
+    block_h = heads_per_program(group, vdim_pad)
+    head_blocks = -(-group // block_h)
+    # 64 keys on 8 warps (GQA, head dim 128: 221 registers, no spills; ptxas, sm_90a); the latent cache's
+    # wide tiles ([32 keys, 512 + 64]) on 4 warps, 2 stages, as sglang's MLA decode (not yet timed here).
+    block_n, warps, stages = (32, 4, 2) if v_in_k and vdim_pad >= 256 else (BLOCK_N, 8, 3)
     out = torch.empty((n, heads, vdim), dtype=q.dtype, device=q.device)
     if not n:
         return out
-    splits = num_splits(n, kv_heads, meta.block_tables.shape[1] * cache.block_size)
-    split_tokens = -(-meta.block_tables.shape[1] * cache.block_size // (splits * BLOCK_N)) * BLOCK_N
+    context = meta.block_tables.shape[1] * cache.block_size
+    splits = num_splits(n * kv_heads * head_blocks, context, block_n)
+    split_tokens = -(-context // (splits * block_n)) * block_n
     if splits > 1:
         part_acc = torch.empty((n, heads, splits, vdim_pad), dtype=torch.float32, device=q.device)
         part_m = torch.empty((n, heads, splits), dtype=torch.float32, device=q.device)
         part_l = torch.empty((n, heads, splits), dtype=torch.float32, device=q.device)
     else:
         part_acc = part_m = part_l = out  # unused
-    _decode_kernel[(n, kv_heads, splits)](
+    _decode_kernel[(n, kv_heads * head_blocks, splits)](
         q, k, v, kc, vc, out, part_acc, part_m, part_l, meta.block_tables, meta.context_lens, batch.slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), out.stride(0), out.stride(1),
         meta.block_tables.stride(0), scale,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), DIM=dim, VDIM=vdim, DIM_PAD=dim_pad,
-        VDIM_PAD=vdim_pad, PAGE=cache.block_size, BLOCK_N=BLOCK_N, SPLITS=splits, SPLIT_TOKENS=split_tokens, DOT_FP32=_DOT_FP32,
-        num_warps=8)  # 221 registers, no spills (ptxas, sm_90a)
+        HEADS=heads, GROUP=group, BLOCK_H=block_h, HEAD_BLOCKS=head_blocks, H_PAD=_pad(block_h), DA=da,
+        DA_PAD=_pad(da), DB=dim - da, DB_PAD=_pad(dim - da), VDIM=vdim, VDIM_PAD=vdim_pad, V_IN_K=v_in_k,
+        PAGE=cache.block_size, BLOCK_N=block_n, SPLITS=splits, SPLIT_TOKENS=split_tokens, DOT_FP32=_DOT_FP32,
+        num_warps=warps, num_stages=stages)
     if splits > 1:
         _combine_kernel[(n, heads)](part_acc, part_m, part_l, out, out.stride(0), out.stride(1), SPLITS=splits,
                                     VDIM=vdim, VDIM_PAD=vdim_pad, num_warps=4)

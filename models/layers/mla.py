@@ -1,19 +1,38 @@
-"""Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2), heads split over attention-TP.
+"""Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2), heads split over attention-TP, absorbed.
 
     q      = q_b_proj(q_a_layernorm(q_a_proj(x)))   or q_proj(x) when q_lora_rank is None
-             -> per head [nope | rope]
-    c, k_r = kv_a_proj_with_mqa(x) -> [kv_lora_rank | rope]   (k_r: one rope key shared by all heads)
-    k_nope, v = kv_b_proj(kv_a_layernorm(c)) -> per head [nope | v]
-    k      = [k_nope | rope(k_r)],  q = [q_nope | rope(q_r)]
-    out    = o_proj(softmax(q k^T * scale) v)
+             -> per head [q_nope | q_rope]
+    c, k_r = kv_a_proj_with_mqa(x) -> [kv_lora_rank | rope];  c = kv_a_layernorm(c)
+    kv_b_proj's weight per head = [W_UK (nope x kv_lora_rank) ; W_UV (v x kv_lora_rank)]
+    HF's expanded form:  k = [W_UK c | rope(k_r)],  v = W_UV c,  out = o_proj(softmax(q k^T * scale) v)
+
+The same attention, absorbed (as sglang and vLLM serve DeepSeek-V3): q_nope . (W_UK c) = (q_nope W_UK) . c
+and softmax(.) (W_UV c) = W_UV (softmax(.) c), so with
+
+    q_abs = q_nope W_UK                      [n, heads, kv_lora_rank]
+    q     = [q_abs | rope(q_r)]              [n, heads, kv_lora_rank + rope]
+    K     = [c | rope(k_r)]                  [n, 1, kv_lora_rank + rope]   one KV head shared by every head
+    V     = c = K's first kv_lora_rank columns
+    out   = o_proj(W_UV (softmax(q K^T * scale) V))
+
+attention runs as GQA with a single KV head (the group = this rank's heads) over a latent cache that
+holds one [c | rope(k_r)] row per token: ``KVShape(1, kv_lora_rank + rope, kv_lora_rank, v_in_k=True)``,
+K alone stored and V read as its first kv_lora_rank columns (``KVCache.v_in_k``), so a token costs
+(512 + 64) x 2 bytes per layer in bf16 on DeepSeek-V3 — not heads x (192 + 128) x 2 (80 KiB at 128
+heads) as the expanded cache did — and a decode step reads each cached token once for all heads.
+The scale is unchanged (1/sqrt(qk_head_dim), times YaRN's mscale²). Every step kind (prefill,
+chunked prefill over a cached prefix, decode, chain and tree verify) runs this one form: absorbed
+prefill does more attention FLOPs than the expanded form would (K 576 / V 512 per head against
+192 / 128), the price of one cache layout and one mechanism.
 
 The latent projections (q_a, kv_a and their norms) are replicated; q_b / q_proj and kv_b are
-column-parallel over heads, o_proj is row-parallel and leaves a sum owed to the attention-TP
-group. The cache holds the expanded per-head K ([heads, nope+rope]) and V ([heads, v]) in the
-paged ``KVCache`` (simplest correct choice; a latent cache of kv_lora_rank+rope per token with
-absorbed kv_b is the memory-saving variant for later). ``attention_backend`` (chosen at
-construction, see ``kernels.py``) attends over that cache; K and V have different head dims.
-With ``fp8`` every projection keeps block-FP8 weights (``linear.py``); the latent norms stay as they are.
+column-parallel over heads (W_UK / W_UV are this rank's heads' slices), o_proj is row-parallel and
+leaves a sum owed to the attention-TP group. ``kv_b_proj`` holds the checkpoint's weight and is not
+multiplied by: ``derive_from_weights`` (run by the loader and by random init once the weights are in)
+copies its halves into ``w_uk`` / ``w_uv`` in the compute dtype, dequantized from block FP8 when the
+layer keeps FP8 weights (what sglang does). ``attention_backend`` (chosen at construction, see
+``kernels.py``) attends over the cache. With ``fp8`` every projection keeps block-FP8 weights
+(``linear.py``); the latent norms stay as they are.
 """
 
 from __future__ import annotations
@@ -24,11 +43,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..forward_batch import ForwardBatch
+from ..forward_batch import ForwardBatch, KVShape
 from ..parallel.groups import Group
 from ..parallel.layouts import Unreduced
 from .attention import AttentionBackend, paged_attention_reference
-from .fp8_block import BlockFP8
+from .fp8_block import BlockFP8, dequantize_weight
 from .linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from .mla_rotary import MLARotary
 from .norm import RMSNorm
@@ -104,10 +123,32 @@ class MLAttention(nn.Module):
             fp8=fp8))
         self.o_proj = named("o_proj", lambda: RowParallelLinear(d.num_heads * d.v_head_dim, h, group, d.bias, dtype,
                                                                 device, fp8))
+        # kv_b_proj's halves per local head, made by derive_from_weights (NaN until then, so a forward
+        # before it shows): W_UK [heads, nope, kv_lora_rank], W_UV [heads, v, kv_lora_rank].
+        nan = float("nan")
+        self.w_uk: torch.Tensor
+        self.w_uv: torch.Tensor
+        self.register_buffer("w_uk", torch.full((self.heads, d.qk_nope_head_dim, d.kv_lora_rank), nan, dtype=dtype,
+                                                device=device), persistent=False)
+        self.register_buffer("w_uv", torch.full((self.heads, d.v_head_dim, d.kv_lora_rank), nan, dtype=dtype,
+                                                device=device), persistent=False)
 
-    def kv_shape(self) -> tuple[int, int, int]:
-        """(heads, k_dim, v_dim) this rank caches."""
-        return self.heads, self.dims.qk_head_dim, self.dims.v_head_dim
+    @torch.no_grad()
+    def derive_from_weights(self) -> None:
+        """W_UK / W_UV from ``kv_b_proj``'s loaded weight (dequantized once when it is block FP8)."""
+        d, proj = self.dims, self.kv_b_proj
+        w: torch.Tensor = proj.weight
+        if proj.weight_scale_inv is not None:
+            assert proj.fp8 is not None
+            w = dequantize_weight(w, proj.weight_scale_inv, proj.fp8, self.w_uk.dtype)
+        w = w.view(self.heads, d.qk_nope_head_dim + d.v_head_dim, d.kv_lora_rank)
+        self.w_uk.copy_(w[:, : d.qk_nope_head_dim])
+        self.w_uv.copy_(w[:, d.qk_nope_head_dim :])
+
+    def kv_shape(self) -> KVShape:
+        """The latent cache this rank keeps: one KV head of [c | rope] (kv_lora_rank + rope), V = c."""
+        d = self.dims
+        return KVShape(1, d.kv_lora_rank + d.qk_rope_head_dim, d.kv_lora_rank, v_in_k=True)
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         # x: [n, hidden] -> [n, heads, qk_head_dim]
@@ -120,13 +161,13 @@ class MLAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> Unreduced:
         # x: [n, hidden] -> owed [n, hidden] to the attention-TP group
-        d, n = self.dims, x.shape[0]
+        d, n, rank = self.dims, x.shape[0], self.dims.kv_lora_rank
         q_nope, q_rope = self._queries(x).split([d.qk_nope_head_dim, d.qk_rope_head_dim], dim=-1)
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split([d.kv_lora_rank, d.qk_rope_head_dim], dim=-1)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([rank, d.qk_rope_head_dim], dim=-1)
         q_rope, k_rope = self.rotary(batch.positions, q_rope, k_rope.view(n, 1, d.qk_rope_head_dim))
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(n, self.heads, d.qk_nope_head_dim + d.v_head_dim)
-        k_nope, v = kv.split([d.qk_nope_head_dim, d.v_head_dim], dim=-1)
-        q = torch.cat((q_nope, q_rope), dim=-1)
-        k = torch.cat((k_nope, k_rope.expand(n, self.heads, d.qk_rope_head_dim)), dim=-1)
-        o = self.attention(q, k, v.contiguous(), self.layer_id, batch, self.scale)  # [n, heads, v]
+        q_abs = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [n, heads, rank]
+        q = torch.cat((q_abs, q_rope), dim=-1)  # [n, heads, rank + rope]
+        k = torch.cat((self.kv_a_layernorm(latent).view(n, 1, rank), k_rope), dim=-1)  # [n, 1, rank + rope]
+        o = self.attention(q, k, k[..., :rank], self.layer_id, batch, self.scale)  # [n, heads, rank]
+        o = torch.bmm(o.transpose(0, 1), self.w_uv.transpose(1, 2)).transpose(0, 1)  # [n, heads, v]
         return Unreduced(self.o_proj(o.reshape(n, self.heads * d.v_head_dim)), self.group.name)

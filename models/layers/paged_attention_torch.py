@@ -1,4 +1,5 @@
-"""Paged attention in plain torch ops that CUDA graphs can capture (GQA; decode, verify, short prefill).
+"""Paged attention in plain torch ops that CUDA graphs can capture (GQA, MLA's latent cache; decode,
+verify, short prefill).
 
 Same function as ``attention.paged_attention_reference`` (its plain reference, compared in
 tests/test_paged_attention_torch.py), but every piece of the layout comes from
@@ -21,16 +22,19 @@ from ..forward_batch import ForwardBatch, PagedAttentionMetadata
 from .attention import paged_attention_reference
 
 
-def write_kv(kc: torch.Tensor, vc: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
+def write_kv(kc: torch.Tensor, vc: torch.Tensor | None, slot_mapping: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor) -> None:
-    """Store the new K/V at their slots. kc, vc: [slots, kv_heads, dim]; k, v: [T, kv_heads, dim]"""
+    """Store the new K/V at their slots; ``vc`` None: V is in K (``KVCache.v_in_k``), K alone is stored.
+    kc, vc: [slots, kv_heads, dim]; k, v: [T, kv_heads, dim]"""
     kc.index_copy_(0, slot_mapping, k.to(kc.dtype))
-    vc.index_copy_(0, slot_mapping, v.to(vc.dtype))
+    if vc is not None:
+        vc.index_copy_(0, slot_mapping, v.to(vc.dtype))
 
 
 def attend_paged(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: PagedAttentionMetadata,
-                 block_size: int, scale: float) -> torch.Tensor:
-    """Attention of every new token over its sequence's cached context (fp32 math).
+                 block_size: int, scale: float, v_in_k: bool = False) -> torch.Tensor:
+    """Attention of every new token over its sequence's cached context (fp32 math). ``v_in_k``: ``vc``
+    is K's first columns, read out of the gathered keys.
 
     q: [T, heads, head_dim]; kc, vc: [slots, kv_heads, dim] -> [T, heads, v_dim] in q's dtype
     """
@@ -43,7 +47,7 @@ def attend_paged(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: Page
     slots = tables[:, idx // block_size] * block_size + idx % block_size  # [B, C]
     token_slots = slots.index_select(0, meta.token_seq)  # [T, C]
     keys = kc[token_slots].float()  # [T, C, kv_heads, dim]
-    values = vc[token_slots].float()
+    values = keys[..., : vc.shape[-1]] if v_in_k else vc[token_slots].float()
     qg = q.view(t, kv_heads, group, dim).float()
     scores = torch.einsum("tngd,tcnd->tngc", qg, keys) * scale
     visible = idx[None, :] <= meta.token_index[:, None]  # [T, C]
@@ -76,5 +80,6 @@ def paged_attention_torch(
     if batch.attn_masks is not None and any(m is not None for m in batch.attn_masks):
         return paged_attention_reference(q, k, v, layer_id, batch, scale)  # a draft tree (eager only)
     kc, vc = cache.k[layer_id], cache.v[layer_id]
-    write_kv(kc, vc, batch.slot_mapping, k, v)
-    return attend_paged(q, kc, vc, batch.paged_metadata(), cache.block_size, scale)
+    shared = layer_id in cache.v_in_k
+    write_kv(kc, None if shared else vc, batch.slot_mapping, k, v)
+    return attend_paged(q, kc, vc, batch.paged_metadata(), cache.block_size, scale, shared)

@@ -5,20 +5,25 @@ decoding and mixed batches (decode rows beside prefill rows). Plain reference:
 ``paged_attention_torch.paged_attention_torch`` (same signature and result; it gathers the whole
 padded context for every token, this kernel reads only what each token may see).
 
-The new K/V are stored first (``kv_write_triton``), then one program per (query tile, KV head)
-attends: its rows are ``BLOCK_Q`` consecutive new tokens of one sequence times the KV head's query
-group (GQA; ``ROWS = BLOCK_Q * group`` padded to a power of two, at least 16 for ``tl.dot``),
-with an online softmax in fp32 over the sequence's cache in ``BLOCK_N`` tiles read through its
-block table. The grid is every sequence's tiles laid end to end, ``T // BLOCK_Q + B`` of them (a
-few empty), so a long prompt beside many decode rows launches no program per (decode row,
-prompt tile); a program finds its sequence by a binary search over ``query_start``. Each program
-loops only up to its rows' largest causal limit (``token_index``, read on the device), so the
-work follows the real context, not the table's ``max_blocks * block_size``. The layout comes from
+The new K/V are stored first (``kv_write_triton``), then one program per (query tile, KV head, block
+of its query heads) attends: its rows are ``BLOCK_Q`` consecutive new tokens of one sequence times
+``BLOCK_H`` heads of the KV head's query group (GQA: the whole group, ``ROWS = BLOCK_Q * group``
+padded to a power of two, at least 16 for ``tl.dot``; a group larger than a tile's rows, e.g. MLA's
+128 heads over one latent KV head, in blocks of ``ROWS`` heads, one token per tile), with an online
+softmax in fp32 over the sequence's cache in ``BLOCK_N`` tiles read through its block table. The
+grid is every sequence's tiles laid end to end, ``T // BLOCK_Q + B`` of them (a few empty), times
+the KV heads' head blocks, so a long prompt beside many decode rows launches no program per (decode
+row, prompt tile); a program finds its sequence by a binary search over ``query_start``. Each program
+loops only up to its rows' largest causal limit (``token_index``, read on the device), so the work
+follows the real context, not the table's ``max_blocks * block_size``. The layout comes from
 ``ForwardBatch.paged_metadata()`` device tensors only (``query_start``, ``token_index``,
 ``block_tables``) and the grid and tiles from static shapes (T, B, kv_heads, ``max_query_len``):
-CUDA-graph capturable. Head dims need not be powers of two and K's may differ from V's (MLA's
-expanded cache: K 192 = nope 128 + rope 64, V 128, one KV head per query head): they are padded
-(to at least 16), masked.
+CUDA-graph capturable.
+
+Head dims need not be powers of two and K's may differ from V's: each is padded (to at least 16)
+and masked, no lane past a dim loaded. MLA's latent cache (``KVCache.v_in_k``: K = [latent 512 |
+rope 64], V = K's first 512 columns) is read as two K parts (scores = q_a k_a^T + q_b k_b^T) whose
+first is the V tile too.
 
 Trees stay on the torch path: a metadata ``tail_mask`` (capturable there) or ``batch.attn_masks``.
 """
@@ -45,14 +50,17 @@ _DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, qstart_ptr, index_ptr,
                     stride_qt, stride_qh, stride_kcs, stride_kch, stride_vcs, stride_vch,
                     stride_ot, stride_oh, stride_bt, qk_scale, num_seqs,
-                    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr,
-                    VDIM: tl.constexpr, DIM_PAD: tl.constexpr, VDIM_PAD: tl.constexpr, PAGE: tl.constexpr,
-                    BLOCK_N: tl.constexpr, SEARCH_STEPS: tl.constexpr, DOT_FP32: tl.constexpr):
+                    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_BLOCKS: tl.constexpr, BLOCK_Q: tl.constexpr,
+                    ROWS: tl.constexpr, DA: tl.constexpr, DA_PAD: tl.constexpr, DB: tl.constexpr,
+                    DB_PAD: tl.constexpr, VDIM: tl.constexpr, VDIM_PAD: tl.constexpr, V_IN_K: tl.constexpr,
+                    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SEARCH_STEPS: tl.constexpr, DOT_FP32: tl.constexpr):
+    # K's columns are part A (0..DA) and part B (DA..DA+DB, none when DB = 0); V_IN_K: V is part A.
     # Sequence b owns the tiles from tile_start(b) = query_start[b] // BLOCK_Q + b on (at least
     # ceil(query_len / BLOCK_Q) of them): this tile's sequence is the last b with tile_start(b) <= pid,
     # found by a binary search over the B sequences. The last tiles (longest contexts) start first.
     pid = tl.num_programs(0) - 1 - tl.program_id(0)
-    h = tl.program_id(1)
+    h = tl.program_id(1) // HEAD_BLOCKS  # KV head
+    hb = tl.program_id(1) % HEAD_BLOCKS  # block of its query heads
     seq_lo = 0
     seq_hi = num_seqs - 1
     for _ in tl.static_range(SEARCH_STEPS):
@@ -65,21 +73,30 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, qstart_ptr, index_pt
     q_end = tl.load(qstart_ptr + b + 1)
     first = q_start + (pid - q_start // BLOCK_Q - b) * BLOCK_Q
     r = tl.arange(0, ROWS)
-    tok = first + r // GROUP  # row = (token of the tile, head of the group)
-    heads = h * GROUP + r % GROUP
-    rmask = (r < BLOCK_Q * GROUP) & (tok < q_end)
+    tok = first + r // BLOCK_H  # row = (token of the tile, head of the block)
+    in_group = hb * BLOCK_H + r % BLOCK_H
+    heads = h * GROUP + in_group
+    rmask = (r < BLOCK_Q * BLOCK_H) & (tok < q_end) & (in_group < GROUP)
     tok = tok.to(tl.int64)
     # Each row sees cache indices 0..limit of its sequence; padding rows see index 0 (finite, unused).
     limit = tl.load(index_ptr + tok, mask=rmask, other=0)
     hi = tl.where(first < q_end, tl.max(limit, axis=0) + 1, 0)  # 0: a tile past the new tokens
-    d = tl.arange(0, DIM_PAD)
-    dv = tl.arange(0, VDIM_PAD)
-    dmask = d < DIM
-    dvmask = dv < VDIM
-    q = tl.load(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=rmask[:, None] & dmask[None, :], other=0.0)
+    da = tl.arange(0, DA_PAD)
+    damask = da < DA
+    q_a = tl.load(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + da[None, :],
+                  mask=rmask[:, None] & damask[None, :], other=0.0)
     if DOT_FP32:
-        q = q.to(tl.float32)
+        q_a = q_a.to(tl.float32)
+    if DB > 0:
+        db = DA + tl.arange(0, DB_PAD)
+        dbmask = db < DA + DB
+        q_b = tl.load(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + db[None, :],
+                      mask=rmask[:, None] & dbmask[None, :], other=0.0)
+        if DOT_FP32:
+            q_b = q_b.to(tl.float32)
+    if not V_IN_K:
+        dv = tl.arange(0, VDIM_PAD)
+        dvmask = dv < VDIM
     m = tl.full((ROWS,), float("-inf"), tl.float32)
     l_sum = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, VDIM_PAD), tl.float32)
@@ -88,19 +105,29 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, qstart_ptr, index_pt
         nmask = n < hi
         block = tl.load(bt_ptr + b * stride_bt + n // PAGE, mask=nmask, other=0).to(tl.int64)
         slots = block * PAGE + n % PAGE
-        kt = tl.load(kc_ptr + slots[:, None] * stride_kcs + h * stride_kch + d[None, :],
-                     mask=nmask[:, None] & dmask[None, :], other=0.0)
+        kt = tl.load(kc_ptr + slots[:, None] * stride_kcs + h * stride_kch + da[None, :],
+                     mask=nmask[:, None] & damask[None, :], other=0.0)
         if DOT_FP32:
-            s = tl.dot(q, tl.trans(kt.to(tl.float32)))
+            s = tl.dot(q_a, tl.trans(kt.to(tl.float32)))
         else:
-            s = tl.dot(q, tl.trans(kt))
+            s = tl.dot(q_a, tl.trans(kt))
+        if DB > 0:
+            kb = tl.load(kc_ptr + slots[:, None] * stride_kcs + h * stride_kch + db[None, :],
+                         mask=nmask[:, None] & dbmask[None, :], other=0.0)
+            if DOT_FP32:
+                s += tl.dot(q_b, tl.trans(kb.to(tl.float32)))
+            else:
+                s += tl.dot(q_b, tl.trans(kb))
         s = tl.where(n[None, :] <= limit[:, None], s * qk_scale, float("-inf"))  # [ROWS, BLOCK_N], log2 units
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        vt = tl.load(vc_ptr + slots[:, None] * stride_vcs + h * stride_vch + dv[None, :],
-                     mask=nmask[:, None] & dvmask[None, :], other=0.0)
+        if V_IN_K:
+            vt = kt  # V = K's first VDIM (= DA) columns: the tile already loaded
+        else:
+            vt = tl.load(vc_ptr + slots[:, None] * stride_vcs + h * stride_vch + dv[None, :],
+                         mask=nmask[:, None] & dvmask[None, :], other=0.0)
         if DOT_FP32:
             pv = tl.dot(p, vt.to(tl.float32))
         else:
@@ -108,24 +135,31 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, qstart_ptr, index_pt
         acc = acc * alpha[:, None] + pv
         m = m_new
     out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]  # l_sum = 0: a tile past the new tokens (not stored)
-    tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + dv[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dvmask[None, :])
+    do = tl.arange(0, VDIM_PAD)
+    tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + do[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & (do < VDIM)[None, :])
 
 
-def tile_config(group: int, dim_pad: int, max_query_len: int) -> tuple[int, int, int, int]:
-    """(ROWS, BLOCK_N, num_warps, num_stages). ROWS = query rows (tokens x heads of the group): the
-    whole group at least, 16 for ``tl.dot``, fewer than the cap when the step has few new tokens (a
-    chain verify). K dims up to 128: up to 64 rows x 64 keys. Past 128 (MLA's 192 -> 256): 128 rows x
-    64 keys on 8 warps, 64 x 32 or 16..32 x 64 on 4. Picked by timing a few on an H200 (Llama-3-8B and
-    MLA prompts, chunks over long prefixes, verify steps), no spills; not autotuned."""
+def tile_config(group: int, dim_pad: int, max_query_len: int, vdim_pad: int = 0) -> tuple[int, int, int, int, int]:
+    """(ROWS, BLOCK_H, BLOCK_N, num_warps, num_stages). ROWS = query rows (tokens x heads), BLOCK_H =
+    heads of the group per tile. GQA: the whole group at least, 16 for ``tl.dot``, fewer than the cap
+    when the step has few new tokens (a chain verify). K dims up to 128: up to 64 rows x 64 keys. Past
+    128: 128 rows x 64 keys on 8 warps, 64 x 32 or 16..32 x 64 on 4. Picked by timing a few on an H200
+    (Llama-3-8B and MLA's expanded K 192 prompts, chunks over long prefixes, verify steps), no spills;
+    not autotuned. V dims of 256 and more (MLA's latent cache, V 512): 32 rows (an fp32 accumulator of
+    32 x 512) x 32 keys on 8 warps, 2 stages, heads of the group first (128 heads: 32 per tile, one
+    token): chosen from the register budget, not yet timed."""
+    if vdim_pad >= 256:
+        rows = max(16, min(32, triton.next_power_of_2(max_query_len * group)))
+        return rows, min(group, rows), 32, 8, 2
     wide = dim_pad > 128
     cap = 128 if wide else 64
     rows = max(16, triton.next_power_of_2(group), min(cap, triton.next_power_of_2(max_query_len * group)))
     if not wide:
-        return rows, 64, 4, 3
+        return rows, group, 64, 4, 3
     if rows >= 128:
-        return rows, 64, 8, 2
-    return (rows, 32, 4, 2) if rows == 64 else (rows, 64, 4, 2)
+        return rows, group, 64, 8, 2
+    return (rows, group, 32, 4, 2) if rows == 64 else (rows, group, 64, 4, 2)
 
 
 def paged_prefill_attention_triton(
@@ -136,8 +170,9 @@ def paged_prefill_attention_triton(
     batch: ForwardBatch,
     scale: float,
 ) -> torch.Tensor:
-    """Store the new K/V at ``batch.slot_mapping``, then each new token attends causally to cache
-    indices 0..token_index of its sequence. Trees (tail_mask / attn_masks): ``paged_attention_torch``.
+    """Store the new K/V at ``batch.slot_mapping`` (K alone where V is in K, ``KVCache.v_in_k``), then
+    each new token attends causally to cache indices 0..token_index of its sequence. Trees
+    (tail_mask / attn_masks): ``paged_attention_torch``.
 
     q: [T, heads, head_dim]; k: [T, kv_heads, head_dim]; v: [T, kv_heads, v_dim] -> [T, heads, v_dim]
     """
@@ -155,17 +190,26 @@ def paged_prefill_attention_triton(
     out = torch.empty((n, heads, vdim), dtype=q.dtype, device=q.device)
     if not n:
         return out
-    write_kv_triton(kc, vc, batch.slot_mapping, k, v)
-    dim_pad, vdim_pad = max(16, triton.next_power_of_2(dim)), max(16, triton.next_power_of_2(vdim))
-    rows, block_n, warps, stages = tile_config(group, dim_pad, meta.max_query_len)
-    block_q = rows // group
+    v_in_k = layer_id in cache.v_in_k
+    write_kv_triton(kc, None if v_in_k else vc, batch.slot_mapping, k, v)
+    da = vdim if v_in_k else dim  # K part A (V's columns when V is in K), part B the rest
+    vdim_pad = _pad(vdim)
+    rows, block_h, block_n, warps, stages = tile_config(group, _pad(dim), meta.max_query_len,
+                                                        vdim_pad if v_in_k else 0)
+    block_q = rows // block_h
+    head_blocks = -(-group // block_h)
     num_seqs = meta.block_tables.shape[0]
-    grid = (n // block_q + num_seqs, kv_heads)  # every sequence's tiles, a few empty ones (tile_start)
+    grid = (n // block_q + num_seqs, kv_heads * head_blocks)  # every sequence's tiles, a few empty (tile_start)
     _prefill_kernel[grid](
         q, kc, vc, out, meta.block_tables, meta.query_start, meta.token_index,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), out.stride(0),
         out.stride(1), meta.block_tables.stride(0), scale * LOG2E, num_seqs,
-        GROUP=group, BLOCK_Q=block_q, ROWS=rows, DIM=dim, VDIM=vdim, DIM_PAD=dim_pad, VDIM_PAD=vdim_pad,
-        PAGE=cache.block_size, BLOCK_N=block_n, SEARCH_STEPS=max(1, (num_seqs - 1).bit_length()),
-        DOT_FP32=_DOT_FP32, num_warps=warps, num_stages=stages)
+        GROUP=group, BLOCK_H=block_h, HEAD_BLOCKS=head_blocks, BLOCK_Q=block_q, ROWS=rows, DA=da, DA_PAD=_pad(da),
+        DB=dim - da, DB_PAD=_pad(dim - da), VDIM=vdim, VDIM_PAD=vdim_pad, V_IN_K=v_in_k, PAGE=cache.block_size,
+        BLOCK_N=block_n, SEARCH_STEPS=max(1, (num_seqs - 1).bit_length()), DOT_FP32=_DOT_FP32, num_warps=warps,
+        num_stages=stages)
     return out
+
+
+def _pad(dim: int) -> int:
+    return max(16, triton.next_power_of_2(dim))  # tl.dot takes K and N of 16 at least

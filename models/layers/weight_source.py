@@ -1,6 +1,8 @@
 """Where a parameter's values come from while loading: a lazily read checkpoint tensor.
 
 Parallel layers read only their shard (``narrow``) so no rank materialises the full weights.
+Once every weight is in (the loader, random init), ``finish_loading`` lets each module that keeps
+tensors derived from its weights (``derive_from_weights``, e.g. MLA's absorbed kv_b halves) make them.
 ``DequantizedSource`` reads a block-FP8 weight and its ``weight_scale_inv`` as one float32 tensor
 (any shard: the scale rows or columns the shard touches are read and expanded, so a shard may
 start or end inside a block).
@@ -12,6 +14,7 @@ from collections.abc import Callable
 from typing import Protocol, TypeVar
 
 import torch
+from torch import nn
 
 from .fp8_block import BlockFP8
 
@@ -128,3 +131,11 @@ def named(what: str, build: Callable[[], T]) -> T:
         return build()
     except WeightShapeError as e:
         raise WeightShapeError(f"{what}: {e}") from e
+
+
+def finish_loading(model: nn.Module) -> None:
+    """Run ``derive_from_weights()`` of every module that has one (after all weights are loaded)."""
+    for module in model.modules():
+        derive = getattr(module, "derive_from_weights", None)
+        if derive is not None:
+            derive()

@@ -234,9 +234,8 @@ class StepExecutor:
         if not src:
             return
         s, d = to_device(src, self.device), to_device(dst, self.device)
-        for cache in (self.kv_cache.k, self.kv_cache.v):
-            for layer in cache.values():
-                layer[d] = layer[s]
+        for layer in self.kv_cache.stored():
+            layer[d] = layer[s]
 
 
 def _full_mask(s: SeqRows) -> torch.Tensor:

@@ -9,8 +9,10 @@ graphs. ``libraries()`` says which optional GPU libraries import here (the one p
 - CUDA, the fast set by default: "flashinfer" (FlashInfer paged attention for decode, prefill,
   chain and tree verify and the draft's steps, planned once per forward; Triton norms, RoPE,
   SiLU-and-mul; cuBLAS matmuls) for GQA models whose heads FlashInfer takes (head dim 64/128/256,
-  bf16/fp16); else "triton" (Triton decode attention, fused MoE) for the graph-safe architectures;
-  else the references. No torch gather attention on the GPU's fast path.
+  bf16/fp16); else "triton" (Triton decode attention, fused MoE) for the graph-safe architectures
+  (DeepSeek-V3's MLA always: its latent cache, K 576 / V 512 with V inside K, is no FlashInfer shape
+  here, and asking for "flashinfer" there is refused); else the references. No torch gather attention
+  on the GPU's fast path.
 - CUDA graphs: on by default on CUDA for the architectures whose graphed steps are tested on a GPU
   (``GRAPH_ARCHITECTURES``); ``cuda_graphs=True`` asks for them wherever a graph-safe forward exists;
   ``False`` turns them off. A recurrent (Mamba) model has no graph-safe forward.
@@ -32,6 +34,9 @@ GRAPH_ARCHITECTURES = frozenset({"LlamaForCausalLM"})
 GRAPH_SAFE_ARCHITECTURES = frozenset({"LlamaForCausalLM", "DeepseekV3ForCausalLM"})
 # Architectures whose attention is GQA over a plain paged K/V cache (what FlashInfer's wrappers take).
 GQA_ARCHITECTURES = frozenset({"LlamaForCausalLM"})
+# MLA over the latent cache (one KV head of K 576 / V 512, V inside K): FlashInfer's paged wrappers as
+# shipped here (FA2, head dims 64/128/256, K and V of one dim) cannot take it; the Triton set serves it.
+MLA_ARCHITECTURES = frozenset({"DeepseekV3ForCausalLM"})
 
 
 class KernelChoiceError(ValueError):
@@ -78,6 +83,9 @@ def kernel_choice(device: torch.device | str, cuda_graphs: bool | None, model_co
         graphs = cuda_graphs
     plain = "torch" if graphs else "reference"
     if requested != "auto":
+        if requested == "flashinfer" and architecture in MLA_ARCHITECTURES:
+            raise KernelChoiceError(f"the flashinfer kernel set has no MLA attention (the latent cache's K 576 / V 512 "
+                                    f"are no head dims of its wrappers here): {architecture} runs the triton set")
         if graphs and not Kernels.named(requested).graph_safe:
             raise KernelChoiceError(f"the {requested} kernel set is not graph-safe: use cuda_graphs=False or "
                                     "another set")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from ...models.forward_batch import KVShape
 from ...models.layers.mamba_state import MambaStateShape
 
 
@@ -18,11 +19,9 @@ class KVCacheSizeError(ValueError):
 
 
 def kv_bytes_per_block(kv_shapes: dict[int, tuple[int, ...]], block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block over every layer (K and V). kv_shapes: layer -> (heads, dim) or (heads, k, v)."""
-    per_token = 0
-    for shape in kv_shapes.values():
-        heads, k_dim, v_dim = (shape[0], shape[1], shape[1]) if len(shape) == 2 else shape
-        per_token += heads * (k_dim + v_dim)
+    """Bytes of one block over every layer (K, and V unless it is in K). kv_shapes: layer -> a ``KVShape``
+    or one of its short forms ((heads, dim), (heads, k, v))."""
+    per_token = sum(KVShape.of(shape).elements_per_token for shape in kv_shapes.values())
     return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
 
