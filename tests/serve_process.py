@@ -1,6 +1,6 @@
 """A `fusedserve run` process joined to a test Ray, as a user starts it (shared by the Ray-backed tests).
 
-One Ray per test module (``ray_address``), started inside the suite's private network namespace
+One Ray per test session (conftest's ``ray_address``), started inside the suite's private network namespace
 with ``fake_gpu`` standing in for GPUs; ``Server`` runs the real CLI in a subprocess.
 """
 
@@ -32,7 +32,7 @@ API_LINE = re.compile(r"OpenAI API: (http://127\.0\.0\.1:(\d+))/v1")
 
 
 def ray_address() -> Iterator[str]:
-    """Made a module fixture in each test file: ``pytest.fixture(scope="module")(serve_process.ray_address)``."""
+    """The session's test Ray: ``tests/conftest.py``'s ``ray_address`` fixture."""
     yield from _ray()
 
 
