@@ -6,6 +6,7 @@ classes + ``save_pretrained``), so the oracle is nobody's code but HuggingFace's
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,8 @@ import pytest
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # `tests.*` importable under a bare `pytest` too
+    sys.path.append(str(REPO_ROOT))
 
 # Prompts of different lengths. The first holds ids at the vocab shard edges (vocab 250 is padded to
 # 256; at tp=4 every rank holds 64 rows, so 63/64, 127/128, 191/192 and 249 sit on shard boundaries).
@@ -137,3 +140,22 @@ def llama_variants(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -
 @pytest.fixture(scope="session")
 def oracles(llama_variants: dict[str, Path]) -> dict[str, Oracle]:
     return {name: hf_oracle(path, PROMPTS) for name, path in llama_variants.items()}
+
+
+@pytest.fixture(scope="session")
+def ray_address() -> Iterator[str]:
+    """One Ray for the whole session (TESTING.md), started by the first test that asks for it
+    (tests/serve_process.py); every server joins it and removes what it placed when it stops."""
+    from tests import serve_process
+
+    yield from serve_process.ray_address()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The modules whose tests join the session's Ray run last, one after the other (in their usual order):
+    the Ray stays up from the first of them to the end, idle during none of the other modules, and no
+    other Ray (test_ray_auth's, `make run`'s embedded one) is started beside it."""
+    joins = {item.module.__name__ for item in items
+             if isinstance(item, pytest.Function) and "ray_address" in item.fixturenames}
+    items[:] = ([i for i in items if getattr(i, "module", None) is None or i.module.__name__ not in joins]
+                + [i for i in items if getattr(i, "module", None) is not None and i.module.__name__ in joins])

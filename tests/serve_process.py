@@ -1,12 +1,13 @@
 """A `fusedserve run` process joined to a test Ray, as a user starts it (shared by the Ray-backed tests).
 
-One Ray per test module (``ray_address``), started inside the suite's private network namespace
+One Ray per test session (conftest's ``ray_address``), started inside the suite's private network namespace
 with ``fake_gpu`` standing in for GPUs; ``Server`` runs the real CLI in a subprocess.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -26,10 +27,12 @@ ROOT = Path(__file__).resolve().parents[1]
 FAKE_GPUS = 6
 NAMESPACE = "fusedserve"
 READY_MARK = "acceptance length:"
+# The banner's line with the URL the API really listens on (``--port 0``: the CLI binds a free port itself).
+API_LINE = re.compile(r"OpenAI API: (http://127\.0\.0\.1:(\d+))/v1")
 
 
 def ray_address() -> Iterator[str]:
-    """Made a module fixture in each test file: ``pytest.fixture(scope="module")(serve_process.ray_address)``."""
+    """The session's test Ray: ``tests/conftest.py``'s ``ray_address`` fixture."""
     yield from _ray()
 
 
@@ -58,7 +61,11 @@ def live_groups(deployment: str) -> list[str]:
 
 
 class Server:
-    """`fusedserve run MANIFEST --ray-address ...`, ready once it printed its first acceptance figure."""
+    """`fusedserve run MANIFEST --ray-address ...`, ready once it printed its first acceptance figure.
+
+    Without ``port`` the CLI is started with ``--port 0`` and ``url``/``port`` are read from its banner: a port
+    picked here and bound by the CLI seconds later (after its imports) could be taken by then (a gloo or Ray
+    socket of another server), and the run failed with "Address already in use"."""
 
     def __init__(self, manifest: str | Path, address: str | None, timeout: float = 120, port: int | None = None,
                  extra_args: tuple[str, ...] = (), ready_mark: str = READY_MARK, api_key: str | None = None,
@@ -66,7 +73,7 @@ class Server:
         """``address`` None: the CLI starts its embedded Ray; ``env`` replaces the environment's Ray
         settings (default: RAY_AUTH_MODE=disabled, as the test Ray runs)."""
         self.manifest, self.address = str(manifest), address
-        self.port = port if port is not None else free_port()
+        self.port = port if port is not None else 0
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.output: list[str] = []
@@ -93,6 +100,9 @@ class Server:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.output.append(line)
+            api = API_LINE.search(line)
+            if api is not None and not self._ready.is_set():
+                self.url, self.port = api.group(1), int(api.group(2))
             if self._ready_mark in line:
                 self._ready.set()
         self._exited.set()

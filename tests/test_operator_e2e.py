@@ -28,14 +28,12 @@ if str(REPO) not in sys.path:  # `tests.*` importable under a bare `pytest` too
     sys.path.append(str(REPO))
 os.environ.setdefault("FUSEDSERVE_OPERATOR_STATUS_INTERVAL", "1")  # read when the handlers are declared
 
-from tests import serve_process
 from tests.kube import fixtures
 from tests.kube.api_server import KubeAPI, KubeAPIError, object_path
 from tests.serve_process import Server, free_port
 
 pytestmark = pytest.mark.e2e
 kube_api = fixtures.kube_api
-ray_address = pytest.fixture(scope="module")(serve_process.ray_address)
 
 INFD = ("fusedserve.io", "v1alpha1", "inferencedeployments")
 CHILDREN = {"RayCluster": ("ray.io", "v1", "rayclusters"), "ConfigMap": ("", "v1", "configmaps"),

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `tests.*` importable under a bare `pytest` too
     sys.path.append(str(ROOT))
 
-from tests import prometheus_server, serve_process
+from tests import prometheus_server
 from tests.chart_queries import alert_rules, boards, dashboard_queries, panel_expr, render_rules, substituted
 from tests.operator_process import TP2, Operator, eventually
 from tests.planted_target import PlantedTarget
@@ -51,7 +51,6 @@ from tests.prometheus_server import PrometheusServer
 from tests.serve_process import Server, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
-ray_address = pytest.fixture(scope="module")(serve_process.ray_address)
 
 MOE, PLANTED = "tiny-moe", "tiny-code-tp2-planted"
 OPERATOR_TARGET = {"namespace": "fusedserve-system", "pod": "fusedserve-operator-0", "service": "fusedserve",

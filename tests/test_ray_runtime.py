@@ -1,6 +1,6 @@
 """`fusedserve run` on Ray as a user runs it: placement groups, rank actors, group controller, HTTP API.
 
-One Ray for the whole module (started here, inside the suite's private network namespace, with
+One Ray for the whole session (conftest's ``ray_address``, inside the suite's private network namespace, with
 ``fake_gpu`` standing in for GPUs); every server is the real CLI in a subprocess that joins it
 with ``--ray-address``. The tests talk to it with the `openai` client, httpx and
 prometheus-client's parser, and kill rank actors with ``ray.kill``.
@@ -24,11 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `tests.*` importable under a bare `pytest` too
     sys.path.append(str(ROOT))
 
-from tests import serve_process
 from tests.serve_process import NAMESPACE, Server, live_groups
 
 pytestmark = pytest.mark.ray
-ray_address = pytest.fixture(scope="module")(serve_process.ray_address)
 
 
 @pytest.fixture(scope="module")

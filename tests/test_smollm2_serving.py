@@ -15,11 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))
 
-from tests import serve_process
 from tests.serve_process import Server
 
 pytestmark = pytest.mark.ray
-ray_address = pytest.fixture(scope="module")(serve_process.ray_address)
 
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 RAW = "The three primary colors are"

@@ -5,14 +5,17 @@ Of the model's raw distribution: ``log_softmax`` of the logits as the model retu
 default ``logprobs_mode="raw_logprobs"``). The same under speculation: a verified token's row
 is the target's logits at its position, which equal the plain forward's up to float rounding.
 
-``TokenLogprob`` is a NamedTuple so that it crosses process boundaries (Ray, ``asdict``) as is.
+``TokenLogprob`` is a NamedTuple so that it crosses process boundaries (Ray, ``asdict``) as is. This
+module imports torch only where it computes: the API process reads ``TokenLogprob`` through
+``engine_client`` and ``api_error``, and `fusedserve run` refuses a bad manifest before torch loads.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 class TokenLogprob(NamedTuple):
@@ -26,6 +29,8 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top_n: int) -> list[
     """Each row's chosen token. logits: [k, vocab] raw; tokens: k ids -> k TokenLogprob"""
     if not tokens:
         return []
+    import torch
+
     lp = torch.log_softmax(logits.float(), dim=-1)
     ids = torch.tensor(tokens, device=lp.device)
     chosen = lp.gather(1, ids[:, None])[:, 0]

@@ -10,12 +10,22 @@ interpreter finalization, during which Python 3.11 ends a daemon thread that wan
 back at that moment unwound through C++ frames that cannot unwind and the rank aborted
 ("terminate called without an active exception", SIGABRT; tests/test_local_ranks.py). A native
 crash prints every thread's stack (faulthandler).
+
+Rank processes are forked from a ``forkserver`` that has imported torch and transformers' config
+classes once (``FORKSERVER_PRELOAD``; the first call starts it, later calls of the process reuse it):
+a spawned rank re-imported them every time, seconds of CPU per rank. The forkserver runs no threads
+of its own and never touches CUDA, so a rank forked from it starts as a fresh interpreter would. Each
+rank first takes the caller's environment, working directory and ``sys.path`` as they are at the call
+(a spawned rank inherited them; the forkserver holds those of its own start), and only then unpickles
+the function and its arguments. Only what the preloaded modules read from the environment while
+being imported comes from the forkserver's start (the first call's environment).
 """
 
 from __future__ import annotations
 
 import faulthandler
 import os
+import pickle
 import socket
 import sys
 import tempfile
@@ -29,6 +39,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# Imported once by the forkserver the ranks are forked from: what every rank imports (a rank's loader reads
+# config.json with transformers' AutoConfig). None of them initialises CUDA (each rank does, after the fork).
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "transformers.models.auto.configuration_auto", __name__]
+
 
 class RankFailed(RuntimeError):
     pass
@@ -40,12 +54,26 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _entry(rank: int, world: int, port: int, backend: str, fn: Callable[..., Any], args: tuple[Any, ...],
+def _caller_state() -> dict[str, Any]:
+    """What a spawned rank inherited from its caller: environment, working directory, import path."""
+    return {"env": dict(os.environ), "cwd": os.getcwd(), "sys_path": list(sys.path)}
+
+
+def _take_caller_state(state: dict[str, Any]) -> None:
+    os.environ.clear()
+    os.environ.update(state["env"])
+    os.chdir(state["cwd"])
+    sys.path[:] = state["sys_path"]
+
+
+def _entry(rank: int, world: int, port: int, backend: str, state: dict[str, Any], payload: bytes,
            out_dir: str, timeout_s: float) -> None:
     faulthandler.enable(all_threads=True)
     error = Path(out_dir) / f"rank{rank}.err"
     code = 1
     try:
+        _take_caller_state(state)
+        fn, args = pickle.loads(payload)  # after sys.path: the function's module may only be found through it
         torch.set_num_threads(1)
         if backend == "nccl":
             torch.cuda.set_device(rank)
@@ -79,10 +107,12 @@ def run_on_ranks(fn: Callable[..., Any], world: int, *args: Any, backend: str | 
     if backend == "nccl":  # no NVLink multicast: FlashInfer takes its multicast-free IPC workspace
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    payload = pickle.dumps((fn, args))
+    mp.set_forkserver_preload(FORKSERVER_PRELOAD)
     with tempfile.TemporaryDirectory(prefix="fusedserve-ranks-") as out_dir:
         try:
-            mp.start_processes(_entry, args=(world, free_port(), backend, fn, args, out_dir, timeout_s),
-                               nprocs=world, join=True, start_method="spawn")
+            mp.start_processes(_entry, args=(world, free_port(), backend, _caller_state(), payload, out_dir,
+                                             timeout_s), nprocs=world, join=True, start_method="forkserver")
         except mp.ProcessRaisedException as e:
             raise RankFailed(_root_cause(Path(out_dir)) or str(e).strip().splitlines()[-1]) from e
         except mp.ProcessExitedException as e:

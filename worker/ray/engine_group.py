@@ -16,12 +16,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..spec import RuntimeConfig
-from .placement import ClusterShape, PlacementPlan, explain_unschedulable, plan_group, rank_actor_name
+from .placement import (
+    RAY_NAMESPACE,
+    ClusterShape,
+    PlacementPlan,
+    explain_unschedulable,
+    plan_group,
+    rank_actor_name,
+)
 from .rank_actor import leader_ranks
 
 log = logging.getLogger(__name__)
 
-RAY_NAMESPACE = "fusedserve"
 SCHEDULE_TIMEOUT_S = 30.0  # a feasible placement group still pending after this is reported
 START_TIMEOUT_S = 300.0
 PING_TIMEOUT_S = 10.0

@@ -43,8 +43,10 @@ from typing import Any
 
 from ..spec import Manifest, RuntimeConfig, SpecError, load_manifest
 from . import auth_token
-from .engine_group import RAY_NAMESPACE
-from .placement import LOCAL_GPU_RESOURCE, ClusterShape
+from .placement import LOCAL_GPU_RESOURCE, RAY_NAMESPACE, ClusterShape
+
+# Nothing above imports torch or ray: a bad manifest is refused before they load (check_checkpoint_split
+# imports torch for a valid one; _serve imports ray).
 
 log = logging.getLogger(__name__)
 

@@ -24,6 +24,7 @@ LOCAL_GPU_RESOURCE = "fake_gpu"
 LOCAL_CPU_PER_RANK = 0.25  # a CPU rank mostly waits on gloo; 4 ranks fit a 1-CPU budget
 GPU_CPU_PER_RANK = 1.0
 NAME_PREFIX = "fusedserve"
+RAY_NAMESPACE = "fusedserve"  # of the named, detached rank actors
 
 
 class PlacementError(ValueError):
