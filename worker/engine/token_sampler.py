@@ -60,8 +60,7 @@ class TokenSampler:
 
     def sample(self, logits: torch.Tensor, seqs: Seq[Sequence], states: Seq[RequestState]) -> list[int]:
         """One token per sequence, after its outputs. logits: [n, vocab] raw -> n token ids"""
-        rows = [r for s, st in zip(seqs, states) for r in self.rows(s, st, [()])]
-        return self.sampler(adjust_logits(logits, rows), [s.params for s in seqs], [st.generator for st in states])
+        return [int(t) for t in self.draw(logits, seqs, states).tolist()]
 
     def draw(self, logits: torch.Tensor, seqs: Seq[Sequence], states: Seq[RequestState]) -> torch.Tensor:
         """``sample`` left on the device: [n] int64 (requests whose params ``samples_on_device``)."""
