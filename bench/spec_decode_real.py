@@ -149,7 +149,8 @@ def run_engine(args: argparse.Namespace, name: str, temperature: float,
 def profile_generate(run: Any, cuda: bool) -> dict[str, Any]:
     """One generate call profiled twice: the device's kernel time against the wall time (torch.profiler;
     the rest is the host's, GPU idle), and the host's Python by function (cProfile, fusedserve code only,
-    the top 25 by own time; cProfile slows the host about 2x, so read its shares, not its seconds)."""
+    the top 25 by own time, and the top torch / builtin calls, where a read-back's wait shows; cProfile slows
+    the host about 2x, so read its shares, not its seconds), and the host's time in CUDA runtime calls."""
     import cProfile
     import pstats
 
@@ -163,6 +164,9 @@ def profile_generate(run: Any, cuda: bool) -> dict[str, Any]:
                     if getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type))
     top_kernels = sorted(((float(getattr(e, "self_device_time_total", 0.0) or 0.0), e.count, e.key[:90])
                           for e in prof.key_averages()), reverse=True)[:12]
+    # the host's time in the CUDA runtime (graph launches, kernel launches, copies, waits for the device)
+    runtime = sorted(((float(e.self_cpu_time_total), e.count, e.key[:60]) for e in prof.key_averages()
+                      if e.key.startswith("cuda")), reverse=True)[:10]
     host = cProfile.Profile()
     host.enable()
     _, seconds2, _ = run()
@@ -174,13 +178,34 @@ def profile_generate(run: Any, cuda: bool) -> dict[str, Any]:
             rows.append({"fn": f"{Path(file).name}:{line}:{fn}", "calls": calls, "own_s": round(tottime, 4),
                          "cum_s": round(cumtime, 4)})
     rows.sort(key=lambda r: -r["own_s"])
+    syncs: dict[str, int] = {}
+    if cuda:  # a third run: where the host waits for the device (torch's sync debug mode names the line)
+        import warnings
+
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        for w in caught:
+            if "synchroniz" in str(w.message):
+                where = f"{Path(w.filename).name}:{w.lineno}"
+                syncs[where] = syncs.get(where, 0) + 1
+    builtins = sorted(({"fn": fn[:80], "calls": calls, "own_s": round(tottime, 4)}
+                       for (file, _line, fn), (_cc, calls, tottime, _cum, _callers) in stats.stats.items()  # type: ignore[attr-defined]
+                       if file == "~"), key=lambda r: -r["own_s"])[:15]
     return {"summary": {"tokens": len(ids), "wall_ms": round(1000 * seconds, 2),
                         "kernel_ms": round(kernel_us / 1000, 2),
                         "kernel_share": round(kernel_us / 1000 / max(1000 * seconds, 1e-9), 3),
                         "drafts_accepted": list(counts), "ms_per_token": round(1000 * seconds / max(len(ids), 1), 3),
                         "cprofile_wall_ms": round(1000 * seconds2, 2)},
             "top_kernels_us": [{"us": round(us, 1), "calls": n, "name": k} for us, n, k in top_kernels],
-            "host_top_own_time": rows[:25]}
+            "host_top_own_time": rows[:25],
+            "host_top_builtins": builtins,  # torch calls by own time: a read-back's wait shows here (tolist, item)
+            "cuda_runtime_us": [{"us": round(us, 1), "calls": n, "name": k} for us, n, k in runtime],
+            "device_syncs_by_line": dict(sorted(syncs.items(), key=lambda kv: -kv[1]))}
 
 
 def per_prompt_history(turns_out: list[dict[str, Any]], pid: str, user_turns: list[str], turn: int,

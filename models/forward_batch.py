@@ -53,6 +53,9 @@ class KVCache:
 
     A layer in ``v_in_k`` stores K only: its ``v`` tensor is a view of K's first v_dim columns (the
     attention backends write K alone there and may read V out of the K rows they load).
+    ``allocate`` puts the K and V tensors of one shape in one ``groups`` tensor [tensors, slots, ...],
+    each layer's a view of it, so that moving slots (``StepExecutor.copy_kv``) is one gather per group
+    instead of one per layer and tensor.
     """
 
     k: dict[int, torch.Tensor]
@@ -60,30 +63,48 @@ class KVCache:
     block_size: int
     num_blocks: int
     v_in_k: frozenset[int] = frozenset()
+    groups: tuple[torch.Tensor, ...] = ()
 
     @staticmethod
     def allocate(layer_shapes: dict[int, tuple[int, ...]], num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device | str | None = None) -> KVCache:
         """layer_shapes: layer id -> a ``KVShape`` (or one of its short forms) on this rank."""
         slots = num_blocks * block_size
-        k: dict[int, torch.Tensor] = {}
-        v: dict[int, torch.Tensor] = {}
+        owned: list[tuple[str, int, tuple[int, int]]] = []  # (k or v, layer, (heads, dim)) of each owning tensor
         shared: set[int] = set()
         for i, raw in layer_shapes.items():
             shape = KVShape.of(raw)
-            k[i] = torch.zeros(slots, shape.kv_heads, shape.k_dim, dtype=dtype, device=device)
+            owned.append(("k", i, (shape.kv_heads, shape.k_dim)))
             if shape.v_in_k:
                 if shape.v_dim > shape.k_dim:
                     raise ValueError(f"layer {i}: V of {shape.v_dim} cannot be the first columns of K of {shape.k_dim}")
-                v[i] = k[i][..., : shape.v_dim]
                 shared.add(i)
             else:
-                v[i] = torch.zeros(slots, shape.kv_heads, shape.v_dim, dtype=dtype, device=device)
-        return KVCache(k=k, v=v, block_size=block_size, num_blocks=num_blocks, v_in_k=frozenset(shared))
+                owned.append(("v", i, (shape.kv_heads, shape.v_dim)))
+        tensors: dict[str, dict[int, torch.Tensor]] = {"k": {}, "v": {}}
+        groups = []
+        for dims in dict.fromkeys(d for _, _, d in owned):
+            members = [(kind, i) for kind, i, d in owned if d == dims]
+            group = torch.zeros(len(members), slots, *dims, dtype=dtype, device=device)
+            groups.append(group)
+            for j, (kind, i) in enumerate(members):
+                tensors[kind][i] = group[j]
+        k = {i: tensors["k"][i] for i in layer_shapes}
+        v = tensors["v"]
+        for i in shared:
+            v[i] = k[i][..., : KVShape.of(layer_shapes[i]).v_dim]
+        v = {i: v[i] for i in layer_shapes}
+        return KVCache(k=k, v=v, block_size=block_size, num_blocks=num_blocks, v_in_k=frozenset(shared),
+                       groups=tuple(groups))
 
     def stored(self) -> list[torch.Tensor]:
         """Every tensor that owns cache memory (each layer's K, and its V unless that is a view of K)."""
         return [*self.k.values(), *(t for i, t in self.v.items() if i not in self.v_in_k)]
+
+    def grouped(self) -> list[torch.Tensor]:
+        """The owning tensors as [tensors, slots, ...] stacks: ``groups``, or each layer's alone (a cache
+        built from separate tensors)."""
+        return list(self.groups) or [t[None] for t in self.stored()]
 
     def bytes_per_token(self) -> int:
         """Cache bytes one token takes over every layer (what a decode step reads per context token)."""

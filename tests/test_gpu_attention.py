@@ -115,6 +115,38 @@ def test_flashinfer_attention_equals_the_reference(name: str) -> None:
     assert torch.equal(kv.k[0], ref_kv.k[0]) and torch.equal(kv.v[0], ref_kv.v[0])
 
 
+@needs_gpu
+@needs_flashinfer
+@pytest.mark.parametrize("name", ["decode-large-batch", "chain-verify", "tree-verify"])
+def test_planning_a_captured_shape_never_waits_for_the_gpu(name: str) -> None:
+    """plan_graph under torch's sync debug mode "error": any read-back or synchronous copy raises. A tree
+    shape's mask packed on the host (pack_tree_masks, byte offsets of its own) equals FlashInfer's own
+    packing of the same mask (the eager plan)."""
+    from fusedserve.models.layers.attention_flashinfer import flashinfer_attention, flashinfer_planner
+    from fusedserve.models.layers.attention_layout import AttentionLayout, GraphSlot
+
+    if name == "decode-large-batch":  # above the Triton decode batches: FlashInfer's decode wrapper
+        rows, ctx, masks = [1] * 20, [1 + 37 * i for i in range(20)], [None] * 20
+    else:
+        rows, ctx, masks = CASES[name]
+    case = _case(rows, ctx, masks)
+    kv, scale = case["kv"], 128 ** -0.5
+    planner = flashinfer_planner(32, 8, 128, scale, kv)
+    layout = AttentionLayout(tuple(rows), tuple(ctx), tuple(case["tables"]),
+                             tuple(masks) if any(m is not None for m in masks) else None)
+    eager = flashinfer_attention(case["q"], case["k"], case["v"], 0, _batch(case, kv, planner.plan(layout)), scale)
+    tail = len(masks[0]) // rows[0] if masks[0] is not None else 0
+    state = planner.graph_state(GraphSlot(len(rows), rows[0], tail, max(len(t) for t in case["tables"])))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        planner.plan_graph(state, layout)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graphed = flashinfer_attention(case["q"], case["k"], case["v"], 0, _batch(case, kv, state), scale)
+    assert torch.isfinite(graphed).all() and _rel(graphed, eager) < 1e-3, (name, _rel(graphed, eager))
+
+
 def _small_model(root: Path) -> Path:
     (root / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1000, "hidden_size": 1024,

@@ -21,12 +21,21 @@ Under CUDA graphs each captured shape gets its own wrapper with static buffers s
 graph's padded batch (``graph_state``); ``plan_graph`` refills them before the capture and before
 every replay, so the work follows the real context lengths, never the captured maximum. The FA2
 backend is pinned (the prebuilt modules of ``shared/gpu`` are FA2; README says how to rebuild).
+
+Planning never waits for the GPU (a wait leaves it idle while the host prepares the next launch; a
+speculative step plans several forwards, bench/results/2026-12-02-spec-decode-profile-smollm2-h200.json
+found 14 waits per tree step here): the page list goes to the device asynchronously before ``plan``
+(FlashInfer copies a host page list synchronously), and a captured tree shape's mask is packed here
+on the host (``pack_tree_masks``; FlashInfer's packing reads its output size back from the device)
+and its byte offsets written into the shape's own offset buffer after ``plan`` (which, handed a
+packed mask, fills that buffer with bit offsets, right only for one sequence: ``MaskedGraphPrefill``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..forward_batch import ForwardBatch, KVCache
@@ -61,6 +70,44 @@ def flashinfer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, laye
     pages = (kc.view(-1, bs, kc.shape[1], kc.shape[2]), vc.view(-1, bs, vc.shape[1], vc.shape[2]))
     out: torch.Tensor = planned.run(q.contiguous(), pages)
     return out
+
+
+class MaskedGraphPrefill:
+    """A captured tree shape's prefill wrapper and the per-sequence mask offsets (bytes, our buffer)
+    its kernel reads at run time."""
+
+    def __init__(self, wrapper: Any, mask_indptr: torch.Tensor) -> None:
+        self.wrapper = wrapper
+        self.mask_indptr = mask_indptr
+
+    def run(self, q: torch.Tensor, pages: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        out: torch.Tensor = self.wrapper.run(q, pages)
+        return out
+
+
+def kernel_kv_lens(layout: AttentionLayout) -> list[int]:
+    """The context length FlashInfer's kernel sees per sequence (``FlashInferPlanner._pages``' last
+    page lengths): the real one, or 1 for an empty sequence."""
+    return [kv if kv > 0 else 1 for kv in layout.kv_lens]
+
+
+def pack_tree_masks(layout: AttentionLayout) -> tuple[np.ndarray, list[int]]:
+    """Every sequence's [qo_len, kv_len] mask (causal, or its tail mask over the last slots), bit-packed
+    little-endian the way FlashInfer's kernel reads it, each sequence from a byte boundary.
+    -> (packed bytes, byte offset of each sequence and the end)"""
+    parts: list[np.ndarray] = []
+    offsets = [0]
+    tails = layout.tail_masks or (None,) * len(layout.qo_lens)
+    for q, kv, tail in zip(layout.qo_lens, kernel_kv_lens(layout), tails):
+        m = np.ones((q, kv), dtype=bool)
+        if tail is None:
+            m = np.tril(m, kv - q)
+        else:
+            width = len(tail) // q
+            m[:, kv - width:] = np.asarray(tail, dtype=bool).reshape(q, width)
+        parts.append(np.packbits(m.ravel(), bitorder="little"))
+        offsets.append(offsets[-1] + int(parts[-1].size))
+    return (np.concatenate(parts) if parts else np.zeros(1, dtype=np.uint8)), offsets
 
 
 class FlashInferPlanner:
@@ -123,15 +170,25 @@ class FlashInferPlanner:
 
     def _plan_decode(self, wrapper: Any, layout: AttentionLayout) -> None:
         indptr, indices, last = self._pages(layout)
-        wrapper.plan(indptr, indices, last, self.heads, self.kv_heads, self.head_dim, self.block_size,
-                     pos_encoding_mode="NONE", q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
+        wrapper.plan(indptr, indices.to(self.device, non_blocking=True), last, self.heads, self.kv_heads,
+                     self.head_dim, self.block_size, pos_encoding_mode="NONE", q_data_type=self.dtype,
+                     kv_data_type=self.dtype, sm_scale=self.scale)
 
     def _plan_prefill(self, wrapper: Any, layout: AttentionLayout) -> None:
         indptr, indices, last = self._pages(layout)
+        pages = indices.to(self.device, non_blocking=True)
+        common = dict(pos_encoding_mode="NONE", q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
+        dims = (self.heads, self.kv_heads, self.head_dim, self.block_size)
+        if isinstance(wrapper, MaskedGraphPrefill):
+            packed, offsets = pack_tree_masks(layout)
+            wrapper.wrapper.plan(self._qo_indptr(layout), indptr, pages, last, *dims, causal=False,
+                                 packed_custom_mask=torch.from_numpy(packed).to(self.device, non_blocking=True),
+                                 **common)
+            wrapper.mask_indptr.copy_(torch.tensor(offsets, dtype=torch.int32), non_blocking=True)
+            return
         mask = self._mask(layout)
-        wrapper.plan(self._qo_indptr(layout), indptr, indices, last, self.heads, self.kv_heads, self.head_dim,
-                     self.block_size, custom_mask=mask, causal=mask is None, pos_encoding_mode="NONE",
-                     q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
+        wrapper.plan(self._qo_indptr(layout), indptr, pages, last, *dims, custom_mask=mask, causal=mask is None,
+                     **common)
 
     # --- AttentionPlanner -------------------------------------------------------------------------
 
@@ -160,11 +217,12 @@ class FlashInferPlanner:
         extra: dict[str, torch.Tensor] = {}
         if slot.tail:
             mask_bits = b * slot.tokens * max(slot.max_blocks, 1) * self.block_size
-            extra = {"custom_mask_buf": torch.zeros(-(-mask_bits // 8), dtype=torch.uint8, device=dev),
+            extra = {"custom_mask_buf": torch.zeros(-(-mask_bits // 8) + b, dtype=torch.uint8, device=dev),
                      "mask_indptr_buf": torch.zeros(b + 1, dtype=i32, device=dev)}
-        return fi.BatchPrefillWithPagedKVCacheWrapper(
+        wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=qo, paged_kv_indptr_buf=indptr,
             paged_kv_indices_buf=indices, paged_kv_last_page_len_buf=last, backend="fa2", **extra)
+        return MaskedGraphPrefill(wrapper, extra["mask_indptr_buf"]) if slot.tail else wrapper
 
     def device_only(self, slot: GraphSlot) -> bool:
         return slot.tokens == 1 and slot.tail == 0 and slot.batch <= TRITON_DECODE_MAX_BATCH

@@ -234,8 +234,8 @@ class StepExecutor:
         if not src:
             return
         s, d = to_device(src, self.device), to_device(dst, self.device)
-        for layer in self.kv_cache.stored():
-            layer[d] = layer[s]
+        for group in self.kv_cache.grouped():  # one gather and one scatter per group of same-shaped layers
+            group[:, d] = group[:, s]
 
 
 def _full_mask(s: SeqRows) -> torch.Tensor:

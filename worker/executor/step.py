@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from ...models.layers.attention_layout import AttentionLayout
 from ...models.parallel.dp_geometry import Padding
 from .step_shape import StepShape
@@ -35,12 +37,12 @@ def ancestor_mask(parents: tuple[int, ...] | list[int]) -> tuple[bool, ...]:
     """A draft tree's mask over its own nodes, row-major [nodes, nodes]: each node's ancestors
     and itself."""
     n = len(parents)
-    rows: list[list[bool]] = []
+    rows = np.zeros((n, n), dtype=bool)  # a verify of 64 nodes: 4096 entries per step, built row by row
     for i, p in enumerate(parents):
-        row = list(rows[p]) if p >= 0 else [False] * n
-        row[i] = True
-        rows.append(row)
-    return tuple(x for r in rows for x in r)
+        if p >= 0:
+            rows[i] = rows[p]
+        rows[i, i] = True
+    return tuple(rows.ravel().tolist())
 
 
 @dataclass(frozen=True)

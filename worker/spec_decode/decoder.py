@@ -152,8 +152,9 @@ class SpecDecoder:
         work = [DraftWork(e, s, self._states[e.seq_id], self._draw(state_of(s).generator))
                 for e, s in zip(batch.seqs, seqs) if self._drafts(e, self._states[e.seq_id])]
         deferred = self._deferred_verify(batch, work)
+        argmax: list[int] | None = None  # the target's argmax of every logits row, when already read back
         if deferred is not None:
-            run, out, proposals = deferred
+            run, out, proposals, argmax = deferred
         else:
             proposals = dict(zip((w.entry.seq_id for w in work), self.propose(work)))
             entries = [self._verify_entry(e, proposals[e.seq_id].tree) if e.seq_id in proposals else e
@@ -164,16 +165,17 @@ class SpecDecoder:
         logits = out.logits  # [sum(num_logits), vocab]
         aux = torch.cat(out.hidden, dim=-1)  # [num_tokens, 3H]: the layers' complete input streams
         draws = {w.entry.seq_id: w.draw for w in work}
-        results = self._accept(run, seqs, logits, aux, proposals, draws, state_of)
+        results = self._accept(run, seqs, logits, aux, proposals, draws, state_of, argmax)
         sampling = [(s, results[i]) for i, (e, s) in enumerate(zip(entries, seqs)) if e.num_logits > 0]
         settled = {e.seq_id: self._states[e.seq_id].num_bases for e in run.seqs}
         return SpecStep(run, [s for s, _ in sampling], [p for _, p in sampling], settled)
 
     def _deferred_verify(self, batch: ScheduledBatch, work: list[DraftWork]
-                         ) -> tuple[ScheduledBatch, Any, dict[int, Proposal]] | None:
+                         ) -> tuple[ScheduledBatch, Any, dict[int, Proposal], list[int]] | None:
         """A greedy chain on one rank: the drafts stay on the device, the verify forward is queued right
         behind the draft's replays with the drafts as its token ids (placeholders on the host), and the
-        drafts are read back after it (one wait for both), so the GPU runs draft and verify back to back.
+        drafts are read back after it together with the target's argmax of every logits row (one wait for
+        draft and verify), so the GPU runs draft and verify back to back.
         None where this does not apply (several ranks take the step's token ids as values, a sampled
         request's chain draws on the host, nothing chained captured)."""
         if (not work or self.target is not self.target.local or not self.drafter.is_chain
@@ -198,10 +200,12 @@ class SpecDecoder:
         out = local.run(forward_step(ScheduledBatch(seqs=placeholder, preempted=batch.preempted)),
                         input_ids=torch.cat(pieces))
         # the read-back is queued behind the verify: the step's one wait, for draft and verify
-        proposals = dict(zip((w.entry.seq_id for w in work), self.drafter.chain_proposals(work, drafts)))
+        flat = torch.cat([drafts[:, :n].reshape(-1), out.logits.argmax(dim=-1)]).tolist()
+        rows = [flat[i * n:(i + 1) * n] for i in range(len(work))]
+        proposals = dict(zip((w.entry.seq_id for w in work), self.drafter.chain_proposals(work, rows)))
         entries = [self._verify_entry(e, proposals[e.seq_id].tree) if e.seq_id in proposals else e
                    for e in batch.seqs]
-        return ScheduledBatch(seqs=entries, preempted=batch.preempted), out, proposals
+        return ScheduledBatch(seqs=entries, preempted=batch.preempted), out, proposals, flat[len(work) * n:]
 
     @staticmethod
     def _drafts(e: ScheduledSeq, state: DraftState) -> bool:
@@ -228,9 +232,11 @@ class SpecDecoder:
     # --- verification -------------------------------------------------------------------------
 
     def _accept(self, run: ScheduledBatch, seqs: list[Sequence], logits: torch.Tensor, aux: torch.Tensor,
-                proposals: dict[int, Proposal], draws: dict[int, Draw], state_of: StateOf
-                ) -> dict[int, Pick]:
-        """A Pick per entry with logits (by index); queues aux rows, moves accepted K/V, counts."""
+                proposals: dict[int, Proposal], draws: dict[int, Draw], state_of: StateOf,
+                argmax: list[int] | None = None) -> dict[int, Pick]:
+        """A Pick per entry with logits (by index); queues aux rows, moves accepted K/V, counts.
+        ``argmax``: the raw logits' argmax per row, read back already (a greedy request whose logits
+        nothing adjusts verifies with it, without another wait)."""
         results: dict[int, Pick] = {}
         plain: list[tuple[int, int]] = []  # (entry index, first logits row)
         src: list[int] = []
@@ -246,7 +252,8 @@ class SpecDecoder:
                     plain.append((i, logit_row))
             else:
                 node_logits = logits[logit_row: logit_row + e.num_logits]
-                acc = self._verify(prop, seq, state_of(seq), node_logits, draws[e.seq_id])
+                known = None if argmax is None else argmax[logit_row: logit_row + e.num_logits]
+                acc = self._verify(prop, seq, state_of(seq), node_logits, draws[e.seq_id], known)
                 self.counters.record(prop.tree.num_nodes - 1, acc.num_accepted)
                 rows = to_device([tok_row, *(tok_row + k for k in acc.path)], aux.device)
                 state.pending.append(aux.index_select(0, rows))
@@ -255,8 +262,10 @@ class SpecDecoder:
                     src.append(table[(e.start + a) // bs] * bs + (e.start + a) % bs)
                     dst.append(table[(e.start + b) // bs] * bs + (e.start + b) % bs)
                 drawn_at = [0, *acc.path]  # the node row each emitted token was drawn at
-                results[i] = Pick(list(acc.tokens), self.tokens.logprobs(node_logits[drawn_at], seq, list(acc.tokens)),
-                                  [])
+                # (indexing by a host list copies it synchronously: only when the request asked for logprobs)
+                logprobs = [] if seq.params.logprobs is None else self.tokens.logprobs(
+                    node_logits[drawn_at], seq, list(acc.tokens))
+                results[i] = Pick(list(acc.tokens), logprobs, [])
             tok_row += e.num_tokens
             logit_row += e.num_logits
         if src:
@@ -268,10 +277,12 @@ class SpecDecoder:
         return results
 
     def _verify(self, prop: Proposal, seq: Sequence, state: RequestState, logits: torch.Tensor,
-                draw: Draw) -> Acceptance:
+                draw: Draw, raw_argmax: list[int] | None = None) -> Acceptance:
         """logits: [num_nodes, vocab] raw, row i = the target after node i; adjusted per node with the
-        drafts on the path to it as history."""
+        drafts on the path to it as history. raw_argmax: their argmax, already on the host, or None."""
         tree = prop.tree
+        if seq.params.greedy and raw_argmax is not None and state.grammar is None and not seq.params.adjusts_logits:
+            return accept_greedy(tree, raw_argmax)  # nothing adjusts these logits: their argmax is the choice
         adjusted = self.tokens.adjusted(logits, seq, state, paths(tree))
         if seq.params.greedy:
             return accept_greedy(tree, adjusted.argmax(dim=-1).tolist())

@@ -89,7 +89,7 @@ class Drafter:
         if self.is_chain and all(w.seq.params.greedy for w in work):
             drafts = self.greedy_chain(work)
             if drafts is not None:
-                return self.chain_proposals(work, drafts)
+                return self.chain_proposals(work, drafts[:, : self.num_nodes - 1].tolist())
         logits, root_hidden = self._first_pass(work)
         builders = [TreeBuilder(w.seq.token_ids(w.entry.start, w.entry.start + 1)[0]) for w in work]
         q_rows: list[list[torch.Tensor]] = [[] for _ in work]
@@ -148,9 +148,10 @@ class Drafter:
         assert fed is not None  # chain_shape said a shape fits
         return torch.cat([first[:, None], fed], dim=1)
 
-    def chain_proposals(self, work: list[DraftWork], drafts: torch.Tensor) -> list[Proposal]:
-        """Each sequence's chain from ``greedy_chain``'s drafts (read back here: the caller's one wait)."""
-        rows = drafts[:, : self.num_nodes - 1].tolist()
+    @staticmethod
+    def chain_proposals(work: list[DraftWork], rows: list[list[int]]) -> list[Proposal]:
+        """Each sequence's chain from ``greedy_chain``'s drafts, read back (the caller's one wait): its
+        first ``num_nodes - 1`` per sequence."""
         return [Proposal(DraftTree.chain(w.entry.token_ids[0], row)) for w, row in zip(work, rows)]
 
     def _first_pass(self, work: list[DraftWork]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,7 +183,12 @@ class Drafter:
         top_lp_list: list[list[float]] = []
         if not (self.is_chain and all(not w.seq.params.greedy for w in work)):  # some row takes the top-k
             top_lp, top_ids = torch.log_softmax(logits, dim=-1).topk(self.topk, dim=-1)
-            top_tokens, top_lp_list = self._draft_to_target[top_ids].tolist(), top_lp.tolist()
+            # one read-back for tokens and scores (a wait each: the draft step must finish); float64 holds
+            # any token id exactly
+            both = torch.cat([self._draft_to_target[top_ids].double(), top_lp.double()], dim=-1).tolist()
+            k = self.topk
+            top_tokens = [[int(t) for t in row[:k]] for row in both]
+            top_lp_list = [row[k:] for row in both]
         out: list[list[int]] = []
         row = 0
         for i, w in enumerate(work):
