@@ -272,6 +272,8 @@ def main() -> None:
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--host-profile", action="store_true", help="cProfile the host side of decode steps")
     ap.add_argument("--tiny", action="store_true", help="small model (CPU if no GPU): checks the script")
+    ap.add_argument("--decode-only", action="store_true",
+                    help="only the decode rows (no profile, prefill, read-back engine, token check or peer)")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
@@ -306,6 +308,11 @@ def main() -> None:
             progress(f"batch {batch}: {r['ms_per_step']:.2f} ms/step ({r['tok_per_s']:.0f} tok/s), roofline "
                      f"{r['roofline_ms']:.2f} ms = {100 * r['fraction_of_roofline']:.1f}%, spread {r['spread']:.2f}")
         record["decode"] = rows
+        if args.decode_only:
+            record["decode_only"] = True
+            out = args.out or f"bench/results/{record['date']}-decode-engine-only-{'h200' if cuda else 'cpu'}.json"
+            progress(f"wrote {write_record(record, out)}")
+            return
         if cuda:
             params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
             engine.add_request(prompts_of(1, PROMPT_LEN, shape["vocab_size"])[0], params)
