@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
 import logging
 import sys
@@ -153,16 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The process's entry point (the console script's); it returns the exit status."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    code = int(args.func(args))
-    # The command has cleaned up (Ray stopped, files removed); what is left is the interpreter's exit, whose
-    # final garbage collections walk every object torch, transformers and Ray created: about a second of CPU
-    # after `fusedserve run` was told to stop. Frozen objects are skipped (atexit handlers still run).
-    gc.freeze()
-    return code
+    return int(args.func(args))
 
 
 if __name__ == "__main__":
