@@ -3,8 +3,9 @@
 One Prometheus 2.42 (Debian's package: tests/prometheus_server.py) on loopback scrapes every second:
 
 - ``fusedserve run examples/02-tiny-code-tp2.yaml`` (tp=2, fused all-reduce + add + RMSNorm, EAGLE3) and
-  ``fusedserve run examples/03-tiny-moe-dp-ep.yaml`` (attention dp=2, ep=2), both joined to one test Ray, as the
-  PodMonitor does (``honor_labels``);
+  ``fusedserve run examples/03-tiny-moe-dp-ep.yaml`` (attention dp=2, ep=2), both joined to one test Ray (the
+  servers test_ray_runtime uses too: conftest's ``example_servers``), scraped as the PodMonitor does
+  (``honor_labels``);
 - the ``fusedserve-operator`` command against the emulated API server (tests/kube), with the target labels the
   ServiceMonitor would add; it reconciles examples/02 (its controller ``/status`` is the tp2 server's, so it
   becomes Ready) and one InferenceDeployment with an invalid spec;
@@ -48,7 +49,7 @@ from tests.chart_queries import alert_rules, boards, dashboard_queries, panel_ex
 from tests.operator_process import TP2, Operator, eventually
 from tests.planted_target import PlantedTarget
 from tests.prometheus_server import PrometheusServer
-from tests.serve_process import Server, free_port
+from tests.serve_process import ExampleServers, Server, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
@@ -180,27 +181,12 @@ def prometheus() -> str:
 
 
 @pytest.fixture(scope="module")
-def observed(prometheus: str, ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
+def observed(prometheus: str, example_servers: ExampleServers,
+             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
     tmp = tmp_path_factory.mktemp("prometheus-e2e")
-    servers: dict[str, Server] = {}
-    failures: list[BaseException] = []
-
-    def start(name: str, manifest: str) -> None:
-        try:
-            servers[name] = Server(ROOT / manifest, ray_address, timeout=300)
-        except BaseException as e:  # noqa: BLE001 (re-raised below)
-            failures.append(e)
-
-    threads = [threading.Thread(target=start, args=a) for a in
-               ((TP2, "examples/02-tiny-code-tp2.yaml"), (MOE, "examples/03-tiny-moe-dp-ep.yaml"))]
-    for t in threads:
-        t.start()
+    servers = example_servers.get(TP2, MOE)  # started in parallel; shared with test_ray_runtime (conftest)
     operator = planted = prom = None
     try:
-        for t in threads:
-            t.join()
-        if failures:
-            raise failures[0]
         tp2, moe = servers[TP2], servers[MOE]
         operator = Operator(tmp, f"{tp2.url}/status")
         planted = PlantedTarget(tp2.url, PLANTED).start()
@@ -230,7 +216,7 @@ def observed(prometheus: str, ray_address: str, tmp_path_factory: pytest.TempPat
         run.window_s = _window(run)
         yield run
     finally:
-        stops = [x.stop for x in (prom, planted, operator) if x is not None] + [s.stop for s in servers.values()]
+        stops = [x.stop for x in (prom, planted, operator) if x is not None]  # the servers are shared (conftest)
         stopping = [threading.Thread(target=stop) for stop in stops]  # each one waits for its processes
         for t in stopping:
             t.start()
