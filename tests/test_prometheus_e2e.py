@@ -49,7 +49,7 @@ from tests import prometheus_server
 from tests.chart_queries import alert_rules, boards, dashboard_queries, panel_expr, render_rules, substituted
 from tests.operator_process import TP2, Operator, eventually
 from tests.planted_target import PlantedTarget
-from tests.prometheus_server import PrometheusServer
+from tests.prometheus_server import PrometheusServer, file_sd_job
 from tests.serve_process import ExampleServers, Server, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
@@ -209,21 +209,21 @@ def prometheus() -> str:
 def observed(prometheus: str, example_servers: ExampleServers,
              tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
     tmp = tmp_path_factory.mktemp("prometheus-e2e")
-    servers = example_servers.get(TP2, MOE)  # started in parallel; shared with test_ray_runtime (conftest)
     operator = planted = prom = None
     try:
+        # Prometheus first: it takes up targets only every few seconds (prometheus_server.py), so they are
+        # written once known, while it runs
+        workdir = tmp / "prometheus"
+        scrape_configs = [file_sd_job(workdir, "workers", honor_labels=True, metrics_path="/metrics"),
+                          file_sd_job(workdir, "planted", honor_labels=True), file_sd_job(workdir, "operator")]
+        prom = PrometheusServer(workdir, free_port(), scrape_configs, {"groups": render_rules(RULE_VALUES)}).start()
+        servers = example_servers.get(TP2, MOE)  # started in parallel; shared with test_ray_runtime (conftest)
         tp2, moe = servers[TP2], servers[MOE]
         operator = Operator(tmp, f"{tp2.url}/status")
         planted = PlantedTarget(tp2.url, PLANTED).start()
-        groups = render_rules(RULE_VALUES)
-        scrape_configs: list[dict[str, Any]] = [
-            {"job_name": "workers", "honor_labels": True, "metrics_path": "/metrics",
-             "static_configs": [{"targets": [s.url.removeprefix("http://") for s in (tp2, moe)]}]},
-            {"job_name": "planted", "honor_labels": True, "static_configs": [{"targets": [planted.address]}]},
-            {"job_name": "operator", "static_configs": [{"targets": [f"127.0.0.1:{operator.metrics_port}"],
-                                                         "labels": OPERATOR_TARGET}]},
-        ]
-        prom = PrometheusServer(tmp / "prometheus", free_port(), scrape_configs, {"groups": groups}).start()
+        prom.set_targets("workers", [s.url.removeprefix("http://") for s in (tp2, moe)])
+        prom.set_targets("planted", [planted.address])
+        prom.set_targets("operator", [f"127.0.0.1:{operator.metrics_port}"], OPERATOR_TARGET)
         prom.wait_for_targets({"workers", "planted", "operator"})
 
         start_at = time.time()
