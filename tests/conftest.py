@@ -151,6 +151,42 @@ def ray_address() -> Iterator[str]:
     yield from serve_process.ray_address()
 
 
+@pytest.fixture(scope="session")
+def example_servers(ray_address: str) -> Iterator[Any]:
+    """examples/02 and /03 served, shared (tests/serve_process.py's ``ExampleServers``); stopped after the
+    last test that uses them (``pytest_runtest_teardown`` below), else here."""
+    from tests.serve_process import ExampleServers
+
+    servers = ExampleServers(ray_address)
+    _SHARED.append(servers)
+    yield servers
+    _SHARED.remove(servers)
+    assert servers.stop() == {}, "a shared example server did not exit 0"
+
+
+_SHARED: list[Any] = []  # the session's ExampleServers while it exists
+
+
+def uses_example_servers(item: pytest.Item) -> bool:
+    """Asks for the fixture, or (a parameter that takes it with ``request.getfixturevalue``) is marked
+    ``example_servers``."""
+    return "example_servers" in getattr(item, "fixturenames", ()) or item.get_closest_marker("example_servers") is not None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Stop the shared example servers once no later test uses them: their ranks hold fake GPUs that the
+    tests after them need (test_ray_runtime's tp=4 group), and an idle DP engine still runs empty rounds."""
+    result = yield
+    if _SHARED and _SHARED[0].servers:
+        items = item.session.items
+        later = items[items.index(item) + 1:]
+        if not any(uses_example_servers(i) for i in later):
+            failed = _SHARED[0].stop()
+            assert failed == {}, f"a shared example server did not exit 0: {failed}"
+    return result
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The modules whose tests join the session's Ray run last, one after the other (in their usual order):
     the Ray stays up from the first of them to the end, idle during none of the other modules, and no

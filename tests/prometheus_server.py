@@ -12,6 +12,7 @@ Prometheus rejects raises ``PromQLError`` with Prometheus's message.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -53,14 +54,23 @@ class PromQLError(RuntimeError):
     pass
 
 
+def file_sd_job(workdir: Path, job: str, **settings: Any) -> dict[str, Any]:
+    """A scrape config whose targets ``PrometheusServer.set_targets`` writes later (``file_sd_configs``)."""
+    return {"job_name": job, **settings, "file_sd_configs": [{"files": [str(workdir / "targets" / f"{job}.json")]}]}
+
+
 class PrometheusServer:
-    """``prometheus`` on 127.0.0.1:``port`` with ``scrape_configs`` and ``rules`` (a ``{"groups": [...]}`` value)."""
+    """``prometheus`` on 127.0.0.1:``port`` with ``scrape_configs`` and ``rules`` (a ``{"groups": [...]}`` value).
+
+    Prometheus applies new targets only on its discovery and scrape managers' 5-second ticks (about 10 s after
+    its start for static targets): a server started before its targets are known (``file_sd_job``, then
+    ``set_targets``) scrapes them sooner."""
 
     def __init__(self, workdir: Path, port: int, scrape_configs: list[dict[str, Any]],
                  rules: dict[str, Any] | None = None, interval: str = "1s") -> None:
         self.workdir, self.port = workdir, port
         self.url = f"http://127.0.0.1:{port}"
-        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / "targets").mkdir(parents=True, exist_ok=True)  # before the start: file_sd watches the folder
         config: dict[str, Any] = {
             "global": {"scrape_interval": interval, "scrape_timeout": interval, "evaluation_interval": interval},
             "scrape_configs": scrape_configs,
@@ -100,6 +110,13 @@ class PrometheusServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+    def set_targets(self, job: str, targets: list[str], labels: dict[str, str] | None = None) -> None:
+        """The targets of a ``file_sd_job`` (written whole, then renamed: Prometheus never reads half a file)."""
+        path = self.workdir / "targets" / f"{job}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps([{"targets": targets, "labels": labels or {}}]))
+        tmp.replace(path)
 
     def _api(self, path: str, **params: Any) -> Any:
         r = httpx.get(f"{self.url}/api/v1/{path}", params=params, timeout=30)

@@ -145,3 +145,48 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+# Examples that several modules serve unchanged (test_prometheus_e2e, test_ray_runtime): ``ExampleServers``.
+EXAMPLES = {"tiny-code-tp2": "examples/02-tiny-code-tp2.yaml", "tiny-moe": "examples/03-tiny-moe-dp-ep.yaml"}
+
+
+class ExampleServers:
+    """examples/02 and /03 as `fusedserve run` serves them, shared by the tests that send them requests and read
+    their metrics, status and plan without changing their spec (conftest's ``example_servers``): each starts on
+    first use (those asked for together start in parallel) and all stop after the last test that uses them.
+    A test that ends a rank (the group is recreated) or reads counters reads deltas or invariants."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.servers: dict[str, Server] = {}
+
+    def get(self, *names: str) -> dict[str, Server]:
+        missing = [n for n in names if n not in self.servers]
+        failures: list[BaseException] = []
+
+        def start(name: str) -> None:
+            try:
+                self.servers[name] = Server(ROOT / EXAMPLES[name], self.address, timeout=300)
+            except BaseException as e:  # noqa: BLE001 (re-raised below)
+                failures.append(e)
+
+        threads = [threading.Thread(target=start, args=(n,)) for n in missing]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if failures:
+            raise failures[0]
+        return {n: self.servers[n] for n in names}
+
+    def stop(self) -> dict[str, str]:
+        """Stop every server (in parallel); the output tails of those that did not exit 0."""
+        servers, self.servers = self.servers, {}
+        codes: dict[str, int] = {}
+        stopping = [threading.Thread(target=lambda n=n, s=s: codes.update({n: s.stop()})) for n, s in servers.items()]
+        for t in stopping:
+            t.start()
+        for t in stopping:
+            t.join()
+        return {n: "".join(servers[n].output[-30:]) for n, code in codes.items() if code != 0}

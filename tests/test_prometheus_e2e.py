@@ -3,8 +3,9 @@
 One Prometheus 2.42 (Debian's package: tests/prometheus_server.py) on loopback scrapes every second:
 
 - ``fusedserve run examples/02-tiny-code-tp2.yaml`` (tp=2, fused all-reduce + add + RMSNorm, EAGLE3) and
-  ``fusedserve run examples/03-tiny-moe-dp-ep.yaml`` (attention dp=2, ep=2), both joined to one test Ray, as the
-  PodMonitor does (``honor_labels``);
+  ``fusedserve run examples/03-tiny-moe-dp-ep.yaml`` (attention dp=2, ep=2), both joined to one test Ray (the
+  servers test_ray_runtime uses too: conftest's ``example_servers``), scraped as the PodMonitor does
+  (``honor_labels``);
 - the ``fusedserve-operator`` command against the emulated API server (tests/kube), with the target labels the
   ServiceMonitor would add; it reconciles examples/02 (its controller ``/status`` is the tp2 server's, so it
   becomes Ready) and one InferenceDeployment with an invalid spec;
@@ -12,10 +13,11 @@ One Prometheus 2.42 (Debian's package: tests/prometheus_server.py) on loopback s
   deployment, with one extra collective per forward on each rank.
 
 It loads the chart's PrometheusRule as helm renders it, with the shipped thresholds except where said below,
-and windows / ``for`` shortened to seconds (``RULE_VALUES``). The traffic is bounded (``PHASE_S`` twice):
-phase "high", greedy completions of repetitive code (acceptance length close to 1 + 3), then phase "low",
-sampled (temperature 1, seeded) completions of prose (about 1.6): a real acceptance drop. The MoE deployment
-serves requests on both DP groups all along. Then every dashboard query (Grafana's ``$__rate_interval`` and
+and windows / ``for`` shortened to seconds (``RULE_VALUES``). The traffic is bounded: ``PHASE_S`` of phase
+"high", greedy completions of repetitive code (acceptance length close to 1 + 3), then phase "low", sampled
+(temperature 1, seeded) completions of prose (about 1.6): a real acceptance drop; phase low lasts until every
+alert of ``FIRING_AT_THE_END`` has fired (at most ``PHASE_S``). The MoE deployment serves requests on both DP groups
+all along. Then every dashboard query (Grafana's ``$__rate_interval`` and
 ``$__range`` = the run, its other variables = All), every variable and every alert quantity is evaluated
 through the HTTP API and must return data (``LEGITIMATELY_EMPTY`` says which may not, and why; over an idle
 window only quantiles and ratios may be empty, ``IDLE_REASONS``); key panel values are compared with the
@@ -47,8 +49,8 @@ from tests import prometheus_server
 from tests.chart_queries import alert_rules, boards, dashboard_queries, panel_expr, render_rules, substituted
 from tests.operator_process import TP2, Operator, eventually
 from tests.planted_target import PlantedTarget
-from tests.prometheus_server import PrometheusServer
-from tests.serve_process import Server, free_port
+from tests.prometheus_server import PrometheusServer, file_sd_job
+from tests.serve_process import ExampleServers, Server, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
@@ -69,6 +71,11 @@ RULE_VALUES: dict[str, Any] = {"alerts": {
     "notReady": {"for": "3s"},
     "reconcileErrors": {"window": "20s", "for": "2s"},
 }}
+# (alertname, deployment) of the alerts the tests below find firing; phase low ends once all of them have fired.
+FIRING_AT_THE_END = {("FusedserveAcceptanceLengthLow", TP2), ("FusedserveAcceptanceLengthDrop", TP2),
+                     ("FusedserveExtraCollectives", PLANTED), ("FusedserveTimeToFirstTokenHigh", TP2),
+                     ("FusedserveTimeToFirstTokenHigh", MOE), ("FusedserveDeploymentsNotReady", None),
+                     ("FusedserveOperatorReconcileErrors", None)}
 HIGH_PROMPTS = ["import os\nimport os\nimport os\n", "################"]
 LOW_PROMPTS = ["The weather in Paris", "Lorem ipsum dolor sit amet", "Once upon a time", "Dear Sir or Madam"]
 MOE_PROMPTS = ["def f(x):", "import os", "class B:", "for i in"]
@@ -127,13 +134,18 @@ def counter(samples: Samples, name: str, **labels: str) -> float:
     return sum(v for n, have, v in samples if n == name and all(have.get(k) == x for k, x in labels.items()))
 
 
-def _traffic(observed_errors: list[str], until: float, send: Callable[[int], int]) -> tuple[threading.Thread, list[int]]:
-    """A thread calling ``send(i)`` (i = 0, 1, ...) until ``until``; it collects the returned token counts."""
+def _traffic(observed_errors: list[str], until: float | threading.Event,
+             send: Callable[[int], int]) -> tuple[threading.Thread, list[int]]:
+    """A thread calling ``send(i)`` (i = 0, 1, ...) until ``until`` (a time, or an event set); it collects the
+    returned token counts."""
     tokens: list[int] = []
+
+    def going() -> bool:
+        return not until.is_set() if isinstance(until, threading.Event) else time.time() < until
 
     def loop() -> None:
         i = 0
-        while time.time() < until:
+        while going():
             try:
                 tokens.append(send(i))
             except Exception as e:  # noqa: BLE001 (reported by the fixture)
@@ -146,7 +158,17 @@ def _traffic(observed_errors: list[str], until: float, send: Callable[[int], int
     return thread, tokens
 
 
-def _run_traffic(tp2: Server, moe: Server, low_at: float, end_at: float, errors: list[str]) -> int:
+def _fired_since(prom: PrometheusServer, since: float) -> set[tuple[str, str | None]]:
+    """(alertname, deployment) of the alerts that fired at some time since ``since``."""
+    window = f"{int((time.time() - since) * 1000) + 1000}ms"
+    return {(r["metric"]["alertname"], r["metric"].get("deployment"))
+            for r in prom.query(f'last_over_time(ALERTS{{alertstate="firing"}}[{window}])')}
+
+
+def _run_traffic(tp2: Server, moe: Server, low_at: float, end_at: float, errors: list[str],
+                 prom: PrometheusServer, since: float) -> int:
+    """Phase high until ``low_at``, then phase low until every alert of FIRING_AT_THE_END has fired since
+    ``since`` (or until ``end_at``)."""
     def tp2_high(i: int) -> int:
         comp = tp2.client().completions.create(model=TP2, prompt=HIGH_PROMPTS[i % len(HIGH_PROMPTS)],
                                                max_tokens=32, temperature=0)
@@ -162,11 +184,15 @@ def _run_traffic(tp2: Server, moe: Server, low_at: float, end_at: float, errors:
                                                temperature=0)
         return comp.usage.completion_tokens if comp.usage else 0
 
-    moe_threads = [_traffic(errors, end_at, moe_any) for _ in range(2)]
+    stop = threading.Event()
+    moe_threads = [_traffic(errors, stop, moe_any) for _ in range(2)]
     high = [_traffic(errors, low_at, tp2_high) for _ in range(2)]
     for t, _ in high:
         t.join()
-    low = [_traffic(errors, end_at, tp2_low) for _ in range(2)]
+    low = [_traffic(errors, stop, tp2_low) for _ in range(2)]
+    while time.time() < end_at and not (errors or FIRING_AT_THE_END <= _fired_since(prom, since)):
+        time.sleep(0.5)
+    stop.set()
     for t, _ in low + moe_threads:
         t.join()
     return sum(sum(tokens) for _, tokens in high + low)
@@ -180,39 +206,24 @@ def prometheus() -> str:
 
 
 @pytest.fixture(scope="module")
-def observed(prometheus: str, ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
+def observed(prometheus: str, example_servers: ExampleServers,
+             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
     tmp = tmp_path_factory.mktemp("prometheus-e2e")
-    servers: dict[str, Server] = {}
-    failures: list[BaseException] = []
-
-    def start(name: str, manifest: str) -> None:
-        try:
-            servers[name] = Server(ROOT / manifest, ray_address, timeout=300)
-        except BaseException as e:  # noqa: BLE001 (re-raised below)
-            failures.append(e)
-
-    threads = [threading.Thread(target=start, args=a) for a in
-               ((TP2, "examples/02-tiny-code-tp2.yaml"), (MOE, "examples/03-tiny-moe-dp-ep.yaml"))]
-    for t in threads:
-        t.start()
     operator = planted = prom = None
     try:
-        for t in threads:
-            t.join()
-        if failures:
-            raise failures[0]
+        # Prometheus first: it takes up targets only every few seconds (prometheus_server.py), so they are
+        # written once known, while it runs
+        workdir = tmp / "prometheus"
+        scrape_configs = [file_sd_job(workdir, "workers", honor_labels=True, metrics_path="/metrics"),
+                          file_sd_job(workdir, "planted", honor_labels=True), file_sd_job(workdir, "operator")]
+        prom = PrometheusServer(workdir, free_port(), scrape_configs, {"groups": render_rules(RULE_VALUES)}).start()
+        servers = example_servers.get(TP2, MOE)  # started in parallel; shared with test_ray_runtime (conftest)
         tp2, moe = servers[TP2], servers[MOE]
         operator = Operator(tmp, f"{tp2.url}/status")
         planted = PlantedTarget(tp2.url, PLANTED).start()
-        groups = render_rules(RULE_VALUES)
-        scrape_configs: list[dict[str, Any]] = [
-            {"job_name": "workers", "honor_labels": True, "metrics_path": "/metrics",
-             "static_configs": [{"targets": [s.url.removeprefix("http://") for s in (tp2, moe)]}]},
-            {"job_name": "planted", "honor_labels": True, "static_configs": [{"targets": [planted.address]}]},
-            {"job_name": "operator", "static_configs": [{"targets": [f"127.0.0.1:{operator.metrics_port}"],
-                                                         "labels": OPERATOR_TARGET}]},
-        ]
-        prom = PrometheusServer(tmp / "prometheus", free_port(), scrape_configs, {"groups": groups}).start()
+        prom.set_targets("workers", [s.url.removeprefix("http://") for s in (tp2, moe)])
+        prom.set_targets("planted", [planted.address])
+        prom.set_targets("operator", [f"127.0.0.1:{operator.metrics_port}"], OPERATOR_TARGET)
         prom.wait_for_targets({"workers", "planted", "operator"})
 
         start_at = time.time()
@@ -222,7 +233,7 @@ def observed(prometheus: str, ray_address: str, tmp_path_factory: pytest.TempPat
         time.sleep(max(0.0, start_at + IDLE_S - time.time()))
         errors: list[str] = []
         low_at = time.time() + PHASE_S
-        tokens = _run_traffic(tp2, moe, low_at, low_at + PHASE_S, errors)
+        tokens = _run_traffic(tp2, moe, low_at, low_at + PHASE_S, errors, prom, start_at)
         after = scrape(tp2)
         eventually(operator.ready, timeout=30)
         time.sleep(IDLE_S)
@@ -230,7 +241,7 @@ def observed(prometheus: str, ray_address: str, tmp_path_factory: pytest.TempPat
         run.window_s = _window(run)
         yield run
     finally:
-        stops = [x.stop for x in (prom, planted, operator) if x is not None] + [s.stop for s in servers.values()]
+        stops = [x.stop for x in (prom, planted, operator) if x is not None]  # the servers are shared (conftest)
         stopping = [threading.Thread(target=stop) for stop in stops]  # each one waits for its processes
         for t in stopping:
             t.start()

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `tests.*` importable under a bare `pytest` too
     sys.path.append(str(ROOT))
 
-from tests.serve_process import NAMESPACE, Server, live_groups
+from tests.serve_process import NAMESPACE, ExampleServers, Server, live_groups
 
 pytestmark = pytest.mark.ray
 
@@ -160,47 +160,49 @@ def test_a_group_larger_than_the_cluster_is_reported_with_the_reason(ray_address
 
     manifest = load_manifest(str(ROOT / "examples/02-tiny-code-tp2.yaml"))
     spec = manifest.spec.model_copy(update={"parallelism": manifest.spec.parallelism.model_copy(update={"tensor": 8})})
-    rc = RuntimeConfig.from_manifest(manifest.model_copy(update={"spec": spec}))
+    # a name of its own: examples/02 itself may be serving on this Ray (conftest's example_servers)
+    metadata = manifest.metadata.model_copy(update={"name": "tiny-code-tp8"})
+    rc = RuntimeConfig.from_manifest(manifest.model_copy(update={"spec": spec, "metadata": metadata}))
     t0 = time.time()
     with pytest.raises(GroupUnschedulable, match="needs 8 fake_gpu, cluster has 6"):
         EngineGroup.create(rc, 0, ClusterShape("fake_gpu", 8))
-    assert time.time() - t0 < 10 and live_groups("tiny-code-tp2") == []
+    assert time.time() - t0 < 10 and live_groups("tiny-code-tp8") == []
 
 
-def test_tp2_executes_exactly_the_planned_collectives_on_every_rank(ray_address: str) -> None:
-    server = Server(ROOT / "examples/02-tiny-code-tp2.yaml", ray_address)
-    try:
-        server.client().completions.create(model="tiny-code-tp2", prompt="class A:", max_tokens=16, temperature=0)
-        samples = server.samples()
-        for rank in ("0", "1"):
-            mine = [s for s in samples if s.labels.get("rank") == rank]
-            forwards = sum(s.value for s in mine if s.name == "fusedserve_forwards_total")
-            planned = {(s.labels["op"], s.labels["group"]): s.value for s in mine
-                       if s.name == "fusedserve_collective_planned_calls_total"}
-            assert forwards > 0 and planned, [s.name for s in mine]
-            executed: dict[tuple[str, str], float] = {}
-            for s in mine:
-                if s.name == "fusedserve_collective_calls_total":
-                    key = (s.labels["op"], s.labels["group"])
-                    executed[key] = executed.get(key, 0) + s.value
-            assert executed == planned, (rank, executed, planned, forwards)
-        paths = {s.labels["path"] for s in samples if s.name == "fusedserve_collective_calls_total"}
-        assert "reference_fused" in paths  # allReduceFusion: on -> the reference kernel on CPU
-        for rank in ("0", "1"):  # every gloo collective is timed; counts match the calls
-            timed = {(s.labels["op"], s.labels["path"]): s.value for s in samples
-                     if s.name == "fusedserve_collective_seconds_count" and s.labels.get("rank") == rank}
-            calls = {(s.labels["op"], s.labels["path"]): s.value for s in samples
-                     if s.name == "fusedserve_collective_calls_total" and s.labels.get("rank") == rank}
-            assert timed and timed == calls, (rank, timed, calls)
-        [g] = server.status()["groups"]
-        assert g["collectives_match_plan"] is True and [r["role"] for r in g["ranks"]] == ["leader", "follower"]
-        # a follower dies mid-request: the leader's collectives fail, the request errors, the group comes back
-        _kill_mid_stream(server, "fusedserve/default/tiny-code-tp2/0/rank1")
-        s = server.wait_status(lambda s: s["restarts"] >= 1 and s["ready"])
-        assert "rank 1" in s["last_failure"]["reason"], s["last_failure"]
-        assert server.complete() is not None
-    finally:
-        assert server.stop() == 0
+def test_tp2_executes_exactly_the_planned_collectives_on_every_rank(example_servers: ExampleServers) -> None:
+    """examples/02 (shared: conftest's ``example_servers``; its counters may hold earlier traffic too: executed ==
+    planned holds for every forward)."""
+    [server] = example_servers.get("tiny-code-tp2").values()
+    server.client().completions.create(model="tiny-code-tp2", prompt="class A:", max_tokens=16, temperature=0)
+    samples = server.samples()
+    for rank in ("0", "1"):
+        mine = [s for s in samples if s.labels.get("rank") == rank]
+        forwards = sum(s.value for s in mine if s.name == "fusedserve_forwards_total")
+        planned = {(s.labels["op"], s.labels["group"]): s.value for s in mine
+                   if s.name == "fusedserve_collective_planned_calls_total"}
+        assert forwards > 0 and planned, [s.name for s in mine]
+        executed: dict[tuple[str, str], float] = {}
+        for s in mine:
+            if s.name == "fusedserve_collective_calls_total":
+                key = (s.labels["op"], s.labels["group"])
+                executed[key] = executed.get(key, 0) + s.value
+        assert executed == planned, (rank, executed, planned, forwards)
+    paths = {s.labels["path"] for s in samples if s.name == "fusedserve_collective_calls_total"}
+    assert "reference_fused" in paths  # allReduceFusion: on -> the reference kernel on CPU
+    for rank in ("0", "1"):  # every gloo collective is timed; counts match the calls
+        timed = {(s.labels["op"], s.labels["path"]): s.value for s in samples
+                 if s.name == "fusedserve_collective_seconds_count" and s.labels.get("rank") == rank}
+        calls = {(s.labels["op"], s.labels["path"]): s.value for s in samples
+                 if s.name == "fusedserve_collective_calls_total" and s.labels.get("rank") == rank}
+        assert timed and timed == calls, (rank, timed, calls)
+    status = server.status()
+    [g] = status["groups"]
+    assert g["collectives_match_plan"] is True and [r["role"] for r in g["ranks"]] == ["leader", "follower"]
+    # a follower dies mid-request: the leader's collectives fail, the request errors, the group comes back
+    _kill_mid_stream(server, "fusedserve/default/tiny-code-tp2/0/rank1")
+    s = server.wait_status(lambda s: s["restarts"] > status["restarts"] and s["ready"])
+    assert "rank 1" in s["last_failure"]["reason"], s["last_failure"]
+    assert server.complete() is not None
 
 
 def _single_rank_completions(model_dir: Path, prompts: list[str], max_tokens: int) -> dict[str, str]:
@@ -213,18 +215,22 @@ def _single_rank_completions(model_dir: Path, prompts: list[str], max_tokens: in
     return {p: c.text for p, c in zip(prompts, done)}
 
 
-@pytest.mark.parametrize("tensor", [2, 4], ids=["examples-03", "tp4-attn-tp2"])
+@pytest.mark.parametrize("tensor", [pytest.param(2, id="examples-03", marks=pytest.mark.example_servers),
+                                    pytest.param(4, id="tp4-attn-tp2")])
 def test_moe_with_dp_attention_and_expert_parallelism_serves_on_both_dp_groups(
-        ray_address: str, tensor: int, tmp_path: Path) -> None:
-    """examples/03 (tp=2, dp=2: one rank per DP group) and a tp=4 variant whose DP groups have two
-    ranks each (the DP leaders broadcast their batches to an attention-TP follower)."""
-    manifest = ROOT / "examples/03-tiny-moe-dp-ep.yaml"
-    if tensor != 2:
-        text = manifest.read_text().replace("tensor: 2,", f"tensor: {tensor},")
+        ray_address: str, tensor: int, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """examples/03 (tp=2, dp=2: one rank per DP group; shared: conftest's ``example_servers``, so its counters
+    are read as deltas) and a tp=4 variant whose DP groups have two ranks each (the DP leaders broadcast their
+    batches to an attention-TP follower)."""
+    if tensor == 2:
+        [server] = request.getfixturevalue("example_servers").get("tiny-moe").values()
+    else:
+        text = (ROOT / "examples/03-tiny-moe-dp-ep.yaml").read_text().replace("tensor: 2,", f"tensor: {tensor},")
         manifest = tmp_path / "moe.yaml"
         manifest.write_text(text)
-    server = Server(manifest, ray_address)
+        server = Server(manifest, ray_address)
     try:
+        before = {dp: server.total("fusedserve_request_success_total", dp_rank=dp) for dp in ("0", "1")}
         prompts = ["def f(x):", "import os", "class B:", "for i in"]
         results: dict[str, str] = {}
         threads = [threading.Thread(target=lambda p=p: results.update({p: server.complete(p, max_tokens=8)}))
@@ -239,7 +245,7 @@ def test_moe_with_dp_attention_and_expert_parallelism_serves_on_both_dp_groups(
         chat = server.client().chat.completions.create(model="tiny-moe", messages=[{"role": "user", "content": "hi"}],
                                                        max_tokens=4, temperature=0)
         assert chat.choices[0].finish_reason in ("stop", "length")
-        served = {dp: server.total("fusedserve_request_success_total", dp_rank=dp) for dp in ("0", "1")}
+        served = {dp: server.total("fusedserve_request_success_total", dp_rank=dp) - before[dp] for dp in ("0", "1")}
         assert served["0"] >= 2 and served["1"] >= 2, served  # each DP group scheduled its own requests
         # every rank ran the same number of forwards (idle DP groups run empty ones)
         forwards = {server.total("fusedserve_forwards_total", rank=str(r)) for r in range(tensor)}
@@ -248,7 +254,8 @@ def test_moe_with_dp_attention_and_expert_parallelism_serves_on_both_dp_groups(
         attn_tp = tensor // 2
         assert [r["role"] for r in g["ranks"]] == ["leader" if r % attn_tp == 0 else "follower" for r in range(tensor)]
     finally:
-        assert server.stop() == 0
+        if tensor != 2:  # the shared one stops after its last test (conftest)
+            assert server.stop() == 0
 
 
 def _manifest(tmp_path: Path, name: str, replace: dict[str, str]) -> Path:

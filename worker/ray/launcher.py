@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .. import startup_gc
 from ..spec import Manifest, RuntimeConfig, SpecError, load_manifest
 from . import auth_token
 from .placement import LOCAL_GPU_RESOURCE, RAY_NAMESPACE, ClusterShape
@@ -167,7 +168,12 @@ def _shape_of(nodes: list[dict[str, Any]]) -> ClusterShape:
 
 def run(manifest_path: str, smoke: bool = False, port: int | None = None, ray_address: str | None = None,
         host: str = "127.0.0.1", watch: bool = False, api_key: str | None = None) -> int:
-    rc = load_runtime_config(manifest_path)  # before the heavy imports: a bad manifest fails fast
+    startup_gc.pause()  # until the API is up: torch, transformers, Ray (startup_gc.py)
+    try:
+        rc = load_runtime_config(manifest_path)  # before the heavy imports: a bad manifest fails fast
+    except BaseException:
+        startup_gc.resume()
+        raise
     address = ray_address or os.environ.get("RAY_ADDRESS")
     token_dir = None if address else embedded_ray_auth()
     try:
@@ -220,11 +226,13 @@ def _serve(rc: RuntimeConfig, manifest_path: str, smoke: bool, port: int | None,
                   flush=True)
         else:
             print(first_request(url, rc, smoke, api_key), flush=True)
+        startup_gc.resume()
         if smoke:
             return 0
         wait_for_signals(lambda: reload(controller, manifest_path), manifest_path if watch else None)
         return 0
     finally:
+        startup_gc.resume()  # (again) when the start failed
         if servers:
             shutdown_http(drain, quiet=smoke)
         for server in servers:

@@ -29,6 +29,7 @@ from datetime import timedelta
 from typing import Any
 
 from ...models.parallel.groups import ParallelConfig, rank_coordinates
+from .. import startup_gc
 from ..serving.engine_client import MetricsSnapshot
 from ..spec import RuntimeConfig
 
@@ -119,7 +120,8 @@ class RankActor:
     async def start(self, master: tuple[str, int] | None) -> dict[str, Any]:
         """Join the group, load the shard, take up the role; returns ``info()``."""
         try:
-            await asyncio.to_thread(self._start, master)
+            with startup_gc.paused():  # torch, transformers and the model: long-lived objects (startup_gc.py)
+                await asyncio.to_thread(self._start, master)
         except Exception as e:
             self.error = f"rank {self.rank}: {type(e).__name__}: {e}"
             log.exception("rank %d failed to start", self.rank)
