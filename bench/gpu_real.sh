@@ -25,8 +25,17 @@
 #                                           verify and draft steps fall back to gather attention);
 #                                           needs .whl/real/data carried once, and for --http the serving site
 #                                           (.whl/serving-site-cp312.tar.xz) and .whl/real/wheels-http
+#   bash bench/gpu_real.sh tests [ARGS]     the -m gpu suite (FlashInfer staged) -> $OUT/gpu-tests.xml (junit)
+#
+# A device session, in calls back to back (the machine goes back after 30 s idle, and a fresh one costs
+# 1-3 minutes of the session's device time before the first command runs; read the results afterwards):
+#   1. carry the 6 FlashInfer files (bench/device_env.sh; move examples/checkpoints/smollm2-eagle3 out of the
+#      tree for this call: the tree plus those files must stay under 64 MiB): `tests`, then `decode`
+#   2. carry .whl/serving-site-cp312.tar.xz .whl/sharegpt-requests.json: `serve`
+#   3. carry .whl/real/part1 part2 data wheels: `stage`;  4. carry part3 part4: `stage`
+#   5. carry .whl/real/draft (a copy of the shipped draft): `bench ...`
 set -euo pipefail
-cmd=${1:?usage: gpu_real.sh stage|train|bench [args]}
+cmd=${1:?usage: gpu_real.sh stage|train|bench|decode|serve|tests [args]}
 shift
 T=${GPU_REAL_TMP:-/tmp}  # where the staged files live (the device: /tmp)
 R=$T/real
@@ -112,6 +121,12 @@ case "$cmd" in
     done
     python3 -P bench/serve_load.py --url http://127.0.0.1:8123 --model llama-8b-shape "${load[@]}" --out "$OUT/serve-http.json"
     kill -INT $run_pid; wait $run_pid || true
+    ;;
+  tests)  # the -m gpu suite against the laid-out package (the checkout's fusedserve/ would hide it: run from /tmp)
+    layout
+    repo=$PWD
+    (cd /tmp && python3 -P -m pytest -m gpu "$repo/tests" -q -p no:cacheprovider --rootdir="$repo" -o addopts="" \
+      --continue-on-collection-errors --junitxml="$OUT/gpu-tests.xml" "$@")
     ;;
   *) echo "unknown command $cmd" >&2; exit 2 ;;
 esac
