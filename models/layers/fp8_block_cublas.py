@@ -2,8 +2,9 @@
 scales x 128 x 128 weight scales; SM90, CUDA >= 12.9, torch >= 2.10): the library candidate beside
 ``fp8_block_triton.block_fp8_linear_triton``. Plain reference: ``fp8_block.block_fp8_linear_w8a8_reference``.
 
-Not in a kernel set yet: ``bench/fp8_slice.py`` measures it against the Triton kernel per DeepSeek-V3
-shape on the GPU (and ``tests/test_gpu_fp8.py`` checks it there), so the choice is made on numbers.
+``bench/fp8_slice.py`` measures it against the Triton kernel per DeepSeek-V3 shape on the GPU (and
+``tests/test_gpu_fp8.py`` checks it there); the fast kernel set takes it where those numbers say
+(``fp8_block_gemm.py``).
 cuBLASLt wants the activation scales M-major with M a multiple of 4 (x is zero-padded) and the weight's
 K blocks padded to a multiple of 4 (as vLLM's and others' callers do); the activations are quantized
 by the Triton group-quant kernel. ``supported`` says which shapes it takes (128 x 128 blocks, whole

@@ -17,8 +17,8 @@ flashinfer   ``flashinfer_attention``, planned      as ``triton``
 ===========  =====================================  ==========================================
 
 Block-FP8 models (``fp8_block.py``) also take ``block_fp8_matmul`` (reference: the weight dequantized,
-then ``F.linear``; triton: per-token-group activation quantization + a block-scaled FP8 GEMM,
-``fp8_block_triton.py``) and ``fused_moe_fp8`` (torch: dequantize + ``fused_experts_torch``; triton:
+then ``F.linear``; triton: per-token-group activation quantization + a block-scaled FP8 GEMM, the
+project's Triton one or cuBLASLt's ``scaled_mm`` by shape, ``fp8_block_gemm.py``) and ``fused_moe_fp8`` (torch: dequantize + ``fused_experts_torch``; triton:
 ``fused_moe_fp8_triton.py``; reference: the per-expert loop, dequantizing).
 
 ``graph_safe`` says whether a forward reads its layout from device tensors (or a plan made before
@@ -78,7 +78,7 @@ class Kernels:
         (<= 16 rows) through ``linear_triton`` instead of cuBLAS (off: on an H200 it was 0.7 ms per
         Llama-3-8B token slower, bench/results/2026-11-30-decode-roofline-h200.json)."""
         from .decode_attention_triton import paged_decode_attention_triton
-        from .fp8_block_triton import block_fp8_linear_triton
+        from .fp8_block_gemm import block_fp8_linear_fast
         from .fused_moe_fp8_triton import fused_experts_fp8_triton
         from .fused_moe_triton import fused_experts_triton
         from .linear_triton import linear_triton
@@ -90,7 +90,7 @@ class Kernels:
                        norms=NormKernels(rms_norm=rms_norm_triton, add_rms_norm=add_rms_norm_triton),
                        rope=rope_triton, silu_and_mul=silu_and_mul_triton,
                        matmul=linear_triton if skinny_matmul else None, fused_moe=fused_experts_triton,
-                       block_fp8_matmul=block_fp8_linear_triton, fused_moe_fp8=fused_experts_fp8_triton,
+                       block_fp8_matmul=block_fp8_linear_fast, fused_moe_fp8=fused_experts_fp8_triton,
                        graph_safe=True)
 
     @staticmethod
