@@ -310,7 +310,7 @@ def main() -> None:
         record["decode"] = rows
         if args.decode_only:
             record["decode_only"] = True
-            out = args.out or f"bench/results/{record['date']}-decode-engine-only-{'h200' if cuda else 'cpu'}.json"
+            out = args.out or f"bench/results/{record['date']}-decode-rows-{'h200' if cuda else 'cpu'}.json"
             progress(f"wrote {write_record(record, out)}")
             return
         if cuda:
