@@ -242,7 +242,7 @@ def acceptance(results: Path) -> Figure:
     for path in sorted(results.glob("*-spec-decode-*.json"), key=lambda p: p.name):
         if "graphs" in path.name:  # the same prompts and tokens as the eager GPU run
             continue
-        if "spec-decode-real" in path.name:  # SmolLM2 and its own draft: not the tiny code pair
+        if "spec-decode-real" in path.name or "smollm2" in path.name:  # SmolLM2 and its draft: not the tiny pair
             continue
         rec = json.loads(path.read_text())
         paths.append(path)
