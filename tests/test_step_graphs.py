@@ -66,13 +66,16 @@ def test_static_shape_steps_equal_eager(spec: SpeculativeConfig | None) -> None:
     assert outputs[True] == outputs[False]
 
 
-def test_chained_greedy_drafts_equal_step_by_step(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("penalty", [1.0, 1.6], ids=["raw", "repetition-penalty"])
+def test_chained_greedy_drafts_equal_step_by_step(monkeypatch: pytest.MonkeyPatch, penalty: float) -> None:
     """A greedy chain's draft steps as one chained replay (device-side feedback of token, hidden
     state, position and slot, across a block boundary: block size 4, 5 steps) propose exactly the
-    step-by-step drafts: same tokens, same acceptance at every position."""
+    step-by-step drafts: same tokens, same acceptance at every position. The chained step verifies with
+    the verify's raw argmax read back beside the drafts; a request whose logits a penalty adjusts must
+    verify against the adjusted ones instead, as the step-by-step path does."""
     from fusedserve.worker.executor.executor import StepExecutor
 
-    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, repetition_penalty=penalty)
     spec = SpeculativeConfig(DRAFT, num_steps=5)
     runs: dict[str, tuple[list[list[int]], object]] = {}
     replays: dict[str, int] = {}
