@@ -22,13 +22,15 @@ graph's padded batch (``graph_state``); ``plan_graph`` refills them before the c
 every replay, so the work follows the real context lengths, never the captured maximum. The FA2
 backend is pinned (the prebuilt modules of ``shared/gpu`` are FA2; README says how to rebuild).
 
-Planning never waits for the GPU (a wait leaves it idle while the host prepares the next launch; a
-speculative step plans several forwards: bench/results/2026-12-02-spec-decode-profile-syncs-smollm2-h200.json
-found 38 waits per SmolLM2 tree step, 30 of them in FlashInfer's plan, before this): the page list goes to the device asynchronously before ``plan``
-(FlashInfer copies a host page list synchronously), and a captured tree shape's mask is packed here
-on the host (``pack_tree_masks``; FlashInfer's packing reads its output size back from the device)
-and its byte offsets written into the shape's own offset buffer after ``plan`` (which, handed a
-packed mask, fills that buffer with bit offsets, right only for one sequence: ``MaskedGraphPrefill``).
+Planning a captured shape never waits for the GPU (a wait leaves it idle while the host prepares the next
+launch; a speculative step plans several forwards: before this,
+bench/results/2026-12-02-spec-decode-profile-syncs-smollm2-h200.json found 38 waits per SmolLM2 tree step,
+30 of them in FlashInfer's plan). The page list goes to the device asynchronously before ``plan`` (FlashInfer
+copies a host page list synchronously), and a captured tree shape's mask is packed here on the host
+(``pack_tree_masks``; FlashInfer's packing reads its output size back from the device) and its byte offsets
+written into the shape's own offset buffer after ``plan`` (which, handed a packed mask, fills that buffer
+with bit offsets, right only for one sequence: ``MaskedGraphPrefill``). An eager forward with a tree mask
+(no captured shape fits) still lets FlashInfer pack it, and waits.
 """
 
 from __future__ import annotations
