@@ -90,10 +90,7 @@ class KVCache:
             for j, (kind, i) in enumerate(members):
                 tensors[kind][i] = group[j]
         k = {i: tensors["k"][i] for i in layer_shapes}
-        v = tensors["v"]
-        for i in shared:
-            v[i] = k[i][..., : KVShape.of(layer_shapes[i]).v_dim]
-        v = {i: v[i] for i in layer_shapes}
+        v = {i: k[i][..., : KVShape.of(layer_shapes[i]).v_dim] if i in shared else tensors["v"][i] for i in layer_shapes}
         return KVCache(k=k, v=v, block_size=block_size, num_blocks=num_blocks, v_in_k=frozenset(shared),
                        groups=tuple(groups))
 

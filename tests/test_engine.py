@@ -205,9 +205,9 @@ def test_state_slots_and_fresh_flags_reach_the_model(llama_dir: Path) -> None:
     seen: list[Step] = []
     run = e.executor.run
 
-    def spy(step: Step, hidden: torch.Tensor | None = None) -> object:
+    def spy(step: Step, hidden: torch.Tensor | None = None, input_ids: torch.Tensor | None = None) -> object:
         seen.append(step)
-        return run(step, hidden)
+        return run(step, hidden, input_ids)
 
     e.executor.run = spy  # type: ignore[method-assign]
     e.generate(random_prompts(8, seed=9), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))

@@ -96,11 +96,11 @@ def _fail_on_follower(rank: int, world: int, backend: str) -> None:
         forward = StepExecutor.run
         calls = [0]
 
-        def failing(self, step, hidden=None):  # type: ignore[no-untyped-def]
+        def failing(self, step, hidden=None, input_ids=None):  # type: ignore[no-untyped-def]
             calls[0] += 1
             if calls[0] == 3:
                 raise RuntimeError("injected follower failure")
-            return forward(self, step, hidden)
+            return forward(self, step, hidden, input_ids)
 
         StepExecutor.run = failing  # type: ignore[method-assign]
     spec = SpeculativeConfig(DRAFT, num_steps=3)

@@ -93,12 +93,10 @@ def kernel_kv_lens(layout: AttentionLayout) -> list[int]:
     return [kv if kv > 0 else 1 for kv in layout.kv_lens]
 
 
-def pack_tree_masks(layout: AttentionLayout) -> tuple[np.ndarray, list[int]]:
-    """Every sequence's [qo_len, kv_len] mask (causal, or its tail mask over the last slots), bit-packed
-    little-endian the way FlashInfer's kernel reads it, each sequence from a byte boundary.
-    -> (packed bytes, byte offset of each sequence and the end)"""
-    parts: list[np.ndarray] = []
-    offsets = [0]
+def full_masks(layout: AttentionLayout) -> list[np.ndarray]:
+    """Every sequence's [qo_len, kv_len] mask at the context length the kernel sees: causal, or its tail
+    mask over the last slots (every slot before them visible)."""
+    out = []
     tails = layout.tail_masks or (None,) * len(layout.qo_lens)
     for q, kv, tail in zip(layout.qo_lens, kernel_kv_lens(layout), tails):
         m = np.ones((q, kv), dtype=bool)
@@ -107,8 +105,17 @@ def pack_tree_masks(layout: AttentionLayout) -> tuple[np.ndarray, list[int]]:
         else:
             width = len(tail) // q
             m[:, kv - width:] = np.asarray(tail, dtype=bool).reshape(q, width)
-        parts.append(np.packbits(m.ravel(), bitorder="little"))
-        offsets.append(offsets[-1] + int(parts[-1].size))
+        out.append(m)
+    return out
+
+
+def pack_tree_masks(layout: AttentionLayout) -> tuple[np.ndarray, list[int]]:
+    """``full_masks`` bit-packed little-endian the way FlashInfer's kernel reads them, each sequence from a
+    byte boundary. -> (packed bytes, byte offset of each sequence and the end)"""
+    parts = [np.packbits(m.ravel(), bitorder="little") for m in full_masks(layout)]
+    offsets = [0]
+    for part in parts:
+        offsets.append(offsets[-1] + int(part.size))
     return (np.concatenate(parts) if parts else np.zeros(1, dtype=np.uint8)), offsets
 
 
@@ -155,20 +162,11 @@ class FlashInferPlanner:
         return torch.tensor(out, dtype=torch.int32)
 
     def _mask(self, layout: AttentionLayout) -> torch.Tensor | None:
-        """Every sequence's [qo_len, kv_len] mask, flattened and concatenated (built with torch ops:
-        contexts are long)."""
-        if not layout.has_masks or layout.tail_masks is None:
+        """Every sequence's mask, flattened and concatenated (FlashInfer packs it), or None: all causal."""
+        if not layout.has_masks:
             return None
-        parts = []
-        for q, kv, tail in zip(layout.qo_lens, layout.kv_lens, layout.tail_masks):
-            if tail is None:  # causal
-                m = torch.ones(q, kv, dtype=torch.bool).tril(kv - q)
-            else:
-                m = torch.ones(q, kv, dtype=torch.bool)
-                width = len(tail) // q
-                m[:, kv - width:] = torch.tensor(tail, dtype=torch.bool).view(q, width)
-            parts.append(m.flatten())
-        return torch.cat(parts).to(self.device, non_blocking=True)
+        return torch.from_numpy(np.concatenate([m.ravel() for m in full_masks(layout)])).to(self.device,
+                                                                                          non_blocking=True)
 
     def _plan_decode(self, wrapper: Any, layout: AttentionLayout) -> None:
         indptr, indices, last = self._pages(layout)

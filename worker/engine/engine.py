@@ -244,8 +244,7 @@ class Engine:
             return outputs + self.commit_step(spec.batch, spec.seqs, spec.picks, spec.settled)
         step = forward_step(batch)
         input_ids = prev.input_ids(batch, self.executor.device) if prev is not None else None
-        out = self.runner.run(step) if input_ids is None else self.runner.run(step, input_ids=input_ids)
-        logits = out.logits
+        logits = self.runner.run(step, input_ids=input_ids).logits
         entries = [(e, s, self.state_of(s)) for e in batch.seqs for s in [self.scheduler.get(e.seq_id)]]
         first_rows = list(itertools.accumulate((e.num_logits for e in batch.seqs), initial=0))[:-1]
         if self.overlap and all(s.params.samples_on_device for e, s, _ in entries if e.num_logits):

@@ -48,6 +48,12 @@ class TokenSampler:
         return [LogitsRow(seq.params, seq.prompt_ids, [*seq.output_ids, *c] if c else seq.output_ids, self.eos_ids, m)
                 for c, m in zip(continuations, masks)]
 
+    @staticmethod
+    def adjusts(seq: Sequence, state: RequestState) -> bool:
+        """Whether ``adjusted`` may change any of the sequence's rows (its parameters or its grammar); if not,
+        the raw logits' argmax is the greedy choice."""
+        return state.grammar is not None or seq.params.adjusts_logits
+
     def adjusted(self, logits: torch.Tensor, seq: Sequence, state: RequestState,
                  continuations: Seq[Seq[int]]) -> torch.Tensor:
         """logits: [k, vocab] raw, row i after ``continuations[i]`` -> [k, vocab] float32 adjusted"""

@@ -281,8 +281,8 @@ class SpecDecoder:
         """logits: [num_nodes, vocab] raw, row i = the target after node i; adjusted per node with the
         drafts on the path to it as history. raw_argmax: their argmax, already on the host, or None."""
         tree = prop.tree
-        if seq.params.greedy and raw_argmax is not None and state.grammar is None and not seq.params.adjusts_logits:
-            return accept_greedy(tree, raw_argmax)  # nothing adjusts these logits: their argmax is the choice
+        if seq.params.greedy and raw_argmax is not None and not self.tokens.adjusts(seq, state):
+            return accept_greedy(tree, raw_argmax)
         adjusted = self.tokens.adjusted(logits, seq, state, paths(tree))
         if seq.params.greedy:
             return accept_greedy(tree, adjusted.argmax(dim=-1).tolist())
