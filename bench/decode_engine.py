@@ -14,7 +14,7 @@ GPU running the next: ``inflight_step.py``; the time of ``steps`` steps over ``s
    steps; ms per step (median, with min/max/spread over the steps) and tok/s; the honest roofline
    of that step = bytes it must stream (every weight except the embedding table, one embedding
    row per sequence, the K/V of each sequence's real context, the new K/V) over the copy bandwidth;
-3. a profile of one batch-1 decode step (kernels by kind);
+3. a profile of one batch-1 and one batch-64 decode step (kernels by kind);
 4. prefill: time to first token of one 1k- and one 8k-token prompt, at the default
    ``max_batch_tokens`` (chunked prefill) and with one chunk; model FLOPs (2 x non-embedding
    parameters x tokens + causal attention 2 x layers x L^2 x q_heads x head_dim) over the time,
@@ -313,13 +313,15 @@ def main() -> None:
             out = args.out or f"bench/results/{record['date']}-decode-rows-{'h200' if cuda else 'cpu'}.json"
             progress(f"wrote {write_record(record, out)}")
             return
-        if cuda:
+        for batch in (b for b in (1, 64) if cuda and b in batches):  # a small and a large step's kernels
             params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-            engine.add_request(prompts_of(1, PROMPT_LEN, shape["vocab_size"])[0], params)
-            for _ in range(6):
+            pending = {engine.add_request(p, params) for p in prompts_of(batch, PROMPT_LEN, shape["vocab_size"])}
+            while pending:
+                pending -= {o.request_id for o in engine.step() if o.new_token_ids}
+            for _ in range(4):
                 engine.step()
-            record["profile_batch1_step"] = profile(engine.step, dev, reps=5)
-            progress(f"profile: {json.dumps(record['profile_batch1_step']['by_kind_us'])}")
+            record[f"profile_batch{batch}_step"] = profile(engine.step, dev, reps=5)
+            progress(f"profile, batch {batch}: {json.dumps(record[f'profile_batch{batch}_step']['by_kind_us'])}")
             while engine.has_unfinished():
                 engine.step()
         if args.host_profile:
