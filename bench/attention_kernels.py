@@ -7,6 +7,13 @@ scattered pages: FlashInfer's decode wrapper with tensor cores, without, and the
 decode kernel; the new-K/V store (two ``index_copy_`` vs one Triton launch); RMSNorm, SiLU-and-mul
 and RoPE: the project's Triton kernels against FlashInfer's. Each op is captured 32 times in one graph
 (one per layer of a step) and the graph replayed; µs per call = median replay / 32.
+
+    python -P bench/attention_kernels.py --sweep --out $OUT/decode-launch-sweep.json
+
+``--sweep``: the Triton decode kernel alone, every cut of ``SWEEP_LAUNCHES`` (keys per tile, warps,
+stages) at every split count, over a block table as wide as the engine's captured batches (8192
+tokens: their splits follow that width, the work the real context) at batch 1..64 and contexts
+160 / 1024 / 4096, beside FlashInfer's tensor-core decode and the launch ``decode_launch`` picks.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import argparse
 import statistics
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +93,66 @@ def attention(batch: int, ctx: int) -> dict[str, float]:
     return out
 
 
+SWEEP_LAUNCHES = ((16, 2, 2), (16, 4, 2), (32, 4, 2), (32, 4, 3), (32, 8, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3))
+SWEEP_SPLITS = (1, 2, 4, 8, 16, 32, 64)
+GRAPH_WIDTH = 8192 // BLOCK  # pages per block table in a captured batch of the 8B-shaped engine
+
+
+def decode_sweep(batch: int, ctx: int) -> dict[str, Any]:
+    from fusedserve.models.forward_batch import ForwardBatch, KVCache, PagedAttentionMetadata
+    from fusedserve.models.layers.attention_flashinfer import (
+        FlashInferPlanner,
+        TritonDecodePlan,
+        flashinfer_attention,
+    )
+    from fusedserve.models.layers.attention_layout import AttentionLayout, GraphSlot
+    from fusedserve.models.layers.decode_attention_triton import (
+        DecodeLaunch,
+        decode_attention_launch,
+        decode_launch,
+    )
+
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(batch * 7 + ctx)
+    pages = -(-ctx // BLOCK)
+    nb = batch * pages + 1
+    kv = KVCache.allocate({0: (8, 128)}, nb, BLOCK, bf, dev)
+    kv.k[0].normal_(generator=g)
+    kv.v[0].normal_(generator=g)
+    perm = torch.randperm(nb - 1, device=dev, generator=g).view(batch, pages).to(torch.int32)
+    wide = torch.zeros(batch, GRAPH_WIDTH, dtype=torch.int32, device=dev)
+    wide[:, :pages] = perm
+    tables = [tuple(r) for r in perm.tolist()]
+    slots = torch.tensor([t[(ctx - 1) // BLOCK] * BLOCK + (ctx - 1) % BLOCK for t in tables], device=dev)
+    q = torch.randn(batch, 32, 128, device=dev, dtype=bf, generator=g)
+    k = torch.randn(batch, 8, 128, device=dev, dtype=bf, generator=g)
+    v = torch.randn(batch, 8, 128, device=dev, dtype=bf, generator=g)
+    meta = PagedAttentionMetadata.decode(wide, torch.full((batch,), ctx, dtype=torch.int32, device=dev))
+    fb = ForwardBatch(torch.zeros(batch, dtype=torch.long, device=dev), torch.zeros(batch, device=dev), [1] * batch,
+                      [ctx] * batch, slots, [list(t) for t in tables], kv, paged=meta)
+    kv_bytes = batch * ctx * 8 * 128 * 2 * 2
+    row: dict[str, Any] = {"batch": batch, "context": ctx, "kv_bytes_per_layer": kv_bytes, "launches": []}
+    planner = FlashInferPlanner(32, 8, 128, 128 ** -0.5, kv)
+    state = planner.graph_state(GraphSlot(batch, 1, 0, GRAPH_WIDTH))
+    if not isinstance(state, TritonDecodePlan):  # batches the engine gives FlashInfer's decode wrapper
+        planner.plan_graph(state, AttentionLayout((1,) * batch, (ctx,) * batch, tuple(tables)))
+        fi = ForwardBatch(fb.input_ids, fb.positions, fb.query_lens, fb.context_lens, slots, fb.block_tables, kv,
+                          attention=state)
+        row["flashinfer_tensor_cores_us"] = graph_us(lambda: flashinfer_attention(q, k, v, 0, fi, 128 ** -0.5))
+    chosen = decode_launch(batch * 8, GRAPH_WIDTH * BLOCK, False)
+    row["chosen"] = {**chosen.__dict__, "us": graph_us(partial(decode_attention_launch, q, k, v, 0, fb, 128 ** -0.5,
+                                                               chosen))}
+    for block_n, warps, stages in SWEEP_LAUNCHES:
+        for splits in SWEEP_SPLITS:
+            launch = DecodeLaunch(block_n, warps, stages, splits)
+            us = graph_us(partial(decode_attention_launch, q, k, v, 0, fb, 128 ** -0.5, launch))
+            row["launches"].append({**launch.__dict__, "us": us})
+    best = min(row["launches"], key=lambda r: r["us"])
+    row["best"] = best
+    row["best_TBps"] = kv_bytes / best["us"] / 1e6
+    return row
+
+
 def small_ops(rows: int) -> dict[str, float]:
     import flashinfer
 
@@ -121,7 +189,20 @@ def small_ops(rows: int) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
+    ap.add_argument("--sweep", action="store_true", help="only the Triton decode launch sweep")
     args = ap.parse_args()
+    if args.sweep:
+        record_s: dict[str, Any] = {**record_header(), "calls_per_graph": CALLS, "graph_block_table_tokens":
+                                    GRAPH_WIDTH * BLOCK, "block_size": BLOCK, "shape": "GQA 32/8, head_dim 128, bf16",
+                                    "rows": []}
+        for batch in (1, 4, 16, 32, 64):
+            for ctx in (160, 1024, 4096):
+                row = decode_sweep(batch, ctx)
+                record_s["rows"].append(row)
+                progress(f"batch {batch} ctx {ctx}: chosen {row['chosen']}, best {row['best']} "
+                         f"({row['best_TBps']:.2f} TB/s), FlashInfer {row.get('flashinfer_tensor_cores_us')}")
+        write_record(record_s, args.out or f"bench/results/{record_s['date']}-decode-launch-sweep-h200.json")
+        return
     record: dict[str, Any] = {**record_header(), "calls_per_graph": CALLS, "attention": [], "small_ops": []}
     for batch in (1, 16, 64):
         for ctx in (160, 1024):

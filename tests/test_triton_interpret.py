@@ -160,6 +160,52 @@ def test_interp_decode_attention_stores_kv_and_equals_torch(group: int) -> None:
 
 
 @inner
+def test_interp_decode_attention_shares_the_real_context_among_its_splits() -> None:
+    """A captured batch's block table is as wide as its longest possible context and its splits are fixed
+    by that width; the kernel shares each sequence's real context out among them at run time. Every cut
+    (keys per tile, splits: one, fewer than the tiles, more than the tiles) equals the torch path."""
+    from fusedserve.models.forward_batch import ForwardBatch, KVCache, PagedAttentionMetadata
+    from fusedserve.models.layers.decode_attention_triton import (
+        DecodeLaunch,
+        decode_attention_launch,
+        decode_launch,
+    )
+    from fusedserve.models.layers.paged_attention_torch import paged_attention_torch
+
+    g = torch.Generator().manual_seed(21)
+    block, kv_heads, group, dim, width = 4, 2, 4, 16, 64  # block tables of 64 pages: 256 slots each
+    ctx = [1, 9, 70, 130]
+    kv = KVCache.allocate({0: (kv_heads, dim)}, 160, block, torch.bfloat16)
+    kv.k[0].copy_(torch.randn(kv.k[0].shape, generator=g))
+    kv.v[0].copy_(torch.randn(kv.v[0].shape, generator=g))
+    perm = torch.randperm(159, generator=g) + 1
+    tables, used = torch.zeros(len(ctx), width, dtype=torch.int32), 0
+    for i, c in enumerate(ctx):
+        pages = -(-c // block)
+        tables[i, :pages] = perm[used:used + pages]
+        used += pages
+    meta = PagedAttentionMetadata.decode(tables, torch.tensor(ctx, dtype=torch.int32))
+    slots = torch.tensor([int(tables[i, (c - 1) // block]) * block + (c - 1) % block for i, c in enumerate(ctx)])
+    q = torch.randn(len(ctx), kv_heads * group, dim, generator=g).to(torch.bfloat16)
+    k = torch.randn(len(ctx), kv_heads, dim, generator=g).to(torch.bfloat16)
+    v = torch.randn(len(ctx), kv_heads, dim, generator=g).to(torch.bfloat16)
+
+    def batch(cache: KVCache) -> ForwardBatch:
+        zeros = torch.zeros(len(ctx), dtype=torch.long)
+        return ForwardBatch(zeros, zeros, [1] * len(ctx), ctx, slots, [[0]] * len(ctx), cache, paged=meta)
+
+    ref = KVCache({0: kv.k[0].clone()}, {0: kv.v[0].clone()}, block, 160)
+    want = paged_attention_torch(q, k, v, 0, batch(ref), dim**-0.5)
+    assert decode_launch(len(ctx) * kv_heads, width * block, False).splits > 1
+    for launch in (DecodeLaunch(16, 2, 1, 1), DecodeLaunch(16, 2, 1, 4), DecodeLaunch(32, 4, 2, 8),
+                   DecodeLaunch(16, 2, 1, 16), decode_launch(len(ctx) * kv_heads, width * block, False)):
+        cache = KVCache({0: kv.k[0].clone()}, {0: kv.v[0].clone()}, block, 160)
+        got = decode_attention_launch(q, k, v, 0, batch(cache), dim**-0.5, launch)
+        _close(got, want, 1e-2)
+        assert torch.equal(cache.k[0], ref.k[0]) and torch.equal(cache.v[0], ref.v[0]), launch
+
+
+@inner
 def test_interp_llama_decode_with_triton_kernels_equals_reference() -> None:
     """A whole tiny Llama: prefill then a decode step, Triton kernel set vs the references (fp32)."""
     from transformers import LlamaConfig

@@ -23,6 +23,7 @@ read as two K parts, [BLOCK_N, 512] and [BLOCK_N, 64] (scores = q_a k_a^T + q_b 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -50,7 +51,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, p
                    HEAD_BLOCKS: tl.constexpr, H_PAD: tl.constexpr, DA: tl.constexpr, DA_PAD: tl.constexpr,
                    DB: tl.constexpr, DB_PAD: tl.constexpr, VDIM: tl.constexpr, VDIM_PAD: tl.constexpr,
                    V_IN_K: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                   SPLIT_TOKENS: tl.constexpr, DOT_FP32: tl.constexpr):
+                   DOT_FP32: tl.constexpr):
     # K's columns are part A (0..DA) and part B (DA..DA+DB, none when DB = 0); V_IN_K: V is part A.
     ctx = tl.load(ctx_ptr + tl.program_id(0))
     b = tl.program_id(0).to(tl.int64)
@@ -58,8 +59,11 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, p
     hb = tl.program_id(1) % HEAD_BLOCKS  # block of its query heads
     split = tl.program_id(2)
     last = ctx - 1
-    first = split * SPLIT_TOKENS
-    end = tl.minimum(ctx, first + SPLIT_TOKENS)
+    # The splits share this sequence's real context (whole tiles each): a captured batch's SPLITS follow its
+    # longest possible context, the work the context it has.
+    split_tokens = tl.cdiv(tl.cdiv(ctx, BLOCK_N), SPLITS) * BLOCK_N
+    first = split * split_tokens
+    end = tl.minimum(ctx, first + split_tokens)
     g = tl.arange(0, H_PAD)
     in_group = hb * BLOCK_H + g
     gmask = (g < BLOCK_H) & (in_group < GROUP)
@@ -160,6 +164,27 @@ def _combine_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_ot, st
     tl.store(out_ptr + b * stride_ot + head * stride_oh + dv, out.to(out_ptr.dtype.element_ty), mask=dv < VDIM)
 
 
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """How one decode launch is cut: keys per tile, warps and pipeline stages of a program, and the
+    splits of each sequence's context (static for a captured batch; the tiles of the real context are
+    shared out among them at run time)."""
+
+    block_n: int
+    warps: int
+    stages: int
+    splits: int
+
+
+def decode_launch(programs: int, max_context: int, wide_latent: bool) -> DecodeLaunch:
+    """The launch of a decode batch of ``programs`` programs without splits (sequences x KV heads x head
+    blocks) whose contexts reach ``max_context`` tokens (a captured batch: its maximum). 64 keys on 8
+    warps for GQA (head dim 128: 221 registers, no spills; ptxas, sm_90a); the latent cache's wide tiles
+    ([32 keys, 512 + 64]) on 4 warps, 2 stages, as sglang's MLA decode."""
+    block_n, warps, stages = (32, 4, 2) if wide_latent else (BLOCK_N, 8, 3)
+    return DecodeLaunch(block_n, warps, stages, num_splits(programs, max_context, block_n))
+
+
 def num_splits(programs: int, max_context: int, block_n: int = BLOCK_N) -> int:
     """Splits of each sequence's context (a power of two): enough programs (``programs`` without
     splits: sequences x KV heads x head blocks) to fill the GPU's ~132 multiprocessors twice, never
@@ -204,26 +229,38 @@ def paged_decode_attention_triton(
         return paged_attention_torch(q, k, v, layer_id, batch, scale)
     if meta.max_query_len != 1:
         return paged_prefill_attention_triton(q, k, v, layer_id, batch, scale)
-    kc, vc = cache.k[layer_id], cache.v[layer_id]
-    n, heads, dim = q.shape
+    n, heads, _ = q.shape
     kv_heads, vdim = k.shape[1], v.shape[2]
     group = heads // kv_heads
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("decode attention kernel needs unit-stride head dims")
     v_in_k = layer_id in cache.v_in_k
+    block_h = heads_per_program(group, _pad(vdim))
+    context = meta.block_tables.shape[1] * cache.block_size
+    launch = decode_launch(n * kv_heads * -(-group // block_h), context, v_in_k and _pad(vdim) >= 256)
+    return decode_attention_launch(q, k, v, layer_id, batch, scale, launch)
+
+
+def decode_attention_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch,
+                            scale: float, launch: DecodeLaunch) -> torch.Tensor:
+    """One decode step's attention cut as ``launch`` says (``paged_decode_attention_triton`` chooses it;
+    bench/attention_kernels.py tries others). Shapes as there."""
+    meta = batch.paged_metadata()
+    cache = batch.kv_cache
+    assert cache is not None
+    kc, vc = cache.k[layer_id], cache.v[layer_id]
+    n, heads, dim = q.shape
+    kv_heads, vdim = k.shape[1], v.shape[2]
+    group = heads // kv_heads
+    v_in_k = layer_id in cache.v_in_k
     da = vdim if v_in_k else dim  # K part A (V's columns when V is in K), part B the rest
     vdim_pad = _pad(vdim)
     block_h = heads_per_program(group, vdim_pad)
     head_blocks = -(-group // block_h)
-    # 64 keys on 8 warps (GQA, head dim 128: 221 registers, no spills; ptxas, sm_90a); the latent cache's
-    # wide tiles ([32 keys, 512 + 64]) on 4 warps, 2 stages, as sglang's MLA decode (not yet timed here).
-    block_n, warps, stages = (32, 4, 2) if v_in_k and vdim_pad >= 256 else (BLOCK_N, 8, 3)
     out = torch.empty((n, heads, vdim), dtype=q.dtype, device=q.device)
     if not n:
         return out
-    context = meta.block_tables.shape[1] * cache.block_size
-    splits = num_splits(n * kv_heads * head_blocks, context, block_n)
-    split_tokens = -(-context // (splits * block_n)) * block_n
+    splits = launch.splits
     if splits > 1:
         part_acc = torch.empty((n, heads, splits, vdim_pad), dtype=torch.float32, device=q.device)
         part_m = torch.empty((n, heads, splits), dtype=torch.float32, device=q.device)
@@ -237,8 +274,8 @@ def paged_decode_attention_triton(
         meta.block_tables.stride(0), scale,
         HEADS=heads, GROUP=group, BLOCK_H=block_h, HEAD_BLOCKS=head_blocks, H_PAD=_pad(block_h), DA=da,
         DA_PAD=_pad(da), DB=dim - da, DB_PAD=_pad(dim - da), VDIM=vdim, VDIM_PAD=vdim_pad, V_IN_K=v_in_k,
-        PAGE=cache.block_size, BLOCK_N=block_n, SPLITS=splits, SPLIT_TOKENS=split_tokens, DOT_FP32=_DOT_FP32,
-        num_warps=warps, num_stages=stages)
+        PAGE=cache.block_size, BLOCK_N=launch.block_n, SPLITS=splits, DOT_FP32=_DOT_FP32,
+        num_warps=launch.warps, num_stages=launch.stages)
     if splits > 1:
         _combine_kernel[(n, heads)](part_acc, part_m, part_l, out, out.stride(0), out.stride(1), SPLITS=splits,
                                     VDIM=vdim, VDIM_PAD=vdim_pad, num_warps=4)
