@@ -13,7 +13,7 @@ and RoPE: the project's Triton kernels against FlashInfer's. Each op is captured
 ``--sweep``: the Triton decode kernel alone, every cut of ``SWEEP_LAUNCHES`` (keys per tile, warps,
 stages) at every split count, over a block table as wide as the engine's captured batches (8192
 tokens: their splits follow that width, the work the real context) at batch 1..64 and contexts
-160 / 1024 / 4096, beside FlashInfer's tensor-core decode and the launch ``decode_launch`` picks.
+160 / 1024 / 4096, beside FlashInfer's tensor-core decode wrapper (every batch) and the launch ``decode_launch`` picks.
 """
 
 from __future__ import annotations
@@ -55,10 +55,41 @@ def graph_us(fn: Callable[[], Any], reps: int = 20) -> float:
     return 1e6 * statistics.median(times) / CALLS
 
 
+def flashinfer_decode(kv: Any, tables: list[tuple[int, ...]], ctx: int, slots: torch.Tensor, tensor_cores: bool
+                      ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """FlashInfer's paged decode wrapper as a captured batch would hold it (static buffers, planned once for
+    these contexts; the engine's decode runs the Triton kernel, this is the comparison), with the new K/V
+    stored first as the engine's layer does. -> fn(q, k, v)"""
+    import flashinfer
+
+    from fusedserve.models.layers.kv_write_triton import write_kv_triton
+
+    dev, i32, b = torch.device("cuda"), torch.int32, len(tables)
+    pages = -(-ctx // BLOCK)
+    indptr = torch.arange(b + 1, dtype=i32) * pages
+    indices = torch.tensor([p for t in tables for p in t[:pages]], dtype=i32)
+    last = torch.full((b,), ctx - (pages - 1) * BLOCK, dtype=i32)
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores, backend="fa2",
+        paged_kv_indptr_buffer=torch.zeros(b + 1, dtype=i32, device=dev),
+        paged_kv_indices_buffer=torch.zeros(b * pages, dtype=i32, device=dev),
+        paged_kv_last_page_len_buffer=torch.ones(b, dtype=i32, device=dev))
+    wrapper.plan(indptr, indices.to(dev), last, 32, 8, 128, BLOCK, pos_encoding_mode="NONE",
+                 q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, sm_scale=128 ** -0.5)
+    kc, vc = kv.k[0], kv.v[0]
+    paged = (kc.view(-1, BLOCK, 8, 128), vc.view(-1, BLOCK, 8, 128))
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        write_kv_triton(kc, vc, slots, k, v)
+        out: torch.Tensor = wrapper.run(q, paged)
+        return out
+
+    return run
+
+
 def attention(batch: int, ctx: int) -> dict[str, float]:
     from fusedserve.models.forward_batch import ForwardBatch, KVCache, PagedAttentionMetadata
-    from fusedserve.models.layers.attention_flashinfer import FlashInferPlanner, flashinfer_attention
-    from fusedserve.models.layers.attention_layout import AttentionLayout
     from fusedserve.models.layers.decode_attention_triton import paged_decode_attention_triton
 
     dev, bf = torch.device("cuda"), torch.bfloat16
@@ -75,18 +106,9 @@ def attention(batch: int, ctx: int) -> dict[str, float]:
     k = torch.randn(batch, 8, 128, device=dev, dtype=bf, generator=g)
     v = torch.randn(batch, 8, 128, device=dev, dtype=bf, generator=g)
     meta = PagedAttentionMetadata.decode(perm.contiguous(), torch.full((batch,), ctx, dtype=torch.int32, device=dev))
-    layout = AttentionLayout((1,) * batch, (ctx,) * batch, tuple(tables))
     out: dict[str, float] = {}
     for name, tc in (("flashinfer_tensor_cores", True), ("flashinfer_cuda_cores", False)):
-        planner = FlashInferPlanner(32, 8, 128, 128 ** -0.5, kv)
-        planner.tensor_cores = tc
-        from fusedserve.models.layers.attention_layout import GraphSlot
-
-        state = planner.graph_state(GraphSlot(batch, 1, 0, pages))
-        planner.plan_graph(state, layout)
-        fb = ForwardBatch(torch.zeros(batch, dtype=torch.long, device=dev), torch.zeros(batch, device=dev), [1] * batch,
-                          [ctx] * batch, slots, [list(t) for t in tables], kv, attention=state)
-        out[name] = graph_us(lambda fb=fb: flashinfer_attention(q, k, v, 0, fb, 128 ** -0.5))
+        out[name] = graph_us(partial(flashinfer_decode(kv, tables, ctx, slots, tc), q, k, v))
     fb = ForwardBatch(torch.zeros(batch, dtype=torch.long, device=dev), torch.zeros(batch, device=dev), [1] * batch,
                       [ctx] * batch, slots, [list(t) for t in tables], kv, paged=meta)
     out["triton_decode"] = graph_us(lambda: paged_decode_attention_triton(q, k, v, 0, fb, 128 ** -0.5))
@@ -100,12 +122,6 @@ GRAPH_WIDTH = 8192 // BLOCK  # pages per block table in a captured batch of the 
 
 def decode_sweep(batch: int, ctx: int) -> dict[str, Any]:
     from fusedserve.models.forward_batch import ForwardBatch, KVCache, PagedAttentionMetadata
-    from fusedserve.models.layers.attention_flashinfer import (
-        FlashInferPlanner,
-        TritonDecodePlan,
-        flashinfer_attention,
-    )
-    from fusedserve.models.layers.attention_layout import AttentionLayout, GraphSlot
     from fusedserve.models.layers.decode_attention_triton import (
         DecodeLaunch,
         decode_attention_launch,
@@ -132,14 +148,8 @@ def decode_sweep(batch: int, ctx: int) -> dict[str, Any]:
                       [ctx] * batch, slots, [list(t) for t in tables], kv, paged=meta)
     kv_bytes = batch * ctx * 8 * 128 * 2 * 2
     row: dict[str, Any] = {"batch": batch, "context": ctx, "kv_bytes_per_layer": kv_bytes, "launches": []}
-    planner = FlashInferPlanner(32, 8, 128, 128 ** -0.5, kv)
-    state = planner.graph_state(GraphSlot(batch, 1, 0, GRAPH_WIDTH))
-    if not isinstance(state, TritonDecodePlan):  # batches the engine gives FlashInfer's decode wrapper
-        planner.plan_graph(state, AttentionLayout((1,) * batch, (ctx,) * batch, tuple(tables)))
-        fi = ForwardBatch(fb.input_ids, fb.positions, fb.query_lens, fb.context_lens, slots, fb.block_tables, kv,
-                          attention=state)
-        row["flashinfer_tensor_cores_us"] = graph_us(lambda: flashinfer_attention(q, k, v, 0, fi, 128 ** -0.5))
-    chosen = decode_launch(batch * 8, GRAPH_WIDTH * BLOCK, False)
+    row["flashinfer_tensor_cores_us"] = graph_us(partial(flashinfer_decode(kv, tables, ctx, slots, True), q, k, v))
+    chosen = decode_launch(batch * 8, GRAPH_WIDTH * BLOCK)
     row["chosen"] = {**chosen.__dict__, "us": graph_us(partial(decode_attention_launch, q, k, v, 0, fb, 128 ** -0.5,
                                                                chosen))}
     for block_n, warps, stages in SWEEP_LAUNCHES:

@@ -117,18 +117,16 @@ def test_flashinfer_attention_equals_the_reference(name: str) -> None:
 
 @needs_gpu
 @needs_flashinfer
-@pytest.mark.parametrize("name", ["decode-large-batch", "chain-verify", "tree-verify"])
+@pytest.mark.parametrize("name", ["chain-verify", "tree-verify"])
 def test_planning_a_captured_shape_never_waits_for_the_gpu(name: str) -> None:
     """plan_graph under torch's sync debug mode "error": any read-back or synchronous copy raises. A tree
     shape's mask packed on the host (pack_tree_masks, byte offsets of its own) equals FlashInfer's own
-    packing of the same mask (the eager plan)."""
+    packing of the same mask (the eager plan). (Decode shapes are not planned on the host at all:
+    test_every_decode_batch_runs_the_device_only_triton_kernel.)"""
     from fusedserve.models.layers.attention_flashinfer import flashinfer_attention, flashinfer_planner
     from fusedserve.models.layers.attention_layout import AttentionLayout, GraphSlot
 
-    if name == "decode-large-batch":  # above the Triton decode batches: FlashInfer's decode wrapper
-        rows, ctx, masks = [1] * 20, [1 + 37 * i for i in range(20)], [None] * 20
-    else:
-        rows, ctx, masks = CASES[name]
+    rows, ctx, masks = CASES[name]
     case = _case(rows, ctx, masks)
     kv, scale = case["kv"], 128 ** -0.5
     planner = flashinfer_planner(32, 8, 128, scale, kv)
@@ -147,6 +145,37 @@ def test_planning_a_captured_shape_never_waits_for_the_gpu(name: str) -> None:
     # the graph wrapper may split the KV differently from the eager one: bf16 rounding of the merge
     # (chain-verify measured 1.19e-3 on an H200, bench/results/2026-12-02-gpu-tests-spec-planning-h200.json)
     assert torch.isfinite(graphed).all() and _rel(graphed, eager) < 5e-3, (name, _rel(graphed, eager))
+
+
+@needs_gpu
+@needs_flashinfer
+@pytest.mark.parametrize("batch", [20, 64])
+def test_every_decode_batch_runs_the_device_only_triton_kernel(batch: int) -> None:
+    """A decode batch of any size, eager or captured, gets the Triton kernel's empty plan (nothing planned
+    on the host, so a decode shape can be chained) and equals the reference at contexts up to 1000."""
+    from fusedserve.models.forward_batch import KVCache
+    from fusedserve.models.layers.attention import paged_attention_reference
+    from fusedserve.models.layers.attention_flashinfer import (
+        TritonDecodePlan,
+        flashinfer_attention,
+        flashinfer_planner,
+    )
+    from fusedserve.models.layers.attention_layout import AttentionLayout, GraphSlot
+
+    rows, ctx = [1] * batch, [1 + (999 * i) // (batch - 1) for i in range(batch)]
+    case = _case(rows, ctx, [None] * batch)
+    kv, scale = case["kv"], 128 ** -0.5
+    ref_kv = KVCache({0: kv.k[0].clone()}, {0: kv.v[0].clone()}, BLOCK, kv.num_blocks)
+    planner = flashinfer_planner(32, 8, 128, scale, kv)
+    layout = AttentionLayout(tuple(rows), tuple(ctx), tuple(case["tables"]))
+    slot = GraphSlot(batch, 1, 0, 64)
+    assert planner.device_only(slot) and isinstance(planner.graph_state(slot), TritonDecodePlan)
+    plan = planner.plan(layout)
+    assert isinstance(plan, TritonDecodePlan)
+    got = flashinfer_attention(case["q"], case["k"], case["v"], 0, _batch(case, kv, plan), scale)
+    want = paged_attention_reference(case["q"], case["k"], case["v"], 0, _batch(case, ref_kv), scale)
+    assert torch.isfinite(got).all() and _rel(got, want) < 1e-2, _rel(got, want)
+    assert torch.equal(kv.k[0], ref_kv.k[0]) and torch.equal(kv.v[0], ref_kv.v[0])
 
 
 def _small_model(root: Path) -> Path:

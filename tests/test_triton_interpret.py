@@ -196,9 +196,9 @@ def test_interp_decode_attention_shares_the_real_context_among_its_splits() -> N
 
     ref = KVCache({0: kv.k[0].clone()}, {0: kv.v[0].clone()}, block, 160)
     want = paged_attention_torch(q, k, v, 0, batch(ref), dim**-0.5)
-    assert decode_launch(len(ctx) * kv_heads, width * block, False).splits > 1
+    assert decode_launch(len(ctx) * kv_heads, width * block).splits > 1
     for launch in (DecodeLaunch(16, 2, 1, 1), DecodeLaunch(16, 2, 1, 4), DecodeLaunch(32, 4, 2, 8),
-                   DecodeLaunch(16, 2, 1, 16), decode_launch(len(ctx) * kv_heads, width * block, False)):
+                   DecodeLaunch(16, 2, 1, 16), decode_launch(len(ctx) * kv_heads, width * block)):
         cache = KVCache({0: kv.k[0].clone()}, {0: kv.v[0].clone()}, block, 160)
         got = decode_attention_launch(q, k, v, 0, batch(cache), dim**-0.5, launch)
         _close(got, want, 1e-2)

@@ -10,10 +10,13 @@ dim]`` as a view, and a block table is a page list.
 tree's custom mask — and returns the planned wrapper, which every layer's
 ``flashinfer_attention`` runs after writing its new K/V into the cache:
 
-- one causal row per sequence (decode): at most ``TRITON_DECODE_MAX_BATCH`` sequences, the project's
-  Triton split-KV decode kernel (no plan at all; measured faster there: 7.5 vs 11.3 us per layer at
-  batch 1, bench/results/2026-12-01-attention-kernels-h200.json); above, FlashInfer's
-  ``BatchDecodeWithPagedKVCacheWrapper`` (tensor cores when a KV head serves >= 4 query heads);
+- one causal row per sequence (decode): the project's Triton split-KV decode kernel, at every batch (no
+  plan at all: it reads the batch's device metadata, so a decode shape can be chained). Measured under
+  CUDA graphs on an H200 (GQA 32/8, head dim 128, bench/results/2026-12-02-decode-launch-sweep-h200.json),
+  against FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper`` with tensor cores, the faster of its two:
+  batch 64 at context 160 15.8 vs 28.7 us per layer, batch 32 11.7 vs 16.3; at long contexts FlashInfer's
+  is faster (batch 64, 1024 / 4096 tokens: 90 / 344 vs 81 / 260 us; batch 32: 50 / 175 vs 46 / 136) —
+  a captured batch would need a graph per kernel to switch with the context, which it does not have;
 - anything else (prefill chunks, mixed batches, a chain verify, draft steps): the paged prefill
   wrapper, causal; a tree verify (or tree draft step): the same with its custom mask.
 
@@ -46,11 +49,10 @@ from .decode_attention_triton import paged_decode_attention_triton
 from .kv_write_triton import write_kv_triton
 
 WORKSPACE_BYTES = 256 << 20
-TRITON_DECODE_MAX_BATCH = 16
 
 
 class TritonDecodePlan:
-    """The plan of a small decode batch: the Triton kernel reads the batch's paged metadata itself."""
+    """The plan of a decode batch: the Triton kernel reads the batch's paged metadata itself."""
 
 
 def flashinfer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch,
@@ -133,10 +135,7 @@ class FlashInferPlanner:
         self.heads, self.kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.scale = scale
         self.block_size = kv_cache.block_size
-        self.tensor_cores = num_qo_heads // num_kv_heads >= 4
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2",
-                                                                     use_tensor_cores=self.tensor_cores)
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
 
     # --- host-side layout -------------------------------------------------------------------------
@@ -168,12 +167,6 @@ class FlashInferPlanner:
         return torch.from_numpy(np.concatenate([m.ravel() for m in full_masks(layout)])).to(self.device,
                                                                                           non_blocking=True)
 
-    def _plan_decode(self, wrapper: Any, layout: AttentionLayout) -> None:
-        indptr, indices, last = self._pages(layout)
-        wrapper.plan(indptr, indices.to(self.device, non_blocking=True), last, self.heads, self.kv_heads,
-                     self.head_dim, self.block_size, pos_encoding_mode="NONE", q_data_type=self.dtype,
-                     kv_data_type=self.dtype, sm_scale=self.scale)
-
     def _plan_prefill(self, wrapper: Any, layout: AttentionLayout) -> None:
         indptr, indices, last = self._pages(layout)
         pages = indices.to(self.device, non_blocking=True)
@@ -193,11 +186,8 @@ class FlashInferPlanner:
     # --- AttentionPlanner -------------------------------------------------------------------------
 
     def plan(self, layout: AttentionLayout) -> Any:
-        if layout.is_decode and len(layout.qo_lens) <= TRITON_DECODE_MAX_BATCH:
-            return TritonDecodePlan()
         if layout.is_decode:
-            self._plan_decode(self._decode, layout)
-            return self._decode
+            return TritonDecodePlan()
         self._plan_prefill(self._prefill, layout)
         return self._prefill
 
@@ -209,10 +199,6 @@ class FlashInferPlanner:
         indptr = torch.zeros(b + 1, dtype=i32, device=dev)
         indices = torch.zeros(b * max(slot.max_blocks, 1), dtype=i32, device=dev)
         last = torch.ones(b, dtype=i32, device=dev)
-        if slot.tokens == 1 and slot.tail == 0:
-            return fi.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.tensor_cores, backend="fa2",
-                paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last)
         qo = torch.arange(b + 1, dtype=i32, device=dev) * slot.tokens
         extra: dict[str, torch.Tensor] = {}
         if slot.tail:
@@ -225,14 +211,10 @@ class FlashInferPlanner:
         return MaskedGraphPrefill(wrapper, extra["mask_indptr_buf"]) if slot.tail else wrapper
 
     def device_only(self, slot: GraphSlot) -> bool:
-        return slot.tokens == 1 and slot.tail == 0 and slot.batch <= TRITON_DECODE_MAX_BATCH
+        return slot.tokens == 1 and slot.tail == 0
 
     def plan_graph(self, state: Any, layout: AttentionLayout) -> None:
-        if isinstance(state, TritonDecodePlan):
-            return
-        if isinstance(state, self._fi.BatchDecodeWithPagedKVCacheWrapper):
-            self._plan_decode(state, layout)
-        else:
+        if not isinstance(state, TritonDecodePlan):
             self._plan_prefill(state, layout)
 
 

@@ -33,8 +33,9 @@ from ..forward_batch import ForwardBatch
 from .paged_attention_torch import paged_attention_torch
 from .prefill_attention_triton import paged_prefill_attention_triton
 
-BLOCK_N = 64
-TARGET_PROGRAMS = 256
+BLOCK_N = 32
+TARGET_PROGRAMS = 512
+MAX_SPLITS = 32
 # Accumulator elements of one program ([heads, V dim] fp32): bounds the heads a program takes.
 ACC_ELEMENTS = 8192
 # Triton's CPU interpreter (TRITON_INTERPRET=1, used by the CPU tests) multiplies bf16 matrices
@@ -176,22 +177,24 @@ class DecodeLaunch:
     splits: int
 
 
-def decode_launch(programs: int, max_context: int, wide_latent: bool) -> DecodeLaunch:
+def decode_launch(programs: int, max_context: int) -> DecodeLaunch:
     """The launch of a decode batch of ``programs`` programs without splits (sequences x KV heads x head
-    blocks) whose contexts reach ``max_context`` tokens (a captured batch: its maximum). 64 keys on 8
-    warps for GQA (head dim 128: 221 registers, no spills; ptxas, sm_90a); the latent cache's wide tiles
-    ([32 keys, 512 + 64]) on 4 warps, 2 stages, as sglang's MLA decode."""
-    block_n, warps, stages = (32, 4, 2) if wide_latent else (BLOCK_N, 8, 3)
-    return DecodeLaunch(block_n, warps, stages, num_splits(programs, max_context, block_n))
+    blocks) whose contexts reach ``max_context`` tokens (a captured batch: its maximum): 32 keys per tile on
+    4 warps, 2 stages, splits up to ``TARGET_PROGRAMS`` programs (at most ``MAX_SPLITS``). Measured best or
+    within 10 % of the best of 56 cuts at batch 1..64 and contexts 160..4096 on an H200 (GQA 32/8, head dim
+    128: bench/results/2026-12-02-decode-launch-sweep-h200.json); the latent cache's wide tiles ([32 keys,
+    512 + 64]) take the same cut, as sglang's MLA decode (not swept)."""
+    return DecodeLaunch(BLOCK_N, 4, 2, num_splits(programs, max_context))
 
 
 def num_splits(programs: int, max_context: int, block_n: int = BLOCK_N) -> int:
     """Splits of each sequence's context (a power of two): enough programs (``programs`` without
-    splits: sequences x KV heads x head blocks) to fill the GPU's ~132 multiprocessors twice, never
-    more than one ``block_n`` tile per split. Static for a captured batch."""
+    splits: sequences x KV heads x head blocks) to fill the GPU's ~132 multiprocessors about four
+    times, at most ``MAX_SPLITS`` and never more than one ``block_n`` tile per split. Static for a
+    captured batch."""
     tiles = -(-max_context // block_n)
     splits = 1
-    while splits * 2 <= tiles and programs * splits < TARGET_PROGRAMS:
+    while splits * 2 <= min(tiles, MAX_SPLITS) and programs * splits < TARGET_PROGRAMS:
         splits *= 2
     return splits
 
@@ -234,10 +237,9 @@ def paged_decode_attention_triton(
     group = heads // kv_heads
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("decode attention kernel needs unit-stride head dims")
-    v_in_k = layer_id in cache.v_in_k
     block_h = heads_per_program(group, _pad(vdim))
     context = meta.block_tables.shape[1] * cache.block_size
-    launch = decode_launch(n * kv_heads * -(-group // block_h), context, v_in_k and _pad(vdim) >= 256)
+    launch = decode_launch(n * kv_heads * -(-group // block_h), context)
     return decode_attention_launch(q, k, v, layer_id, batch, scale, launch)
 
 
