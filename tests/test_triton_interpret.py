@@ -347,6 +347,56 @@ def test_interp_prefill_attention_on_a_graph_padded_verify_layout_equals_torch()
 
 
 @inner
+@pytest.mark.parametrize("rows", [6, 1])
+def test_interp_tree_tail_masks_in_the_prefill_kernel_equal_torch(rows: int) -> None:
+    """A captured tree step's layout: the metadata's tail mask ([T, 6]) over each context's last 6 indices.
+    Sequence 0: a cached prefix of 94 then its tree (two key tiles); 1: the tree alone (context = tail);
+    2: a padding sequence (every mask bit set, the pad slot). ``rows`` 6: a tree verify; 1: a tree draft
+    step (one new node per sequence, through the decode entry point). Equal to the torch path."""
+    from fusedserve.models.forward_batch import ForwardBatch, KVCache, PagedAttentionMetadata
+    from fusedserve.models.layers.decode_attention_triton import paged_decode_attention_triton
+    from fusedserve.models.layers.paged_attention_torch import paged_attention_torch
+    from fusedserve.worker.executor.step import ancestor_mask
+
+    g = torch.Generator().manual_seed(13 + rows)
+    block, num_blocks, tail, pad_slot = 4, 40, 6, 159
+    ctx = [100, tail, tail]
+    kv = KVCache.allocate({0: (2, 16)}, num_blocks, block, torch.bfloat16)
+    kv.k[0].copy_(torch.randn(kv.k[0].shape, generator=g))
+    kv.v[0].copy_(torch.randn(kv.v[0].shape, generator=g))
+    tables = torch.zeros(3, 25, dtype=torch.int32)
+    tables[0] = torch.arange(1, 26)
+    tables[1, :2] = torch.tensor([30, 27])
+    masks = []
+    for i, parents in enumerate(((-1, 0, 0, 1, 2, 1), (-1, 0, 1, 2, 0, 4))):
+        full = torch.tensor(ancestor_mask(parents)).view(tail, tail)
+        masks.append(full[tail - rows:])  # the last `rows` nodes are new (a draft step: one)
+    masks.append(torch.ones(rows, tail, dtype=torch.bool))
+    index = [c - rows + j for c in ctx for j in range(rows)]
+    meta = PagedAttentionMetadata(
+        block_tables=tables, context_lens=torch.tensor(ctx, dtype=torch.int32),
+        token_seq=torch.arange(3).repeat_interleave(rows), token_index=torch.tensor(index),
+        query_start=torch.arange(4, dtype=torch.int32) * rows, max_query_len=rows, tail_mask=torch.cat(masks))
+    slots = torch.tensor([int(tables[i, p // block]) * block + p % block for i in range(2)
+                          for p in range(ctx[i] - rows, ctx[i])] + [pad_slot] * rows)
+    t = 3 * rows
+    q = torch.randn(t, 8, 16, generator=g).to(torch.bfloat16)
+    k = torch.randn(t, 2, 16, generator=g).to(torch.bfloat16)
+    v = torch.randn(t, 2, 16, generator=g).to(torch.bfloat16)
+
+    def batch(cache: KVCache) -> ForwardBatch:
+        zeros = torch.zeros(t, dtype=torch.long)
+        return ForwardBatch(zeros, zeros, [rows] * 3, ctx, slots, [[0]] * 3, cache, paged=meta)
+
+    ref_kv = KVCache({0: kv.k[0].clone()}, {0: kv.v[0].clone()}, block, num_blocks)
+    got = paged_decode_attention_triton(q, k, v, 0, batch(kv), 0.25)
+    want = paged_attention_torch(q, k, v, 0, batch(ref_kv), 0.25)
+    assert torch.isfinite(got).all()
+    _close(got[: 2 * rows], want[: 2 * rows], 1e-2)
+    assert torch.equal(kv.k[0][:pad_slot], ref_kv.k[0][:pad_slot])
+
+
+@inner
 @pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
 def test_interp_prefill_and_chunked_prefill_with_triton_kernels_equal_reference(arch: str) -> None:
     """A whole tiny model (Llama: GQA 2; DeepSeek-V3: absorbed MLA over the latent cache, its 4 heads on one

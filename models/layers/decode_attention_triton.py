@@ -3,8 +3,8 @@
 Plain reference: ``paged_attention_torch.paged_attention_torch`` (itself checked against
 ``attention.paged_attention_reference``). Steps that are not decode-shaped (more than one new
 token per sequence: prefill, chunked prefill, chain verify, mixed batches) go to the paged flash
-attention of ``prefill_attention_triton.py``; trees (a metadata ``tail_mask`` or
-``batch.attn_masks``) to the torch path. A program per (sequence, KV head, block of its query
+attention of ``prefill_attention_triton.py``, and so do trees given as a metadata ``tail_mask``; trees
+given as ``batch.attn_masks`` (eager) to the torch path. A program per (sequence, KV head, block of its query
 heads, split) handles up to ``heads_per_program`` heads of the KV head's query group (padded to 16
 rows for ``tl.dot``; a large group, e.g. MLA's 128 heads over one latent KV head, is cut into
 blocks of 16 whose programs read the same K/V tiles) with an online softmax over the sequence's
@@ -219,7 +219,8 @@ def paged_decode_attention_triton(
     scale: float,
 ) -> torch.Tensor:
     """Decode: store each sequence's new K/V and attend over its context; steps of several new tokens
-    per sequence: ``paged_prefill_attention_triton``; trees: the torch path. A layer whose V is in K
+    per sequence and trees in the metadata (``tail_mask``): ``paged_prefill_attention_triton``; eager trees
+    (``batch.attn_masks``): the torch path. A layer whose V is in K
     (``KVCache.v_in_k``) stores K alone and takes V from the K tiles (``v`` must then be K's first
     columns, as MLA passes it).
 
@@ -227,10 +228,9 @@ def paged_decode_attention_triton(
     """
     meta = batch.paged_metadata()
     cache = batch.kv_cache
-    if cache is None or meta.tail_mask is not None or (
-            batch.attn_masks is not None and any(m is not None for m in batch.attn_masks)):
+    if cache is None or (batch.attn_masks is not None and any(m is not None for m in batch.attn_masks)):
         return paged_attention_torch(q, k, v, layer_id, batch, scale)
-    if meta.max_query_len != 1:
+    if meta.max_query_len != 1 or meta.tail_mask is not None:
         return paged_prefill_attention_triton(q, k, v, layer_id, batch, scale)
     n, heads, _ = q.shape
     kv_heads, vdim = k.shape[1], v.shape[2]

@@ -25,7 +25,10 @@ and masked, no lane past a dim loaded. MLA's latent cache (``KVCache.v_in_k``: K
 rope 64], V = K's first 512 columns) is read as two K parts (scores = q_a k_a^T + q_b k_b^T) whose
 first is the V tile too.
 
-Trees stay on the torch path: a metadata ``tail_mask`` (capturable there) or ``batch.attn_masks``.
+A tree given as the metadata's ``tail_mask`` ([T, L] on the device: a captured tree verify or tree
+draft step) is read by the kernel in place of the causal rule over each sequence's last L cache
+indices (every index before them visible); one given as ``batch.attn_masks`` (eager full masks) goes
+to the torch path.
 """
 
 from __future__ import annotations
@@ -47,9 +50,9 @@ _DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, qstart_ptr, index_ptr,
+def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, qstart_ptr, index_ptr, ctx_ptr, tail_ptr,
                     stride_qt, stride_qh, stride_kcs, stride_kch, stride_vcs, stride_vch,
-                    stride_ot, stride_oh, stride_bt, qk_scale, num_seqs,
+                    stride_ot, stride_oh, stride_bt, qk_scale, num_seqs, TAIL: tl.constexpr,
                     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_BLOCKS: tl.constexpr, BLOCK_Q: tl.constexpr,
                     ROWS: tl.constexpr, DA: tl.constexpr, DA_PAD: tl.constexpr, DB: tl.constexpr,
                     DB_PAD: tl.constexpr, VDIM: tl.constexpr, VDIM_PAD: tl.constexpr, V_IN_K: tl.constexpr,
@@ -78,9 +81,16 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, qstart_ptr, index_pt
     heads = h * GROUP + in_group
     rmask = (r < BLOCK_Q * BLOCK_H) & (tok < q_end) & (in_group < GROUP)
     tok = tok.to(tl.int64)
-    # Each row sees cache indices 0..limit of its sequence; padding rows see index 0 (finite, unused).
+    # Causal (TAIL = 0): each row sees cache indices 0..limit of its sequence; padding rows see index 0
+    # (finite, unused). A tree (TAIL > 0): every index before the context's last TAIL, and of those the ones
+    # its row of the tail mask ([T, TAIL]) names; padding rows see the tail's first index.
     limit = tl.load(index_ptr + tok, mask=rmask, other=0)
-    hi = tl.where(first < q_end, tl.max(limit, axis=0) + 1, 0)  # 0: a tile past the new tokens
+    if TAIL > 0:
+        tail0 = tl.load(ctx_ptr + b) - TAIL  # the sequence's first tail index
+        hi = tl.where(first < q_end, tail0 + TAIL, 0)
+    else:
+        tail0 = 0
+        hi = tl.where(first < q_end, tl.max(limit, axis=0) + 1, 0)  # 0: a tile past the new tokens
     da = tl.arange(0, DA_PAD)
     damask = da < DA
     q_a = tl.load(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + da[None, :],
@@ -118,10 +128,21 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, qstart_ptr, index_pt
                 s += tl.dot(q_b, tl.trans(kb.to(tl.float32)))
             else:
                 s += tl.dot(q_b, tl.trans(kb))
-        s = tl.where(n[None, :] <= limit[:, None], s * qk_scale, float("-inf"))  # [ROWS, BLOCK_N], log2 units
+        if TAIL > 0:
+            rel = n - tail0
+            in_tail = (rel >= 0) & (rel < TAIL)
+            bits = tl.load(tail_ptr + tok[:, None] * TAIL + rel[None, :], mask=rmask[:, None] & in_tail[None, :],
+                           other=0)
+            visible = tl.where(in_tail[None, :], (bits != 0) | (~rmask[:, None] & (rel == 0)[None, :]),
+                               (rel < 0)[None, :])
+        else:
+            visible = n[None, :] <= limit[:, None]
+        s = tl.where(visible, s * qk_scale, float("-inf"))  # [ROWS, BLOCK_N], log2 units
         m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        # a tree row may see nothing in a tile (its ancestors lie in later ones): no -inf - -inf
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
         if V_IN_K:
             vt = kt  # V = K's first VDIM (= DA) columns: the tile already loaded
@@ -171,15 +192,15 @@ def paged_prefill_attention_triton(
     scale: float,
 ) -> torch.Tensor:
     """Store the new K/V at ``batch.slot_mapping`` (K alone where V is in K, ``KVCache.v_in_k``), then
-    each new token attends causally to cache indices 0..token_index of its sequence. Trees
-    (tail_mask / attn_masks): ``paged_attention_torch``.
+    each new token attends causally to cache indices 0..token_index of its sequence, or through the
+    metadata's ``tail_mask`` over the context's last indices (a tree). ``batch.attn_masks`` (eager
+    trees): ``paged_attention_torch``.
 
     q: [T, heads, head_dim]; k: [T, kv_heads, head_dim]; v: [T, kv_heads, v_dim] -> [T, heads, v_dim]
     """
     meta = batch.paged_metadata()
     cache = batch.kv_cache
-    if cache is None or meta.tail_mask is not None or (
-            batch.attn_masks is not None and any(m is not None for m in batch.attn_masks)):
+    if cache is None or (batch.attn_masks is not None and any(m is not None for m in batch.attn_masks)):
         return paged_attention_torch(q, k, v, layer_id, batch, scale)
     kc, vc = cache.k[layer_id], cache.v[layer_id]
     n, heads, dim = q.shape
@@ -200,10 +221,12 @@ def paged_prefill_attention_triton(
     head_blocks = -(-group // block_h)
     num_seqs = meta.block_tables.shape[0]
     grid = (n // block_q + num_seqs, kv_heads * head_blocks)  # every sequence's tiles, a few empty (tile_start)
+    tail = meta.tail_mask
+    tail_bits = meta.token_index if tail is None else tail.contiguous().view(torch.int8)  # unread when causal
     _prefill_kernel[grid](
-        q, kc, vc, out, meta.block_tables, meta.query_start, meta.token_index,
+        q, kc, vc, out, meta.block_tables, meta.query_start, meta.token_index, meta.context_lens, tail_bits,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), out.stride(0),
-        out.stride(1), meta.block_tables.stride(0), scale * LOG2E, num_seqs,
+        out.stride(1), meta.block_tables.stride(0), scale * LOG2E, num_seqs, 0 if tail is None else tail.shape[1],
         GROUP=group, BLOCK_H=block_h, HEAD_BLOCKS=head_blocks, BLOCK_Q=block_q, ROWS=rows, DA=da, DA_PAD=_pad(da),
         DB=dim - da, DB_PAD=_pad(dim - da), VDIM=vdim, VDIM_PAD=vdim_pad, V_IN_K=v_in_k, PAGE=cache.block_size,
         BLOCK_N=block_n, SEARCH_STEPS=max(1, (num_seqs - 1).bit_length()), DOT_FP32=_DOT_FP32, num_warps=warps,
