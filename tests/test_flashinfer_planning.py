@@ -1,15 +1,13 @@
-"""The FlashInfer planner's host side on CPU: a captured tree shape's packed mask (what the kernel reads:
-per sequence, bit ``qo * kv_len + kv`` from the sequence's byte offset, little-endian) against the
-layout's own full masks. The GPU side (the packed plan against FlashInfer's own packing, and no wait
-for the device while planning) is tests/test_gpu_attention.py."""
+"""The FlashInfer planner's host side on CPU: the full masks an eager tree forward hands FlashInfer (each
+sequence's [qo, kv] mask at the context length its kernel sees) against the layout's own. The GPU side
+(the eager custom-mask plan against the reference and against a captured shape's device-only kernels) is
+tests/test_gpu_attention.py."""
 
 from __future__ import annotations
 
 import random
 
-import numpy as np
-
-from fusedserve.models.layers.attention_flashinfer import pack_tree_masks
+from fusedserve.models.layers.attention_flashinfer import full_masks
 from fusedserve.models.layers.attention_layout import AttentionLayout
 
 
@@ -25,12 +23,7 @@ def _tail(parents: tuple[int, ...]) -> tuple[bool, ...]:
     return tuple(rows)
 
 
-def _read(packed: np.ndarray, offset: int, q: int, kv: int) -> list[bool]:
-    bits = np.unpackbits(packed[offset:], bitorder="little")
-    return [bool(b) for b in bits[: q * kv]]
-
-
-def test_packed_masks_are_each_sequences_full_mask_from_a_byte_boundary() -> None:
+def test_full_masks_are_each_sequences_mask_causal_rows_included() -> None:
     rng = random.Random(5)
     qo, kv, masks = [], [], []
     for _ in range(7):
@@ -40,15 +33,14 @@ def test_packed_masks_are_each_sequences_full_mask_from_a_byte_boundary() -> Non
         kv.append(n + rng.randint(0, 70))
         masks.append(_tail(parents) if rng.random() < 0.7 else None)  # some causal rows between trees
     layout = AttentionLayout(tuple(qo), tuple(kv), tuple((0,) for _ in qo), tuple(masks))
-    packed, offsets = pack_tree_masks(layout)
-    assert offsets[0] == 0 and len(offsets) == len(qo) + 1 and offsets[-1] == packed.size
+    got = full_masks(layout)
+    assert len(got) == len(qo)
     for i, (q, k) in enumerate(zip(qo, kv)):
-        assert offsets[i + 1] - offsets[i] == -(-q * k // 8)  # whole bytes, no more
-        assert _read(packed, offsets[i], q, k) == layout.full_mask(i), i
+        assert got[i].shape == (q, k) and got[i].ravel().tolist() == list(layout.full_mask(i)), i
 
 
-def test_an_empty_sequence_is_packed_at_the_length_the_kernel_sees() -> None:
+def test_an_empty_sequence_is_masked_at_the_length_the_kernel_sees() -> None:
     layout = AttentionLayout((2, 2), (0, 4), ((0,), (1,)), (None, (True, False, True, True)))
-    packed, offsets = pack_tree_masks(layout)
-    assert offsets == [0, 1, 2]  # the empty one: 2 x 1 bits (its page list reads one slot)
-    assert _read(packed, offsets[1], 2, 4) == layout.full_mask(1)
+    got = full_masks(layout)
+    assert got[0].shape == (2, 1)  # its page list reads one slot
+    assert got[1].ravel().tolist() == list(layout.full_mask(1))

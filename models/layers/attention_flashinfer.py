@@ -1,39 +1,32 @@
-"""Paged attention through FlashInfer (GPU, bf16/fp16): planned once per forward, run by every layer.
+"""Paged attention on the GPU's fast set (bf16/fp16): FlashInfer for eager forwards, the project's
+Triton kernels for decode batches and every captured shape.
 
 Plain reference: ``attention.paged_attention_reference`` (and its capturable torch twin
 ``paged_attention_torch``); tests compare them on the GPU. The KV cache stays ours: each layer's
 ``[slots, kv_heads, dim]`` tensors are FlashInfer's NHD pages ``[num_blocks, block_size, kv_heads,
 dim]`` as a view, and a block table is a page list.
 
-``FlashInferPlanner`` (one per executor and KV cache) plans each forward from its
-``AttentionLayout`` on the host — page indptr / indices / last-page lengths, the query rows, a
-tree's custom mask — and returns the planned wrapper, which every layer's
-``flashinfer_attention`` runs after writing its new K/V into the cache:
+``FlashInferPlanner`` (one per executor and KV cache) plans each forward from its ``AttentionLayout``
+and returns the plan every layer's ``flashinfer_attention`` runs:
 
-- one causal row per sequence (decode): the project's Triton split-KV decode kernel, at every batch (no
-  plan at all: it reads the batch's device metadata, so a decode shape can be chained). Measured under
-  CUDA graphs on an H200 (GQA 32/8, head dim 128, bench/results/2026-12-02-decode-launch-sweep-h200.json),
+- a decode batch (one causal row per sequence), eager or captured: ``DevicePlan`` — the Triton split-KV
+  decode kernel, which reads the batch's device metadata itself (nothing planned on the host). Measured
+  under CUDA graphs on an H200 (GQA 32/8, head dim 128, bench/results/2026-12-02-decode-launch-sweep-h200.json)
   against FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper`` with tensor cores, the faster of its two:
   batch 64 at context 160 15.8 vs 28.7 us per layer, batch 32 11.7 vs 16.3; at long contexts FlashInfer's
   is faster (batch 64, 1024 / 4096 tokens: 90 / 344 vs 81 / 260 us; batch 32: 50 / 175 vs 46 / 136) —
   a captured batch would need a graph per kernel to switch with the context, which it does not have;
-- anything else (prefill chunks, mixed batches, a chain verify, draft steps): the paged prefill
-  wrapper, causal; a tree verify (or tree draft step): the same with its custom mask.
-
-Under CUDA graphs each captured shape gets its own wrapper with static buffers sized for the
-graph's padded batch (``graph_state``); ``plan_graph`` refills them before the capture and before
-every replay, so the work follows the real context lengths, never the captured maximum. The FA2
-backend is pinned (the prebuilt modules of ``shared/gpu`` are FA2; README says how to rebuild).
-
-Planning a captured shape never waits for the GPU (a wait leaves it idle while the host prepares the next
-launch; a speculative step plans several forwards: before this,
-bench/results/2026-12-02-spec-decode-profile-syncs-smollm2-h200.json found 38 waits per SmolLM2 tree step,
-30 of them in FlashInfer's plan). The page list goes to the device asynchronously before ``plan`` (FlashInfer
-copies a host page list synchronously), and a captured tree shape's mask is packed here on the host
-(``pack_tree_masks``; FlashInfer's packing reads its output size back from the device) and its byte offsets
-written into the shape's own offset buffer after ``plan`` (which, handed a packed mask, fills that buffer
-with bit offsets, right only for one sequence: ``MaskedGraphPrefill``). An eager forward with a tree mask
-(no captured shape fits) still lets FlashInfer pack it, and waits.
+- every other captured shape (a chain verify, a tree verify, a draft step or first pass: speculation's
+  shapes, a few rows per sequence): ``DevicePlan`` too — the Triton paged prefill kernel, a tree's mask
+  read from the metadata's ``tail_mask``. FlashInfer's plan runs on the host before each replay (0.25 ms
+  and more a call in a SmolLM2 spec profile: 2 per chain step, 8 per tree step, none of it overlapped:
+  bench/results/2026-12-02-spec-decode-profile-planning-fixes-smollm2-h200.json), and a device-only plan is
+  what lets shapes be chained;
+- eager forwards of several rows (prefill chunks, mixed batches, a tree no captured shape fits): FlashInfer's
+  paged prefill wrapper planned on the host, causal or with the tree's custom mask (FlashInfer packs it,
+  which waits for the device). The page list goes to the device before ``plan`` (a host list is copied
+  synchronously). The FA2 backend is pinned (the prebuilt modules of ``shared/gpu`` are FA2; README says
+  how to rebuild).
 """
 
 from __future__ import annotations
@@ -44,15 +37,16 @@ import numpy as np
 import torch
 
 from ..forward_batch import ForwardBatch, KVCache
-from .attention_layout import SUPPORTED_HEAD_DIMS, AttentionLayout, GraphSlot, flashinfer_supports
+from .attention_layout import SUPPORTED_HEAD_DIMS, AttentionLayout, flashinfer_supports
 from .decode_attention_triton import paged_decode_attention_triton
 from .kv_write_triton import write_kv_triton
 
 WORKSPACE_BYTES = 256 << 20
 
 
-class TritonDecodePlan:
-    """The plan of a decode batch: the Triton kernel reads the batch's paged metadata itself."""
+class DevicePlan:
+    """The plan of a decode batch or a captured shape: the Triton kernels read the batch's device metadata
+    (``ForwardBatch.paged_metadata()``, a tree's ``tail_mask`` included) themselves."""
 
 
 def flashinfer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch,
@@ -67,26 +61,13 @@ def flashinfer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, laye
         return q.new_empty((0, q.shape[1], vc.shape[-1]))
     if planned is None:
         raise ValueError("FlashInfer attention needs the forward's plan (ForwardBatch.attention)")
-    if isinstance(planned, TritonDecodePlan):
+    if isinstance(planned, DevicePlan):
         return paged_decode_attention_triton(q, k, v, layer_id, batch, scale)
     write_kv_triton(kc, vc, batch.slot_mapping, k, v)
     bs = cache.block_size
     pages = (kc.view(-1, bs, kc.shape[1], kc.shape[2]), vc.view(-1, bs, vc.shape[1], vc.shape[2]))
     out: torch.Tensor = planned.run(q.contiguous(), pages)
     return out
-
-
-class MaskedGraphPrefill:
-    """A captured tree shape's prefill wrapper and the per-sequence mask offsets (bytes, our buffer)
-    its kernel reads at run time."""
-
-    def __init__(self, wrapper: Any, mask_indptr: torch.Tensor) -> None:
-        self.wrapper = wrapper
-        self.mask_indptr = mask_indptr
-
-    def run(self, q: torch.Tensor, pages: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        out: torch.Tensor = self.wrapper.run(q, pages)
-        return out
 
 
 def kernel_kv_lens(layout: AttentionLayout) -> list[int]:
@@ -111,21 +92,10 @@ def full_masks(layout: AttentionLayout) -> list[np.ndarray]:
     return out
 
 
-def pack_tree_masks(layout: AttentionLayout) -> tuple[np.ndarray, list[int]]:
-    """``full_masks`` bit-packed little-endian the way FlashInfer's kernel reads them, each sequence from a
-    byte boundary. -> (packed bytes, byte offset of each sequence and the end)"""
-    parts = [np.packbits(m.ravel(), bitorder="little") for m in full_masks(layout)]
-    offsets = [0]
-    for part in parts:
-        offsets.append(offsets[-1] + int(part.size))
-    return (np.concatenate(parts) if parts else np.zeros(1, dtype=np.uint8)), offsets
-
-
 class FlashInferPlanner:
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, scale: float, kv_cache: KVCache) -> None:
         import flashinfer
 
-        self._fi = flashinfer
         first = next(iter(kv_cache.k.values()))
         self.device = first.device
         self.dtype = first.dtype
@@ -172,13 +142,6 @@ class FlashInferPlanner:
         pages = indices.to(self.device, non_blocking=True)
         common = dict(pos_encoding_mode="NONE", q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
         dims = (self.heads, self.kv_heads, self.head_dim, self.block_size)
-        if isinstance(wrapper, MaskedGraphPrefill):
-            packed, offsets = pack_tree_masks(layout)
-            wrapper.wrapper.plan(self._qo_indptr(layout), indptr, pages, last, *dims, causal=False,
-                                 packed_custom_mask=torch.from_numpy(packed).to(self.device, non_blocking=True),
-                                 **common)
-            wrapper.mask_indptr.copy_(torch.tensor(offsets, dtype=torch.int32), non_blocking=True)
-            return
         mask = self._mask(layout)
         wrapper.plan(self._qo_indptr(layout), indptr, pages, last, *dims, custom_mask=mask, causal=mask is None,
                      **common)
@@ -187,35 +150,12 @@ class FlashInferPlanner:
 
     def plan(self, layout: AttentionLayout) -> Any:
         if layout.is_decode:
-            return TritonDecodePlan()
+            return DevicePlan()
         self._plan_prefill(self._prefill, layout)
         return self._prefill
 
-    def graph_state(self, slot: GraphSlot) -> Any:
-        fi, dev, i32 = self._fi, self.device, torch.int32
-        b = slot.batch
-        if self.device_only(slot):
-            return TritonDecodePlan()
-        indptr = torch.zeros(b + 1, dtype=i32, device=dev)
-        indices = torch.zeros(b * max(slot.max_blocks, 1), dtype=i32, device=dev)
-        last = torch.ones(b, dtype=i32, device=dev)
-        qo = torch.arange(b + 1, dtype=i32, device=dev) * slot.tokens
-        extra: dict[str, torch.Tensor] = {}
-        if slot.tail:
-            mask_bits = b * slot.tokens * max(slot.max_blocks, 1) * self.block_size
-            extra = {"custom_mask_buf": torch.zeros(-(-mask_bits // 8) + b, dtype=torch.uint8, device=dev),
-                     "mask_indptr_buf": torch.zeros(b + 1, dtype=i32, device=dev)}
-        wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=qo, paged_kv_indptr_buf=indptr,
-            paged_kv_indices_buf=indices, paged_kv_last_page_len_buf=last, backend="fa2", **extra)
-        return MaskedGraphPrefill(wrapper, extra["mask_indptr_buf"]) if slot.tail else wrapper
-
-    def device_only(self, slot: GraphSlot) -> bool:
-        return slot.tokens == 1 and slot.tail == 0
-
-    def plan_graph(self, state: Any, layout: AttentionLayout) -> None:
-        if not isinstance(state, TritonDecodePlan):
-            self._plan_prefill(state, layout)
+    def graph_plan(self) -> Any:
+        return DevicePlan()
 
 
 def flashinfer_planner(num_qo_heads: int, num_kv_heads: int, head_dim: int, scale: float,

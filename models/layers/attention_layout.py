@@ -5,9 +5,10 @@ tokens (K/V through ``block_tables[i]``); attention is causal, or — where ``ta
 given, row-major [rows, tail] — that mask replaces the causal rule over the context's last
 ``tail`` slots (every slot before them stays visible): a speculative tree.
 
-A backend with a planner (``AttentionPlanner``, e.g. FlashInfer's) turns a layout into the
-forward's ``ForwardBatch.attention`` once per forward, outside any CUDA graph; the attention of
-every layer then runs with that plan (inside the graph when one replays).
+A backend with a planner (``AttentionPlanner``, e.g. FlashInfer's) turns an eager forward's layout into
+its ``ForwardBatch.attention`` once per forward; the attention of every layer then runs with that plan.
+A captured forward carries the planner's ``graph_plan``, whose kernels read the replay's device
+metadata.
 """
 
 from __future__ import annotations
@@ -64,16 +65,6 @@ class AttentionDims:
     scale: float
 
 
-@dataclass(frozen=True)
-class GraphSlot:
-    """The static shape a planner keeps a plan for, across CUDA-graph replays."""
-
-    batch: int
-    tokens: int
-    tail: int
-    max_blocks: int
-
-
 class AttentionPlanner(Protocol):
     """Plans a backend's attention for a forward (host side, outside CUDA graphs)."""
 
@@ -81,16 +72,10 @@ class AttentionPlanner(Protocol):
         """An eager forward's plan (goes into ``ForwardBatch.attention``)."""
         ...
 
-    def graph_state(self, slot: GraphSlot) -> Any:
-        """A plan object with static buffers for one captured shape (``ForwardBatch.attention`` of
-        that graph); ``plan_graph`` refills it before the capture and before every replay."""
-        ...
-
-    def plan_graph(self, state: Any, layout: AttentionLayout) -> None: ...
-
-    def device_only(self, slot: GraphSlot) -> bool:
-        """The plan of this shape reads the batch's device metadata alone (``plan_graph`` does
-        nothing): a replay may change context lengths on the device (chained forwards)."""
+    def graph_plan(self) -> Any:
+        """The plan every captured forward carries (its ``ForwardBatch.attention``): its kernels read the
+        replay's device metadata alone, so nothing is planned on the host before a replay and a replay
+        may advance context lengths on the device (chained forwards)."""
         ...
 
 

@@ -29,7 +29,7 @@ import torch
 
 from ...models.forward_batch import ForwardBatch, KVCache
 from ...models.interface import ModelOutput, StepModel
-from ...models.layers.attention_layout import AttentionPlanner, GraphSlot
+from ...models.layers.attention_layout import AttentionPlanner
 from ...models.layers.kernels import Kernels
 from ...models.layers.mamba_state import MambaStateCache
 from ...models.parallel.ledger import CollectiveLedger
@@ -170,10 +170,9 @@ class StepExecutor:
         return None if key is None else self.graphs.shape_for(len(step.seqs), key)
 
     def chainable(self, shape: StepShape, max_blocks: int) -> bool:
-        """A chained shape can be captured here: no DP attention, and attention that reads device
-        metadata only at that shape."""
-        return not self.dp and (self.attention is None or self.attention.device_only(
-            GraphSlot(shape.batch, shape.tokens, shape.tail, max_blocks)))
+        """A chained shape can be captured here: no DP attention (a captured forward's attention reads
+        device metadata alone: ``AttentionPlanner.graph_plan``)."""
+        return not self.dp
 
     def chain_shape(self, num_seqs: int, hidden: int, chain: int) -> StepShape | None:
         """The captured chained shape ``run_chain`` replays for ``num_seqs`` sequences, or None."""

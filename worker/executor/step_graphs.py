@@ -20,8 +20,8 @@ of one row per sequence back to back: after each, ``feed`` turns its logits into
 tokens and its hidden output becomes the next hidden input, and positions, causal limits, context
 lengths and cache slots advance by one on the device (the next slot through the block table;
 padding rows keep writing to ``pad_slot``). Its one output is every forward's fed token,
-[rows, chain]. Only attention that reads the batch's device metadata alone can be chained (a
-planner's ``device_only``): a host plan could not follow the contexts growing inside the replay.
+[rows, chain]. Every captured forward's attention reads the batch's device metadata alone (a
+planner's ``graph_plan``), so it follows the contexts growing inside the replay.
 
 Off CUDA (``use_graphs=False``: the CPU tests, tp > 1 over gloo too) the same padded
 static-buffer forward runs eagerly: "capture" runs it once with the ledger capturing, and every
@@ -41,7 +41,7 @@ import torch
 
 from ...models.forward_batch import ForwardBatch, KVCache, PagedAttentionMetadata
 from ...models.interface import ModelOutput
-from ...models.layers.attention_layout import AttentionLayout, AttentionPlanner, GraphSlot
+from ...models.layers.attention_layout import AttentionPlanner
 from ...models.parallel.dp_geometry import Padding
 from ...models.parallel.ledger import CapturedForward, CollectiveLedger
 from .step_shape import ShapeKey, StepShape
@@ -95,7 +95,7 @@ class _Captured:
     graph: Any  # torch.cuda.CUDAGraph; None when running eagerly
     outputs: tuple[torch.Tensor, ...]
     forward: CapturedForward
-    attention: Any  # the attention backend's static plan for this shape (None: it needs none)
+    attention: Any  # the attention backend's plan of captured forwards (None: it needs none)
 
 
 class StepGraphs:
@@ -109,10 +109,8 @@ class StepGraphs:
         if not shapes:
             raise ValueError("no step shapes to capture")
         for shape in shapes:
-            if shape.chain and (feed is None or dp or (attention is not None and not attention.device_only(
-                    GraphSlot(shape.batch, shape.tokens, shape.tail, max_blocks)))):
-                raise ValueError(f"{shape}: a chained forward needs a feed, no DP attention and attention that "
-                                 "reads device metadata only")
+            if shape.chain and (feed is None or dp):
+                raise ValueError(f"{shape}: a chained forward needs a feed and no DP attention")
         self.feed = feed
         self.fn = fn
         self.kv_cache = kv_cache
@@ -218,10 +216,7 @@ class StepGraphs:
         views = self._views(shape)
         packed = self._packed(shape, [], [0] * self.dp)
         self._meta[: packed.shape[0]].copy_(packed)  # synchronous
-        attention = None
-        if self.attention is not None:
-            attention = self.attention.graph_state(GraphSlot(shape.batch, shape.tokens, shape.tail, self.max_blocks))
-            self.attention.plan_graph(attention, self._layout(shape, []))
+        attention = None if self.attention is None else self.attention.graph_plan()
         if not self.use_graphs:
             with self.ledger.capture() as forward:
                 self._forward(shape, views, attention)
@@ -238,21 +233,6 @@ class StepGraphs:
             outputs = self._forward(shape, views, attention)
         log.debug("captured %s (%d collectives)", shape, len(forward.records))
         return _Captured(views, graph, outputs, forward, attention)
-
-    def _layout(self, shape: StepShape, seqs: Sequence[PackedSeq]) -> AttentionLayout:
-        """The padded forward's attention layout: every sequence ``tokens`` rows (real rows last),
-        padding sequences over a few slots of block 0 (their outputs are dropped)."""
-        q, tail = shape.tokens, shape.tail
-        pad_kv = max(q, tail, 1)
-        pad_mask = (True,) * (q * tail) if tail else None
-        qo = (q,) * shape.batch
-        kv = tuple(s.context_len for s in seqs) + (pad_kv,) * (shape.batch - len(seqs))
-        tables = tuple(tuple(s.block_table) for s in seqs) + ((0,),) * (shape.batch - len(seqs))
-        masks = None
-        if tail:
-            masks = tuple((True,) * ((q - len(s.token_ids)) * tail) + tuple(s.tail_mask or ()) for s in seqs) \
-                + (pad_mask,) * (shape.batch - len(seqs))
-        return AttentionLayout(qo, kv, tables, masks)
 
     # --- replay -----------------------------------------------------------------------------
 
@@ -323,8 +303,6 @@ class StepGraphs:
             if hidden is None:
                 raise ValueError(f"{shape} takes a hidden input")
             v.hidden.index_copy_(0, dest, hidden.to(v.hidden.dtype))
-        if self.attention is not None:
-            self.attention.plan_graph(entry.attention, self._layout(shape, seqs))
         if entry.graph is None:
             with self.ledger.capture() as again:
                 outputs = self._forward(shape, v, entry.attention)
