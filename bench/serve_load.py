@@ -158,11 +158,11 @@ async def run_rate(send: Send, reqs: list[dict[str, Any]], rate: float, seed: in
 
 async def sweep(send: Send, reqs: list[dict[str, Any]], rates: list[float], duration: float,
                 num_inf: int) -> list[dict[str, Any]]:
-    rng = random.Random(1)
     rows = []
     await run_rate(send, reqs[:4], float("inf"), 0)  # warm-up
     for i, rate in enumerate(rates):
         n = num_inf if rate == float("inf") else max(4, int(rate * duration))
+        rng = random.Random(f"rate {rate}")  # a rate's requests do not depend on the other rates swept
         batch = [reqs[rng.randrange(len(reqs))] for _ in range(n)]
         row = await run_rate(send, batch, rate, i)
         rows.append(row)
