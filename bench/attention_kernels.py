@@ -22,6 +22,7 @@ import argparse
 import statistics
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -88,9 +89,22 @@ def flashinfer_decode(kv: Any, tables: list[tuple[int, ...]], ctx: int, slots: t
     return run
 
 
-def attention(batch: int, ctx: int) -> dict[str, float]:
-    from fusedserve.models.forward_batch import ForwardBatch, KVCache, PagedAttentionMetadata
-    from fusedserve.models.layers.decode_attention_triton import paged_decode_attention_triton
+@dataclass
+class DecodeCase:
+    """A decode step's inputs at the 8B shape (GQA 32/8, head dim 128, bf16): ``batch`` sequences of
+    ``ctx`` tokens over scattered pages."""
+
+    kv: Any
+    pages: torch.Tensor  # [batch, pages of ctx] int32
+    tables: list[tuple[int, ...]]
+    slots: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+def decode_case(batch: int, ctx: int) -> DecodeCase:
+    from fusedserve.models.forward_batch import KVCache
 
     dev, bf = torch.device("cuda"), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(batch * 7 + ctx)
@@ -102,16 +116,25 @@ def attention(batch: int, ctx: int) -> dict[str, float]:
     perm = torch.randperm(nb - 1, device=dev, generator=g).view(batch, pages).to(torch.int32)
     tables = [tuple(r) for r in perm.tolist()]
     slots = torch.tensor([t[(ctx - 1) // BLOCK] * BLOCK + (ctx - 1) % BLOCK for t in tables], device=dev)
-    q = torch.randn(batch, 32, 128, device=dev, dtype=bf, generator=g)
-    k = torch.randn(batch, 8, 128, device=dev, dtype=bf, generator=g)
-    v = torch.randn(batch, 8, 128, device=dev, dtype=bf, generator=g)
-    meta = PagedAttentionMetadata.decode(perm.contiguous(), torch.full((batch,), ctx, dtype=torch.int32, device=dev))
+    return DecodeCase(kv, perm, tables, slots, torch.randn(batch, 32, 128, device=dev, dtype=bf, generator=g),
+                      torch.randn(batch, 8, 128, device=dev, dtype=bf, generator=g),
+                      torch.randn(batch, 8, 128, device=dev, dtype=bf, generator=g))
+
+
+def attention(batch: int, ctx: int) -> dict[str, float]:
+    from fusedserve.models.forward_batch import ForwardBatch, PagedAttentionMetadata
+    from fusedserve.models.layers.decode_attention_triton import paged_decode_attention_triton
+
+    dev = torch.device("cuda")
+    c = decode_case(batch, ctx)
+    meta = PagedAttentionMetadata.decode(c.pages.contiguous(), torch.full((batch,), ctx, dtype=torch.int32,
+                                                                          device=dev))
     out: dict[str, float] = {}
     for name, tc in (("flashinfer_tensor_cores", True), ("flashinfer_cuda_cores", False)):
-        out[name] = graph_us(partial(flashinfer_decode(kv, tables, ctx, slots, tc), q, k, v))
+        out[name] = graph_us(partial(flashinfer_decode(c.kv, c.tables, ctx, c.slots, tc), c.q, c.k, c.v))
     fb = ForwardBatch(torch.zeros(batch, dtype=torch.long, device=dev), torch.zeros(batch, device=dev), [1] * batch,
-                      [ctx] * batch, slots, [list(t) for t in tables], kv, paged=meta)
-    out["triton_decode"] = graph_us(lambda: paged_decode_attention_triton(q, k, v, 0, fb, 128 ** -0.5))
+                      [ctx] * batch, c.slots, [list(t) for t in c.tables], c.kv, paged=meta)
+    out["triton_decode"] = graph_us(partial(paged_decode_attention_triton, c.q, c.k, c.v, 0, fb, 128 ** -0.5))
     return out
 
 
@@ -121,28 +144,18 @@ GRAPH_WIDTH = 8192 // BLOCK  # pages per block table in a captured batch of the 
 
 
 def decode_sweep(batch: int, ctx: int) -> dict[str, Any]:
-    from fusedserve.models.forward_batch import ForwardBatch, KVCache, PagedAttentionMetadata
+    from fusedserve.models.forward_batch import ForwardBatch, PagedAttentionMetadata
     from fusedserve.models.layers.decode_attention_triton import (
         DecodeLaunch,
         decode_attention_launch,
         decode_launch,
     )
 
-    dev, bf = torch.device("cuda"), torch.bfloat16
-    g = torch.Generator(device=dev).manual_seed(batch * 7 + ctx)
-    pages = -(-ctx // BLOCK)
-    nb = batch * pages + 1
-    kv = KVCache.allocate({0: (8, 128)}, nb, BLOCK, bf, dev)
-    kv.k[0].normal_(generator=g)
-    kv.v[0].normal_(generator=g)
-    perm = torch.randperm(nb - 1, device=dev, generator=g).view(batch, pages).to(torch.int32)
+    dev = torch.device("cuda")
+    c = decode_case(batch, ctx)
+    kv, tables, slots, q, k, v = c.kv, c.tables, c.slots, c.q, c.k, c.v
     wide = torch.zeros(batch, GRAPH_WIDTH, dtype=torch.int32, device=dev)
-    wide[:, :pages] = perm
-    tables = [tuple(r) for r in perm.tolist()]
-    slots = torch.tensor([t[(ctx - 1) // BLOCK] * BLOCK + (ctx - 1) % BLOCK for t in tables], device=dev)
-    q = torch.randn(batch, 32, 128, device=dev, dtype=bf, generator=g)
-    k = torch.randn(batch, 8, 128, device=dev, dtype=bf, generator=g)
-    v = torch.randn(batch, 8, 128, device=dev, dtype=bf, generator=g)
+    wide[:, :c.pages.shape[1]] = c.pages
     meta = PagedAttentionMetadata.decode(wide, torch.full((batch,), ctx, dtype=torch.int32, device=dev))
     fb = ForwardBatch(torch.zeros(batch, dtype=torch.long, device=dev), torch.zeros(batch, device=dev), [1] * batch,
                       [ctx] * batch, slots, [list(t) for t in tables], kv, paged=meta)
