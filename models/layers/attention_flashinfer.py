@@ -18,10 +18,10 @@ and returns the plan every layer's ``flashinfer_attention`` runs:
   a captured batch would need a graph per kernel to switch with the context, which it does not have;
 - every other captured shape (a chain verify, a tree verify, a draft step or first pass: speculation's
   shapes, a few rows per sequence): ``DevicePlan`` too — the Triton paged prefill kernel, a tree's mask
-  read from the metadata's ``tail_mask``. FlashInfer's plan runs on the host before each replay (0.25 ms
-  and more a call in a SmolLM2 spec profile: 2 per chain step, 8 per tree step, none of it overlapped:
-  bench/results/2026-12-02-spec-decode-profile-planning-fixes-smollm2-h200.json), and a device-only plan is
-  what lets shapes be chained;
+  read from the metadata's ``tail_mask``. FlashInfer's plan would run on the host before each replay
+  (0.26 / 0.42 ms a call under the profiler in a SmolLM2 chain-3 / tree generate: 2 per chain step, 8 per
+  tree step, the GPU idle meanwhile: bench/results/2026-12-02-spec-decode-profile-planning-fixes-smollm2-h200.json),
+  and a device-only plan is what lets shapes be chained;
 - eager forwards of several rows (prefill chunks, mixed batches, a tree no captured shape fits): FlashInfer's
   paged prefill wrapper planned on the host, causal or with the tree's custom mask (FlashInfer packs it,
   which waits for the device). The page list goes to the device before ``plan`` (a host list is copied
