@@ -228,7 +228,13 @@ def observed(prometheus: str, example_servers: ExampleServers,
 
         start_at = time.time()
         before = scrape(tp2)
-        time.sleep(IDLE_S / 2)  # the operator's first sample in the window comes before its reconciles
+        # The rate window starts at tp2's first sample from here (_window). The operator must be scraped inside
+        # it before it reconciles, or increase() over the window misses the reconciles: sleeping a fixed
+        # IDLE_S / 2 left that to the scrape phases and to how soon kopf answered (its three reconcile-duration
+        # panels came back empty on a fresh clone's CI run).
+        window_start = eventually(lambda: _scraped_since(prom, TP2_FORWARDS, start_at), timeout=30)
+        eventually(lambda: _scraped_since(prom, "fusedserve_operator_reconcile_duration_seconds_count", window_start),
+                   timeout=30)
         operator.apply(tmp)
         time.sleep(max(0.0, start_at + IDLE_S - time.time()))
         errors: list[str] = []
@@ -249,14 +255,23 @@ def observed(prometheus: str, example_servers: ExampleServers,
             t.join()
 
 
+TP2_FORWARDS = f'fusedserve_forwards_total{{deployment="{TP2}",rank="0"}}'
+
+
+def _scraped_since(prom: PrometheusServer, selector: str, t: float) -> float | None:
+    """When the first sample of ``selector`` at or after ``t`` was scraped, or None (not yet)."""
+    now = time.time()
+    stamps = [float(ts) for row in prom.samples(selector, now, now - t + 1.0) for ts, _ in row["values"]
+              if float(ts) >= t]
+    return min(stamps) if stamps else None
+
+
 def _window(run: Observed) -> float:
     """The rate window ending at ``run.end`` that starts 1 ms before the first tp2 sample scraped after
     ``run.start``: its first and last samples are idle ones, so increase() covers exactly the traffic (the
     extrapolation to the window's edges scales every series of one scrape alike)."""
-    rows = run.prom.samples(f'fusedserve_forwards_total{{deployment="{TP2}",rank="0"}}', run.end,
-                            run.end - run.start)
-    [row] = rows
-    first = min(float(ts) for ts, _ in row["values"] if float(ts) >= run.start)
+    first = _scraped_since(run.prom, TP2_FORWARDS, run.start)
+    assert first is not None
     return run.end - first + 0.001
 
 
