@@ -395,7 +395,8 @@ def test_verify_runs_fp8_checkpoints_and_names_the_oracle_to_use(checkpoints: di
 
 def test_fp8_slice_benchmark_runs_at_tiny_scale(tmp_path: Path) -> None:
     """bench/fp8_slice.py's CPU dry run (the H200 run is bench/gpu_fp8.sh): a complete record, and the
-    logits compared with the bf16 build run on the FP8 build's routing (every forced route used)."""
+    logits compared with the bf16 build run on the FP8 build's routing (every forced route used) and with the
+    FP8 build's own w8a8 reference."""
     import json
     import os
     import subprocess
@@ -412,3 +413,6 @@ def test_fp8_slice_benchmark_runs_at_tiny_scale(tmp_path: Path) -> None:
     logits = record["summary"]["logits"]
     for what in ("decode", "prefill"):
         assert logits[what]["rel_l2_same_routing"] <= logits["tolerance_rel_l2"], logits
+        # its w8a8 reference quantizes the activations, which this CPU build (dequantizing, torch set) does not:
+        # a small nonzero difference says the reference really ran in its place
+        assert 0 < logits[what]["rel_l2_vs_w8a8_reference"] < 0.05, logits
