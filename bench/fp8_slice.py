@@ -77,6 +77,7 @@ from fusedserve.models.layers.fp8_block import (
     quantize_weight,
 )
 from fusedserve.models.layers.fused_moe import fused_experts_fp8_w8a8_reference
+from fusedserve.models.layers.linear import use_fp8_matmul
 from fusedserve.worker.engine.config import EngineConfig
 from fusedserve.worker.executor.step import SeqRows, Step
 from fusedserve.worker.executor.step_shape import StepShape
@@ -236,7 +237,6 @@ def check_kernels(device: torch.device, gemms: tuple[tuple[int, int], ...] = ((5
     projection's K) and fused MoE (``moe``: experts, hidden, intermediate, top-k) against their w8a8
     references on ``device``; SystemExit on a miss."""
     from fusedserve.models.layers.fp8_block_triton import block_fp8_linear_triton
-    from fusedserve.models.layers.fused_moe import fused_experts_fp8_w8a8_reference
     from fusedserve.models.layers.fused_moe_fp8_triton import fused_experts_fp8_triton
 
     out: dict[str, float] = {}
@@ -313,17 +313,14 @@ def w8a8_reference(model: Any) -> Iterator[None]:
     ``fused_experts_fp8_w8a8_reference`` (activations quantized per token and 1 x 128 group as the kernels
     do, products in fp32). Against it the FP8 logits show the kernels' own error; against the bf16 build it
     shows what the format itself costs (the activation quantization the release's dynamic scheme implies)."""
-    linears = [(m, m.fp8_matmul) for m in model.modules() if hasattr(m, "fp8_matmul")]
     experts = [(m, m.fused_fp8) for m in model.modules() if getattr(m, "fused_fp8", None) is not None]
-    for m, _ in linears:
-        m.fp8_matmul = block_fp8_linear_w8a8_reference
+    use_fp8_matmul(model, block_fp8_linear_w8a8_reference)
     for m, _ in experts:
         m.fused_fp8 = fused_experts_fp8_w8a8_reference
     try:
         yield
     finally:
-        for m, fn in linears:
-            m.fp8_matmul = fn
+        use_fp8_matmul(model, model.kernels.block_fp8_matmul)  # as the model chose it at load
         for m, fn in experts:
             m.fused_fp8 = fn
 
