@@ -81,7 +81,7 @@ def test_chained_greedy_drafts_equal_step_by_step(monkeypatch: pytest.MonkeyPatc
     replays: dict[str, int] = {}
     for name in ("chained", "step-by-step"):
         if name == "step-by-step":
-            monkeypatch.setattr(StepExecutor, "chainable", lambda self, shape, max_blocks: False)
+            monkeypatch.setattr(StepExecutor, "chainable", lambda self: False)
         engine = Engine(TARGET, EngineConfig(num_blocks=24, block_size=4, max_num_seqs=3, speculative=spec,
                                              cuda_graphs=True, cuda_graph_batch_sizes=(1, 2, 4)))
         assert engine.speculator is not None

@@ -169,8 +169,8 @@ class StepExecutor:
         key = self.graph_key(step, hidden)
         return None if key is None else self.graphs.shape_for(len(step.seqs), key)
 
-    def chainable(self, shape: StepShape, max_blocks: int) -> bool:
-        """A chained shape can be captured here: no DP attention (a captured forward's attention reads
+    def chainable(self) -> bool:
+        """Chained shapes can be captured here: no DP attention (a captured forward's attention reads
         device metadata alone: ``AttentionPlanner.graph_plan``)."""
         return not self.dp
 

@@ -130,9 +130,8 @@ class SpecDecoder:
     def capture_graphs(self, batch_sizes: list[int], max_blocks: int) -> None:
         """Capture the draft's first pass and steps (once, at start-up); a chain's steps also chained."""
         shapes = draft_shapes(self.draft_model, batch_sizes, self.config.num_steps, self.config.topk)
-        if self.config.is_chain:
-            shapes += [s for s in chain_shapes(self.draft_model, batch_sizes, self.config.num_steps)
-                       if self.draft.chainable(s, max_blocks)]
+        if self.config.is_chain and self.draft.chainable():
+            shapes += chain_shapes(self.draft_model, batch_sizes, self.config.num_steps)
         self.draft.capture(shapes, max_blocks, feed=self.drafter.greedy_tokens)
 
     # --- one engine step ----------------------------------------------------------------------
