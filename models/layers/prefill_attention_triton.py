@@ -139,7 +139,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, qstart_ptr, index_pt
             visible = n[None, :] <= limit[:, None]
         s = tl.where(visible, s * qk_scale, float("-inf"))  # [ROWS, BLOCK_N], log2 units
         m_new = tl.maximum(m, tl.max(s, axis=1))
-        # a tree row may see nothing in a tile (its ancestors lie in later ones): no -inf - -inf
+        # a row that has seen no index yet (a mask over the tiles so far) keeps m = -inf: no -inf - -inf
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_safe)
         p = tl.exp2(s - m_safe[:, None])
