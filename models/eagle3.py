@@ -12,6 +12,11 @@ x = cat(input_norm(embed(token)), hidden_norm(hidden_in)); h = attn(x); (h, resi
 post_norm(h + residual); h = mlp(h); (out, residual) = norm(h + residual);
 logits = lm_head(out) over the draft vocab; the next step's hidden is ``residual``.
 
+``kernels``: the target's kernel set (chosen once, at construction): its norms, add + norm, RoPE,
+SiLU-and-mul and matmul, as the target's layers run them (on a GPU the Triton kernels: a draft step
+of torch ops was some 60 small kernels); ``attention_backend`` apart, since the draft takes the
+target's attention only where its heads fit (``worker/spec_decode/draft_model.py``).
+
 The draft is small and runs on the engine's leader only (no collectives); its KV cache is its
 own. Aux states come from the target's forward (``ForwardBatch.aux_layers`` ->
 ``ModelOutput.hidden``): the complete residual stream entering layers ``aux_layers(...)``.
@@ -28,12 +33,13 @@ from .forward_batch import ForwardBatch
 from .interface import ModelOutput
 from .layers.attention import AttentionBackend
 from .layers.attention_layout import AttentionDims
+from .layers.kernels import Kernels
+from .layers.linear import use_matmul
 from .layers.mamba_state import MambaStateShape
 from .layers.mlp import GatedMLP
 from .layers.norm import RMSNorm
 from .layers.rotary import RotaryEmbedding, rope_parameters
 from .layers.self_attention import SelfAttention
-from .parallel.fusion.reference import add_rms_norm
 from .parallel.groups import Group
 
 
@@ -54,9 +60,12 @@ def aux_layers(num_target_layers: int, draft_config: Any = None) -> list[int]:
 
 class Eagle3Draft(nn.Module):
     def __init__(self, config: Any, target_hidden: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None, attention_backend: AttentionBackend | None = None) -> None:
+                 device: torch.device | str | None = None, attention_backend: AttentionBackend | None = None,
+                 kernels: Kernels | None = None) -> None:
         super().__init__()
         self.config = config
+        kernels = kernels or Kernels.reference()
+        self.norms = kernels.norms
         h = config.hidden_size
         one = Group.single("tp")
         head_dim = int(getattr(config, "head_dim", None) or h // config.num_attention_heads)
@@ -67,16 +76,18 @@ class Eagle3Draft(nn.Module):
         self.input_layernorm = RMSNorm(h, config.rms_norm_eps, dtype, device)
         self.hidden_norm = RMSNorm(h, config.rms_norm_eps, dtype, device)
         self.self_attn = SelfAttention(0, h, config.num_attention_heads, config.num_key_value_heads, head_dim,
-                                       one, RotaryEmbedding(head_dim, theta, scaling).to(device),
+                                       one, RotaryEmbedding(head_dim, theta, scaling, kernel=kernels.rope).to(device),
                                        input_size=2 * h, dtype=dtype, device=device,
                                        attention_backend=attention_backend)
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps, dtype, device)
-        self.mlp = GatedMLP(h, config.intermediate_size, one, dtype=dtype, device=device)
+        self.mlp = GatedMLP(h, config.intermediate_size, one, dtype=dtype, device=device, act=kernels.silu_and_mul)
         self.norm = RMSNorm(h, config.rms_norm_eps, dtype, device)
         self.lm_head = nn.Linear(h, self.draft_vocab, bias=False, dtype=dtype, device=device).requires_grad_(False)
         self.register_buffer("d2t", torch.zeros(self.draft_vocab, dtype=torch.long, device=device))
         self.d2t: torch.Tensor
         self.has_own_embedding = False
+        if kernels.matmul is not None:
+            use_matmul(self, kernels.matmul)
 
     def share_embedding(self, weight: torch.Tensor) -> None:
         """Use the target's (full, unsharded) embedding table when the draft has none."""
@@ -106,12 +117,14 @@ class Eagle3Draft(nn.Module):
         if hidden.shape[-1] != self.embed_tokens.weight.shape[1]:
             hidden = self.fc(hidden)
         residual = hidden
-        x = torch.cat([self.input_layernorm(self.embed_tokens(batch.input_ids)), self.hidden_norm(hidden)], dim=-1)
+        norm, add_norm = self.norms.rms_norm, self.norms.add_rms_norm
+        x = torch.cat([norm(self.embed_tokens(batch.input_ids), self.input_layernorm.weight, self.input_layernorm.eps),
+                       norm(hidden, self.hidden_norm.weight, self.hidden_norm.eps)], dim=-1)
         attn = self.self_attn(x, batch).partial  # size-1 group: already complete
-        h, residual = add_rms_norm(attn, residual, self.post_attention_layernorm.weight,
-                                   self.post_attention_layernorm.eps)
+        post = self.post_attention_layernorm
+        h, residual = add_norm(attn, residual, post.weight, post.eps)
         h = self.mlp(h).partial
-        out, residual = add_rms_norm(h, residual, self.norm.weight, self.norm.eps)
+        out, residual = add_norm(h, residual, self.norm.weight, self.norm.eps)
         if batch.logits_indices is not None:
             out = out[batch.logits_indices]
         return ModelOutput(self.lm_head(out), (residual,))
@@ -147,9 +160,11 @@ class Eagle3Draft(nn.Module):
 
 def load_eagle3_draft(model_dir: str, target_hidden: int, target_embedding: torch.Tensor | None,
                       dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                      attention_backend: AttentionBackend | None = None) -> Eagle3Draft:
+                      attention_backend: AttentionBackend | None = None, kernels: Kernels | None = None
+                      ) -> Eagle3Draft:
     """Load an EAGLE3 draft checkpoint; ``target_embedding`` ([vocab, H], unsharded) is used
-    when the draft ships no embedding of its own. ``attention_backend``: default the reference."""
+    when the draft ships no embedding of its own. ``attention_backend``: default the reference;
+    ``kernels``: the norms, RoPE, activation and matmul (default the references)."""
     from .loader import (
         CheckpointError,
         architecture_of,
@@ -163,7 +178,7 @@ def load_eagle3_draft(model_dir: str, target_hidden: int, target_embedding: torc
     arch = architecture_of(config)
     if "Eagle3" not in arch:
         raise CheckpointError(f"{model_dir}: architecture {arch!r} is not an EAGLE3 draft (LlamaForCausalLMEagle3)")
-    draft = Eagle3Draft(config, target_hidden, dtype, device, attention_backend)
+    draft = Eagle3Draft(config, target_hidden, dtype, device, attention_backend, kernels)
     load_weights(draft, iter_checkpoint(checkpoint_files(model_dir)))
     if not draft.has_own_embedding:
         if target_embedding is None:

@@ -30,6 +30,7 @@ from ...models.eagle3 import Eagle3Draft, aux_layers, load_eagle3_draft
 from ...models.forward_batch import KVCache
 from ...models.layers.attention_layout import flashinfer_supports
 from ...models.layers.kernels import Kernels
+from ...models.layers.linear import use_matmul
 from ...models.layers.paged_attention_torch import paged_attention_torch
 from ...models.loader import CheckpointError, checkpoint_files, iter_checkpoint, load_config
 from ..executor.executor import StepExecutor
@@ -58,8 +59,9 @@ def build_draft(draft_dir: str | Path, target_dir: str | Path, target_config: An
                 reserved_blocks: int = 0, kernels: Kernels | None = None) -> tuple[Eagle3Draft, StepExecutor]:
     """The draft (its embedding from the target checkpoint when it has none) and its executor.
     ``num_blocks``: the target cache's, its ``reserved_blocks`` padding block included; ``graph_ready``:
-    graph-safe attention (the engine captures the draft's steps); ``kernels``: the target's set, whose
-    attention (and planner) the draft takes when its heads fit, else the graph-safe torch attention."""
+    graph-safe attention (the engine captures the draft's steps); ``kernels``: the target's set: the draft runs its
+    norms, RoPE, activation and matmul, and its attention (and planner) when the draft's heads fit, else the
+    graph-safe torch attention."""
     embedding = None
     if checkpoint_tensor(draft_dir, EMBEDDING_NAMES, read=False) is None:
         embedding = checkpoint_tensor(target_dir, EMBEDDING_NAMES)
@@ -69,8 +71,12 @@ def build_draft(draft_dir: str | Path, target_dir: str | Path, target_config: An
     head_dim = int(getattr(draft_config, "head_dim", None) or draft_config.hidden_size // draft_config.num_attention_heads)
     fast = kernels is not None and kernels.planner is not None and flashinfer_supports(head_dim, dtype)
     attention = kernels.attention if fast and kernels is not None else (paged_attention_torch if graph_ready else None)
-    model = load_eagle3_draft(str(draft_dir), int(target_config.hidden_size), embedding, dtype, device, attention)
+    model = load_eagle3_draft(str(draft_dir), int(target_config.hidden_size), embedding, dtype, device, attention,
+                              kernels)
     model.eval()
+    retune = getattr(kernels.matmul if kernels is not None else None, "for_module", None)
+    if retune is not None:  # the target's tuned decode matmuls: the draft's own shapes measured too
+        use_matmul(model, retune(model, dtype, device))
     mapped = model.to_target_ids(torch.arange(model.draft_vocab, device=device))
     if int(mapped.min()) < 0 or int(mapped.max()) >= int(target_config.vocab_size):
         raise CheckpointError(f"{draft_dir}: d2t maps draft ids outside the target vocabulary "
