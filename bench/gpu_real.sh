@@ -35,7 +35,7 @@
 #   3. carry .whl/real/part1 part2 data wheels: `stage`;  4. carry part3 part4: `stage`
 #   5. carry .whl/real/draft (a copy of the shipped draft): `bench ...`
 set -euo pipefail
-cmd=${1:?usage: gpu_real.sh stage|train|bench|decode|serve|tests [args]}
+cmd=${1:?usage: gpu_real.sh stage|train|bench|probe|decode|serve|tests [args]}
 shift
 T=${GPU_REAL_TMP:-/tmp}  # where the staged files live (the device: /tmp)
 R=$T/real
@@ -99,6 +99,11 @@ case "$cmd" in
     [ -d "$draft" ] || draft=$PWD/examples/checkpoints/smollm2-eagle3
     python3 -P bench/spec_decode_real.py --target "$R/smollm2" --draft "$draft" --data-dir "$R/data" \
       --out "$OUT/spec-decode-real.json" "$@"
+    ;;
+  probe)  # bench/graph_launch_probe.py: each captured graph's host launch time (engine none / chain-3 on SmolLM2)
+    layout && model
+    draft=$R/draft; [ -d "$draft" ] || draft=$PWD/examples/checkpoints/smollm2-eagle3
+    python3 -P bench/graph_launch_probe.py --target "$R/smollm2" --draft "$draft" --out "$OUT/graph-launch.json" "$@"
     ;;
   decode)  # issue #14: bench/decode_engine.py (8B shape, engine vs the HF static-cache peer) -> $OUT/decode-engine.json
     layout

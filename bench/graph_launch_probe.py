@@ -1,0 +1,139 @@
+"""How long the host spends launching each captured CUDA graph, through the engine (GPU).
+
+    python bench/graph_launch_probe.py --target DIR [--draft DIR] [--configs none,chain-3] [--out FILE]
+
+For each configuration: one engine (``Engine`` with its defaults on CUDA, as bench/spec_decode_real.py
+builds it), a warm-up generate, then
+
+1. in a generate (256 tokens): every ``CUDAGraph.replay`` call's host time, split by whether the
+   stream still had work queued when it was called (a launch behind queued work may wait for room in
+   the launch queue; one on an idle stream is the launch's own cost);
+2. every captured graph of the target's and the draft's executor replayed alone on an idle GPU: the
+   host time of ``replay()`` and the GPU time until it finishes (median of 20).
+
+Records, per graph, the shape and both times; the point is whether a graph's launch costs the host
+more than its kernels cost the GPU (then the host, not the device, bounds a step that waits on it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import fusedserve.worker  # noqa: F401  (the installed package, before the checkout joins sys.path)
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # bench.*; fusedserve stays the installed one
+
+from bench.common import record_header  # noqa: E402
+from bench.spec_decode_real import spec_config  # noqa: E402
+
+
+def timed_replays(log: list[tuple[int, float, bool]]) -> Any:
+    """Wraps CUDAGraph.replay: appends (graph id, host us, stream busy at the call)."""
+    original = torch.cuda.CUDAGraph.replay
+
+    def replay(self: torch.cuda.CUDAGraph) -> None:
+        busy = not torch.cuda.current_stream().query()
+        t = time.perf_counter()
+        original(self)
+        log.append((id(self), 1e6 * (time.perf_counter() - t), busy))
+
+    torch.cuda.CUDAGraph.replay = replay  # type: ignore[method-assign]
+    return original
+
+
+def idle_launches(graphs: Any, label: str, repeats: int = 20) -> list[dict[str, Any]]:
+    rows = []
+    for shape, entry in sorted(graphs.captured.items(), key=lambda kv: str(kv[0])):
+        if entry.graph is None:
+            continue
+        host, gpu = [], []
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            t = time.perf_counter()
+            entry.graph.replay()
+            host.append(1e6 * (time.perf_counter() - t))
+            end.record()
+            end.synchronize()
+            gpu.append(1000 * start.elapsed_time(end))
+        rows.append({"executor": label, "shape": str(shape), "host_launch_us": round(statistics.median(host), 1),
+                     "gpu_us": round(statistics.median(gpu), 1)})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--draft", default="")
+    ap.add_argument("--configs", default="none,chain-3")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    from fusedserve.worker.engine.config import EngineConfig
+    from fusedserve.worker.engine.engine import Engine
+    from fusedserve.worker.engine.sequence import SamplingParams
+
+    out: dict[str, Any] = {**record_header(), "what": __doc__.split("\n")[0], "configs": {}}
+    for name in args.configs.split(","):
+        engine = Engine(args.target, EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=1,
+                                                  speculative=spec_config(args.draft, name), seed=0,
+                                                  kv_memory_fraction=0.2))
+        tok = engine.tokenizer
+        assert tok is not None
+        prompt = tok.encode_chat([{"role": "user", "content": "Write a short story about a robot who learns to paint."}])
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens, ignore_eos=True)
+        engine.generate([prompt], params)  # warm-up
+        log: list[tuple[int, float, bool]] = []
+        original = timed_replays(log)
+        try:
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            [c] = engine.generate([prompt], params)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t
+        finally:
+            torch.cuda.CUDAGraph.replay = original  # type: ignore[method-assign]
+        by_graph: dict[int, list[tuple[float, bool]]] = {}
+        for gid, us, busy in log:
+            by_graph.setdefault(gid, []).append((us, busy))
+        names: dict[int, str] = {}
+        rows = idle_launches(engine.executor.graphs, "target")
+        for shape, entry in engine.executor.graphs.captured.items():
+            names[id(entry.graph)] = f"target {shape}"
+        spec = getattr(engine, "speculator", None)
+        if spec is not None and spec.draft.graphs is not None:
+            rows += idle_launches(spec.draft.graphs, "draft")
+            for shape, entry in spec.draft.graphs.captured.items():
+                names[id(entry.graph)] = f"draft {shape}"
+        in_generate = []
+        for gid, calls in by_graph.items():
+            idle = [us for us, busy in calls if not busy]
+            busy = [us for us, b in calls if b]
+            in_generate.append({"graph": names.get(gid, str(gid)), "calls": len(calls),
+                                "host_us_idle_stream_median": round(statistics.median(idle), 1) if idle else None,
+                                "calls_idle_stream": len(idle),
+                                "host_us_busy_stream_median": round(statistics.median(busy), 1) if busy else None,
+                                "host_us_total": round(sum(us for us, _ in calls), 1)})
+        out["configs"][name] = {"tokens": len(c.token_ids), "wall_ms": round(1000 * wall, 2),
+                                "ms_per_token": round(1000 * wall / max(len(c.token_ids), 1), 3),
+                                "replays_in_generate": sorted(in_generate, key=lambda r: -r["host_us_total"]),
+                                "idle_launch": rows}
+        print(json.dumps(out["configs"][name], indent=1), flush=True)
+        del engine
+        torch.cuda.empty_cache()
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
