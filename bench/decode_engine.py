@@ -262,16 +262,6 @@ def token_check(path: Path, device: str, steps: int, vocab: int) -> dict[str, An
             "fast": runs["fast"][:16], "reference": runs["reference"][:16]}
 
 
-def tuned_matmuls(engine: Any) -> dict[str, Any] | None:
-    """The decode-matmul kernel chosen per (weight shape, rows) and what was measured (us), when tuned."""
-    matmul = getattr(engine.executor.kernels, "matmul", None)
-    table = getattr(matmul, "table", None)
-    if table is None:
-        return None
-    return {"chosen": {f"{n}x{k} rows {m}": name for (n, k, m), name in sorted(table.items())},
-            "timings_us": matmul.timings}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -303,8 +293,7 @@ def main() -> None:
         engine = engine_for(path, device)
         record["engine"] = {"build_s": time.perf_counter() - t, "kernels": engine.executor.kernels.name
                             if engine.executor.kernels else None, "graphs": engine.executor.graphs is not None,
-                            "kv_blocks": engine.blocks.num_blocks, "max_model_len": engine.max_model_len,
-                            "decode_matmuls": tuned_matmuls(engine)}
+                            "kv_blocks": engine.blocks.num_blocks, "max_model_len": engine.max_model_len}
         progress(f"engine ready in {record['engine']['build_s']:.1f}s: {record['engine']}")
         weights, row = weight_bytes(shape)
         per_token_kv = kv_bytes_per_token(shape)

@@ -71,28 +71,3 @@ def test_overlapped_steps_equal_read_back_steps_on_the_gpu() -> None:
         assert engine.overlap is (overlap is None)
         runs[overlap] = [(c.token_ids, c.finish_reason) for c in engine.generate(PROMPTS, params)]
     assert runs[None] == runs[False]
-
-
-@needs_gpu
-def test_bf16_engine_tunes_its_decode_matmuls_and_the_drafts() -> None:
-    """bf16 with graphs: every matmul layer of the target and of the EAGLE3 draft multiplies through the kernel
-    measured fastest for its shape at each row bucket (cuBLAS among the candidates), and the engine decodes
-    through them, speculating."""
-    from fusedserve.models.layers.linear_triton import ROW_BUCKETS, TunedDecodeMatmul, decode_matmul_shapes
-    from fusedserve.worker.engine.config import EngineConfig
-    from fusedserve.worker.engine.engine import Engine
-    from fusedserve.worker.engine.sequence import SamplingParams
-    from fusedserve.worker.spec_decode.config import SpeculativeConfig
-
-    engine = Engine(TARGET, EngineConfig(num_blocks=64, max_num_seqs=4, device="cuda", dtype="bfloat16",
-                                         speculative=SpeculativeConfig(DRAFT, num_steps=3)))
-    executor = engine.executor
-    draft = engine.speculator.draft  # type: ignore[union-attr]
-    for ex in (executor, draft):
-        matmuls = {type(m.matmul) for m in ex.model.modules() if hasattr(m, "matmul")}
-        assert matmuls == {TunedDecodeMatmul}, matmuls
-        tuned = next(m.matmul for m in ex.model.modules() if hasattr(m, "matmul"))
-        want = {(n, k, b) for n, k in decode_matmul_shapes(ex.model, torch.bfloat16) for b in ROW_BUCKETS}
-        assert want <= set(tuned.table), want - set(tuned.table)
-    [c] = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
-    assert len(c.token_ids) == 32 and engine.stats().spec.drafts > 0  # type: ignore[union-attr]

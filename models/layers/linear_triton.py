@@ -3,10 +3,10 @@
 Plain reference: ``torch.nn.functional.linear`` (cuBLAS), which also takes every other case:
 more than 16 rows (prefill), a bias, or shapes the kernel's tiles do not divide. One program per
 16 output features reads its [16, K] slice of W in [16, 256] tiles, pipelined 4 deep; x is
-padded to 16 rows for ``tl.dot``. Alone (``Kernels.triton(skinny_matmul=True)``) it streams the
-Llama-3-8B weights at ~3.1 TB/s on an H200 against cuBLAS's ~3.7 (~4.8 vs 4.1 ms of matmul per
-batch-1 token; bench/results/2026-11-30-decode-roofline-h200.json); its loads are
-software-pipelined (cp.async, 4 stages, in the PTX Triton emits for sm_90).
+padded to 16 rows for ``tl.dot``. Opt-in (``Kernels.triton(skinny_matmul=True)``): measured on
+an H200 under CUDA graphs it streams the Llama-3-8B weights at ~3.1 TB/s against cuBLAS's ~3.7
+(~4.8 vs 4.1 ms of matmul per batch-1 token; bench/results/2026-11-30-decode-roofline-h200.json);
+its loads are software-pipelined (cp.async, 4 stages, in the PTX Triton emits for sm_90).
 
 Variants (the same reference): ``linear_triton_config`` (other tiles), ``splitk_triton`` (K split
 over 2-4 programs per output tile, fp32 partials, a reduce launch), ``gemv_triton`` (<= 4 rows,
@@ -14,10 +14,11 @@ no tensor cores, thinner programs). ``TunedDecodeMatmul.tune`` times all of them
 (weight shape, rows) on the GPU, under CUDA graphs with the weights rotated past the L2, and
 dispatches each call to the fastest (decided once, before capture). On an H200 for Llama-3-8B
 shapes it found at most 2-4% over cuBLAS (the LM head) and cuBLAS best elsewhere
-(bench/results/2026-11-30-decode-tp2-h200x2.json: 4.66 -> 4.63 ms per batch-1 token); small
-matrices (SmolLM2's 576-wide layers) are where a thin kernel can beat cuBLAS's launch-bound tiles.
-The engine tunes every rank at construction on CUDA with graphs (``worker/executor/kernel_set.py``:
-``tunes_decode_matmuls``), at the row counts ``ROW_BUCKETS``, each case once per process.
+(bench/results/2026-11-30-decode-tp2-h200x2.json: 4.66 -> 4.63 ms per batch-1 token). Tuning every
+rank at construction was tried and taken out (2026-12-02, bench/results/2026-12-02-decode-engine-tuned-
+matmuls-h200.json): the 8B engine's batch-1 step 4.536 ms against 4.540 without it, SmolLM2's decode
+graph 898 against 905 us (every candidate, cuBLAS's too, takes ~3.2-4.3 us on its 576-wide matrices:
+the launch, not the bytes), for 8 s more start-up.
 """
 
 from __future__ import annotations
@@ -25,13 +26,11 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from functools import partial
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch import nn
 
 from .linear import MatmulFn
 
@@ -229,18 +228,10 @@ def time_matmul(fn: MatmulFn, x: torch.Tensor, weights: list[torch.Tensor], call
     return sorted(times)[len(times) // 2]
 
 
-ROW_BUCKETS = (1, 2, 4, 8, 16)  # the row counts tuned; a call takes its rows' bucket (the next one up)
-
-
-def row_bucket(rows: int) -> int | None:
-    """The tuned row count that serves ``rows`` (every candidate tuned at b rows takes any m <= b)."""
-    return next((b for b in ROW_BUCKETS if rows <= b), None)
-
-
 class TunedDecodeMatmul:
-    """``y = x W^T`` through the kernel measured fastest for (W's shape, rows of x in ``ROW_BUCKETS``), for
-    at most ``max_rows`` rows; F.linear (cuBLAS) for every other case. Built once (``tune``) before CUDA-graph
-    capture; ``table`` maps (out, in, bucket) -> candidate name, ``timings`` keeps what was measured."""
+    """``y = x W^T`` through the kernel measured fastest for (W's shape, rows of x), for at most
+    ``max_rows`` rows; F.linear (cuBLAS) for every other case. Built once (``tune``) before CUDA-graph
+    capture; ``table`` maps (out, in, rows) -> candidate name, ``timings`` keeps what was measured."""
 
     def __init__(self, table: dict[tuple[int, int, int], str], timings: dict[str, dict[str, float]],
                  max_rows: int) -> None:
@@ -249,21 +240,8 @@ class TunedDecodeMatmul:
         self.max_rows = max_rows
         self._fns = decode_matmul_candidates()
 
-    def for_module(self, module: nn.Module, dtype: torch.dtype, device: torch.device) -> TunedDecodeMatmul:
-        """A tuned matmul for every shape of ``module`` (another model beside this one, e.g. the EAGLE3 draft:
-        the shapes this one has are not measured again)."""
-        return tuned_decode_matmul(decode_matmul_shapes(module, dtype), dtype, device)
-
-    def describe(self) -> str:
-        """How many (shape, rows) cases run which kernel, e.g. "cublas 12, gemv_bn8_bk256 3"."""
-        counts: dict[str, int] = {}
-        for name in self.table.values():
-            counts[name] = counts.get(name, 0) + 1
-        return ", ".join(f"{n} {c}" for n, c in sorted(counts.items(), key=lambda kv: -kv[1]))
-
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        bucket = row_bucket(x.shape[0]) if x.dim() == 2 else None
-        name = self.table.get((weight.shape[0], weight.shape[1], bucket)) if bucket is not None else None
+        name = self.table.get((weight.shape[0], weight.shape[1], x.shape[0])) if x.dim() == 2 else None
         if name is None or bias is not None:
             return F.linear(x, weight, bias)
         return self._fns[name](x, weight, None)
@@ -298,33 +276,3 @@ class TunedDecodeMatmul:
                         f"{n * k * 2 / res[best] / 1e6:.2f} TB/s)")
             del weights
         return TunedDecodeMatmul(table, timings, MAX_ROWS)
-
-
-_TUNED: dict[tuple[Any, ...], tuple[str, dict[str, float]]] = {}  # one process measures a case once
-
-
-def decode_matmul_shapes(module: nn.Module, dtype: torch.dtype) -> list[tuple[int, int]]:
-    """The (out, in) weight shapes of every layer under ``module`` that multiplies through ``matmul`` in
-    ``dtype`` (block-FP8 layers have their own kernel)."""
-    shapes = set()
-    for m in module.modules():
-        w = getattr(m, "weight", None)
-        if (hasattr(m, "matmul") and isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype == dtype
-                and getattr(m, "weight_scale_inv", None) is None):
-            shapes.add((int(w.shape[0]), int(w.shape[1])))
-    return sorted(shapes)
-
-
-def tuned_decode_matmul(shapes: list[tuple[int, int]], dtype: torch.dtype, device: torch.device,
-                        log: Callable[[str], None] | None = None) -> TunedDecodeMatmul:
-    """``TunedDecodeMatmul.tune`` at ``ROW_BUCKETS``, each (GPU, shape, rows, dtype) measured once per process
-    (an engine and its draft, or several engines of one benchmark, share the cases they have in common)."""
-    gpu = torch.cuda.get_device_name(device)
-    todo = [sh for sh in shapes if any((gpu, sh, m, dtype) not in _TUNED for m in ROW_BUCKETS)]
-    if todo:
-        fresh = TunedDecodeMatmul.tune(todo, list(ROW_BUCKETS), dtype, device, log=log)
-        for (n, k, m), name in fresh.table.items():
-            _TUNED[(gpu, (n, k), m, dtype)] = (name, fresh.timings[f"{n}x{k} rows {m}"])
-    table = {(n, k, m): _TUNED[(gpu, (n, k), m, dtype)][0] for n, k in shapes for m in ROW_BUCKETS}
-    timings = {f"{n}x{k} rows {m}": _TUNED[(gpu, (n, k), m, dtype)][1] for n, k in shapes for m in ROW_BUCKETS}
-    return TunedDecodeMatmul(table, timings, MAX_ROWS)

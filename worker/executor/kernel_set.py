@@ -13,10 +13,6 @@ graphs. ``libraries()`` says which optional GPU libraries import here (the one p
   (DeepSeek-V3's MLA always: its latent cache, K 576 / V 512 with V inside K, is no FlashInfer shape
   here, and asking for "flashinfer" there is refused); else the references. No torch gather attention
   on the GPU's fast path.
-- Decode matmuls (``tunes_decode_matmuls``): on CUDA with graphs, in bf16/fp16, the fast sets time the
-  Triton decode-matmul kernels against cuBLAS for every weight shape of the model at 1-16 rows once, at
-  construction, and run the fastest (``linear_triton.TunedDecodeMatmul``); fp32 keeps cuBLAS (the kernels'
-  dots would round to tf32).
 - CUDA graphs: on by default on CUDA for the architectures whose graphed steps are tested on a GPU
   (``GRAPH_ARCHITECTURES``); ``cuda_graphs=True`` asks for them wherever a graph-safe forward exists;
   ``False`` turns them off. A recurrent (Mamba) model has no graph-safe forward.
@@ -102,9 +98,3 @@ def kernel_choice(device: torch.device | str, cuda_graphs: bool | None, model_co
     if architecture in GRAPH_SAFE_ARCHITECTURES and "triton" in available:
         return KernelChoice("triton", graphs)
     return KernelChoice(plain, graphs)
-
-
-def tunes_decode_matmuls(choice: KernelChoice, device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether this rank's decode matmuls are chosen by measuring (the rule above)."""
-    return (torch.device(device).type == "cuda" and choice.graphs and choice.kernels in ("triton", "flashinfer")
-            and dtype in (torch.bfloat16, torch.float16))

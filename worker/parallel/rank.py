@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -44,7 +44,7 @@ from ...models.random_init import random_model
 from ..engine.config import EngineConfig
 from ..engine.engine import Engine
 from ..executor.executor import StepExecutor
-from ..executor.kernel_set import KernelChoice, kernel_choice, libraries, tunes_decode_matmuls
+from ..executor.kernel_set import KernelChoice, kernel_choice, libraries
 from ..executor.kv_cache import KVCacheSizeError, available_memory, blocks_for
 from ..spec_decode.draft_model import draft_aux_layers
 from .dp_rounds import DPEngine, DPRounds
@@ -105,14 +105,6 @@ def build_rank(model_dir: str | Path, config: EngineConfig, groups: ParallelGrou
     else:
         model = load_model(model_dir, groups, collectives, dtype, device, kernels, quant, **model_kwargs)
     model.eval()
-    if tunes_decode_matmuls(choice, device, dtype):  # before the KV cache takes the free memory
-        from ...models.layers.linear import use_matmul
-        from ...models.layers.linear_triton import decode_matmul_shapes, tuned_decode_matmul
-
-        tuned = tuned_decode_matmul(decode_matmul_shapes(model, dtype), dtype, device, log=log.debug)
-        kernels = replace(kernels, matmul=tuned)
-        use_matmul(model, tuned)
-        log.info("rank %d: decode matmuls %s", groups.coords.rank, tuned.describe())
     state_shapes = model.state_shapes()
     num_blocks = config.num_blocks
     if num_blocks is None:
