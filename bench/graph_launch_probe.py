@@ -11,8 +11,14 @@ builds it), a warm-up generate, then
 2. every captured graph of the target's and the draft's executor replayed alone on an idle GPU: the
    host time of ``replay()`` and the GPU time until it finishes (median of 20).
 
+3. in another generate, the host's time per engine step in each phase of a step (inclusive; phases
+   nest): scheduling, the speculative step, the draft's first pass, the chained draft steps, every
+   executor forward, acceptance, committing the tokens, and ``Tensor.tolist`` (the read-backs: a
+   wait for the device shows here).
+
 Records, per graph, the shape and both times; the point is whether a graph's launch costs the host
-more than its kernels cost the GPU (then the host, not the device, bounds a step that waits on it).
+more than its kernels cost the GPU (then the host, not the device, bounds a step that waits on it),
+and where a step's host time goes.
 """
 
 from __future__ import annotations
@@ -47,6 +53,36 @@ def timed_replays(log: list[tuple[int, float, bool]]) -> Any:
 
     torch.cuda.CUDAGraph.replay = replay  # type: ignore[method-assign]
     return original
+
+
+def phase_timers(phases: dict[str, list[float]]) -> list[tuple[Any, str, Any]]:
+    """Wraps the step's phases (class, method) with wall-clock timers appending to ``phases[name]``;
+    returns what to restore."""
+    from fusedserve.worker.engine.engine import Engine
+    from fusedserve.worker.engine.scheduler import Scheduler
+    from fusedserve.worker.executor.executor import StepExecutor
+    from fusedserve.worker.spec_decode.decoder import SpecDecoder
+    from fusedserve.worker.spec_decode.drafter import Drafter
+
+    targets = [("engine.step", Engine, "step"), ("schedule", Scheduler, "schedule"),
+               ("commit", Engine, "commit_step"), ("spec.step", SpecDecoder, "step"),
+               ("spec.accept", SpecDecoder, "_accept"), ("draft.first_pass", Drafter, "_first_pass"),
+               ("draft.chain", StepExecutor, "run_chain"), ("executor.run", StepExecutor, "run"),
+               ("tolist", torch.Tensor, "tolist")]
+    saved = []
+    for name, cls, attr in targets:
+        original = getattr(cls, attr)
+        saved.append((cls, attr, original))
+
+        def timed(*args: Any, _f: Any = original, _n: str = name, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return _f(*args, **kwargs)
+            finally:
+                phases.setdefault(_n, []).append(time.perf_counter() - t)
+
+        setattr(cls, attr, timed)
+    return saved
 
 
 def idle_launches(graphs: Any, label: str, repeats: int = 20) -> list[dict[str, Any]]:
@@ -103,6 +139,17 @@ def main() -> None:
             wall = time.perf_counter() - t
         finally:
             torch.cuda.CUDAGraph.replay = original  # type: ignore[method-assign]
+        phases: dict[str, list[float]] = {}
+        saved = phase_timers(phases)
+        try:
+            engine.generate([prompt], params)
+            torch.cuda.synchronize()
+        finally:
+            for cls, attr, original_fn in saved:
+                setattr(cls, attr, original_fn)
+        steps = max(len(phases.get("engine.step", [])), 1)
+        per_step = {n: {"calls_per_step": round(len(v) / steps, 2), "us_per_step": round(1e6 * sum(v) / steps, 1)}
+                    for n, v in phases.items()}
         by_graph: dict[int, list[tuple[float, bool]]] = {}
         for gid, us, busy in log:
             by_graph.setdefault(gid, []).append((us, busy))
@@ -115,17 +162,18 @@ def main() -> None:
             rows += idle_launches(spec.draft.graphs, "draft")
             for shape, entry in spec.draft.graphs.captured.items():
                 names[id(entry.graph)] = f"draft {shape}"
-        in_generate = []
+        in_generate: list[dict[str, Any]] = []
         for gid, calls in by_graph.items():
-            idle = [us for us, busy in calls if not busy]
-            busy = [us for us, b in calls if b]
+            idle = [us for us, queued in calls if not queued]
+            behind = [us for us, queued in calls if queued]
             in_generate.append({"graph": names.get(gid, str(gid)), "calls": len(calls),
                                 "host_us_idle_stream_median": round(statistics.median(idle), 1) if idle else None,
                                 "calls_idle_stream": len(idle),
-                                "host_us_busy_stream_median": round(statistics.median(busy), 1) if busy else None,
+                                "host_us_busy_stream_median": round(statistics.median(behind), 1) if behind else None,
                                 "host_us_total": round(sum(us for us, _ in calls), 1)})
         out["configs"][name] = {"tokens": len(c.token_ids), "wall_ms": round(1000 * wall, 2),
                                 "ms_per_token": round(1000 * wall / max(len(c.token_ids), 1), 3),
+                                "engine_steps": steps, "host_phases_per_step": per_step,
                                 "replays_in_generate": sorted(in_generate, key=lambda r: -r["host_us_total"]),
                                 "idle_launch": rows}
         print(json.dumps(out["configs"][name], indent=1), flush=True)
