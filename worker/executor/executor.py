@@ -128,19 +128,24 @@ class StepExecutor:
     # --- the one entry point --------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, step: Step, hidden: torch.Tensor | None = None, input_ids: torch.Tensor | None = None
-            ) -> ModelOutput:
+    def run(self, step: Step, hidden: torch.Tensor | None = None, input_ids: torch.Tensor | None = None,
+            positions: torch.Tensor | None = None, tail_rows: torch.Tensor | None = None) -> ModelOutput:
         """Logits of every sequence's last ``num_logits`` rows ([step.num_logits, vocab]) and the
         model's per-row hidden states ([step.num_tokens, width] each). ``input_ids``: [step.num_tokens]
-        on the device, in place of the step's token ids (a verify of drafts still on the device)."""
+        on the device, in place of the step's token ids (a verify of drafts still on the device);
+        ``positions`` ([step.num_tokens]) and ``tail_rows`` ([step.num_tokens, tail], every sequence's
+        tail mask rows): the same for RoPE positions and tree masks (a draft tree grown on the device),
+        at captured shapes only."""
         shape = self.graph_shape(step, 0 if hidden is None else int(hidden.shape[-1]))
+        if shape is None and (positions is not None or tail_rows is not None):
+            raise ValueError("device-side positions and tail masks need a captured step shape")
         if shape is None:
             batch = self.forward_batch(step, hidden)
             if input_ids is not None:
                 batch.input_ids = input_ids.to(batch.input_ids.dtype)
             out: ModelOutput = self.model(batch)
             return out
-        return self._replay(shape, step, hidden, input_ids)
+        return self._replay(shape, step, hidden, input_ids, positions, tail_rows)
 
     def graph_key(self, step: Step, hidden: int = 0) -> ShapeKey | None:
         """The captured kind of forward this step fits (its shape without the batch), or None."""
@@ -200,14 +205,15 @@ class StepExecutor:
         return fed
 
     def _replay(self, shape: StepShape, step: Step, hidden: torch.Tensor | None,
-                input_ids: torch.Tensor | None = None) -> ModelOutput:
+                input_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                tail_rows: torch.Tensor | None = None) -> ModelOutput:
         graphs = self.graphs
         assert graphs is not None
         bs = self.kv_cache.block_size
         packed = [PackedSeq(s.block_table, s.token_ids, s.positions, s.slots(bs), s.context_len, s.tail_mask)
                   for s in step.seqs]
         dp_real = list(step.dp_num_tokens) if self.dp and step.dp_num_tokens is not None else []
-        logits, *rest = graphs.run(shape, packed, hidden, dp_real, input_ids)
+        logits, *rest = graphs.run(shape, packed, hidden, dp_real, input_ids, positions, tail_rows)
         return ModelOutput(logits, tuple(rest))
 
     # --- start-up and cache moves -------------------------------------------------------------

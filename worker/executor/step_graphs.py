@@ -275,12 +275,14 @@ class StepGraphs:
         return self._host_t[:size]
 
     def run(self, shape: StepShape, seqs: Sequence[PackedSeq], hidden: torch.Tensor | None = None,
-            dp_real: Sequence[int] = (), input_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
+            dp_real: Sequence[int] = (), input_ids: torch.Tensor | None = None,
+            positions: torch.Tensor | None = None, tail_rows: torch.Tensor | None = None) -> list[torch.Tensor]:
         """One step at ``shape`` (from ``shape_for``) -> each output's real rows, in ``seqs`` order:
         a per-row output [real rows, ...], a per-sequence one (``last_only`` logits) [len(seqs), ...].
         hidden: [real rows, shape.hidden] (the draft's hidden input) or None; dp_real: every DP
-        group's real tokens (DP attention); input_ids: [real rows] on the device, in place of the
-        rows' token ids (a chain's first tokens, chosen on the device)."""
+        group's real tokens (DP attention); input_ids, positions: [real rows], tail_rows: [real rows,
+        shape.tail] (0/1), on the device, in place of the rows' token ids, RoPE positions and tail
+        masks (drafts and draft trees grown on the device; the host's values only size the step)."""
         entry = self.captured[shape]
         v = entry.views
         self.runs += 1
@@ -299,6 +301,12 @@ class StepGraphs:
         dest = v.dest[:num_real]
         if input_ids is not None:
             v.ids.index_copy_(0, dest, input_ids.to(v.ids.dtype))
+        if positions is not None:
+            v.positions.index_copy_(0, dest, positions.to(v.positions.dtype))
+        if tail_rows is not None:
+            if tail_rows.shape != (num_real, shape.tail):
+                raise ValueError(f"tail rows {tuple(tail_rows.shape)} for {num_real} rows of {shape}")
+            v.tail.index_copy_(0, dest, tail_rows.to(v.tail.dtype))
         if v.hidden is not None:
             if hidden is None:
                 raise ValueError(f"{shape} takes a hidden input")

@@ -21,6 +21,11 @@ token, with at least one token already in the cache):
    top-k), with the request's own random stream. The accepted nodes' K/V move to the
    sequence's next slots (the runner's ``copy_kv``); their aux rows wait for the next draft.
 
+On one rank at captured shapes the step waits once: a greedy chain's drafts (``_deferred_verify``) and
+a tree (``_deferred_tree``: grown on the device) stay on the device and the verify is queued right
+behind the draft's replays with them as its inputs; the drafts, or the trees, are read back after it
+with the target's argmax of every row.
+
 Prefill chunks and a prompt's first sample run as without speculation (and capture aux).
 Preempted sequences lose their draft state and rebuild it from the recomputed prefill. A
 verify's drafts are not counted against ``max_batch_tokens``: a step may feed up to
@@ -150,7 +155,7 @@ class SpecDecoder:
                 raise RuntimeError(f"sequence {e.seq_id}: draft state out of step with the target's cache")
         work = [DraftWork(e, s, self._states[e.seq_id], self._draw(state_of(s).generator))
                 for e, s in zip(batch.seqs, seqs) if self._drafts(e, self._states[e.seq_id])]
-        deferred = self._deferred_verify(batch, work)
+        deferred = self._deferred_verify(batch, work) or self._deferred_tree(batch, work)
         argmax: list[int] | None = None  # the target's argmax of every logits row, when already read back
         if deferred is not None:
             run, out, proposals, argmax = deferred
@@ -205,6 +210,40 @@ class SpecDecoder:
         entries = [self._verify_entry(e, proposals[e.seq_id].tree) if e.seq_id in proposals else e
                    for e in batch.seqs]
         return ScheduledBatch(seqs=entries, preempted=batch.preempted), out, proposals, flat[len(work) * n:]
+
+    def _deferred_tree(self, batch: ScheduledBatch, work: list[DraftWork]
+                       ) -> tuple[ScheduledBatch, Any, dict[int, Proposal], list[int]] | None:
+        """A tree on one rank: the draft trees are grown on the device (``Drafter.tree_on_device``) and the
+        verify is queued behind the draft steps with the trees' tokens, positions and masks as device
+        inputs (placeholders on the host size the step); the trees are read back after it together with
+        the target's argmax of every row (the step's one wait). None where this does not apply (several
+        ranks take the step's values, a step with sequences that do not draft, a shape not captured)."""
+        if (not work or self.target is not self.target.local or self.drafter.is_chain
+                or len(work) != len(batch.seqs)):
+            return None
+        n = self.config.verify_tokens
+        star = (-1,) + (0,) * (n - 1)  # the layout only: the device's masks replace it
+        placeholder = [replace(w.entry, token_ids=[w.entry.token_ids[0], *[0] * (n - 1)], num_logits=n,
+                               position_ids=(w.entry.start, *[w.entry.start + 1] * (n - 1)), tree_parents=star)
+                       for w in work]
+        step = forward_step(ScheduledBatch(seqs=placeholder, preempted=batch.preempted))
+        local = self.target.local
+        if local.graph_shape(step) is None:
+            return None
+        tree = self.drafter.tree_on_device(work)
+        if tree is None:
+            return None
+        b = len(work)
+        starts = to_device([w.entry.start for w in work], local.device)
+        out = local.run(step, input_ids=tree.tokens.reshape(-1), positions=(starts[:, None] + tree.depths).reshape(-1),
+                        tail_rows=tree.mask.reshape(b * n, n))
+        # the read-back is queued behind the verify: the step's one wait, for the trees and the verify
+        flat = torch.cat([tree.tokens.reshape(-1), tree.parents.reshape(-1), out.logits.argmax(dim=-1)]).tolist()
+        proposals = {w.entry.seq_id: Proposal(DraftTree(tuple(flat[i * n:(i + 1) * n]),
+                                                        tuple(flat[(b + i) * n:(b + i + 1) * n])))
+                     for i, w in enumerate(work)}
+        entries = [self._verify_entry(e, proposals[e.seq_id].tree) for e in batch.seqs]
+        return ScheduledBatch(seqs=entries, preempted=batch.preempted), out, proposals, flat[2 * b * n:]
 
     @staticmethod
     def _drafts(e: ScheduledSeq, state: DraftState) -> bool:

@@ -17,7 +17,10 @@ whose drafts are drawn from the draft's distribution q (kept for the rejection r
 A greedy chain (every sequence of the batch greedy, topk 1) runs steps 1 .. num_steps - 1 as one
 chained replay (``StepExecutor.run_chain``: each step's argmax token and hidden state feed the next
 on the device) and reads the drafts back once; where no chained shape was captured (or off
-graphs) it takes the step-by-step path above, which proposes the same drafts.
+graphs) it takes the step-by-step path above, which proposes the same drafts. A tree on one rank
+grows on the device instead (``tree_on_device``, ``device_tree.TreeGrowth``: the same candidates, leaves
+and masks as steps 2-3 here, no read-back between the draft steps) wherever every draft step's shape is
+captured; the step-by-step path stays the reference (several ranks, eager forwards).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from ..engine.sequence import SamplingParams, Sequence
 from ..executor.executor import StepExecutor
 from ..executor.host_copy import to_device
 from ..executor.step import SeqRows, Step
+from .device_tree import DeviceTree, TreeGrowth
 from .draft_tree import DraftTree, TreeBuilder
 from .rejection_sampler import Draw, sample_token
 
@@ -147,6 +151,35 @@ class Drafter:
         fed = self.draft.run_chain(Step(seqs), root_hidden, first, self.num_steps - 1)
         assert fed is not None  # chain_shape said a shape fits
         return torch.cat([first[:, None], fed], dim=1)
+
+    def tree_on_device(self, work: list[DraftWork]) -> DeviceTree | None:
+        """Every sequence's verified draft tree grown on the device (``device_tree.TreeGrowth``: the
+        ``propose`` tree's rule, no read-back between the draft steps), the first pass and the draft
+        steps queued back to back. None (before running anything) when a step has no captured shape."""
+        steps = self.num_steps
+        tails = [self._tree_step(work, j) for j in range(1, steps)]
+        if any(self.draft.graph_shape(step, self._hidden) is None for step in tails):
+            return None
+        logits, root_hidden = self._first_pass(work)
+        roots = to_device([w.entry.token_ids[0] for w in work], logits.device)
+        growth = TreeGrowth(roots, *self._top_k(logits), root_hidden, steps)
+        for step in tails:
+            tokens, hidden, mask = growth.feed()
+            out = self.draft.run(step, hidden, input_ids=tokens, tail_rows=mask)
+            growth.expand(*self._top_k(out.logits), out.hidden[0])
+        return growth.build(self.num_nodes)
+
+    def _tree_step(self, work: list[DraftWork], j: int) -> Step:
+        """Draft step j's layout (its tokens and mask come from the device): ``topk`` leaves per sequence
+        at RoPE n + j in slots n + (j - 1) * topk + r, attending over the j * topk scratch slots."""
+        k = self.topk
+        return Step(tuple(SeqRows(tuple(w.entry.block_table), (0,) * k, (w.entry.start + j,) * k,
+                                  w.entry.start + j * k, k, (True,) * (k * j * k)) for w in work))
+
+    def _top_k(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft's ``topk`` best per row as target ids and their log-probabilities (``_children``'s)."""
+        top_lp, top_ids = torch.log_softmax(logits.float(), dim=-1).topk(self.topk, dim=-1)
+        return self._draft_to_target[top_ids], top_lp
 
     @staticmethod
     def chain_proposals(work: list[DraftWork], rows: list[list[int]]) -> list[Proposal]:

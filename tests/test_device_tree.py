@@ -1,0 +1,153 @@
+"""Draft trees grown on the device (``worker/spec_decode/device_tree.py``) equal the host's ``TreeBuilder``:
+the same candidates from the same top-k, the same leaves fed at every step with the same masks, the same
+verified tree — and through the engine the same tokens and acceptance as the host-grown path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fusedserve.worker.engine.config import EngineConfig
+from fusedserve.worker.engine.engine import Engine
+from fusedserve.worker.engine.sequence import SamplingParams
+from fusedserve.worker.executor.step import ancestor_mask
+from fusedserve.worker.spec_decode.config import SpeculativeConfig
+from fusedserve.worker.spec_decode.decoder import SpecDecoder
+from fusedserve.worker.spec_decode.device_tree import TreeGrowth
+from fusedserve.worker.spec_decode.draft_tree import TreeBuilder, tree_depths
+from fusedserve.worker.spec_decode.drafter import Drafter
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET = ROOT / "examples/checkpoints/tiny-code"
+DRAFT = str(ROOT / "examples/checkpoints/tiny-code-eagle3")
+PROMPTS = ["def fib(n):\n    ", "import os\nclass Foo:\n", "for i in range(10):"]
+
+
+def host_tree(root: int, steps: list[tuple[torch.Tensor, torch.Tensor]], k: int, nodes: int
+              ) -> tuple[tuple[int, ...], tuple[int, ...], list[list[tuple[int, ...]]]]:
+    """The host's rule (``Drafter.propose``) on given top-k per step: (tokens, parents, each step's feed
+    rows as (token, ancestor-slot set))."""
+    b = TreeBuilder(root)
+    tokens, lps = steps[0]
+    leaves = b.add_children(-1, tokens[0].tolist(), lps[0].double().tolist())
+    slot_of: dict[int, int] = {}
+    feeds = []
+    for j, (tokens, lps) in enumerate(steps[1:], start=1):
+        for r, c in enumerate(leaves):
+            slot_of[c] = (j - 1) * k + r
+        rows = []
+        for c in leaves:
+            seen, a = [], c
+            while a >= 0:
+                seen.append(slot_of[a])
+                a = b.parent(a)
+            rows.append((b.token(c), tuple(sorted(seen))))
+        feeds.append(rows)
+        new = []
+        for r, c in enumerate(leaves):
+            new += b.add_children(c, tokens[r].tolist(), lps[r].double().tolist())
+        leaves = b.best(new, k)
+    t = b.build(nodes)
+    return t.tokens, t.parents, feeds
+
+
+@pytest.mark.parametrize("k,steps,nodes,ties", [(2, 3, 5, False), (4, 4, 12, False), (3, 4, 10, True),
+                                                (8, 7, 64, False)])
+def test_tree_growth_equals_the_host_builder(k: int, steps: int, nodes: int, ties: bool) -> None:
+    g = torch.Generator().manual_seed(k * 10 + steps)
+    vocab = 50
+
+    def top(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = torch.randn(rows, vocab, generator=g)
+        if ties:  # equal log-probabilities among siblings and across leaves
+            logits = logits.round()
+        lp, ids = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+        return ids + 1000, lp
+
+    first = top(1)
+    growth = TreeGrowth(torch.tensor([7]), first[0], first[1], torch.zeros(1, 4), steps)
+    per_step = [first]
+    feeds = []
+    for _ in range(1, steps):
+        tokens, hidden, mask = growth.feed()
+        feeds.append((tokens, mask))
+        step = top(k)
+        per_step.append(step)
+        growth.expand(step[0], step[1], torch.zeros(k, 4))
+    tree = growth.build(nodes)
+    want_tokens, want_parents, want_feeds = host_tree(7, per_step, k, nodes)
+    assert tuple(tree.tokens[0].tolist()) == want_tokens
+    assert tuple(tree.parents[0].tolist()) == want_parents
+    assert tuple(tree.depths[0].tolist()) == tree_depths(want_parents)
+    n = len(want_parents)
+    assert tuple(tree.mask[0].reshape(-1).tolist()) == ancestor_mask(want_parents)
+    for (tokens, mask), rows in zip(feeds, want_feeds):
+        assert [(int(t), tuple(torch.nonzero(m).view(-1).tolist())) for t, m in zip(tokens, mask)] == rows
+    assert n == nodes
+
+
+def test_tree_growth_batches_sequences_independently() -> None:
+    g = torch.Generator().manual_seed(3)
+    k, steps, nodes = 3, 3, 7
+    tops = [torch.log_softmax(torch.randn(2 * (1 if j == 0 else k), 30, generator=g), -1).topk(k) for j in range(steps)]
+    both = TreeGrowth(torch.tensor([1, 2]), tops[0].indices, tops[0].values, torch.zeros(2, 4), steps)
+    alone = [TreeGrowth(torch.tensor([i + 1]), tops[0].indices[i:i + 1], tops[0].values[i:i + 1], torch.zeros(1, 4),
+                        steps) for i in range(2)]
+    for j in range(1, steps):
+        both.feed()
+        both.expand(tops[j].indices, tops[j].values, torch.zeros(2 * k, 4))
+        for i, one in enumerate(alone):
+            one.feed()
+            one.expand(tops[j].indices[i * k:(i + 1) * k], tops[j].values[i * k:(i + 1) * k], torch.zeros(k, 4))
+    tb = both.build(nodes)
+    for i, one in enumerate(alone):
+        t = one.build(nodes)
+        assert torch.equal(tb.tokens[i], t.tokens[0]) and torch.equal(tb.parents[i], t.parents[0])
+        assert torch.equal(tb.mask[i], t.mask[0])
+
+
+def test_engine_trees_grown_on_the_device_equal_host_grown_trees(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Static-shape steps (CUDA graphs on a GPU, their padded forwards here): the same tokens and the same
+    acceptance at every position whether the trees grow on the device or on the host; the device path ran
+    (one read-back per step) and the host path did not, for every decoding step at batch 1."""
+    spec = SpeculativeConfig(DRAFT, num_steps=4, topk=3, num_draft_tokens=8)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    calls = {"device": 0, "host": 0}
+    on_device, propose = Drafter.tree_on_device, Drafter.propose
+
+    def device(self, work):  # type: ignore[no-untyped-def]
+        calls["device"] += 1
+        return on_device(self, work)
+
+    def host(self, work):  # type: ignore[no-untyped-def]
+        calls["host"] += bool(work)  # a prefill step proposes for nobody
+        return propose(self, work)
+
+    monkeypatch.setattr(Drafter, "tree_on_device", device)
+    monkeypatch.setattr(Drafter, "propose", host)
+    runs = {}
+    for name in ("device", "host"):
+        if name == "host":
+            monkeypatch.setattr(SpecDecoder, "_deferred_tree", lambda self, batch, work: None)
+        calls.update(device=0, host=0)
+        engine = Engine(TARGET, EngineConfig(num_blocks=24, block_size=4, max_num_seqs=1, speculative=spec,
+                                             cuda_graphs=True, cuda_graph_batch_sizes=(1,)))
+        outs = [c.token_ids for c in engine.generate(PROMPTS, params)]
+        runs[name] = (outs, engine.stats().spec, dict(calls))
+    assert runs["device"][0] == runs["host"][0]
+    assert runs["device"][1] == runs["host"][1]
+    stats = runs["device"][1]
+    assert stats is not None and stats.accepted_tokens > 0
+    assert runs["device"][2]["device"] > 0 and runs["device"][2]["host"] == 0, runs["device"][2]
+    assert runs["host"][2]["host"] > 0
+
+
+def test_device_positions_and_masks_need_a_captured_shape() -> None:
+    from fusedserve.worker.executor.step import SeqRows, Step
+
+    engine = Engine(TARGET, EngineConfig(num_blocks=8))  # no static shapes: eager forwards
+    step = Step((SeqRows((0,), (5, 6), (0, 1), 2, 2, (True, False, True, True)),))
+    with pytest.raises(ValueError, match="captured step shape"):
+        engine.executor.run(step, positions=torch.tensor([0, 1]))

@@ -1,0 +1,121 @@
+"""A batch's EAGLE draft trees grown on the device: ``TreeBuilder``'s rule in fixed-shape tensor ops.
+
+The host builder (``draft_tree.TreeBuilder``) reads every draft step's top-k back to grow its
+candidate lists, a wait per step. ``TreeGrowth`` keeps the same candidates as tensors, so the draft
+steps and the verify are queued back to back and the step waits once, for the verified tree and the
+target's choices together. Per sequence (B of them), ``k`` = topk, ``S`` = draft steps:
+
+- candidates ``[B, C]``, C = k + (S - 1) k²: the root's k children (from the first pass), then the k
+  children of each of the k leaves fed at steps 1 .. S - 1; each has a token (target id), a parent
+  candidate (-1 = the root), a depth (1 = a root child) and a score: the parent's plus its own
+  draft log-probability (kept at most the parent's, as the host's), in float64 as the host's Python
+  floats, so both rank alike;
+- the leaves fed at step j: the k best of step j - 1's new candidates (all k root children at j = 1),
+  in candidate order, at RoPE ``n + j`` and cache slots ``n + (j - 1) k + r``; each attends to the
+  bases, the slots of its ancestors (fed leaves all) and its own (``feed``);
+- ``build``: the root and the ``num_nodes - 1`` best candidates in candidate order (parents first),
+  their parents as node indices, depths, and each node's ancestor mask over the tree's nodes.
+
+"Best" is by score, ties to the earlier candidate (a stable sort), as ``TreeBuilder.best``; a child
+never outranks its parent, so a chosen node's parent is chosen too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DeviceTree:
+    """Verified trees of a batch, on the device (node 0 = the root)."""
+
+    tokens: torch.Tensor  # [B, N] target ids
+    parents: torch.Tensor  # [B, N] node indices, -1 for the root
+    depths: torch.Tensor  # [B, N]
+    mask: torch.Tensor  # [B, N, N] bool: each node's ancestors and itself
+
+
+def best(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices of the ``k`` best of each row ([B, M] -> [B, k]) by score, ties to the lower index,
+    in ascending index order."""
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
+    return torch.sort(order, dim=1).values
+
+
+class TreeGrowth:
+    """One batch's candidates, grown step by step on the device (``feed``, then ``expand``)."""
+
+    def __init__(self, root_tokens: torch.Tensor, top_tokens: torch.Tensor, top_logprobs: torch.Tensor,
+                 root_hidden: torch.Tensor, num_steps: int) -> None:
+        """The root's children. root_tokens: [B]; top_tokens, top_logprobs: [B, k] (the first pass's
+        top-k, target ids); root_hidden: [B, H] (what the root's children are fed)."""
+        b, k = top_tokens.shape
+        dev = top_tokens.device
+        self.k, self.num_steps = k, num_steps
+        size = k + (num_steps - 1) * k * k
+        self.root_tokens = root_tokens
+        self.tokens = torch.zeros((b, size), dtype=torch.long, device=dev)
+        self.parents = torch.full((b, size), -1, dtype=torch.long, device=dev)
+        self.depths = torch.ones((b, size), dtype=torch.long, device=dev)
+        self.scores = torch.full((b, size), float("-inf"), dtype=torch.float64, device=dev)
+        self.tokens[:, :k] = top_tokens
+        self.scores[:, :k] = top_logprobs.double().clamp(max=0.0)
+        self.leaves = torch.arange(k, device=dev).expand(b, k).contiguous()  # candidate indices, fed next
+        self.leaf_hidden = root_hidden[:, None, :].expand(b, k, root_hidden.shape[-1]).contiguous()
+        width = max(num_steps - 1, 1) * k
+        self.leaf_mask = torch.zeros((b, k, width), dtype=torch.bool, device=dev)  # ancestors' scratch slots
+        self.step = 1
+
+    def feed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Step ``self.step``'s inputs: tokens [B * k], hidden [B * k, H], mask rows [B * k, step * k]
+        over the scratch slots (ancestors' and its own)."""
+        j, k = self.step, self.k
+        b = self.leaves.shape[0]
+        tokens = self.tokens.gather(1, self.leaves)
+        own = torch.zeros_like(self.leaf_mask)
+        own[:, torch.arange(k, device=own.device), (j - 1) * k + torch.arange(k, device=own.device)] = True
+        self._fed_mask = self.leaf_mask | own  # each fed leaf's ancestors and itself
+        rows = self._fed_mask[:, :, : j * k]
+        return tokens.reshape(b * k), self.leaf_hidden.reshape(b * k, -1), rows.reshape(b * k, j * k)
+
+    def expand(self, top_tokens: torch.Tensor, top_logprobs: torch.Tensor, out_hidden: torch.Tensor) -> None:
+        """The fed leaves' children. top_tokens, top_logprobs: [B * k, k] (each fed leaf's top-k, target
+        ids); out_hidden: [B * k, H] (the draft's output per fed leaf: its children's hidden input)."""
+        j, k = self.step, self.k
+        b = self.leaves.shape[0]
+        base = self.scores.gather(1, self.leaves)[:, :, None]  # [B, k, 1]
+        lp = top_logprobs.view(b, k, k).double()
+        scores = torch.minimum(base, base + lp).reshape(b, k * k)
+        lo = k + (j - 1) * k * k
+        self.tokens[:, lo: lo + k * k] = top_tokens.view(b, k * k)
+        self.parents[:, lo: lo + k * k] = self.leaves[:, :, None].expand(b, k, k).reshape(b, k * k)
+        self.depths[:, lo: lo + k * k] = j + 1
+        self.scores[:, lo: lo + k * k] = scores
+        chosen = best(scores, k)  # [B, k] among the k * k new ones
+        parent_row = chosen // k  # which fed leaf each new leaf hangs under
+        self.leaves = lo + chosen
+        h = out_hidden.view(b, k, -1)
+        self.leaf_hidden = h.gather(1, parent_row[:, :, None].expand(b, k, h.shape[-1]))
+        self.leaf_mask = self._fed_mask.gather(1, parent_row[:, :, None].expand(b, k, self._fed_mask.shape[-1]))
+        self.step += 1
+
+    def build(self, num_nodes: int) -> DeviceTree:
+        """The verified trees: the root and the ``num_nodes - 1`` best candidates."""
+        b, size = self.tokens.shape
+        dev = self.tokens.device
+        chosen = best(self.scores, num_nodes - 1)  # [B, N - 1], candidate order = parents first
+        node_of = torch.full((b, size), -1, dtype=torch.long, device=dev)
+        node_of.scatter_(1, chosen, torch.arange(1, num_nodes, device=dev).expand(b, num_nodes - 1).contiguous())
+        parent_cand = self.parents.gather(1, chosen)
+        parents = torch.where(parent_cand < 0, 0, node_of.gather(1, parent_cand.clamp(min=0)))
+        minus_one = torch.full((b, 1), -1, dtype=torch.long, device=dev)
+        parents = torch.cat([minus_one, parents], dim=1)
+        tokens = torch.cat([self.root_tokens.view(b, 1).long(), self.tokens.gather(1, chosen)], dim=1)
+        depths = torch.cat([torch.zeros((b, 1), dtype=torch.long, device=dev), self.depths.gather(1, chosen)], dim=1)
+        mask = torch.eye(num_nodes, dtype=torch.bool, device=dev).expand(b, num_nodes, num_nodes).contiguous()
+        up = parents.clamp(min=0)[:, :, None].expand(b, num_nodes, num_nodes)
+        for _ in range(self.num_steps):  # depth <= num_steps: each pass adds one more generation of ancestors
+            mask = mask | mask.gather(1, up)
+        return DeviceTree(tokens, parents, depths, mask)
