@@ -110,10 +110,13 @@ def test_tree_growth_batches_sequences_independently() -> None:
 
 def test_engine_trees_grown_on_the_device_equal_host_grown_trees(monkeypatch: pytest.MonkeyPatch) -> None:
     """Static-shape steps (CUDA graphs on a GPU, their padded forwards here): the same tokens and the same
-    acceptance at every position whether the trees grow on the device or on the host; the device path ran
+    acceptance at every position whether the trees grow on the device or on the host — greedy, sampled (the
+    tree's rejection rule, seeded) and with a penalty adjusting the target's logits; the device path ran
     (one read-back per step) and the host path did not, for every decoding step at batch 1."""
     spec = SpeculativeConfig(DRAFT, num_steps=4, topk=3, num_draft_tokens=8)
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=24, ignore_eos=True),  # tree rejection rule
+              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.5)]  # adjusted argmax
     calls = {"device": 0, "host": 0}
     on_device, propose = Drafter.tree_on_device, Drafter.propose
 

@@ -66,6 +66,11 @@ class TreeGrowth:
         self.leaf_hidden = root_hidden[:, None, :].expand(b, k, root_hidden.shape[-1]).contiguous()
         width = max(num_steps - 1, 1) * k
         self.leaf_mask = torch.zeros((b, k, width), dtype=torch.bool, device=dev)  # ancestors' scratch slots
+        # the slot of the r-th leaf fed at step j, as a mask row [k, width] per step (made once)
+        rows = torch.arange(k, device=dev)
+        self._own = torch.zeros((max(num_steps - 1, 1), k, width), dtype=torch.bool, device=dev)
+        for j in range(1, num_steps):
+            self._own[j - 1, rows, (j - 1) * k + rows] = True
         self.step = 1
 
     def feed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -74,9 +79,7 @@ class TreeGrowth:
         j, k = self.step, self.k
         b = self.leaves.shape[0]
         tokens = self.tokens.gather(1, self.leaves)
-        own = torch.zeros_like(self.leaf_mask)
-        own[:, torch.arange(k, device=own.device), (j - 1) * k + torch.arange(k, device=own.device)] = True
-        self._fed_mask = self.leaf_mask | own  # each fed leaf's ancestors and itself
+        self._fed_mask = self.leaf_mask | self._own[j - 1]  # each fed leaf's ancestors and itself
         rows = self._fed_mask[:, :, : j * k]
         return tokens.reshape(b * k), self.leaf_hidden.reshape(b * k, -1), rows.reshape(b * k, j * k)
 
