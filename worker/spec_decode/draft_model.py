@@ -30,7 +30,6 @@ from ...models.eagle3 import Eagle3Draft, aux_layers, load_eagle3_draft
 from ...models.forward_batch import KVCache
 from ...models.layers.attention_layout import flashinfer_supports
 from ...models.layers.kernels import Kernels
-from ...models.layers.linear import use_matmul
 from ...models.layers.paged_attention_torch import paged_attention_torch
 from ...models.loader import CheckpointError, checkpoint_files, iter_checkpoint, load_config
 from ..executor.executor import StepExecutor
@@ -74,9 +73,6 @@ def build_draft(draft_dir: str | Path, target_dir: str | Path, target_config: An
     model = load_eagle3_draft(str(draft_dir), int(target_config.hidden_size), embedding, dtype, device, attention,
                               kernels)
     model.eval()
-    retune = getattr(kernels.matmul if kernels is not None else None, "for_module", None)
-    if retune is not None:  # the target's tuned decode matmuls: the draft's own shapes measured too
-        use_matmul(model, retune(model, dtype, device))
     mapped = model.to_target_ids(torch.arange(model.draft_vocab, device=device))
     if int(mapped.min()) < 0 or int(mapped.max()) >= int(target_config.vocab_size):
         raise CheckpointError(f"{draft_dir}: d2t maps draft ids outside the target vocabulary "

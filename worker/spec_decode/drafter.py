@@ -215,10 +215,10 @@ class Drafter:
         top_tokens: list[list[int]] = []
         top_lp_list: list[list[float]] = []
         if not (self.is_chain and all(not w.seq.params.greedy for w in work)):  # some row takes the top-k
-            top_lp, top_ids = torch.log_softmax(logits, dim=-1).topk(self.topk, dim=-1)
+            top_tokens_t, top_lp = self._top_k(logits)
             # one read-back for tokens and scores (a wait each: the draft step must finish); float64 holds
             # any token id exactly
-            both = torch.cat([self._draft_to_target[top_ids].double(), top_lp.double()], dim=-1).tolist()
+            both = torch.cat([top_tokens_t.double(), top_lp.double()], dim=-1).tolist()
             k = self.topk
             top_tokens = [[int(t) for t in row[:k]] for row in both]
             top_lp_list = [row[k:] for row in both]
