@@ -35,7 +35,7 @@ from ...models.layers.mamba_state import MambaStateCache
 from ...models.parallel.ledger import CollectiveLedger
 from .host_copy import to_device
 from .step import SeqRows, Step
-from .step_graphs import FeedFn, PackedSeq, StepGraphs
+from .step_graphs import FeedFn, GrowFn, PackedSeq, StepGraphs
 from .step_shape import ShapeKey, StepShape
 
 log = logging.getLogger(__name__)
@@ -204,6 +204,32 @@ class StepExecutor:
         [fed] = graphs.run(shape, packed, hidden, input_ids=first_ids)
         return fed
 
+    def tree_chain_shape(self, num_seqs: int, hidden: int, chain: int, leaves: int) -> StepShape | None:
+        """The captured tree chain ``run_tree_chain`` replays for ``num_seqs`` sequences, or None."""
+        if self.graphs is None or self.dp:
+            return None
+        return self.graphs.shape_for(num_seqs, (leaves, chain * leaves, False, hidden, chain))
+
+    @torch.inference_mode()
+    def run_tree_chain(self, step: Step, hidden: torch.Tensor, first_ids: torch.Tensor, scores: torch.Tensor,
+                       chain: int) -> list[torch.Tensor] | None:
+        """A draft tree's ``chain`` steps in one replay (a captured tree chain: the program given to
+        ``capture`` as ``grow``). ``step``: the first step's layout (every sequence's leaves, causal;
+        their masks come from the program); hidden, first_ids, scores: the first leaves' hidden inputs
+        [rows, width], tokens and scores [rows], on the device. -> the program's outputs, one row per
+        sequence; None when no captured tree chain fits."""
+        if not step.seqs:
+            return None
+        k = step.seqs[0].rows
+        if not all(s.rows == k and s.num_logits == k and s.tail_mask is None for s in step.seqs):
+            return None
+        shape = self.tree_chain_shape(len(step.seqs), int(hidden.shape[-1]), chain, k)
+        if shape is None or self.graphs is None:
+            return None
+        bs = self.kv_cache.block_size
+        packed = [PackedSeq(s.block_table, s.token_ids, s.positions, s.slots(bs), s.context_len) for s in step.seqs]
+        return self.graphs.run(shape, packed, hidden, input_ids=first_ids, scores=scores)
+
     def _replay(self, shape: StepShape, step: Step, hidden: torch.Tensor | None,
                 input_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                 tail_rows: torch.Tensor | None = None) -> ModelOutput:
@@ -218,15 +244,16 @@ class StepExecutor:
 
     # --- start-up and cache moves -------------------------------------------------------------
 
-    def capture(self, shapes: Sequence[StepShape], max_blocks: int, feed: FeedFn | None = None) -> None:
+    def capture(self, shapes: Sequence[StepShape], max_blocks: int, feed: FeedFn | None = None,
+                grow: GrowFn | None = None) -> None:
         """Capture the forward at these shapes (once, at start-up); from now on matching steps replay.
-        ``feed``: a chained shape's logits -> next tokens (``step_graphs.py``)."""
+        ``feed``: a chained shape's logits -> next tokens; ``grow``: a tree chain's program (``step_graphs.py``)."""
         if not self.graph_ready:
             raise ValueError("this executor was not built for CUDA graphs (graph-safe kernels, a padding block)")
         dtype = next(self.model.parameters()).dtype
         self.graphs = StepGraphs(self.model, self.kv_cache, shapes, max_blocks, dtype, self.ledger,
                                  self.aux_layers, self.dp, use_graphs=self.device.type == "cuda",
-                                 attention=self.attention, feed=feed)
+                                 attention=self.attention, feed=feed, grow=grow)
         log.info("captured %d step shapes (%s) %s", len(shapes), ", ".join(str(s) for s in sorted(shapes)[:4]),
                  "as CUDA graphs" if self.graphs.use_graphs else "(run eagerly off CUDA)")
 

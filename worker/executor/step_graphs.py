@@ -20,8 +20,14 @@ of one row per sequence back to back: after each, ``feed`` turns its logits into
 tokens and its hidden output becomes the next hidden input, and positions, causal limits, context
 lengths and cache slots advance by one on the device (the next slot through the block table;
 padding rows keep writing to ``pad_slot``). Its one output is every forward's fed token,
-[rows, chain]. Every captured forward's attention reads the batch's device metadata alone (a
-planner's ``graph_plan``), so it follows the contexts growing inside the replay.
+[rows, chain]. A tree chain (``StepShape.is_tree_chain``: a draft tree's steps) replays ``grow``,
+the drafter's program, which runs the ``chain`` forwards through a hook: before forward j its
+``tokens`` leaves per sequence take the program's tokens, hidden inputs and mask rows over the
+``j * tokens`` scratch slots (the tail's earlier columns stay visible: bases), at RoPE one further
+and ``tokens`` slots further on; its inputs are the first leaves' tokens, scores and hidden inputs
+(``run``'s ``input_ids``, ``scores``, ``hidden``), its outputs the built trees (per sequence).
+Every captured forward's attention reads the batch's device metadata alone (a planner's
+``graph_plan``), so it follows the contexts growing inside the replay.
 
 Off CUDA (``use_graphs=False``: the CPU tests, tp > 1 over gloo too) the same padded
 static-buffer forward runs eagerly: "capture" runs it once with the ledger capturing, and every
@@ -51,6 +57,10 @@ log = logging.getLogger(__name__)
 WARMUP_RUNS = 2
 StepFn = Callable[[ForwardBatch], ModelOutput]
 FeedFn = Callable[[torch.Tensor], torch.Tensor]  # a chained forward's logits [rows, vocab] -> next tokens [rows]
+# a tree chain's forward j: (j, leaf tokens [rows], hidden [rows, H], mask rows [rows, j * tokens]) -> (logits, hidden)
+TreeForward = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# a tree chain's program: (forward, first leaves' tokens [B, k], scores [B, k], hidden [B, k, H]) -> per-sequence outputs
+GrowFn = Callable[[TreeForward, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]
 
 
 class GraphReplayMismatch(RuntimeError):
@@ -87,6 +97,7 @@ class _Views:
     query_start: torch.Tensor  # [batch + 1] constant: each sequence's first row (int32)
     last_rows: torch.Tensor  # [batch] constant: each sequence's last row
     hidden: torch.Tensor | None  # [rows, hidden]
+    scores: torch.Tensor | None  # [rows] float64: a tree chain's first leaves' scores
 
 
 @dataclass
@@ -105,13 +116,15 @@ class StepGraphs:
     def __init__(self, fn: StepFn, kv_cache: KVCache, shapes: Sequence[StepShape], max_blocks: int,
                  hidden_dtype: torch.dtype, ledger: CollectiveLedger | None = None,
                  aux_layers: tuple[int, ...] = (), dp: int = 0, use_graphs: bool | None = None,
-                 attention: AttentionPlanner | None = None, feed: FeedFn | None = None) -> None:
+                 attention: AttentionPlanner | None = None, feed: FeedFn | None = None,
+                 grow: GrowFn | None = None) -> None:
         if not shapes:
             raise ValueError("no step shapes to capture")
         for shape in shapes:
-            if shape.chain and (feed is None or dp):
-                raise ValueError(f"{shape}: a chained forward needs a feed and no DP attention")
+            if shape.chain and ((grow if shape.is_tree_chain else feed) is None or dp):
+                raise ValueError(f"{shape}: a chained forward needs a feed (a tree's: a program) and no DP attention")
         self.feed = feed
+        self.grow = grow
         self.fn = fn
         self.kv_cache = kv_cache
         self.max_blocks = max_blocks
@@ -136,6 +149,8 @@ class StepGraphs:
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
         self._hidden = {h: torch.zeros(max(s.rows for s in ordered if s.hidden == h), h, dtype=hidden_dtype,
                                        device=device) for h in {s.hidden for s in ordered if s.hidden}}
+        trees = [s.rows for s in ordered if s.is_tree_chain]
+        self._scores = torch.zeros(max(trees), dtype=torch.float64, device=device) if trees else None
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.captured: dict[StepShape, _Captured] = {}
         self.runs = 0  # steps run through here (replays, or the padded forward off CUDA)
@@ -173,15 +188,16 @@ class StepGraphs:
                       token_seq=torch.arange(b, device=dev).repeat_interleave(q),
                       query_start=torch.arange(b + 1, dtype=torch.int32, device=dev) * q,
                       last_rows=torch.arange(b, device=dev) * q + q - 1,
-                      hidden=self._hidden[shape.hidden][:t] if shape.hidden else None)
+                      hidden=self._hidden[shape.hidden][:t] if shape.hidden else None,
+                      scores=self._scores[:t] if shape.is_tree_chain and self._scores is not None else None)
 
     def _forward(self, shape: StepShape, v: _Views, attention: Any = None) -> tuple[torch.Tensor, ...]:
         """The padded forward on the static views (captured: everything here is replayed)."""
         b = shape.batch
+        tail = (v.tail != 0) if shape.tail else None
         meta = PagedAttentionMetadata(block_tables=v.tables, context_lens=v.context_lens, token_seq=v.token_seq,
                                       token_index=v.index, query_start=v.query_start,
-                                      max_query_len=shape.tokens,
-                                      tail_mask=(v.tail != 0) if shape.tail else None)
+                                      max_query_len=shape.tokens, tail_mask=tail)
         batch = ForwardBatch(
             input_ids=v.ids, positions=v.positions,
             # The lists are not read by graph-safe kernels; they describe the padded shape only.
@@ -194,6 +210,9 @@ class StepGraphs:
         if not shape.chain:
             out = self.fn(batch)
             return (out.logits, *out.hidden)
+        if shape.is_tree_chain:
+            assert tail is not None
+            return self._tree_chain(shape, v, batch, tail)
         fed = []
         bs = self.kv_cache.block_size
         real = v.slots != self.pad_slot  # [b]: one row per sequence
@@ -211,6 +230,31 @@ class StepGraphs:
             block = v.tables.gather(1, (v.index // bs).view(b, 1)).view(b)
             v.slots.copy_(torch.where(real, block * bs + v.index % bs, self.pad_slot))
         return (torch.stack(fed, dim=1),)
+
+    def _tree_chain(self, shape: StepShape, v: _Views, batch: ForwardBatch, tail: torch.Tensor
+                    ) -> tuple[torch.Tensor, ...]:
+        """A draft tree's ``chain`` steps: the program's forwards on the views, each ``tokens`` slots on;
+        ``tail``: the attention's mask (bool [rows, shape.tail])."""
+        b, k, width = shape.batch, shape.tokens, shape.tail
+        bs = self.kv_cache.block_size
+        real = v.slots != self.pad_slot  # [rows]
+        assert self.grow is not None and v.hidden is not None and v.scores is not None
+
+        def forward(j: int, ids: torch.Tensor, hidden: torch.Tensor, rows: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+            if j > 1:  # the packed layout is step 1's
+                v.positions.add_(1)
+                v.index.add_(k)
+                v.context_lens.add_(k)
+                block = v.tables.gather(1, (v.index // bs).view(b, k)).view(b * k)
+                v.slots.copy_(torch.where(real, block * bs + v.index % bs, self.pad_slot))
+            v.ids.copy_(ids)
+            v.hidden.copy_(hidden)
+            tail[:, width - j * k:].copy_(rows)  # the earlier columns: bases, visible (packed as 1)
+            out = self.fn(batch)
+            return out.logits, out.hidden[0]
+
+        return self.grow(forward, v.ids.view(b, k), v.scores.view(b, k), v.hidden.view(b, k, -1))
 
     def _capture(self, shape: StepShape) -> _Captured:
         views = self._views(shape)
@@ -276,13 +320,15 @@ class StepGraphs:
 
     def run(self, shape: StepShape, seqs: Sequence[PackedSeq], hidden: torch.Tensor | None = None,
             dp_real: Sequence[int] = (), input_ids: torch.Tensor | None = None,
-            positions: torch.Tensor | None = None, tail_rows: torch.Tensor | None = None) -> list[torch.Tensor]:
+            positions: torch.Tensor | None = None, tail_rows: torch.Tensor | None = None,
+            scores: torch.Tensor | None = None) -> list[torch.Tensor]:
         """One step at ``shape`` (from ``shape_for``) -> each output's real rows, in ``seqs`` order:
         a per-row output [real rows, ...], a per-sequence one (``last_only`` logits) [len(seqs), ...].
         hidden: [real rows, shape.hidden] (the draft's hidden input) or None; dp_real: every DP
         group's real tokens (DP attention); input_ids, positions: [real rows], tail_rows: [real rows,
         shape.tail] (0/1), on the device, in place of the rows' token ids, RoPE positions and tail
-        masks (drafts and draft trees grown on the device; the host's values only size the step)."""
+        masks (drafts and draft trees grown on the device; the host's values only size the step);
+        scores: [real rows] (a tree chain's first leaves' scores)."""
         entry = self.captured[shape]
         v = entry.views
         self.runs += 1
@@ -311,6 +357,10 @@ class StepGraphs:
             if hidden is None:
                 raise ValueError(f"{shape} takes a hidden input")
             v.hidden.index_copy_(0, dest, hidden.to(v.hidden.dtype))
+        if v.scores is not None:
+            if scores is None or input_ids is None:
+                raise ValueError(f"{shape} takes its first leaves' tokens and scores")
+            v.scores.index_copy_(0, dest, scores.to(v.scores.dtype))
         if entry.graph is None:
             with self.ledger.capture() as again:
                 outputs = self._forward(shape, v, entry.attention)

@@ -4,9 +4,10 @@
 over each context's last ``tail`` slots (a draft tree), logits of every row or of each
 sequence's last row only (``last_only``: a sequence may bring fewer rows than ``tokens``,
 padded in front, e.g. the draft's first pass), and, for the EAGLE3 draft, a ``hidden`` input of
-that width; ``chain``: that many forwards of one row per sequence replayed back to back, each
-feeding its rows' greedy next token and hidden state to the next on the device (the EAGLE3 draft's
-chain steps in one replay). Examples (chain of 3 drafts, batch padded to 8):
+that width; ``chain``: that many forwards replayed back to back, each feeding the next on the
+device: one row per sequence with its greedy next token and hidden state (the EAGLE3 draft's chain
+steps), or ``tokens`` leaves per sequence with a mask over the last ``tail = chain * tokens`` slots
+(a draft tree's steps, grown on the device). Examples (chain of 3 drafts, batch padded to 8):
 
     StepShape(8, 1)                              target decode: one token per sequence
     StepShape(8, 4)                              target verify of a chain (root + 3 drafts, causal)
@@ -14,6 +15,7 @@ chain steps in one replay). Examples (chain of 3 drafts, batch padded to 8):
     StepShape(8, 4, last_only=True, hidden=384)  draft first pass: <= 4 bases, aux states in
     StepShape(8, 1, hidden=128)                  draft step of a chain: its own hidden state in
     StepShape(8, 1, hidden=128, chain=2)         the chain's 2 remaining draft steps, one replay
+    StepShape(8, 4, 24, hidden=128, chain=6)     a tree's 6 draft steps of 4 leaves, one replay
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ class StepShape:
     chain: int = 0  # forwards chained on the device (one row per sequence each); 0 = one plain forward
 
     def __post_init__(self) -> None:
-        if self.chain and (self.tokens != 1 or self.tail or self.last_only or not self.hidden):
-            raise ValueError(f"a chained shape feeds one row per sequence with a hidden input: {self}")
+        if self.chain and (self.last_only or not self.hidden or (self.tokens, self.tail) != (1, 0)
+                           and (self.tokens < 2 or self.tail != self.chain * self.tokens)):
+            raise ValueError(f"a chained shape feeds a hidden input to one row per sequence, or to a tree's "
+                             f"leaves with a mask over chain * tokens slots: {self}")
 
     @property
     def rows(self) -> int:
@@ -43,6 +47,11 @@ class StepShape:
     @property
     def key(self) -> ShapeKey:
         return (self.tokens, self.tail, self.last_only, self.hidden, self.chain)
+
+    @property
+    def is_tree_chain(self) -> bool:
+        """A draft tree's steps chained in one replay."""
+        return self.chain > 0 and self.tail > 0
 
     @staticmethod
     def of(batch: int, key: ShapeKey) -> StepShape:

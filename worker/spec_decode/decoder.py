@@ -133,11 +133,12 @@ class SpecDecoder:
         return [StepShape(b, q, 0 if self.config.is_chain else q) for b in batch_sizes]
 
     def capture_graphs(self, batch_sizes: list[int], max_blocks: int) -> None:
-        """Capture the draft's first pass and steps (once, at start-up); a chain's steps also chained."""
+        """Capture the draft's first pass and steps (once, at start-up); the steps also chained (a greedy
+        chain's, a tree's grown on the device)."""
         shapes = draft_shapes(self.draft_model, batch_sizes, self.config.num_steps, self.config.topk)
-        if self.config.is_chain and self.draft.chainable():
-            shapes += chain_shapes(self.draft_model, batch_sizes, self.config.num_steps)
-        self.draft.capture(shapes, max_blocks, feed=self.drafter.greedy_tokens)
+        if self.draft.chainable():
+            shapes += chain_shapes(self.draft_model, batch_sizes, self.config.num_steps, self.config.topk)
+        self.draft.capture(shapes, max_blocks, feed=self.drafter.greedy_tokens, grow=self.drafter.grow_tree)
 
     # --- one engine step ----------------------------------------------------------------------
 

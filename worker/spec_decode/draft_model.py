@@ -15,7 +15,7 @@ tree steps pass a mask over the scratch slots (each node sees the bases, its anc
 CUDA graphs (``draft_shapes``): the first pass (at most ``num_steps + 1`` bases per sequence,
 padded in front, the last row's logits) and the draft steps (``width`` nodes per sequence; a
 tree's step j with its mask over the ``j * width`` scratch slots) at every captured batch size;
-for a chain also (``chain_shapes``) its steps after the first pass chained in one replay, at the
+and (``chain_shapes``) its steps after the first pass chained in one replay (a greedy chain's, or a tree's grown on the device), at the
 batch sizes whose attention reads device metadata only.
 """
 
@@ -86,10 +86,14 @@ def build_draft(draft_dir: str | Path, target_dir: str | Path, target_config: An
                                attention=planner)
 
 
-def chain_shapes(model: Eagle3Draft, batch_sizes: list[int], num_steps: int) -> list[StepShape]:
-    """A greedy chain's steps 1 .. num_steps - 1 as one chained replay per batch size (none for one step)."""
+def chain_shapes(model: Eagle3Draft, batch_sizes: list[int], num_steps: int, width: int = 1) -> list[StepShape]:
+    """Steps 1 .. num_steps - 1 as one chained replay per batch size (none for one step): a greedy chain's,
+    or (``width`` > 1) a tree's, ``width`` leaves per step with a mask over the last (num_steps - 1) * width
+    slots."""
     h = int(model.config.hidden_size)
-    return [StepShape(b, 1, hidden=h, chain=num_steps - 1) for b in batch_sizes] if num_steps > 1 else []
+    chain = num_steps - 1
+    tail = 0 if width == 1 else chain * width
+    return [StepShape(b, width, tail, hidden=h, chain=chain) for b in batch_sizes] if chain else []
 
 
 def draft_shapes(model: Eagle3Draft, batch_sizes: list[int], num_steps: int, width: int) -> list[StepShape]:

@@ -18,9 +18,10 @@ A greedy chain (every sequence of the batch greedy, topk 1) runs steps 1 .. num_
 chained replay (``StepExecutor.run_chain``: each step's argmax token and hidden state feed the next
 on the device) and reads the drafts back once; where no chained shape was captured (or off
 graphs) it takes the step-by-step path above, which proposes the same drafts. A tree on one rank
-grows on the device instead (``tree_on_device``, ``device_tree.TreeGrowth``: the same candidates, leaves
-and masks as steps 2-3 here, no read-back between the draft steps) wherever every draft step's shape is
-captured; the step-by-step path stays the reference (several ranks, eager forwards).
+grows on the device instead (``tree_on_device``: ``grow_tree``, ``device_tree.TreeGrowth``'s the same
+candidates, leaves and masks as steps 2-3 here, its steps 1 .. num_steps - 1 and the tree's build in one
+replay of a captured tree chain, nothing read back in between) wherever the tree chain is captured;
+the step-by-step path stays the reference (several ranks, eager forwards).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from ..engine.sequence import SamplingParams, Sequence
 from ..executor.executor import StepExecutor
 from ..executor.host_copy import to_device
 from ..executor.step import SeqRows, Step
+from ..executor.step_graphs import TreeForward
 from .device_tree import DeviceTree, TreeGrowth
 from .draft_tree import DraftTree, TreeBuilder
 from .rejection_sampler import Draw, sample_token
@@ -153,28 +155,37 @@ class Drafter:
         return torch.cat([first[:, None], fed], dim=1)
 
     def tree_on_device(self, work: list[DraftWork]) -> DeviceTree | None:
-        """Every sequence's verified draft tree grown on the device (``device_tree.TreeGrowth``: the
-        ``propose`` tree's rule, no read-back between the draft steps), the first pass and the draft
-        steps queued back to back. None (before running anything) when a step has no captured shape."""
-        steps = self.num_steps
-        tails = [self._tree_step(work, j) for j in range(1, steps)]
-        if any(self.draft.graph_shape(step, self._hidden) is None for step in tails):
+        """Every sequence's verified draft tree grown on the device: the first pass, then one replay of
+        the captured tree chain (``grow_tree``: the ``propose`` tree's rule, nothing read back in between).
+        None (before running anything) when no tree chain fits."""
+        k, chain = self.topk, self.num_steps - 1
+        if chain < 1 or self.draft.tree_chain_shape(len(work), self._hidden, chain, k) is None:
             return None
         logits, root_hidden = self._first_pass(work)
+        top_tokens, top_lp = self._top_k(logits)
+        # step 1's layout: ``topk`` leaves per sequence at RoPE n + 1 in slots n + r (masks from the program)
+        first = Step(tuple(SeqRows(tuple(w.entry.block_table), (0,) * k, (w.entry.start + 1,) * k,
+                                   w.entry.start + k, k) for w in work))
+        out = self.draft.run_tree_chain(first, root_hidden.repeat_interleave(k, dim=0), top_tokens.reshape(-1),
+                                        top_lp.reshape(-1), chain)
+        assert out is not None  # tree_chain_shape said a shape fits
+        tokens, parents, depths, mask = out
         roots = to_device([w.entry.token_ids[0] for w in work], logits.device)
-        growth = TreeGrowth(roots, *self._top_k(logits), root_hidden, steps)
-        for step in tails:
-            tokens, hidden, mask = growth.feed()
-            out = self.draft.run(step, hidden, input_ids=tokens, tail_rows=mask)
-            growth.expand(*self._top_k(out.logits), out.hidden[0])
-        return growth.build(self.num_nodes)
+        return DeviceTree(torch.cat([roots[:, None], tokens[:, 1:]], dim=1), parents, depths, mask)
 
-    def _tree_step(self, work: list[DraftWork], j: int) -> Step:
-        """Draft step j's layout (its tokens and mask come from the device): ``topk`` leaves per sequence
-        at RoPE n + j in slots n + (j - 1) * topk + r, attending over the j * topk scratch slots."""
-        k = self.topk
-        return Step(tuple(SeqRows(tuple(w.entry.block_table), (0,) * k, (w.entry.start + j,) * k,
-                                  w.entry.start + j * k, k, (True,) * (k * j * k)) for w in work))
+    def grow_tree(self, forward: TreeForward, tokens: torch.Tensor, scores: torch.Tensor, hidden: torch.Tensor
+                  ) -> tuple[torch.Tensor, ...]:
+        """A captured tree chain's program (``StepGraphs``): the trees grown from the first leaves (the
+        root's top-k: tokens, scores [B, k], hidden inputs [B, k, H]) over draft steps 1 .. num_steps - 1
+        and built. -> tokens (the root's column left 0), parents, depths, masks of the verified trees."""
+        roots = torch.zeros(tokens.shape[0], dtype=torch.long, device=tokens.device)
+        growth = TreeGrowth(roots, tokens, scores, hidden[:, 0], self.num_steps)
+        for j in range(1, self.num_steps):
+            ids, h, rows = growth.feed()
+            logits, out = forward(j, ids, h, rows)
+            growth.expand(*self._top_k(logits), out)
+        tree = growth.build(self.num_nodes)
+        return tree.tokens, tree.parents, tree.depths, tree.mask
 
     def _top_k(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft's ``topk`` best per row as target ids and their log-probabilities (``_children``'s)."""
