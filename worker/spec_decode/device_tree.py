@@ -67,10 +67,9 @@ class TreeGrowth:
         width = max(num_steps - 1, 1) * k
         self.leaf_mask = torch.zeros((b, k, width), dtype=torch.bool, device=dev)  # ancestors' scratch slots
         # the slot of the r-th leaf fed at step j, as a mask row [k, width] per step (made once)
-        rows = torch.arange(k, device=dev)
-        self._own = torch.zeros((max(num_steps - 1, 1), k, width), dtype=torch.bool, device=dev)
-        for j in range(1, num_steps):
-            self._own[j - 1, rows, (j - 1) * k + rows] = True
+        # (made with device ops alone: this also runs inside a CUDA graph capture)
+        own_col = torch.arange(max(num_steps - 1, 1), device=dev)[:, None] * k + torch.arange(k, device=dev)
+        self._own = own_col[:, :, None] == torch.arange(width, device=dev)  # [steps - 1, k, width]
         self.step = 1
 
     def feed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
