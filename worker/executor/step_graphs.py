@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -233,25 +233,26 @@ class StepGraphs:
 
     def _tree_chain(self, shape: StepShape, v: _Views, batch: ForwardBatch, tail: torch.Tensor
                     ) -> tuple[torch.Tensor, ...]:
-        """A draft tree's ``chain`` steps: the program's forwards on the views, each ``tokens`` slots on;
-        ``tail``: the attention's mask (bool [rows, shape.tail])."""
-        b, k, width = shape.batch, shape.tokens, shape.tail
+        """A draft tree's ``chain`` steps: the program's forwards, step j's rows ``j - 1`` RoPE positions and
+        ``(j - 1) * tokens`` slots on from the packed layout (step 1's), all steps' metadata made at once;
+        ``tail``: the attention's mask (bool [rows, shape.tail]), each step writing its own columns."""
+        b, k, width, chain = shape.batch, shape.tokens, shape.tail, shape.chain
         bs = self.kv_cache.block_size
-        real = v.slots != self.pad_slot  # [rows]
-        assert self.grow is not None and v.hidden is not None and v.scores is not None
+        assert self.grow is not None and v.hidden is not None and v.scores is not None and batch.paged is not None
+        on = torch.arange(chain, device=v.positions.device)[:, None]  # [chain, 1]: steps after the first
+        positions = v.positions + on  # [chain, rows]
+        index = v.index + on * k
+        context_lens = v.context_lens + on * k  # [chain, batch]
+        per_seq = (index // bs).view(chain, b, k).transpose(0, 1).reshape(b, chain * k)
+        block = v.tables.gather(1, per_seq).view(b, chain, k).transpose(0, 1).reshape(chain, b * k)
+        slots = torch.where(v.slots != self.pad_slot, block * bs + index % bs, self.pad_slot)
 
         def forward(j: int, ids: torch.Tensor, hidden: torch.Tensor, rows: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-            if j > 1:  # the packed layout is step 1's
-                v.positions.add_(1)
-                v.index.add_(k)
-                v.context_lens.add_(k)
-                block = v.tables.gather(1, (v.index // bs).view(b, k)).view(b * k)
-                v.slots.copy_(torch.where(real, block * bs + v.index % bs, self.pad_slot))
-            v.ids.copy_(ids)
-            v.hidden.copy_(hidden)
             tail[:, width - j * k:].copy_(rows)  # the earlier columns: bases, visible (packed as 1)
-            out = self.fn(batch)
+            meta = replace(batch.paged, context_lens=context_lens[j - 1], token_index=index[j - 1])
+            out = self.fn(replace(batch, input_ids=ids, positions=positions[j - 1], slot_mapping=slots[j - 1],
+                                  input_hidden=hidden, paged=meta))
             return out.logits, out.hidden[0]
 
         return self.grow(forward, v.ids.view(b, k), v.scores.view(b, k), v.hidden.view(b, k, -1))
@@ -280,9 +281,11 @@ class StepGraphs:
 
     # --- replay -----------------------------------------------------------------------------
 
-    def _packed(self, shape: StepShape, seqs: Sequence[PackedSeq], dp_real: Sequence[int]) -> torch.Tensor:
+    def _packed(self, shape: StepShape, seqs: Sequence[PackedSeq], dp_real: Sequence[int],
+                host_masks: bool = True) -> torch.Tensor:
         """The shape's int64 layout on the host (one pinned buffer, numpy slices: a step's host cost
-        follows its real rows, not the captured width): real sequences first, then padding."""
+        follows its real rows, not the captured width): real sequences first, then padding.
+        ``host_masks``: pack the sequences' tail masks (not when the device's replace them)."""
         q, m, tail, b = shape.tokens, self.max_blocks, shape.tail, shape.batch
         t = shape.rows
         size = self._layout_size(shape)
@@ -312,7 +315,7 @@ class StepGraphs:
             real += k
             ctx[i] = s.context_len
             tables[i, :len(s.block_table)] = s.block_table
-            if masks is not None and s.tail_mask is not None:
+            if masks is not None and s.tail_mask is not None and host_masks:
                 masks[lo:hi] = np.asarray(s.tail_mask, dtype=np.int64).reshape(k, tail)
         if self.dp:
             buf[size - self.dp:size] = dp_real
@@ -339,7 +342,7 @@ class StepGraphs:
                 raise ValueError(f"a block table of {len(s.block_table)} blocks exceeds the captured {self.max_blocks}")
         if len(dp_real) != self.dp:
             raise ValueError(f"{len(dp_real)} DP token counts for {self.dp} DP groups")
-        packed = self._packed(shape, seqs, dp_real)
+        packed = self._packed(shape, seqs, dp_real, host_masks=tail_rows is None)
         self._meta[: packed.shape[0]].copy_(packed, non_blocking=True)
         if self._copied is not None:
             self._copied.record()

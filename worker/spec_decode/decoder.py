@@ -42,6 +42,7 @@ the draft has not (a prompt whose only uncomputed token is its last samples it p
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -58,6 +59,7 @@ from ..engine.sequence import Sequence
 from ..engine.token_sampler import Pick, TokenSampler
 from ..executor.executor import StepExecutor
 from ..executor.host_copy import to_device
+from ..executor.step import SeqRows, Step
 from ..executor.step_shape import StepShape
 from .config import SpeculativeConfig, SpeculativeConfigError
 from .draft_model import build_draft, chain_shapes, draft_shapes
@@ -223,11 +225,10 @@ class SpecDecoder:
                 or len(work) != len(batch.seqs)):
             return None
         n = self.config.verify_tokens
-        star = (-1,) + (0,) * (n - 1)  # the layout only: the device's masks replace it
-        placeholder = [replace(w.entry, token_ids=[w.entry.token_ids[0], *[0] * (n - 1)], num_logits=n,
-                               position_ids=(w.entry.start, *[w.entry.start + 1] * (n - 1)), tree_parents=star)
-                       for w in work]
-        step = forward_step(ScheduledBatch(seqs=placeholder, preempted=batch.preempted))
+        mask = _layout_mask(n)  # the layout only: the device's masks replace it (nothing built or packed per node)
+        step = Step(tuple(SeqRows(tuple(w.entry.block_table), (w.entry.token_ids[0],) + (0,) * (n - 1),
+                                  (w.entry.start,) + (w.entry.start + 1,) * (n - 1), w.entry.start + n, n, mask)
+                          for w in work))
         local = self.target.local
         if local.graph_shape(step) is None:
             return None
@@ -329,6 +330,12 @@ class SpecDecoder:
         if prop.draft_probs is not None:
             return verify_chain_sampled(list(tree.tokens[1:]), prop.draft_probs, p, draw)
         return verify_tree_sampled(tree, p, draw)
+
+
+@functools.cache
+def _layout_mask(nodes: int) -> tuple[bool, ...]:
+    """A tree verify's host mask where the device supplies the real one: its size alone matters."""
+    return (True,) * (nodes * nodes)
 
 
 def paths(tree: DraftTree) -> list[tuple[int, ...]]:
