@@ -661,3 +661,36 @@ def test_interp_fp8_fused_experts_equal_the_w8a8_reference(dtype: torch.dtype) -
     _close(got, want, 1e-6)
     assert torch.equal(got[3], torch.zeros_like(got[3]))
     _close(want, fused_experts_fp8_torch(x, ids, w, gate_up, gate_up_s, down, down_s, fmt), 8e-2)
+
+
+@inner
+@pytest.mark.parametrize("k,steps", [(3, 4), (8, 7)])
+def test_interp_tree_expand(k: int, steps: int) -> None:
+    """The fused tree-growth step grows the same candidates, leaves, hidden inputs and masks as the torch
+    ops, ties included (log-probabilities rounded to a few values)."""
+    from fusedserve.worker.spec_decode.device_tree import TreeGrowth
+    from fusedserve.worker.spec_decode.tree_expand_triton import tree_expand_triton
+
+    g = torch.Generator().manual_seed(k)
+    b, hidden = 3, 40
+
+    first_tok = torch.randint(0, 999, (b, k), generator=g)
+    first_lp = -torch.randint(0, 3, (b, k), generator=g).float()
+    roots = torch.arange(b)
+    root_hidden = torch.randn(b, hidden, generator=g)
+    grown = [TreeGrowth(roots, first_tok, first_lp, root_hidden, steps),
+             TreeGrowth(roots, first_tok, first_lp, root_hidden, steps, tree_expand_triton)]
+    for _ in range(1, steps):
+        tops = torch.randint(0, 999, (b * k, k), generator=g)
+        lps = -torch.randint(0, 4, (b * k, k), generator=g).float() * 0.5  # few values: ties everywhere
+        out = torch.randn(b * k, hidden, generator=g)
+        fed = [t.feed() for t in grown]
+        for x, y in zip(*fed):
+            assert torch.equal(x, y)
+        for t in grown:
+            t.expand(tops, lps, out)
+        for name in ("leaves", "leaf_hidden", "leaf_mask", "tokens", "parents", "depths", "scores"):
+            assert torch.equal(getattr(grown[0], name), getattr(grown[1], name)), name
+    trees = [t.build(min(1 + k * 2, 1 + k + (steps - 1) * k * k)) for t in grown]
+    for name in ("tokens", "parents", "depths", "mask"):
+        assert torch.equal(getattr(trees[0], name), getattr(trees[1], name)), name

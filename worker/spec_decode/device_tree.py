@@ -22,9 +22,14 @@ never outranks its parent, so a chosen node's parent is chosen too.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+# (top_tokens, top_logprobs, out_hidden, fed_mask, scores, tokens, parents, depths, leaves, lo, depth)
+#   -> (new leaves, their hidden inputs, their masks): one step's expand on the device (``tree_expand_triton``)
+ExpandKernel = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -48,9 +53,12 @@ class TreeGrowth:
     """One batch's candidates, grown step by step on the device (``feed``, then ``expand``)."""
 
     def __init__(self, root_tokens: torch.Tensor, top_tokens: torch.Tensor, top_logprobs: torch.Tensor,
-                 root_hidden: torch.Tensor, num_steps: int) -> None:
+                 root_hidden: torch.Tensor, num_steps: int, kernel: ExpandKernel | None = None) -> None:
         """The root's children. root_tokens: [B]; top_tokens, top_logprobs: [B, k] (the first pass's
-        top-k, target ids); root_hidden: [B, H] (what the root's children are fed)."""
+        top-k, target ids); root_hidden: [B, H] (what the root's children are fed). ``kernel``: each
+        step's expand in one kernel (``tree_expand_triton``, on a GPU); None = the torch ops here."""
+        self.expand = self._expand_torch if kernel is None else self._expand_fused
+        self._kernel = kernel
         b, k = top_tokens.shape
         dev = top_tokens.device
         self.k, self.num_steps = k, num_steps
@@ -82,9 +90,18 @@ class TreeGrowth:
         rows = self._fed_mask[:, :, : j * k]
         return tokens.reshape(b * k), self.leaf_hidden.reshape(b * k, -1), rows.reshape(b * k, j * k)
 
-    def expand(self, top_tokens: torch.Tensor, top_logprobs: torch.Tensor, out_hidden: torch.Tensor) -> None:
-        """The fed leaves' children. top_tokens, top_logprobs: [B * k, k] (each fed leaf's top-k, target
-        ids); out_hidden: [B * k, H] (the draft's output per fed leaf: its children's hidden input)."""
+    def _expand_fused(self, top_tokens: torch.Tensor, top_logprobs: torch.Tensor, out_hidden: torch.Tensor) -> None:
+        """``expand`` in one kernel: the same candidates, leaves, hidden inputs and masks."""
+        j, k = self.step, self.k
+        assert self._kernel is not None
+        self.leaves, self.leaf_hidden, self.leaf_mask = self._kernel(
+            top_tokens, top_logprobs, out_hidden, self._fed_mask, self.scores, self.tokens, self.parents,
+            self.depths, self.leaves, k + (j - 1) * k * k, j + 1)
+        self.step += 1
+
+    def _expand_torch(self, top_tokens: torch.Tensor, top_logprobs: torch.Tensor, out_hidden: torch.Tensor) -> None:
+        """The fed leaves' children (``expand``). top_tokens, top_logprobs: [B * k, k] (each fed leaf's top-k,
+        target ids); out_hidden: [B * k, H] (the draft's output per fed leaf: its children's hidden input)."""
         j, k = self.step, self.k
         b = self.leaves.shape[0]
         base = self.scores.gather(1, self.leaves)[:, :, None]  # [B, k, 1]

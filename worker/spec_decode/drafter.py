@@ -38,7 +38,7 @@ from ..executor.executor import StepExecutor
 from ..executor.host_copy import to_device
 from ..executor.step import SeqRows, Step
 from ..executor.step_graphs import TreeForward
-from .device_tree import DeviceTree, TreeGrowth
+from .device_tree import DeviceTree, ExpandKernel, TreeGrowth
 from .draft_tree import DraftTree, TreeBuilder
 from .rejection_sampler import Draw, sample_token
 
@@ -86,6 +86,7 @@ class Drafter:
         self._draft_to_target = model.to_target_ids(torch.arange(model.draft_vocab, device=draft.device))
         self._draft_to_target_host: list[int] = self._draft_to_target.tolist()  # a sampled draft's lookup, no sync
         self._hidden = int(model.config.hidden_size)  # the chained steps' hidden input
+        self._expand = tree_expand_kernel(draft.device)  # a device tree's step in one kernel (GPU), or None
 
     def propose(self, work: list[DraftWork]) -> list[Proposal]:
         """Each sequence's draft tree (and a sampled chain's draft distributions)."""
@@ -179,7 +180,7 @@ class Drafter:
         root's top-k: tokens, scores [B, k], hidden inputs [B, k, H]) over draft steps 1 .. num_steps - 1
         and built. -> tokens (the root's column left 0), parents, depths, masks of the verified trees."""
         roots = torch.zeros(tokens.shape[0], dtype=torch.long, device=tokens.device)
-        growth = TreeGrowth(roots, tokens, scores, hidden[:, 0], self.num_steps)
+        growth = TreeGrowth(roots, tokens, scores, hidden[:, 0], self.num_steps, self._expand)
         for j in range(1, self.num_steps):
             ids, h, rows = growth.feed()
             logits, out = forward(j, ids, h, rows)
@@ -276,3 +277,14 @@ class Drafter:
                 mask[r * width + slot_of[a] - n] = True
                 a = builder.parent(a)
         return tuple(mask)
+
+
+def tree_expand_kernel(device: torch.device) -> ExpandKernel | None:
+    """The fused tree-growth step where the hardware runs it (CUDA with Triton), else None (torch ops)."""
+    if device.type != "cuda":
+        return None
+    try:
+        from .tree_expand_triton import tree_expand_triton
+    except ImportError:
+        return None
+    return tree_expand_triton

@@ -1,0 +1,105 @@
+"""GPU time of one draft tree's growth (``device_tree.TreeGrowth``): the torch ops against the fused step
+(``tree_expand_triton``), each captured as one CUDA graph the way the drafter's tree chain runs it (the draft
+forwards left out: a fixed [rows, vocab] logits tensor stands in, so the figure is the growth's own cost).
+
+    python bench/tree_growth_gpu.py --out bench/results/tree-growth.json [--steps 7 --topk 8 --nodes 64]
+
+Per configuration and batch: microseconds per round (feed, top-k, expand for steps 1 .. S - 1, then build),
+the median of ``--reps`` timed replays of 20 rounds each, with their spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> None:
+    from fusedserve.worker.spec_decode.device_tree import TreeGrowth
+    from fusedserve.worker.spec_decode.drafter import tree_expand_kernel
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=7)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--nodes", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=32000)  # the SmolLM2 draft's vocabulary
+    ap.add_argument("--hidden", type=int, default=576)
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--reps", type=int, default=7)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    kernel = tree_expand_kernel(dev)
+    assert kernel is not None, "needs Triton on CUDA"
+    k, steps = args.topk, args.steps
+    results: dict[str, Any] = {}
+    for b in (int(x) for x in args.batches.split(",")):
+        logits = torch.randn(b * k, args.vocab, device=dev)
+        d2t = torch.arange(args.vocab, device=dev)
+        hidden = torch.randn(b * k, args.hidden, device=dev, dtype=torch.bfloat16)
+        first = torch.randn(b, args.vocab, device=dev).log_softmax(-1).topk(k, dim=-1)
+        roots = torch.zeros(b, dtype=torch.long, device=dev)
+        root_hidden = torch.randn(b, args.hidden, device=dev, dtype=torch.bfloat16)
+        row: dict[str, Any] = {}
+        for name, fused in (("torch", None), ("fused", kernel)):
+            def round_() -> torch.Tensor:
+                growth = TreeGrowth(roots, d2t[first.indices], first.values, root_hidden, steps, fused)
+                for _ in range(1, steps):
+                    growth.feed()
+                    top_lp, top_ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+                    growth.expand(d2t[top_ids], top_lp, hidden)
+                return growth.build(args.nodes).mask
+
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    round_()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                round_()
+            times = []
+            for _ in range(args.reps):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(20):
+                    graph.replay()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) * 1000 / 20)
+            row[name] = {"us_per_round": round(statistics.median(times), 1),
+                         "min_max_us": [round(min(times), 1), round(max(times), 1)]}
+        # the log-softmax + top-k over the logits is in both: the same stand-in work
+        row["fused_vs_torch"] = round(row["fused"]["us_per_round"] / row["torch"]["us_per_round"], 3)
+        results[f"batch{b}"] = row
+        print(b, json.dumps(row), flush=True)
+    out = {"date": datetime.date.today().isoformat(), "machine": f"1x {torch.cuda.get_device_name()}",
+           "commit": commit(), "command": "python bench/tree_growth_gpu.py " + " ".join(
+               f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+           "versions": {"python": platform.python_version(), "torch": torch.__version__},
+           "what": f"one tree round's growth ({steps} steps, topK {k}, {args.nodes} nodes) as one CUDA graph: "
+                   "torch ops vs the fused step, each round including the same stand-in log-softmax + top-k "
+                   f"over [{k} x batch, {args.vocab}] logits per step", "numbers": results}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
