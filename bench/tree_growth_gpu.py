@@ -5,7 +5,8 @@ forwards left out: a fixed [rows, vocab] logits tensor stands in, so the figure 
     python bench/tree_growth_gpu.py --out bench/results/tree-growth.json [--steps 7 --topk 8 --nodes 64]
 
 Per configuration and batch: microseconds per round (feed, top-k, expand for steps 1 .. S - 1, then build),
-the median of ``--reps`` timed replays of 20 rounds each, with their spread.
+the median of ``--reps`` timed replays of 20 rounds each, with their spread; ``--profile``: also each
+round's kernels by GPU time.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=576)
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--profile", action="store_true", help="also list each round's kernels (torch profiler)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     kernel = tree_expand_kernel(dev)
@@ -86,6 +88,16 @@ def main() -> None:
                 times.append(start.elapsed_time(end) * 1000 / 20)
             row[name] = {"us_per_round": round(statistics.median(times), 1),
                          "min_max_us": [round(min(times), 1), round(max(times), 1)]}
+            if args.profile:  # the round's kernels by GPU time (5 replays)
+                from torch.profiler import ProfilerActivity, profile
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(5):
+                        graph.replay()
+                    torch.cuda.synchronize()
+                kernels = sorted(((e.self_device_time_total / 5, e.count / 5, e.key[:80]) for e in prof.key_averages()
+                                  if e.self_device_time_total > 0), reverse=True)
+                row[name]["kernels_per_round"] = round(sum(c for _, c, _ in kernels), 1)
+                row[name]["top_kernels_us_count"] = [[round(t, 1), c, n] for t, c, n in kernels[:14]]
         # the log-softmax + top-k over the logits is in both: the same stand-in work
         row["fused_vs_torch"] = round(row["fused"]["us_per_round"] / row["torch"]["us_per_round"], 3)
         results[f"batch{b}"] = row
