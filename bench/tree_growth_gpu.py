@@ -2,7 +2,8 @@
 (``tree_expand_triton``), each captured as one CUDA graph the way the drafter's tree chain runs it (the draft
 forwards left out: a fixed [rows, vocab] logits tensor stands in, so the figure is the growth's own cost).
 
-    python bench/tree_growth_gpu.py --out bench/results/tree-growth.json [--steps 7 --topk 8 --nodes 64]
+    bash bench/gpu_real.sh growth [--steps 7 --topk 8 --nodes 64 --profile]   (the GPU machine: -> $OUT/tree-growth.json)
+    python bench/tree_growth_gpu.py --out bench/results/tree-growth.json          (where fusedserve is installed)
 
 Per configuration and batch: microseconds per round (feed, top-k, expand for steps 1 .. S - 1, then build),
 the median of ``--reps`` timed replays of 20 rounds each, with their spread; ``--profile``: also each
