@@ -32,7 +32,7 @@ import torch
 import fusedserve.worker  # noqa: F401  (the installed package, before the checkout joins sys.path)
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
-from bench.common import Progress, record_header, timed, write_record
+from bench.common import Progress, cuda_graph, record_header, timed, write_record
 
 progress = Progress("attention_kernels")
 CALLS = 32
@@ -41,16 +41,7 @@ BLOCK = 16
 
 def graph_us(fn: Callable[[], Any], reps: int = 20) -> float:
     """µs per call of fn, captured CALLS times in one CUDA graph and replayed."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(CALLS):
-            fn()
+    g = cuda_graph(fn, CALLS)
     g.replay()
     times = [timed(g.replay, 1, torch.device("cuda")) for _ in range(reps)]
     return 1e6 * statistics.median(times) / CALLS

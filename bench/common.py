@@ -90,6 +90,22 @@ def matmul_peak(device: torch.device, n: int = 8192, dtype: torch.dtype = torch.
     return 2 * n ** 3 / statistics.median(times)
 
 
+def cuda_graph(fn: Callable[[], Any], calls: int = 1, warmup: int = 2) -> torch.cuda.CUDAGraph:
+    """fn called ``calls`` times, captured as one CUDA graph (after ``warmup`` calls on a side stream)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph
+
+
 def spread(samples: list[float]) -> dict[str, float]:
     """Median, min, max and relative spread ((max - min) / median) of repeated measurements."""
     med = statistics.median(samples)

@@ -13,23 +13,17 @@ round's kernels by GPU time.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
-import statistics
-import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
+import fusedserve.worker  # noqa: F401  (the installed package, before the checkout joins sys.path)
 
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+from bench.common import cuda_graph, record_header, spread, timed, write_record  # noqa: E402
 
 
 def main() -> None:
@@ -69,25 +63,9 @@ def main() -> None:
                     growth.expand(d2t[top_ids], top_lp, hidden)
                 return growth.build(args.nodes).mask
 
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    round_()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                round_()
-            times = []
-            for _ in range(args.reps):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(20):
-                    graph.replay()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) * 1000 / 20)
-            row[name] = {"us_per_round": round(statistics.median(times), 1),
+            graph = cuda_graph(round_)
+            times = [1e6 * timed(graph.replay, 20, dev) / 20 for _ in range(args.reps)]
+            row[name] = {"us_per_round": round(spread(times)["median"], 1),
                          "min_max_us": [round(min(times), 1), round(max(times), 1)]}
             if args.profile:  # the round's kernels by GPU time (5 replays)
                 from torch.profiler import ProfilerActivity, profile
@@ -103,15 +81,11 @@ def main() -> None:
         row["fused_vs_torch"] = round(row["fused"]["us_per_round"] / row["torch"]["us_per_round"], 3)
         results[f"batch{b}"] = row
         print(b, json.dumps(row), flush=True)
-    out = {"date": datetime.date.today().isoformat(), "machine": f"1x {torch.cuda.get_device_name()}",
-           "commit": commit(), "command": "python bench/tree_growth_gpu.py " + " ".join(
-               f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
-           "versions": {"python": platform.python_version(), "torch": torch.__version__},
-           "what": f"one tree round's growth ({steps} steps, topK {k}, {args.nodes} nodes) as one CUDA graph: "
-                   "torch ops vs the fused step, each round including the same stand-in log-softmax + top-k "
-                   f"over [{k} x batch, {args.vocab}] logits per step", "numbers": results}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    record = {**record_header(),
+              "what": f"one tree round's growth ({steps} steps, topK {k}, {args.nodes} nodes) as one CUDA graph: "
+                      "torch ops vs the fused step, each round including the same stand-in log-softmax + top-k "
+                      f"over [{k} x batch, {args.vocab}] logits per step", "numbers": results}
+    write_record(record, args.out)
 
 
 if __name__ == "__main__":
