@@ -18,10 +18,11 @@ A greedy chain (every sequence of the batch greedy, topk 1) runs steps 1 .. num_
 chained replay (``StepExecutor.run_chain``: each step's argmax token and hidden state feed the next
 on the device) and reads the drafts back once; where no chained shape was captured (or off
 graphs) it takes the step-by-step path above, which proposes the same drafts. A tree on one rank
-grows on the device instead (``tree_on_device``: ``grow_tree``, ``device_tree.TreeGrowth``'s the same
-candidates, leaves and masks as steps 2-3 here, its steps 1 .. num_steps - 1 and the tree's build in one
-replay of a captured tree chain, nothing read back in between) wherever the tree chain is captured;
-the step-by-step path stays the reference (several ranks, eager forwards).
+grows on the device instead (``tree_on_device``: ``grow_tree`` over ``device_tree.TreeGrowth``, the same
+candidates, leaves and masks as steps 2-3 here; steps 1 .. num_steps - 1 and the tree's build are one
+replay of a captured tree chain, nothing read back in between) wherever the tree chain is captured; the
+step-by-step path stays the reference (several ranks, eager forwards, a batch not all drafting). On a GPU
+each step's expand is one kernel (``tree_expand_triton``).
 """
 
 from __future__ import annotations
