@@ -21,22 +21,17 @@ from pathlib import Path
 
 import torch
 
+import fusedserve.worker  # noqa: F401  (the installed package, before the checkout joins sys.path)
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+from bench.common import cuda_graph  # noqa: E402
+
 TOKENS = [1, 8, 32, 64, 128, 256, 512, 1024, 2048]
 CALLS_PER_GRAPH = 16
 
 
 def _time_graph(fn, reps: int = 30) -> float:  # type: ignore[no-untyped-def]
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(CALLS_PER_GRAPH):
-            fn()
+    g = cuda_graph(fn, CALLS_PER_GRAPH, warmup=3)
     g.replay()
     torch.cuda.synchronize()
     times = []

@@ -198,10 +198,7 @@ class StepExecutor:
         shape = self.chain_shape(len(step.seqs), int(hidden.shape[-1]), chain)
         if shape is None or self.graphs is None:
             return None
-        graphs = self.graphs
-        bs = self.kv_cache.block_size
-        packed = [PackedSeq(s.block_table, s.token_ids, s.positions, s.slots(bs), s.context_len) for s in step.seqs]
-        [fed] = graphs.run(shape, packed, hidden, input_ids=first_ids)
+        [fed] = self.graphs.run(shape, self._packed(step), hidden, input_ids=first_ids)
         return fed
 
     def tree_chain_shape(self, num_seqs: int, hidden: int, chain: int, leaves: int) -> StepShape | None:
@@ -226,18 +223,20 @@ class StepExecutor:
         shape = self.tree_chain_shape(len(step.seqs), int(hidden.shape[-1]), chain, k)
         if shape is None or self.graphs is None:
             return None
+        return self.graphs.run(shape, self._packed(step), hidden, input_ids=first_ids, scores=scores)
+
+    def _packed(self, step: Step) -> list[PackedSeq]:
+        """A step's sequences as ``StepGraphs.run`` takes them."""
         bs = self.kv_cache.block_size
-        packed = [PackedSeq(s.block_table, s.token_ids, s.positions, s.slots(bs), s.context_len) for s in step.seqs]
-        return self.graphs.run(shape, packed, hidden, input_ids=first_ids, scores=scores)
+        return [PackedSeq(s.block_table, s.token_ids, s.positions, s.slots(bs), s.context_len, s.tail_mask)
+                for s in step.seqs]
 
     def _replay(self, shape: StepShape, step: Step, hidden: torch.Tensor | None,
                 input_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                 tail_rows: torch.Tensor | None = None) -> ModelOutput:
         graphs = self.graphs
         assert graphs is not None
-        bs = self.kv_cache.block_size
-        packed = [PackedSeq(s.block_table, s.token_ids, s.positions, s.slots(bs), s.context_len, s.tail_mask)
-                  for s in step.seqs]
+        packed = self._packed(step)
         dp_real = list(step.dp_num_tokens) if self.dp and step.dp_num_tokens is not None else []
         logits, *rest = graphs.run(shape, packed, hidden, dp_real, input_ids, positions, tail_rows)
         return ModelOutput(logits, tuple(rest))

@@ -213,46 +213,52 @@ class StepGraphs:
         if shape.is_tree_chain:
             assert tail is not None
             return self._tree_chain(shape, v, batch, tail)
-        fed = []
-        bs = self.kv_cache.block_size
-        real = v.slots != self.pad_slot  # [b]: one row per sequence
+        step = self._chain_steps(shape, v, batch)
         assert self.feed is not None and v.hidden is not None
-        for j in range(shape.chain):
-            out = self.fn(batch)
+        fed: list[torch.Tensor] = []
+        ids, hidden = v.ids, v.hidden
+        for j in range(1, shape.chain + 1):
+            out = self.fn(step(j, ids, hidden))
             fed.append(self.feed(out.logits))
-            if j + 1 == shape.chain:
-                break
-            v.ids.copy_(fed[-1])
-            v.hidden.copy_(out.hidden[0])
-            v.positions.add_(1)
-            v.index.add_(1)
-            v.context_lens.add_(1)
-            block = v.tables.gather(1, (v.index // bs).view(b, 1)).view(b)
-            v.slots.copy_(torch.where(real, block * bs + v.index % bs, self.pad_slot))
+            ids, hidden = fed[-1], out.hidden[0]
         return (torch.stack(fed, dim=1),)
+
+    def _chain_steps(self, shape: StepShape, v: _Views, batch: ForwardBatch
+                     ) -> Callable[[int, torch.Tensor, torch.Tensor], ForwardBatch]:
+        """Forward j (1 .. chain) of a chained shape, fed these token ids and hidden inputs: its rows one RoPE
+        position and ``tokens`` slots further per step than the packed layout (step 1's); every step's
+        positions, causal limits, context lengths and cache slots made at once (padding rows keep ``pad_slot``)."""
+        b, q, chain = shape.batch, shape.tokens, shape.chain
+        bs = self.kv_cache.block_size
+        assert batch.paged is not None
+        paged = batch.paged
+        on = torch.arange(chain, device=v.positions.device)[:, None]  # [chain, 1]: steps after the first
+        positions = v.positions + on  # [chain, rows]
+        index = v.index + on * q
+        context_lens = v.context_lens + on * q  # [chain, batch]
+        per_seq = (index // bs).view(chain, b, q).transpose(0, 1).reshape(b, chain * q)
+        block = v.tables.gather(1, per_seq).view(b, chain, q).transpose(0, 1).reshape(chain, b * q)
+        slots = torch.where(v.slots != self.pad_slot, block * bs + index % bs, self.pad_slot)
+
+        def step(j: int, ids: torch.Tensor, hidden: torch.Tensor) -> ForwardBatch:
+            meta = replace(paged, context_lens=context_lens[j - 1], token_index=index[j - 1])
+            return replace(batch, input_ids=ids, positions=positions[j - 1], slot_mapping=slots[j - 1],
+                           input_hidden=hidden, paged=meta)
+
+        return step
 
     def _tree_chain(self, shape: StepShape, v: _Views, batch: ForwardBatch, tail: torch.Tensor
                     ) -> tuple[torch.Tensor, ...]:
-        """A draft tree's ``chain`` steps: the program's forwards, step j's rows ``j - 1`` RoPE positions and
-        ``(j - 1) * tokens`` slots on from the packed layout (step 1's), all steps' metadata made at once;
-        ``tail``: the attention's mask (bool [rows, shape.tail]), each step writing its own columns."""
-        b, k, width, chain = shape.batch, shape.tokens, shape.tail, shape.chain
-        bs = self.kv_cache.block_size
-        assert self.grow is not None and v.hidden is not None and v.scores is not None and batch.paged is not None
-        on = torch.arange(chain, device=v.positions.device)[:, None]  # [chain, 1]: steps after the first
-        positions = v.positions + on  # [chain, rows]
-        index = v.index + on * k
-        context_lens = v.context_lens + on * k  # [chain, batch]
-        per_seq = (index // bs).view(chain, b, k).transpose(0, 1).reshape(b, chain * k)
-        block = v.tables.gather(1, per_seq).view(b, chain, k).transpose(0, 1).reshape(chain, b * k)
-        slots = torch.where(v.slots != self.pad_slot, block * bs + index % bs, self.pad_slot)
+        """A draft tree's ``chain`` steps: the program's forwards (``_chain_steps``), each writing its own
+        columns of ``tail``, the attention's mask (bool [rows, shape.tail])."""
+        b, k, width = shape.batch, shape.tokens, shape.tail
+        assert self.grow is not None and v.hidden is not None and v.scores is not None
+        step = self._chain_steps(shape, v, batch)
 
         def forward(j: int, ids: torch.Tensor, hidden: torch.Tensor, rows: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
             tail[:, width - j * k:].copy_(rows)  # the earlier columns: bases, visible (packed as 1)
-            meta = replace(batch.paged, context_lens=context_lens[j - 1], token_index=index[j - 1])
-            out = self.fn(replace(batch, input_ids=ids, positions=positions[j - 1], slot_mapping=slots[j - 1],
-                                  input_hidden=hidden, paged=meta))
+            out = self.fn(step(j, ids, hidden))
             return out.logits, out.hidden[0]
 
         return self.grow(forward, v.ids.view(b, k), v.scores.view(b, k), v.hidden.view(b, k, -1))
