@@ -1,6 +1,6 @@
 """GPU time of one draft tree's growth (``device_tree.TreeGrowth``): the torch ops against the fused step
-(``tree_expand_triton``), each captured as one CUDA graph the way the drafter's tree chain runs it (the draft
-forwards left out: a fixed [rows, vocab] logits tensor stands in, so the figure is the growth's own cost).
+(``tree_expand_triton``) and, with it, the one-kernel top-k (``topk_logprobs_triton``), each captured as one
+CUDA graph the way the drafter's tree chain runs it (the draft forwards left out: a fixed [rows, vocab] logits tensor stands in, so the figure is the growth's own cost).
 
     bash bench/gpu_real.sh growth [--steps 7 --topk 8 --nodes 64 --profile]   (the GPU machine: -> $OUT/tree-growth.json)
     python bench/tree_growth_gpu.py --out bench/results/tree-growth.json          (where fusedserve is installed)
@@ -28,7 +28,7 @@ from bench.common import cuda_graph, record_header, spread, timed, write_record 
 
 def main() -> None:
     from fusedserve.worker.spec_decode.device_tree import TreeGrowth
-    from fusedserve.worker.spec_decode.drafter import tree_expand_kernel
+    from fusedserve.worker.spec_decode.drafter import top_k_kernel, top_k_torch, tree_expand_kernel
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -44,6 +44,7 @@ def main() -> None:
     dev = torch.device("cuda")
     kernel = tree_expand_kernel(dev)
     assert kernel is not None, "needs Triton on CUDA"
+    fast_top_k = top_k_kernel(dev, args.vocab)
     k, steps = args.topk, args.steps
     results: dict[str, Any] = {}
     for b in (int(x) for x in args.batches.split(",")):
@@ -54,12 +55,14 @@ def main() -> None:
         roots = torch.zeros(b, dtype=torch.long, device=dev)
         root_hidden = torch.randn(b, args.hidden, device=dev, dtype=torch.bfloat16)
         row: dict[str, Any] = {}
-        for name, fused in (("torch", None), ("fused", kernel)):
+        variants = (("torch", None, top_k_torch), ("fused expand", kernel, top_k_torch),
+                    ("fused expand + top-k", kernel, fast_top_k))
+        for name, fused, top_k in variants:
             def round_() -> torch.Tensor:
                 growth = TreeGrowth(roots, d2t[first.indices], first.values, root_hidden, steps, fused)
                 for _ in range(1, steps):
                     growth.feed()
-                    top_lp, top_ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+                    top_lp, top_ids = top_k(logits, k)
                     growth.expand(d2t[top_ids], top_lp, hidden)
                 return growth.build(args.nodes).mask
 
@@ -77,14 +80,14 @@ def main() -> None:
                                   if e.self_device_time_total > 0), reverse=True)
                 row[name]["kernels_per_round"] = round(sum(c for _, c, _ in kernels), 1)
                 row[name]["top_kernels_us_count"] = [[round(t, 1), c, n] for t, c, n in kernels[:14]]
-        # the log-softmax + top-k over the logits is in both: the same stand-in work
-        row["fused_vs_torch"] = round(row["fused"]["us_per_round"] / row["torch"]["us_per_round"], 3)
+        for name, *_ in variants[1:]:
+            row[f"{name} vs torch"] = round(row[name]["us_per_round"] / row["torch"]["us_per_round"], 3)
         results[f"batch{b}"] = row
         print(b, json.dumps(row), flush=True)
     record = {**record_header(),
               "what": f"one tree round's growth ({steps} steps, topK {k}, {args.nodes} nodes) as one CUDA graph: "
-                      "torch ops vs the fused step, each round including the same stand-in log-softmax + top-k "
-                      f"over [{k} x batch, {args.vocab}] logits per step", "numbers": results}
+                      "torch ops vs the fused step (and the one-kernel top-k), each step's top-k over a stand-in "
+                      f"[{k} x batch, {args.vocab}] logits tensor", "numbers": results}
     write_record(record, args.out)
 
 

@@ -694,3 +694,20 @@ def test_interp_tree_expand(k: int, steps: int) -> None:
     trees = [t.build(min(1 + k * 2, 1 + k + (steps - 1) * k * k)) for t in grown]
     for name in ("tokens", "parents", "depths", "mask"):
         assert torch.equal(getattr(trees[0], name), getattr(trees[1], name)), name
+
+
+@inner
+@pytest.mark.parametrize("vocab,k", [(1000, 8), (32000, 4), (257, 1)])
+def test_interp_topk_logprobs(vocab: int, k: int) -> None:
+    """The draft's one-kernel top-k: torch's log-softmax top-k (values to fp32 rounding, the same indices;
+    ties go to the lower index)."""
+    from fusedserve.worker.spec_decode.topk_logprobs_triton import topk_logprobs_triton
+
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(5, vocab, generator=g) * 4
+    logits[3, 7] = logits[3, 11] = logits[3].max() + 1  # a tie at the top: index 7 first
+    values, indices = topk_logprobs_triton(logits, k)
+    want = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+    assert torch.equal(indices[[0, 1, 2, 4]], want.indices[[0, 1, 2, 4]])
+    assert indices[3, 0] == 7 and (k == 1 or indices[3, 1] == 11)
+    torch.testing.assert_close(values, want.values, rtol=0, atol=2e-5)

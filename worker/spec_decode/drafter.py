@@ -27,6 +27,7 @@ each step's expand is one kernel (``tree_expand_triton``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -88,6 +89,7 @@ class Drafter:
         self._draft_to_target_host: list[int] = self._draft_to_target.tolist()  # a sampled draft's lookup, no sync
         self._hidden = int(model.config.hidden_size)  # the chained steps' hidden input
         self._expand = tree_expand_kernel(draft.device)  # a device tree's step in one kernel (GPU), or None
+        self._top_k_rows = top_k_kernel(draft.device, model.draft_vocab)  # the draft's top-k (GPU), or torch's
 
     def propose(self, work: list[DraftWork]) -> list[Proposal]:
         """Each sequence's draft tree (and a sampled chain's draft distributions)."""
@@ -191,7 +193,7 @@ class Drafter:
 
     def _top_k(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft's ``topk`` best per row as target ids and their log-probabilities (``_children``'s)."""
-        top_lp, top_ids = torch.log_softmax(logits.float(), dim=-1).topk(self.topk, dim=-1)
+        top_lp, top_ids = self._top_k_rows(logits, self.topk)
         return self._draft_to_target[top_ids], top_lp
 
     @staticmethod
@@ -289,3 +291,21 @@ def tree_expand_kernel(device: torch.device) -> ExpandKernel | None:
     except ImportError:
         return None
     return tree_expand_triton
+
+
+def top_k_torch(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's ``k`` best log-probabilities (fp32, descending) and their indices."""
+    values, indices = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    return values, indices
+
+
+def top_k_kernel(device: torch.device, vocab: int) -> Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]:
+    """The draft's per-row top-k: one Triton kernel where the hardware runs it (CUDA, a vocabulary one
+    program holds), else torch's log-softmax and top-k."""
+    if device.type != "cuda":
+        return top_k_torch
+    try:
+        from .topk_logprobs_triton import MAX_VOCAB, topk_logprobs_triton
+    except ImportError:
+        return top_k_torch
+    return topk_logprobs_triton if vocab <= MAX_VOCAB else top_k_torch
