@@ -14,7 +14,10 @@ builds it), a warm-up generate, then
 3. in another generate, the host's time per engine step in each phase of a step (inclusive; phases
    nest): scheduling, the speculative step, the draft's first pass, the chained draft steps, every
    executor forward, acceptance, committing the tokens, and ``Tensor.tolist`` (the read-backs: a
-   wait for the device shows here).
+   wait for the device shows here);
+4. ``--kernels``: every captured graph of at least 200 us GPU time, its kernels by GPU time per replay
+   (``bench.common.profile`` of 5 replays on an idle GPU);
+5. ``--host-profile``: cProfile of one more generate, the host functions by own time per engine step.
 
 Records, per graph, the shape and both times; the point is whether a graph's launch costs the host
 more than its kernels cost the GPU (then the host, not the device, bounds a step that waits on it),
@@ -37,7 +40,7 @@ import fusedserve.worker  # noqa: F401  (the installed package, before the check
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # bench.*; fusedserve stays the installed one
 
-from bench.common import record_header  # noqa: E402
+from bench.common import profile, record_header  # noqa: E402
 from bench.spec_decode_real import spec_config  # noqa: E402
 
 
@@ -85,8 +88,8 @@ def phase_timers(phases: dict[str, list[float]]) -> list[tuple[Any, str, Any]]:
     return saved
 
 
-def idle_launches(graphs: Any, label: str, repeats: int = 20) -> list[dict[str, Any]]:
-    rows = []
+def idle_launches(graphs: Any, label: str, repeats: int = 20, kernels: bool = False) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
     for shape, entry in sorted(graphs.captured.items(), key=lambda kv: str(kv[0])):
         if entry.graph is None:
             continue
@@ -104,7 +107,44 @@ def idle_launches(graphs: Any, label: str, repeats: int = 20) -> list[dict[str, 
             gpu.append(1000 * start.elapsed_time(end))
         rows.append({"executor": label, "shape": str(shape), "host_launch_us": round(statistics.median(host), 1),
                      "gpu_us": round(statistics.median(gpu), 1)})
+        if kernels and statistics.median(gpu) >= 200:
+            p = profile(entry.graph.replay, torch.device("cuda"), reps=5, top=25)
+            rows[-1]["kernels"] = {"kernels_per_replay": round(p["kernels_per_step"], 1),
+                                   "by_kind_us": {k: round(v, 1) for k, v in p["by_kind_us"].items()},
+                                   "top_us_calls": [[round(r["us_per_step"], 1), r["calls_per_step"], r["name"][:90]]
+                                                    for r in p["top"]]}
     return rows
+
+
+def host_profile(engine: Any, prompt: list[int], params: Any, top: int = 40) -> list[list[Any]]:
+    """cProfile of one generate: [own us per engine step, cumulative us per step, calls per step, function]."""
+    import cProfile
+    import pstats
+
+    from fusedserve.worker.engine.engine import Engine
+
+    steps = [0]
+    original = Engine.step
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        steps[0] += 1
+        return original(self, *args, **kwargs)
+
+    Engine.step = counted  # type: ignore[method-assign]
+    prof = cProfile.Profile()
+    try:
+        prof.enable()
+        engine.generate([prompt], params)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        prof.disable()
+    finally:
+        Engine.step = original  # type: ignore[method-assign]
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    n = max(steps[0], 1)
+    rows = [[round(1e6 * tt / n, 1), round(1e6 * ct / n, 1), round(nc / n, 2), f"{Path(f).name}:{line} {fn}"]
+            for (f, line, fn), (_cc, nc, tt, ct, _callers) in stats.items()]
+    return sorted(rows, key=lambda r: -r[0])[:top]
 
 
 def main() -> None:
@@ -114,6 +154,8 @@ def main() -> None:
     ap.add_argument("--configs", default="none,chain-3")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--out", default="")
+    ap.add_argument("--kernels", action="store_true", help="each long captured graph's kernels by GPU time")
+    ap.add_argument("--host-profile", action="store_true", help="cProfile of a generate's host functions")
     args = ap.parse_args()
     from fusedserve.worker.engine.config import EngineConfig
     from fusedserve.worker.engine.engine import Engine
@@ -154,12 +196,12 @@ def main() -> None:
         for gid, us, busy in log:
             by_graph.setdefault(gid, []).append((us, busy))
         names: dict[int, str] = {}
-        rows = idle_launches(engine.executor.graphs, "target")
+        rows = idle_launches(engine.executor.graphs, "target", kernels=args.kernels)
         for shape, entry in engine.executor.graphs.captured.items():
             names[id(entry.graph)] = f"target {shape}"
         spec = getattr(engine, "speculator", None)
         if spec is not None and spec.draft.graphs is not None:
-            rows += idle_launches(spec.draft.graphs, "draft")
+            rows += idle_launches(spec.draft.graphs, "draft", kernels=args.kernels)
             for shape, entry in spec.draft.graphs.captured.items():
                 names[id(entry.graph)] = f"draft {shape}"
         in_generate: list[dict[str, Any]] = []
@@ -176,6 +218,8 @@ def main() -> None:
                                 "engine_steps": steps, "host_phases_per_step": per_step,
                                 "replays_in_generate": sorted(in_generate, key=lambda r: -r["host_us_total"]),
                                 "idle_launch": rows}
+        if args.host_profile:
+            out["configs"][name]["host_profile_us_per_step"] = host_profile(engine, prompt, params)
         print(json.dumps(out["configs"][name], indent=1), flush=True)
         del engine
         torch.cuda.empty_cache()
