@@ -397,6 +397,60 @@ def test_interp_tree_tail_masks_in_the_prefill_kernel_equal_torch(rows: int) -> 
 
 
 @inner
+@pytest.mark.parametrize("tree", [False, True], ids=["chain-verify", "tree-verify"])
+def test_interp_few_row_verify_splits_the_context_and_equals_torch(tree: bool) -> None:
+    """A speculative verify has few query tiles, so the prefill kernel splits each context over several
+    programs (split-KV, fixed by the block tables' width: 160 pages of 4 = 10 key tiles, 8 splits) and
+    combines their partial softmax states. Contexts of 300 (the last split empty), 37 (one split's worth)
+    and 6 (the new tokens alone); causal limits (a chain) or a tail mask (a tree). Equal to the torch path."""
+    from fusedserve.models.forward_batch import ForwardBatch, KVCache, PagedAttentionMetadata
+    from fusedserve.models.layers.attention_splits_triton import num_splits
+    from fusedserve.models.layers.paged_attention_torch import paged_attention_torch
+    from fusedserve.models.layers.prefill_attention_triton import paged_prefill_attention_triton, tile_config
+    from fusedserve.worker.executor.step import ancestor_mask
+
+    g = torch.Generator().manual_seed(31 + tree)
+    block, width, rows, kv_heads, group, dim = 4, 160, 6, 2, 3, 16
+    ctx = [300, 37, rows]
+    kv = KVCache.allocate({0: (kv_heads, dim)}, 200, block, torch.bfloat16)
+    kv.k[0].copy_(torch.randn(kv.k[0].shape, generator=g))
+    kv.v[0].copy_(torch.randn(kv.v[0].shape, generator=g))
+    perm = torch.randperm(199, generator=g) + 1
+    tables, used = torch.zeros(len(ctx), width, dtype=torch.int32), 0
+    for i, c in enumerate(ctx):
+        pages = -(-c // block)
+        tables[i, :pages] = perm[used:used + pages]
+        used += pages
+    tail = None
+    if tree:
+        full = torch.tensor(ancestor_mask((-1, 0, 0, 1, 2, 1))).view(rows, rows)
+        tail = full.repeat(len(ctx), 1)
+    index = [c - rows + j for c in ctx for j in range(rows)]
+    meta = PagedAttentionMetadata(
+        block_tables=tables, context_lens=torch.tensor(ctx, dtype=torch.int32),
+        token_seq=torch.arange(len(ctx)).repeat_interleave(rows), token_index=torch.tensor(index),
+        query_start=torch.arange(len(ctx) + 1, dtype=torch.int32) * rows, max_query_len=rows, tail_mask=tail)
+    slots = torch.tensor([int(tables[i, p // block]) * block + p % block for i, c in enumerate(ctx)
+                          for p in range(c - rows, c)])
+    t = len(ctx) * rows
+    q = torch.randn(t, kv_heads * group, dim, generator=g).to(torch.bfloat16)
+    k = torch.randn(t, kv_heads, dim, generator=g).to(torch.bfloat16)
+    v = torch.randn(t, kv_heads, dim, generator=g).to(torch.bfloat16)
+
+    def batch(cache: KVCache) -> ForwardBatch:
+        zeros = torch.zeros(t, dtype=torch.long)
+        return ForwardBatch(zeros, zeros, [rows] * len(ctx), ctx, slots, [[0]] * len(ctx), cache, paged=meta)
+
+    tile_rows, block_h, block_n, _, _ = tile_config(group, 16, rows)
+    assert num_splits((t // (tile_rows // block_h) + len(ctx)) * kv_heads, width * block, block_n) == 8
+    ref = KVCache({0: kv.k[0].clone()}, {0: kv.v[0].clone()}, block, 200)
+    got = paged_prefill_attention_triton(q, k, v, 0, batch(kv), dim**-0.5)
+    want = paged_attention_torch(q, k, v, 0, batch(ref), dim**-0.5)
+    _close(got, want, 1e-2)
+    assert torch.equal(kv.k[0], ref.k[0]) and torch.equal(kv.v[0], ref.v[0])
+
+
+@inner
 @pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
 def test_interp_prefill_and_chunked_prefill_with_triton_kernels_equal_reference(arch: str) -> None:
     """A whole tiny model (Llama: GQA 2; DeepSeek-V3: absorbed MLA over the latent cache, its 4 heads on one

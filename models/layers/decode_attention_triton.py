@@ -30,12 +30,11 @@ import triton
 import triton.language as tl
 
 from ..forward_batch import ForwardBatch
+from .attention_splits_triton import combine_splits, num_splits, split_partials
 from .paged_attention_torch import paged_attention_torch
 from .prefill_attention_triton import paged_prefill_attention_triton
 
 BLOCK_N = 32
-TARGET_PROGRAMS = 512
-MAX_SPLITS = 32
 # Accumulator elements of one program ([heads, V dim] fp32): bounds the heads a program takes.
 ACC_ELEMENTS = 8192
 # Triton's CPU interpreter (TRITON_INTERPRET=1, used by the CPU tests) multiplies bf16 matrices
@@ -149,22 +148,6 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, p
         tl.store(part_acc_ptr + row[:, None] * VDIM_PAD + do[None, :], acc, mask=gmask[:, None])
 
 
-@triton.jit
-def _combine_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_ot, stride_oh,
-                    SPLITS: tl.constexpr, VDIM: tl.constexpr, VDIM_PAD: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    rows = (b * tl.num_programs(1) + head) * SPLITS + tl.arange(0, SPLITS)
-    m = tl.load(part_m_ptr + rows)
-    l_sum = tl.load(part_l_ptr + rows)
-    top = tl.max(m, axis=0)
-    w = tl.where(m > float("-inf"), tl.exp(m - top), 0.0)
-    dv = tl.arange(0, VDIM_PAD)
-    acc = tl.load(part_acc_ptr + rows[:, None] * VDIM_PAD + dv[None, :])
-    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_sum * w, axis=0)
-    tl.store(out_ptr + b * stride_ot + head * stride_oh + dv, out.to(out_ptr.dtype.element_ty), mask=dv < VDIM)
-
-
 @dataclass(frozen=True)
 class DecodeLaunch:
     """How one decode launch is cut: keys per tile, warps and pipeline stages of a program, and the
@@ -184,19 +167,7 @@ def decode_launch(programs: int, max_context: int) -> DecodeLaunch:
     within 10 % of the best of 56 cuts at batch 1..64 and contexts 160..4096 on an H200 (GQA 32/8, head dim
     128: bench/results/2026-12-02-decode-launch-sweep-h200.json); the latent cache's wide tiles ([32 keys,
     512 + 64]) take the same cut, as sglang's MLA decode (not swept)."""
-    return DecodeLaunch(BLOCK_N, 4, 2, num_splits(programs, max_context))
-
-
-def num_splits(programs: int, max_context: int, block_n: int = BLOCK_N) -> int:
-    """Splits of each sequence's context (a power of two): enough programs (``programs`` without
-    splits: sequences x KV heads x head blocks) to fill the GPU's ~132 multiprocessors about four
-    times, at most ``MAX_SPLITS`` and never more than one ``block_n`` tile per split. Static for a
-    captured batch."""
-    tiles = -(-max_context // block_n)
-    splits = 1
-    while splits * 2 <= min(tiles, MAX_SPLITS) and programs * splits < TARGET_PROGRAMS:
-        splits *= 2
-    return splits
+    return DecodeLaunch(BLOCK_N, 4, 2, num_splits(programs, max_context, BLOCK_N))
 
 
 def heads_per_program(group: int, vdim_pad: int) -> int:
@@ -264,9 +235,7 @@ def decode_attention_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
         return out
     splits = launch.splits
     if splits > 1:
-        part_acc = torch.empty((n, heads, splits, vdim_pad), dtype=torch.float32, device=q.device)
-        part_m = torch.empty((n, heads, splits), dtype=torch.float32, device=q.device)
-        part_l = torch.empty((n, heads, splits), dtype=torch.float32, device=q.device)
+        part_acc, part_m, part_l = split_partials(n, heads, splits, vdim_pad, q.device)
     else:
         part_acc = part_m = part_l = out  # unused
     _decode_kernel[(n, kv_heads * head_blocks, splits)](
@@ -279,6 +248,5 @@ def decode_attention_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
         PAGE=cache.block_size, BLOCK_N=launch.block_n, SPLITS=splits, DOT_FP32=_DOT_FP32,
         num_warps=launch.warps, num_stages=launch.stages)
     if splits > 1:
-        _combine_kernel[(n, heads)](part_acc, part_m, part_l, out, out.stride(0), out.stride(1), SPLITS=splits,
-                                    VDIM=vdim, VDIM_PAD=vdim_pad, num_warps=4)
+        combine_splits(part_acc, part_m, part_l, out)
     return out

@@ -18,7 +18,11 @@ loops only up to its rows' largest causal limit (``token_index``, read on the de
 follows the real context, not the table's ``max_blocks * block_size``. The layout comes from
 ``ForwardBatch.paged_metadata()`` device tensors only (``query_start``, ``token_index``,
 ``block_tables``) and the grid and tiles from static shapes (T, B, kv_heads, ``max_query_len``):
-CUDA-graph capturable.
+CUDA-graph capturable. A step with few query tiles (a speculative verify or tree draft step: a few dozen
+rows) would leave most of the GPU idle while each program walks a whole context, so each tile's key range
+is cut into ``splits`` programs (split-KV, ``attention_splits_triton``: as many as fill the GPU, static
+for a captured batch) whose partial softmax states a second small kernel combines; a long prompt has
+programs enough and runs unsplit.
 
 Head dims need not be powers of two and K's may differ from V's: each is padded (to at least 16)
 and masked, no lane past a dim loaded. MLA's latent cache (``KVCache.v_in_k``: K = [latent 512 |
@@ -40,6 +44,7 @@ import triton
 import triton.language as tl
 
 from ..forward_batch import ForwardBatch
+from .attention_splits_triton import combine_splits, num_splits, split_partials
 from .kv_write_triton import write_kv_triton
 from .paged_attention_torch import paged_attention_torch
 
@@ -50,13 +55,15 @@ _DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, qstart_ptr, index_ptr, ctx_ptr, tail_ptr,
+def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, bt_ptr, qstart_ptr,
+                    index_ptr, ctx_ptr, tail_ptr,
                     stride_qt, stride_qh, stride_kcs, stride_kch, stride_vcs, stride_vch,
                     stride_ot, stride_oh, stride_bt, qk_scale, num_seqs, TAIL: tl.constexpr,
                     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_BLOCKS: tl.constexpr, BLOCK_Q: tl.constexpr,
                     ROWS: tl.constexpr, DA: tl.constexpr, DA_PAD: tl.constexpr, DB: tl.constexpr,
                     DB_PAD: tl.constexpr, VDIM: tl.constexpr, VDIM_PAD: tl.constexpr, V_IN_K: tl.constexpr,
-                    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SEARCH_STEPS: tl.constexpr, DOT_FP32: tl.constexpr):
+                    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SEARCH_STEPS: tl.constexpr, SPLITS: tl.constexpr,
+                    HEADS: tl.constexpr, DOT_FP32: tl.constexpr):
     # K's columns are part A (0..DA) and part B (DA..DA+DB, none when DB = 0); V_IN_K: V is part A.
     # Sequence b owns the tiles from tile_start(b) = query_start[b] // BLOCK_Q + b on (at least
     # ceil(query_len / BLOCK_Q) of them): this tile's sequence is the last b with tile_start(b) <= pid,
@@ -64,6 +71,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, qstart_ptr, index_pt
     pid = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1) // HEAD_BLOCKS  # KV head
     hb = tl.program_id(1) % HEAD_BLOCKS  # block of its query heads
+    split = tl.program_id(2)
     seq_lo = 0
     seq_hi = num_seqs - 1
     for _ in tl.static_range(SEARCH_STEPS):
@@ -91,6 +99,10 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, qstart_ptr, index_pt
     else:
         tail0 = 0
         hi = tl.where(first < q_end, tl.max(limit, axis=0) + 1, 0)  # 0: a tile past the new tokens
+    # Split-KV (SPLITS > 1): this program takes the split-th range of whole key tiles of 0..hi
+    split_tokens = tl.cdiv(tl.cdiv(hi, BLOCK_N), SPLITS) * BLOCK_N
+    lo = split * split_tokens
+    hi = tl.minimum(hi, lo + split_tokens)
     da = tl.arange(0, DA_PAD)
     damask = da < DA
     q_a = tl.load(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + da[None, :],
@@ -110,7 +122,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, qstart_ptr, index_pt
     m = tl.full((ROWS,), float("-inf"), tl.float32)
     l_sum = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, VDIM_PAD), tl.float32)
-    for start in range(0, hi, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         nmask = n < hi
         block = tl.load(bt_ptr + b * stride_bt + n // PAGE, mask=nmask, other=0).to(tl.int64)
@@ -155,10 +167,16 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, qstart_ptr, index_pt
             pv = tl.dot(p.to(vt.dtype), vt)
         acc = acc * alpha[:, None] + pv
         m = m_new
-    out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]  # l_sum = 0: a tile past the new tokens (not stored)
     do = tl.arange(0, VDIM_PAD)
-    tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + do[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & (do < VDIM)[None, :])
+    if SPLITS == 1:
+        out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]  # l_sum = 0: a tile past the new tokens (not stored)
+        tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + do[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & (do < VDIM)[None, :])
+    else:  # partials [T, HEADS, SPLITS, ...] with m in natural-log units; a split seeing none of a row: -inf, 0
+        row = (tok * HEADS + heads) * SPLITS + split
+        tl.store(part_m_ptr + row, m * 0.6931471805599453, mask=rmask)
+        tl.store(part_l_ptr + row, l_sum, mask=rmask)
+        tl.store(part_acc_ptr + row[:, None] * VDIM_PAD + do[None, :], acc, mask=rmask[:, None])
 
 
 def tile_config(group: int, dim_pad: int, max_query_len: int, vdim_pad: int = 0) -> tuple[int, int, int, int, int]:
@@ -220,17 +238,24 @@ def paged_prefill_attention_triton(
     block_q = rows // block_h
     head_blocks = -(-group // block_h)
     num_seqs = meta.block_tables.shape[0]
-    grid = (n // block_q + num_seqs, kv_heads * head_blocks)  # every sequence's tiles, a few empty (tile_start)
+    tiles = n // block_q + num_seqs  # every sequence's tiles, a few empty (tile_start)
+    splits = num_splits(tiles * kv_heads * head_blocks, meta.block_tables.shape[1] * cache.block_size, block_n)
+    if splits > 1:
+        part_acc, part_m, part_l = split_partials(n, heads, splits, vdim_pad, q.device)
+    else:
+        part_acc = part_m = part_l = out  # unused
     tail = meta.tail_mask
     tail_bits = meta.token_index if tail is None else tail.contiguous().view(torch.int8)  # unread when causal
-    _prefill_kernel[grid](
-        q, kc, vc, out, meta.block_tables, meta.query_start, meta.token_index, meta.context_lens, tail_bits,
+    _prefill_kernel[(tiles, kv_heads * head_blocks, splits)](
+        q, kc, vc, out, part_acc, part_m, part_l, meta.block_tables, meta.query_start, meta.token_index, meta.context_lens, tail_bits,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), out.stride(0),
         out.stride(1), meta.block_tables.stride(0), scale * LOG2E, num_seqs, 0 if tail is None else tail.shape[1],
         GROUP=group, BLOCK_H=block_h, HEAD_BLOCKS=head_blocks, BLOCK_Q=block_q, ROWS=rows, DA=da, DA_PAD=_pad(da),
         DB=dim - da, DB_PAD=_pad(dim - da), VDIM=vdim, VDIM_PAD=vdim_pad, V_IN_K=v_in_k, PAGE=cache.block_size,
-        BLOCK_N=block_n, SEARCH_STEPS=max(1, (num_seqs - 1).bit_length()), DOT_FP32=_DOT_FP32, num_warps=warps,
-        num_stages=stages)
+        BLOCK_N=block_n, SEARCH_STEPS=max(1, (num_seqs - 1).bit_length()), SPLITS=splits, HEADS=heads,
+        DOT_FP32=_DOT_FP32, num_warps=warps, num_stages=stages)
+    if splits > 1:
+        combine_splits(part_acc, part_m, part_l, out)
     return out
 
 
