@@ -17,7 +17,11 @@ builds it), a warm-up generate, then
    wait for the device shows here);
 4. ``--kernels``: every captured graph of at least 200 us GPU time, its kernels by GPU time per replay
    (``bench.common.profile`` of 5 replays on an idle GPU);
-5. ``--host-profile``: cProfile of one more generate, the host functions by own time per engine step.
+5. ``--host-profile``: cProfile of one more generate, the host functions by own time per engine step;
+6. ``--timeline``: in one more generate, per engine step, when the host launched each graph replay and
+   when the GPU ran it (CUDA events), the read-backs' waits and the step's end (medians over steps):
+   where the GPU sits idle and which host work it waits for. Not after ``--kernels`` in one process
+   (the profiler's tracing stays attached and slows every launch): run configurations one per process.
 
 Records, per graph, the shape and both times; the point is whether a graph's launch costs the host
 more than its kernels cost the GPU (then the host, not the device, bounds a step that waits on it),
@@ -147,6 +151,81 @@ def host_profile(engine: Any, prompt: list[int], params: Any, top: int = 40) -> 
     return sorted(rows, key=lambda r: -r[0])[:top]
 
 
+def timeline(engine: Any, prompt: list[int], params: Any, names: dict[int, str]) -> dict[str, Any]:
+    """One generate's GPU timeline against the host's, per engine step: each graph replay's host launch
+    and its GPU start and end (CUDA events around it, placed on the host clock by an event recorded on
+    an idle GPU at a known host time), the read-backs' waits, the step's end; all relative to the step's
+    host start. Summarised over the steps whose replays follow the most common order (medians)."""
+    from fusedserve.worker.engine.engine import Engine
+
+    steps: list[tuple[float, float]] = []
+    replays: list[tuple[float, int, Any, Any]] = []
+    waits: list[tuple[float, float]] = []
+    step0, replay0, tolist0 = Engine.step, torch.cuda.CUDAGraph.replay, torch.Tensor.tolist
+
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return step0(self, *args, **kwargs)
+        finally:
+            steps.append((t, time.perf_counter()))
+
+    def replay(self: torch.cuda.CUDAGraph) -> None:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t = time.perf_counter()
+        a.record()
+        replay0(self)
+        b.record()
+        replays.append((t, id(self), a, b))
+
+    def tolist(self: torch.Tensor) -> Any:
+        t = time.perf_counter()
+        try:
+            return tolist0(self)
+        finally:
+            waits.append((t, time.perf_counter()))
+
+    torch.cuda.synchronize()
+    base = torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    base.record()
+    Engine.step, torch.cuda.CUDAGraph.replay, torch.Tensor.tolist = step, replay, tolist  # type: ignore[method-assign]
+    try:
+        engine.generate([prompt], params)
+        torch.cuda.synchronize()
+    finally:
+        Engine.step, torch.cuda.CUDAGraph.replay, torch.Tensor.tolist = step0, replay0, tolist0  # type: ignore[method-assign]
+    gpu = [(t, gid, t0 + base.elapsed_time(a) / 1000, t0 + base.elapsed_time(b) / 1000) for t, gid, a, b in replays]
+    per_step: list[tuple[tuple[str, ...], list[float]]] = []
+    for s, e in steps:
+        mine = [r for r in gpu if s <= r[0] < e]
+        mine_waits = [w for w in waits if s <= w[0] < e]
+        order = tuple(names.get(gid, "?") for _, gid, _, _ in mine) + ("tolist",) * len(mine_waits)
+        marks = [1e6 * (x - s) for x in [v for (t, _, g0, g1) in mine for v in (t, g0, g1)]]
+        marks += [1e6 * (x - s) for w in mine_waits for x in w] + [1e6 * (e - s)]
+        per_step.append((order, marks))
+    if not per_step:
+        return {}
+    orders = [o for o, _ in per_step]
+    common = max(set(orders), key=orders.count)
+    rows = [m for o, m in per_step if o == common]
+    med = [round(statistics.median(col), 1) for col in zip(*rows)]
+    graphs = [n for n in common if n != "tolist"]
+    out: dict[str, Any] = {"steps": len(per_step), "steps_in_common_order": len(rows), "replays": [], "waits": []}
+    for i, n in enumerate(graphs):
+        launch, start, end = med[3 * i: 3 * i + 3]
+        out["replays"].append({"graph": n, "host_launch_us": launch, "gpu_start_us": start, "gpu_end_us": end,
+                               "gpu_us": round(end - start, 1)})
+    k = 3 * len(graphs)
+    for j in range(common.count("tolist")):
+        out["waits"].append({"from_us": med[k + 2 * j], "to_us": med[k + 2 * j + 1]})
+    out["step_end_us"] = med[-1]
+    busy = sum(r["gpu_us"] for r in out["replays"])
+    out["gpu_busy_in_replays_us"] = round(busy, 1)
+    out["gpu_idle_us"] = round(med[-1] - busy, 1)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", required=True)
@@ -156,6 +235,7 @@ def main() -> None:
     ap.add_argument("--out", default="")
     ap.add_argument("--kernels", action="store_true", help="each long captured graph's kernels by GPU time")
     ap.add_argument("--host-profile", action="store_true", help="cProfile of a generate's host functions")
+    ap.add_argument("--timeline", action="store_true", help="a generate's GPU timeline per step against the host's")
     args = ap.parse_args()
     from fusedserve.worker.engine.config import EngineConfig
     from fusedserve.worker.engine.engine import Engine
@@ -218,6 +298,8 @@ def main() -> None:
                                 "engine_steps": steps, "host_phases_per_step": per_step,
                                 "replays_in_generate": sorted(in_generate, key=lambda r: -r["host_us_total"]),
                                 "idle_launch": rows}
+        if args.timeline:
+            out["configs"][name]["timeline"] = timeline(engine, prompt, params, names)
         if args.host_profile:
             out["configs"][name]["host_profile_us_per_step"] = host_profile(engine, prompt, params)
         print(json.dumps(out["configs"][name], indent=1), flush=True)
