@@ -23,8 +23,7 @@ GPU running the next: ``inflight_step.py``; the time of ``steps`` steps over ``s
    ``torch.compile``d one-token step (``cudagraph_mark_step_begin`` before each call) at the same
    batches and prompt length;
 6. decode at batch 1 / 16 / 64 with ``overlap_scheduling=False`` (each step's tokens read back
-   before the next is planned), what the overlap gains; and with ``l2_prefetch=False`` (no weight
-   pulled into L2 between the matmuls: ``models/layers/weight_prefetch.py``), what the prefetch gains;
+   before the next is planned), what the overlap gains;
 7. the fast kernel set's greedy tokens against the reference set's (same weights, eager) for
    ``--check-tokens`` steps at batch 1: first divergence, and the max |logit| difference of the
    first step (bf16 tolerance).
@@ -296,42 +295,21 @@ def main() -> None:
                             if engine.executor.kernels else None, "graphs": engine.executor.graphs is not None,
                             "kv_blocks": engine.blocks.num_blocks, "max_model_len": engine.max_model_len}
         progress(f"engine ready in {record['engine']['build_s']:.1f}s: {record['engine']}")
-        def decode_rows(engine: Engine, batches: tuple[int, ...], label: str = "") -> list[dict[str, Any]]:
-            weights, row = weight_bytes(shape)
-            per_token_kv = kv_bytes_per_token(shape)
-            rows = []
-            for batch in batches:
-                r = decode_run(engine, batch, args.steps, shape["vocab_size"], dev)
-                streamed = weights + batch * row + batch * r["context_at_midpoint"] * per_token_kv
-                r["bytes_per_step"] = streamed
-                r["roofline_ms"] = 1000 * streamed / bw
-                r["fraction_of_roofline"] = r["roofline_ms"] / r["ms_per_step"]
-                rows.append(r)
-                progress(f"{label}batch {batch}: {r['ms_per_step']:.2f} ms/step ({r['tok_per_s']:.0f} tok/s), roofline "
-                         f"{r['roofline_ms']:.2f} ms = {100 * r['fraction_of_roofline']:.1f}%, spread {r['spread']:.2f}")
-            return rows
-
-        def without_prefetch() -> list[dict[str, Any]]:
-            """The same decode rows by an engine without the L2 weight prefetch (weight_prefetch.py); the
-            caller has let go of its engine (one engine's KV cache fills the GPU)."""
-            if cuda:
-                torch.cuda.empty_cache()
-            plain = engine_for(path, device, l2_prefetch=False)
-            out = decode_rows(plain, tuple(b for b in batches if b in (1, 16, 64)), "without L2 prefetch, ")
-            del plain
-            if cuda:
-                torch.cuda.empty_cache()
-            return out
-
-        rows = decode_rows(engine, batches)
+        weights, row = weight_bytes(shape)
+        per_token_kv = kv_bytes_per_token(shape)
+        rows = []
+        for batch in batches:
+            r = decode_run(engine, batch, args.steps, shape["vocab_size"], dev)
+            streamed = weights + batch * row + batch * r["context_at_midpoint"] * per_token_kv
+            r["bytes_per_step"] = streamed
+            r["roofline_ms"] = 1000 * streamed / bw
+            r["fraction_of_roofline"] = r["roofline_ms"] / r["ms_per_step"]
+            rows.append(r)
+            progress(f"batch {batch}: {r['ms_per_step']:.2f} ms/step ({r['tok_per_s']:.0f} tok/s), roofline "
+                     f"{r['roofline_ms']:.2f} ms = {100 * r['fraction_of_roofline']:.1f}%, spread {r['spread']:.2f}")
         record["decode"] = rows
         if args.decode_only:
             record["decode_only"] = True
-            del engine
-            record["decode_without_l2_prefetch"] = without_prefetch()
-            # and the default engine once more, so the drift between the two builds shows
-            record["decode_again"] = decode_rows(engine_for(path, device), tuple(b for b in batches if b in (1, 16, 64)),
-                                                 "again, ")
             out = args.out or f"bench/results/{record['date']}-decode-rows-{'h200' if cuda else 'cpu'}.json"
             progress(f"wrote {write_record(record, out)}")
             return
@@ -361,7 +339,6 @@ def main() -> None:
         record["prefill"] = prefill
         if cuda:
             torch.cuda.empty_cache()
-        record["decode_without_l2_prefetch"] = without_prefetch()
         # The same decode with every step's tokens read back before the next is planned: what overlapping gains.
         serial = engine_for(path, device, overlap_scheduling=False)
         record["decode_without_overlap"] = [decode_run(serial, b, args.steps, shape["vocab_size"], dev)

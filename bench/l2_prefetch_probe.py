@@ -10,7 +10,14 @@ combine ~8 us; before gate_up ~4 us; before down: SiLU-and-mul ~1.5 us; bench/re
 decode-engine-device-plans-h200.json's batch-1 profile), captured as one CUDA graph. Variants: no
 prefetch; after each matmul, the next matmul's weight (its first ``cap`` bytes) prefetched into L2
 from a side stream (bulk or per-line prefetch), or from the main stream. Per variant: ms per step
-(median of replays) at batch 1 / 16 / 64, and the same with no spans (matmuls back to back).
+(median of replays) at batch 1 / 16 / 64, and the same with no spans (matmuls back to back); and each
+matmul's time with its weight in L2 against from memory (``hot_vs_cold``).
+
+Found on an H200 (bench/results/2026-12-03-l2-prefetch-probe-h200.json): 16 MB of each next weight with an
+evict-last policy took the emulated step from 4.48 to 4.31 ms at batch 1 (-4 %), but the same prefetch in
+the engine (b1326bd, taken out again: 2026-12-03-decode-engine-l2-prefetch-h200.json) gained nothing, and
+a decode GEMV whose weight sits in L2 is barely faster than from memory (o 10.1 vs 13.4 us, the others
+equal): the engine's matmuls are not bound by HBM alone.
 """
 
 from __future__ import annotations
@@ -24,9 +31,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 import fusedserve.models  # noqa: F401  (the installed package, before the checkout joins sys.path)
-from fusedserve.models.layers.l2_prefetch_triton import prefetch_l2, prefetch_l2_lines
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 from bench.common import Progress, copy_bandwidth, record_header, write_record
@@ -34,6 +42,75 @@ from bench.common import Progress, copy_bandwidth, record_header, write_record
 SHAPES = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
 SPANS_US = {"qkv": 4.0, "o": 8.0, "gate_up": 4.0, "down": 1.5}  # idle before each matmul
 progress = Progress("l2_prefetch_probe")
+
+# --- the prefetch kernels (SM90+): requests only, no data returned, nothing written ---------------------
+
+SUB = 16384  # bytes one bulk prefetch asks for
+LANES = 32  # prefetches issued by one program (one warp)
+LINE = 128
+LINES = 1024
+
+
+@triton.jit
+def _bulk_prefetch_kernel(base_ptr, nbytes, dummy_ptr, SUB: tl.constexpr, LANES: tl.constexpr):
+    lane = tl.arange(0, LANES)
+    off = (tl.program_id(0).to(tl.int64) * LANES + lane) * SUB
+    size = tl.minimum(nbytes - off, SUB).to(tl.int32)
+    addr = base_ptr + tl.where(size > 0, off, 0)
+    r = tl.inline_asm_elementwise(
+        asm="{\n .reg .pred p;\n setp.gt.s32 p, $2, 0;\n @p cp.async.bulk.prefetch.L2.global [$1], $2;\n"
+            " mov.u32 $0, 0;\n}",
+        constraints="=r,l,r", args=[addr, size], dtype=tl.int32, is_pure=False, pack=1)
+    tl.store(dummy_ptr + lane, r.to(tl.uint8), mask=lane < 0)  # never stores: keeps the asm's result used
+
+
+@triton.jit
+def _bulk_prefetch_last_kernel(base_ptr, nbytes, dummy_ptr, SUB: tl.constexpr, LANES: tl.constexpr):
+    """``_bulk_prefetch_kernel`` with an evict-last cache policy on the prefetched lines."""
+    lane = tl.arange(0, LANES)
+    off = (tl.program_id(0).to(tl.int64) * LANES + lane) * SUB
+    size = tl.minimum(nbytes - off, SUB).to(tl.int32)
+    addr = base_ptr + tl.where(size > 0, off, 0)
+    r = tl.inline_asm_elementwise(
+        asm="{\n .reg .pred p;\n .reg .b64 pol;\n createpolicy.fractional.L2::evict_last.b64 pol, 1.0;\n"
+            " setp.gt.s32 p, $2, 0;\n @p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol;\n"
+            " mov.u32 $0, 0;\n}",
+        constraints="=r,l,r", args=[addr, size], dtype=tl.int32, is_pure=False, pack=1)
+    tl.store(dummy_ptr + lane, r.to(tl.uint8), mask=lane < 0)
+
+
+@triton.jit
+def _line_prefetch_kernel(base_ptr, nbytes, dummy_ptr, LINE: tl.constexpr, LINES: tl.constexpr):
+    i = tl.arange(0, LINES)
+    off = (tl.program_id(0).to(tl.int64) * LINES + i) * LINE
+    addr = base_ptr + tl.where(off < nbytes, off, 0)
+    r = tl.inline_asm_elementwise(asm="prefetch.global.L2 [$1];\n mov.u32 $0, 0;", constraints="=r,l",
+                                  args=[addr], dtype=tl.int32, is_pure=False, pack=1)
+    tl.store(dummy_ptr + i, r.to(tl.uint8), mask=i < 0)
+
+
+def _bytes_of(weight: torch.Tensor, max_bytes: int) -> tuple[torch.Tensor, int]:
+    if not weight.is_contiguous():
+        raise ValueError("prefetch_l2: the weight must be contiguous")
+    flat = weight.view(-1).view(torch.uint8)
+    return flat, min(flat.numel(), max_bytes) // 16 * 16
+
+
+def prefetch_l2(weight: torch.Tensor, max_bytes: int, sub: int = SUB, evict_last: bool = False) -> None:
+    """Ask for the first ``max_bytes`` of ``weight`` (contiguous, on a SM90+ GPU) in L2, ``sub`` bytes
+    per request."""
+    flat, n = _bytes_of(weight, max_bytes)
+    if n:
+        kernel = _bulk_prefetch_last_kernel if evict_last else _bulk_prefetch_kernel
+        kernel[(triton.cdiv(n, sub * LANES),)](flat, n, flat, SUB=sub, LANES=LANES, num_warps=1)
+
+
+def prefetch_l2_lines(weight: torch.Tensor, max_bytes: int) -> None:
+    """``prefetch_l2`` by one prefetch instruction per 128-byte line (SM80+)."""
+    flat, n = _bytes_of(weight, max_bytes)
+    if n:
+        _line_prefetch_kernel[(triton.cdiv(n, LINE * LINES),)](flat, n, flat, LINE=LINE,
+                                                                LINES=LINES, num_warps=4)
 
 
 def cycles_per_us(dev: torch.device) -> float:

@@ -20,15 +20,13 @@ reaches it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 import torch
-from torch import nn
 
 from .forward_batch import ForwardBatch
 from .interface import ModelOutput
-from .layers.weight_prefetch import NO_PREFETCH, WeightPrefetch
 from .parallel.communicator import Communicator, ForwardContext, NormWeights
 from .parallel.layouts import Unreduced
 
@@ -58,34 +56,30 @@ class DecoderLayer(Protocol):
                  ctx: ForwardContext) -> tuple[Unreduced, torch.Tensor]: ...
 
 
-def decoder_forward(batch: ForwardBatch, comm: Communicator, embed: Any, layers: nn.ModuleList | Sequence[Any],
+def decoder_forward(batch: ForwardBatch, comm: Communicator, embed: Any, layers: Iterable[Any],
                     final_boundary: int, final_norm: Any, lm_head: Any, vocab_size: int,
-                    aux_capture: str = "complete", prefetch: WeightPrefetch = NO_PREFETCH) -> ModelOutput:
+                    aux_capture: str = "complete") -> ModelOutput:
     """Logits for ``batch.logits_indices`` rows (all rows if None), [n, vocab_size], and the aux
     states of ``batch.aux_layers`` ([num_tokens, hidden] each, in that order). ``layers``: each a
     ``DecoderLayer`` (an ``nn.ModuleList`` of them). ``aux_capture``: benchmark-only (see the
-    module's docstring). ``prefetch`` (``layers/weight_prefetch.py``; real only for models whose layers
-    have a ``first_weight``): after each layer, the next layer's first weight (then the LM head's) is
-    asked into L2 while the boundary between them runs; the forward ends joined with it."""
+    module's docstring)."""
     ctx = comm.begin_forward(batch.num_tokens, batch.dp_num_tokens, batch.dp_padding, batch.dp_real_tokens)
     wanted = frozenset(batch.aux_layers)
     aux: dict[int, torch.Tensor] = {}
     x: Unreduced = embed(batch.input_ids)
     residual: torch.Tensor | None = None
     early = aux_capture == "before_completion"
-    for i, layer in enumerate(layers):
+    for layer in layers:
         if early and layer.layer_id in wanted:  # benchmark-only: the pre-#28343 capture
             aux[layer.layer_id] = x.partial if residual is None else x.partial + residual
         h, residual = ctx.boundary(layer.input_boundary, x, residual, layer.input_norm)
         if layer.layer_id in wanted and not early:
             aux[layer.layer_id] = residual  # the complete stream entering this layer
         x, residual = layer(h, residual, batch, ctx)
-        prefetch.after_layer(layers, i, lm_head)
     h, _ = ctx.boundary(final_boundary, x, residual, final_norm)
     if batch.logits_indices is not None:
         h = h[batch.logits_indices]
     logits = ctx.gather_vocab(lm_head.logits_shard(h))
-    prefetch.join()
     missing = wanted - aux.keys()
     if missing:
         raise ValueError(f"aux states asked of layers {sorted(missing)}, which this model does not have")

@@ -23,7 +23,6 @@ from .layers.norm import RMSNorm
 from .layers.rotary import RotaryEmbedding, rope_parameters
 from .layers.self_attention import SelfAttention
 from .layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from .layers.weight_prefetch import NO_PREFETCH, WeightPrefetch
 from .parallel.collectives import Collectives
 from .parallel.comm_plan import BlockSpec, plan_communication, vocab_group
 from .parallel.communicator import Communicator, ForwardContext
@@ -37,11 +36,9 @@ def head_dim_of(config: Any) -> int:
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, layer_id: int, groups: ParallelGroups, rotary: RotaryEmbedding,
-                 dtype: torch.dtype, device: torch.device | str | None, kernels: Kernels | None = None,
-                 prefetch: WeightPrefetch = NO_PREFETCH) -> None:
+                 dtype: torch.dtype, device: torch.device | str | None, kernels: Kernels | None = None) -> None:
         super().__init__()
         kernels = kernels or Kernels.reference()
-        self.prefetch = prefetch
         h = config.hidden_size
         self.layer_id = layer_id
         self.input_layernorm = RMSNorm(h, config.rms_norm_eps, dtype, device)
@@ -49,10 +46,10 @@ class LlamaDecoderLayer(nn.Module):
             layer_id, h, config.num_attention_heads, config.num_key_value_heads, head_dim_of(config),
             groups.attn_tp, rotary, qkv_bias=getattr(config, "attention_bias", False),
             o_bias=getattr(config, "attention_bias", False), dtype=dtype, device=device,
-            attention_backend=kernels.attention, prefetch=prefetch)
+            attention_backend=kernels.attention)
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps, dtype, device)
         self.mlp = GatedMLP(h, config.intermediate_size, groups.tp, getattr(config, "mlp_bias", False),
-                            dtype, device, act=kernels.silu_and_mul, prefetch=prefetch)
+                            dtype, device, act=kernels.silu_and_mul)
 
     @property
     def input_boundary(self) -> int:
@@ -62,17 +59,11 @@ class LlamaDecoderLayer(nn.Module):
     def input_norm(self) -> RMSNorm:
         return self.input_layernorm
 
-    @property
-    def first_weight(self) -> torch.Tensor:
-        """The weight of this layer's first matmul (what the decoder stack prefetches for it)."""
-        return self.self_attn.qkv_proj.weight
-
     def forward(self, h: torch.Tensor, residual: torch.Tensor, batch: ForwardBatch,
                 ctx: ForwardContext) -> tuple[Unreduced, torch.Tensor]:
         # h: [n, hidden] normed input (the decoder stack ran boundary 2i) -> the MLP's owed sum
-        attn = self.self_attn(h, batch)
-        self.prefetch.after(self.mlp.gate_up_proj.weight)  # read while the boundary runs
-        h, residual = ctx.boundary(2 * self.layer_id + 1, attn, residual, self.post_attention_layernorm)
+        h, residual = ctx.boundary(2 * self.layer_id + 1, self.self_attn(h, batch), residual,
+                                   self.post_attention_layernorm)
         return self.mlp(h), residual
 
 
@@ -91,9 +82,8 @@ class LlamaForCausalLM(nn.Module):
         rotary = RotaryEmbedding(head_dim_of(config), theta, scaling, kernel=self.kernels.rope).to(device)
         vgroup = groups.by_name(vocab_group(groups.config))
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, vgroup, dtype, device)
-        self.prefetch = self.kernels.weight_prefetch()
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, groups, rotary, dtype, device, self.kernels, self.prefetch)
+            LlamaDecoderLayer(config, i, groups, rotary, dtype, device, self.kernels)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
@@ -151,4 +141,4 @@ class LlamaForCausalLM(nn.Module):
         """Logits for ``batch.logits_indices`` rows (all rows if None), [n, vocab_size], and the aux
         states of ``batch.aux_layers``."""
         return decoder_forward(batch, self.comm, self.embed_tokens, self.layers, len(self.layers) * 2, self.norm,
-                               self.lm_head, self.config.vocab_size, self.aux_capture, self.prefetch)
+                               self.lm_head, self.config.vocab_size, self.aux_capture)

@@ -21,9 +21,6 @@ then ``F.linear``; triton: per-token-group activation quantization + a block-sca
 project's Triton one or cuBLASLt's ``scaled_mm`` by shape, ``fp8_block_gemm.py``) and ``fused_moe_fp8`` (torch: dequantize + ``fused_experts_torch``; triton:
 ``fused_moe_fp8_triton.py``; reference: the per-expert loop, dequantizing).
 
-The triton and flashinfer sets also prefetch a Llama model's next weight into L2 between matmuls while a
-CUDA graph is captured (``weight_prefetch.py``; Hopper only, nothing elsewhere).
-
 ``graph_safe`` says whether a forward reads its layout from device tensors (or a plan made before
 it) only, so that the executor may capture it as a CUDA graph (``worker/executor/step_graphs.py``).
 ``planner`` makes the attention's per-forward planner (``attention_layout.AttentionPlanner``) for a
@@ -46,7 +43,6 @@ from .linear import MatmulFn
 from .mlp import silu_and_mul
 from .paged_attention_torch import paged_attention_torch
 from .rotary import RopeKernel
-from .weight_prefetch import WeightPrefetch, no_weight_prefetch
 
 KERNEL_SETS = ("reference", "torch", "triton", "flashinfer")
 
@@ -66,8 +62,6 @@ class Kernels:
     fused_moe_fp8: FusedFP8ExpertsFn | None = None
     graph_safe: bool = False
     planner: PlannerFactory | None = None
-    # A model's weight prefetch into L2 between matmuls (``weight_prefetch.py``), made once per model.
-    weight_prefetch: Callable[[], WeightPrefetch] = no_weight_prefetch
 
     @staticmethod
     def reference() -> Kernels:
@@ -91,14 +85,13 @@ class Kernels:
         from .rms_norm_triton import add_rms_norm_triton, rms_norm_triton
         from .rope_triton import rope_triton
         from .silu_mul_triton import silu_and_mul_triton
-        from .weight_prefetch import l2_weight_prefetch
 
         return Kernels(name="triton", attention=paged_decode_attention_triton,
                        norms=NormKernels(rms_norm=rms_norm_triton, add_rms_norm=add_rms_norm_triton),
                        rope=rope_triton, silu_and_mul=silu_and_mul_triton,
                        matmul=linear_triton if skinny_matmul else None, fused_moe=fused_experts_triton,
                        block_fp8_matmul=block_fp8_linear_fast, fused_moe_fp8=fused_experts_fp8_triton,
-                       graph_safe=True, weight_prefetch=l2_weight_prefetch)
+                       graph_safe=True)
 
     @staticmethod
     def flashinfer() -> Kernels:
@@ -112,7 +105,7 @@ class Kernels:
         return Kernels(name="flashinfer", attention=flashinfer_attention, norms=base.norms, rope=base.rope,
                        silu_and_mul=base.silu_and_mul, matmul=None, fused_moe=base.fused_moe,
                        block_fp8_matmul=base.block_fp8_matmul, fused_moe_fp8=base.fused_moe_fp8, graph_safe=True,
-                       planner=flashinfer_planner, weight_prefetch=base.weight_prefetch)
+                       planner=flashinfer_planner)
 
     @staticmethod
     def named(name: str) -> Kernels:

@@ -12,7 +12,6 @@ from ..parallel.groups import Group
 from ..parallel.layouts import Unreduced
 from .fp8_block import BlockFP8
 from .linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
-from .weight_prefetch import NO_PREFETCH, WeightPrefetch
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -23,16 +22,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 class GatedMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)). ``act``: a fused ``silu_and_mul`` (chosen at construction);
-    ``fp8``: block-FP8 weights (``linear.py``); ``prefetch``: the down projection's weight asked into L2
-    while the activation runs (``weight_prefetch.py``)."""
+    ``fp8``: block-FP8 weights (``linear.py``)."""
 
     def __init__(self, hidden: int, intermediate: int, group: Group, bias: bool = False,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                 act: Callable[[torch.Tensor], torch.Tensor] | None = None, fp8: BlockFP8 | None = None,
-                 prefetch: WeightPrefetch = NO_PREFETCH) -> None:
+                 act: Callable[[torch.Tensor], torch.Tensor] | None = None, fp8: BlockFP8 | None = None) -> None:
         super().__init__()
         self.group = group
-        self.prefetch = prefetch
         self.act = act or silu_and_mul
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate], group, bias,
                                                        dtype, device, fp8)
@@ -40,9 +36,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Unreduced:
         # x: [n, hidden] -> owed [n, hidden]
-        gate_up = self.gate_up_proj(x)
-        self.prefetch.after(self.down_proj.weight)
-        return Unreduced(self.down_proj(self.act(gate_up)), self.group.name)
+        return Unreduced(self.down_proj(self.act(self.gate_up_proj(x))), self.group.name)
 
 
 class Relu2MLP(nn.Module):

@@ -2,8 +2,7 @@
 
 Heads are split over the attention-TP group; the output projection leaves a sum owed to it.
 The attention implementation is chosen at construction (``attention_backend``; default: the
-plain reference), and so is ``prefetch`` (``weight_prefetch.py``: the output projection's weight
-asked into L2 while the attention runs; default: nothing).
+plain reference).
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from .attention import AttentionBackend, paged_attention_reference
 from .attention_layout import AttentionDims
 from .linear import QKVParallelLinear, RowParallelLinear
 from .rotary import RotaryEmbedding
-from .weight_prefetch import NO_PREFETCH, WeightPrefetch
 
 
 class SelfAttention(nn.Module):
@@ -26,9 +24,8 @@ class SelfAttention(nn.Module):
                  group: Group, rotary: RotaryEmbedding | None, qkv_bias: bool = False, o_bias: bool = False,
                  input_size: int | None = None, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None,
-                 attention_backend: AttentionBackend | None = None, prefetch: WeightPrefetch = NO_PREFETCH) -> None:
+                 attention_backend: AttentionBackend | None = None) -> None:
         super().__init__()
-        self.prefetch = prefetch
         self.layer_id = layer_id
         self.attention: AttentionBackend = attention_backend or paged_attention_reference
         self.group = group
@@ -51,7 +48,6 @@ class SelfAttention(nn.Module):
         # h: [n, hidden] (or [n, input_size]) -> owed [n, hidden]
         n = h.shape[0]
         q, k, v = self.qkv_proj(h)
-        self.prefetch.after(self.o_proj.weight)  # read while RoPE and attention run
         q = q.view(n, self.qkv_proj.q_heads, self.head_dim)
         k = k.view(n, self.qkv_proj.kv_heads, self.head_dim)
         v = v.view(n, self.qkv_proj.kv_heads, self.head_dim)

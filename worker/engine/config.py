@@ -53,9 +53,6 @@ class EngineConfig:
     # The kernel set: "auto" = the device's choice (executor/kernel_set.py: the fast set on a GPU, the
     # references on CPU); or a name of models/layers/kernels.py (tests and benchmarks compare sets).
     kernels: str = "auto"
-    # The fast sets' L2 prefetch of each next weight between a captured step's matmuls (SM90+ GPUs,
-    # models/layers/weight_prefetch.py); False leaves it out (bench/decode_engine.py measures both).
-    l2_prefetch: bool = True
     # Overlapped steps (``inflight_step.py``): the next plain step is scheduled and launched before this
     # one's tokens are read back. None = on with a CUDA device, one rank and no speculation; True also
     # off CUDA (tests: the same tokens, one step later); False = every step reads its tokens back.

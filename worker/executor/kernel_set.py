@@ -20,7 +20,6 @@ graphs. ``libraries()`` says which optional GPU libraries import here (the one p
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +27,6 @@ import torch
 
 from ...models.layers.attention_layout import flashinfer_supports
 from ...models.layers.kernels import Kernels
-from ...models.layers.weight_prefetch import no_weight_prefetch
 
 # Architectures whose step forwards the engine captures by default on CUDA.
 GRAPH_ARCHITECTURES = frozenset({"LlamaForCausalLM"})
@@ -50,10 +48,8 @@ class KernelChoice:
     kernels: str  # a name of ``Kernels.named``
     graphs: bool  # the executor captures CUDA graphs (off CUDA: runs their padded forwards eagerly)
 
-    def kernel_set(self, l2_prefetch: bool = True) -> Kernels:
-        """The set; ``l2_prefetch=False`` without its weight prefetch (``weight_prefetch.py``)."""
-        kernels = Kernels.named(self.kernels)
-        return kernels if l2_prefetch else dataclasses.replace(kernels, weight_prefetch=no_weight_prefetch)
+    def kernel_set(self) -> Kernels:
+        return Kernels.named(self.kernels)
 
 
 def libraries() -> frozenset[str]:

@@ -93,7 +93,7 @@ def build_rank(model_dir: str | Path, config: EngineConfig, groups: ParallelGrou
     collectives = Collectives("nccl" if backend == "nccl" else "gloo", fused=kernel)
     choice = kernel_choice(device, config.cuda_graphs, model_config, dtype, libraries() if cuda else frozenset(),
                            config.kernels)
-    kernels = choice.kernel_set(config.l2_prefetch)
+    kernels = choice.kernel_set()
     dummy = config.load_format == "dummy"
     quant = choose_quantization(config.quantization, checkpoint_quantization(model_config),
                                 architecture_of(model_config), device_capability(device), dummy)
