@@ -325,6 +325,16 @@ def w8a8_reference(model: Any) -> Iterator[None]:
             m.fused_fp8 = fn
 
 
+@contextmanager
+def fp8_matmul(model: Any, fn: Any) -> Iterator[None]:
+    """Every block-FP8 linear of ``model`` through ``fn`` while the block lasts (then the model's own choice)."""
+    use_fp8_matmul(model, fn)
+    try:
+        yield
+    finally:
+        use_fp8_matmul(model, model.kernels.block_fp8_matmul)
+
+
 def eager_forward(built: Rank, step: Step) -> Any:
     """The model's eager forward of ``step`` (outside the graphs: the routers' hooks see it)."""
     return built.model(built.executor.forward_batch(step))
@@ -388,14 +398,20 @@ def slice_run(path: str, quantization: str, opts: dict[str, Any], bw: float,
                      f"{json.dumps({k: round(v) for k, v in p['by_kind_us'].items()})}")
     check = decode_step(tokens_of(4, vocab, 99), CONTEXT + 1, SEQ_BLOCKS)
     logits: dict[str, Any] = {"decode": ex.run(check).logits.float().cpu()}
-    routes, _ = routes_of(model, partial(eager_forward, built, check))
+    routes, eager = routes_of(model, partial(eager_forward, built, check))
     logits["decode_routes"], logits["decode_routing"] = routes, [ids for _, ids in routes]
+    logits["decode_eager"] = eager.logits.float().cpu()  # the same kernels outside the graph
     if forced is not None:
         logits["decode_forced"] = with_routes(model, forced["decode_routes"],
                                               partial(eager_forward, built, check)).logits.float().cpu()
     if quantization == "fp8":  # its own w8a8 reference on its own routing (eager; same cache slots)
         with w8a8_reference(model):
             logits["decode_w8a8"] = with_routes(model, routes, partial(eager_forward, built, check)).logits.float().cpu()
+    if quantization == "fp8" and device.type == "cuda":
+        from fusedserve.models.layers.fp8_block_triton import block_fp8_linear_triton
+        with fp8_matmul(model, block_fp8_linear_triton):  # scaled_mm nowhere: what the GEMM choice adds
+            logits["decode_triton_gemms"] = with_routes(model, routes,
+                                                        partial(eager_forward, built, check)).logits.float().cpu()
     first_block = max(BATCH_SIZES) * SEQ_BLOCKS
     prefill = []
     lengths = opts["prefill"]
@@ -409,6 +425,10 @@ def slice_run(path: str, quantization: str, opts: dict[str, Any], bw: float,
     if quantization == "fp8":
         with w8a8_reference(model):
             logits["prefill_w8a8"] = with_routes(model, routes, partial(ex.run, check)).logits.float().cpu()
+    if quantization == "fp8" and device.type == "cuda":
+        from fusedserve.models.layers.fp8_block_triton import block_fp8_linear_triton
+        with fp8_matmul(model, block_fp8_linear_triton):
+            logits["prefill_triton_gemms"] = with_routes(model, routes, partial(ex.run, check)).logits.float().cpu()
     for length in lengths[:1] if tiny else lengths:
         step = prefill_step(length, vocab, first_block)
         timed(partial(ex.run, step), 1, device)  # warm-up at this length
@@ -452,6 +472,16 @@ def compare(fp8: dict[str, Any], bf16: dict[str, Any]) -> dict[str, Any]:
                              argmax_agreement_vs_w8a8_reference=float((a.argmax(-1) == w8a8.argmax(-1)).float().mean()))
             if forced is not None:
                 out[what]["rel_l2_w8a8_reference_vs_bf16_same_routing"] = rel(w8a8, forced)
+        triton_only = fp8["_logits"].get(f"{what}_triton_gemms")
+        if triton_only is not None and w8a8 is not None:  # the Triton GEMM everywhere (no scaled_mm)
+            out[what]["rel_l2_triton_gemms_vs_w8a8_reference"] = rel(triton_only, w8a8)
+            out[what]["rel_l2_triton_gemms_vs_chosen_gemms"] = rel(triton_only, a)
+        for name, build in (("fp8", fp8), ("bf16", bf16)):  # a graph replay against the same kernels eagerly
+            eager = build["_logits"].get(f"{what}_eager")
+            if eager is not None:
+                g = build["_logits"][what]
+                out[what][f"{name}_rel_l2_graph_vs_eager"] = rel(g, eager)
+                out[what][f"{name}_graph_vs_eager_per_token"] = [round(rel(g[i], eager[i]), 5) for i in range(g.shape[0])]
     out["kernel_tolerance_rel_l2"] = KERNEL_TOLERANCE
     return out
 
