@@ -24,7 +24,7 @@ import torch
 import fusedserve.worker  # noqa: F401  (the installed package, before the checkout joins sys.path)
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
-from bench.common import cuda_graph  # noqa: E402
+from bench.common import cuda_graph, replay_ms  # noqa: E402
 
 TOKENS = [1, 8, 32, 64, 128, 256, 512, 1024, 2048]
 CALLS_PER_GRAPH = 16
@@ -34,15 +34,7 @@ def _time_graph(fn, reps: int = 30) -> float:  # type: ignore[no-untyped-def]
     g = cuda_graph(fn, CALLS_PER_GRAPH, warmup=3)
     g.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / CALLS_PER_GRAPH)
-    return statistics.median(times)
+    return statistics.median(replay_ms(g, reps)) * 1000 / CALLS_PER_GRAPH
 
 
 def _rank(rank: int, world: int, backend: str, hiddens: list[int]) -> dict:  # type: ignore[type-arg]

@@ -106,6 +106,19 @@ def cuda_graph(fn: Callable[[], Any], calls: int = 1, warmup: int = 2) -> torch.
     return graph
 
 
+def replay_ms(graph: torch.cuda.CUDAGraph, reps: int) -> list[float]:
+    """Milliseconds of each of ``reps`` replays of ``graph`` (CUDA events around each)."""
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
 def spread(samples: list[float]) -> dict[str, float]:
     """Median, min, max and relative spread ((max - min) / median) of repeated measurements."""
     med = statistics.median(samples)

@@ -23,7 +23,6 @@ equal): the engine's matmuls are not bound by HBM alone.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -37,7 +36,7 @@ import triton.language as tl
 import fusedserve.models  # noqa: F401  (the installed package, before the checkout joins sys.path)
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
-from bench.common import Progress, copy_bandwidth, record_header, write_record
+from bench.common import Progress, copy_bandwidth, cuda_graph, record_header, replay_ms, spread, write_record
 
 SHAPES = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
 SPANS_US = {"qkv": 4.0, "o": 8.0, "gate_up": 4.0, "down": 1.5}  # idle before each matmul
@@ -52,31 +51,25 @@ LINES = 1024
 
 
 @triton.jit
-def _bulk_prefetch_kernel(base_ptr, nbytes, dummy_ptr, SUB: tl.constexpr, LANES: tl.constexpr):
+def _bulk_prefetch_kernel(base_ptr, nbytes, dummy_ptr, SUB: tl.constexpr, LANES: tl.constexpr,
+                          EVICT_LAST: tl.constexpr):
+    """One bulk L2 prefetch of SUB bytes per lane; EVICT_LAST: with an evict-last cache policy."""
     lane = tl.arange(0, LANES)
     off = (tl.program_id(0).to(tl.int64) * LANES + lane) * SUB
     size = tl.minimum(nbytes - off, SUB).to(tl.int32)
     addr = base_ptr + tl.where(size > 0, off, 0)
-    r = tl.inline_asm_elementwise(
-        asm="{\n .reg .pred p;\n setp.gt.s32 p, $2, 0;\n @p cp.async.bulk.prefetch.L2.global [$1], $2;\n"
-            " mov.u32 $0, 0;\n}",
-        constraints="=r,l,r", args=[addr, size], dtype=tl.int32, is_pure=False, pack=1)
+    if EVICT_LAST:
+        r = tl.inline_asm_elementwise(
+            asm="{\n .reg .pred p;\n .reg .b64 pol;\n createpolicy.fractional.L2::evict_last.b64 pol, 1.0;\n"
+                " setp.gt.s32 p, $2, 0;\n @p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol;\n"
+                " mov.u32 $0, 0;\n}",
+            constraints="=r,l,r", args=[addr, size], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        r = tl.inline_asm_elementwise(
+            asm="{\n .reg .pred p;\n setp.gt.s32 p, $2, 0;\n @p cp.async.bulk.prefetch.L2.global [$1], $2;\n"
+                " mov.u32 $0, 0;\n}",
+            constraints="=r,l,r", args=[addr, size], dtype=tl.int32, is_pure=False, pack=1)
     tl.store(dummy_ptr + lane, r.to(tl.uint8), mask=lane < 0)  # never stores: keeps the asm's result used
-
-
-@triton.jit
-def _bulk_prefetch_last_kernel(base_ptr, nbytes, dummy_ptr, SUB: tl.constexpr, LANES: tl.constexpr):
-    """``_bulk_prefetch_kernel`` with an evict-last cache policy on the prefetched lines."""
-    lane = tl.arange(0, LANES)
-    off = (tl.program_id(0).to(tl.int64) * LANES + lane) * SUB
-    size = tl.minimum(nbytes - off, SUB).to(tl.int32)
-    addr = base_ptr + tl.where(size > 0, off, 0)
-    r = tl.inline_asm_elementwise(
-        asm="{\n .reg .pred p;\n .reg .b64 pol;\n createpolicy.fractional.L2::evict_last.b64 pol, 1.0;\n"
-            " setp.gt.s32 p, $2, 0;\n @p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol;\n"
-            " mov.u32 $0, 0;\n}",
-        constraints="=r,l,r", args=[addr, size], dtype=tl.int32, is_pure=False, pack=1)
-    tl.store(dummy_ptr + lane, r.to(tl.uint8), mask=lane < 0)
 
 
 @triton.jit
@@ -101,8 +94,8 @@ def prefetch_l2(weight: torch.Tensor, max_bytes: int, sub: int = SUB, evict_last
     per request."""
     flat, n = _bytes_of(weight, max_bytes)
     if n:
-        kernel = _bulk_prefetch_last_kernel if evict_last else _bulk_prefetch_kernel
-        kernel[(triton.cdiv(n, sub * LANES),)](flat, n, flat, SUB=sub, LANES=LANES, num_warps=1)
+        _bulk_prefetch_kernel[(triton.cdiv(n, sub * LANES),)](flat, n, flat, SUB=sub, LANES=LANES,
+                                                              EVICT_LAST=evict_last, num_warps=1)
 
 
 def prefetch_l2_lines(weight: torch.Tensor, max_bytes: int) -> None:
@@ -149,28 +142,13 @@ def step_fn(weights: list[dict[str, torch.Tensor]], xs: dict[int, torch.Tensor],
 
 
 def graph_ms(fn: Callable[[], None], reps: int) -> dict[str, float]:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    """Median ms of one replay of ``fn`` captured as a CUDA graph (``reps`` replays), and their spread."""
+    g = cuda_graph(fn, warmup=1)
     g.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
+    s = spread(replay_ms(g, reps))
     del g
-    med = statistics.median(times)
-    return {"ms": round(med, 4), "spread": round((max(times) - min(times)) / med, 4)}
+    return {"ms": round(s["median"], 4), "spread": round(s["spread"], 4)}
 
 
 def hot_vs_cold(weights: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
