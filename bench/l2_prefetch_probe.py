@@ -15,7 +15,7 @@ matmul's time with its weight in L2 against from memory (``hot_vs_cold``).
 
 Found on an H200 (bench/results/2026-12-03-l2-prefetch-probe-h200.json): 16 MB of each next weight with an
 evict-last policy took the emulated step from 4.48 to 4.31 ms at batch 1 (-4 %), but the same prefetch in
-the engine (b1326bd, taken out again: 2026-12-03-decode-engine-l2-prefetch-h200.json) gained nothing, and
+the engine (b1326bd, taken out again: 2026-12-03-decode-rows-l2-prefetch-h200.json) gained nothing, and
 a decode GEMV whose weight sits in L2 is barely faster than from memory (o 10.1 vs 13.4 us, the others
 equal): the engine's matmuls are not bound by HBM alone.
 """
