@@ -21,19 +21,23 @@ import torch
 
 import fusedserve.worker  # noqa: F401  (the installed package, before the checkout joins sys.path)
 from fusedserve.models.layers.fp8_block_triton import block_fp8_linear_triton
-from fusedserve.models.layers.linear import use_fp8_matmul
 from fusedserve.worker.executor.step_shape import StepShape
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 from bench.common import Progress, record_header, write_record
 from bench.deepseek_slice import DEEPSEEK_V3, decode_step, model_dir, tokens_of
-from bench.fp8_slice import CONTEXT, MAX_BLOCKS, RELEASE_QUANT, SEQ_BLOCKS, build, eager_forward
+from bench.fp8_slice import (
+    CONTEXT,
+    MAX_BLOCKS,
+    RELEASE_QUANT,
+    SEQ_BLOCKS,
+    build,
+    eager_forward,
+    fp8_matmul,
+    rel,
+)
 
 progress = Progress("fp8_graph_bisect")
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
 
 
 def main() -> None:
@@ -56,21 +60,18 @@ def main() -> None:
             model, ex = built.model, built.executor
             check = decode_step(tokens_of(4, shape["vocab_size"], 99), CONTEXT + 1, SEQ_BLOCKS)
             variants = ["default"] + (["triton_gemms"] if quant == "fp8" and args.kernels == "triton" else [])
-            experts = [(m, m.fused_fp8) for m in model.modules() if getattr(m, "fused_fp8", None) is not None]
+            # eagerly with the graph's block-table width: the decode attention then cuts the same splits
+            padded = dataclasses.replace(check, seqs=tuple(dataclasses.replace(
+                r, block_table=r.block_table + (r.block_table[-1],) * (MAX_BLOCKS - len(r.block_table)))
+                for r in check.seqs))
             for v in variants:
-                use_fp8_matmul(model, block_fp8_linear_triton if "triton_gemms" in v else model.kernels.block_fp8_matmul)
-                for m, fn in experts:
-                    m.fused_fp8 = fn
-                ex.capture([StepShape(4, 1)], MAX_BLOCKS)
-                g = ex.run(check).logits.float()
-                g2 = ex.run(check).logits.float()
-                e = eager_forward(built, check).logits.float()
-                e2 = eager_forward(built, check).logits.float()
-                # eagerly with the graph's block-table width: the decode attention then cuts the same splits
-                padded = dataclasses.replace(check, seqs=tuple(dataclasses.replace(
-                    r, block_table=r.block_table + (r.block_table[-1],) * (MAX_BLOCKS - len(r.block_table)))
-                    for r in check.seqs))
-                ep = eager_forward(built, padded).logits.float()
+                with fp8_matmul(model, block_fp8_linear_triton if v == "triton_gemms" else model.kernels.block_fp8_matmul):
+                    ex.capture([StepShape(4, 1)], MAX_BLOCKS)
+                    g = ex.run(check).logits.float()
+                    g2 = ex.run(check).logits.float()
+                    e = eager_forward(built, check).logits.float()
+                    e2 = eager_forward(built, check).logits.float()
+                    ep = eager_forward(built, padded).logits.float()
                 row = {"graph_vs_eager": [round(rel(g[i], e[i]), 5) for i in range(4)],
                        "graph_vs_eager_at_graph_width": [round(rel(g[i], ep[i]), 5) for i in range(4)],
                        "graph_vs_graph": rel(g2, g), "eager_vs_eager": rel(e2, e),

@@ -310,6 +310,16 @@ def with_routes(model: Any, routes: list[tuple[torch.Tensor, torch.Tensor]], fn:
 
 
 @contextmanager
+def fp8_matmul(model: Any, fn: Any) -> Iterator[None]:
+    """Every block-FP8 linear of ``model`` through ``fn`` while the block lasts (then the model's own choice)."""
+    use_fp8_matmul(model, fn)
+    try:
+        yield
+    finally:
+        use_fp8_matmul(model, model.kernels.block_fp8_matmul)  # as the model chose it at load
+
+
+@contextmanager
 def w8a8_reference(model: Any) -> Iterator[None]:
     """The FP8 model computing what its kernels should, in plain torch, while the block lasts: every block-FP8
     linear through ``block_fp8_linear_w8a8_reference`` and every FP8 expert layer through
@@ -317,25 +327,14 @@ def w8a8_reference(model: Any) -> Iterator[None]:
     do, products in fp32). Against it the FP8 logits show the kernels' own error; against the bf16 build it
     shows what the format itself costs (the activation quantization the release's dynamic scheme implies)."""
     experts = [(m, m.fused_fp8) for m in model.modules() if getattr(m, "fused_fp8", None) is not None]
-    use_fp8_matmul(model, block_fp8_linear_w8a8_reference)
     for m, _ in experts:
         m.fused_fp8 = fused_experts_fp8_w8a8_reference
     try:
-        yield
+        with fp8_matmul(model, block_fp8_linear_w8a8_reference):
+            yield
     finally:
-        use_fp8_matmul(model, model.kernels.block_fp8_matmul)  # as the model chose it at load
         for m, fn in experts:
             m.fused_fp8 = fn
-
-
-@contextmanager
-def fp8_matmul(model: Any, fn: Any) -> Iterator[None]:
-    """Every block-FP8 linear of ``model`` through ``fn`` while the block lasts (then the model's own choice)."""
-    use_fp8_matmul(model, fn)
-    try:
-        yield
-    finally:
-        use_fp8_matmul(model, model.kernels.block_fp8_matmul)
 
 
 def eager_forward(built: Rank, step: Step) -> Any:
