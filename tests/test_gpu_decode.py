@@ -28,7 +28,7 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 def test_triton_kernels_equal_references() -> None:
     from fusedserve.models.forward_batch import ForwardBatch, KVCache
     from fusedserve.models.layers.decode_attention_triton import paged_decode_attention_triton
-    from fusedserve.models.layers.linear_triton import linear_triton
+    from fusedserve.models.layers.linear_triton import decode_linear, linear_triton
     from fusedserve.models.layers.mlp import silu_and_mul
     from fusedserve.models.layers.paged_attention_torch import paged_attention_torch
     from fusedserve.models.layers.rms_norm_triton import add_rms_norm_triton, rms_norm_triton
@@ -57,6 +57,8 @@ def test_triton_kernels_equal_references() -> None:
             w = torch.randn(out_f, in_f, device=dev, dtype=bf, generator=g) * 0.02
             xin = torch.randn(n, in_f, device=dev, dtype=bf, generator=g)
             assert _rel(linear_triton(xin, w), torch.nn.functional.linear(xin, w)) < 1e-2, (n, out_f, in_f)
+            if n == 1:  # the fast set's batch-1 GEMV (with PDL where the GPU has it)
+                assert _rel(decode_linear(xin, w), torch.nn.functional.linear(xin, w)) < 1e-2, (out_f, in_f)
 
     # decode attention: GQA 32/8, head_dim 128, contexts across several kernel tiles, scattered blocks
     ctx = [1, 17, 64, 65, 300, 1000]

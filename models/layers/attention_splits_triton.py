@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_launch, pdl_open
+
 TARGET_PROGRAMS = 512
 MAX_SPLITS = 32
 
@@ -43,12 +45,13 @@ def combine_splits(part_acc: torch.Tensor, part_m: torch.Tensor, part_l: torch.T
     """out[t, h, :V] = the row's splits combined (out: [T, heads, V], any float dtype)."""
     tokens, heads, splits, vdim_pad = part_acc.shape
     _combine_kernel[(tokens, heads)](part_acc, part_m, part_l, out, out.stride(0), out.stride(1), SPLITS=splits,
-                                     VDIM=out.shape[2], VDIM_PAD=vdim_pad, num_warps=4)
+                                     VDIM=out.shape[2], VDIM_PAD=vdim_pad, num_warps=4, **pdl_launch())
 
 
 @triton.jit
 def _combine_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_ot, stride_oh,
-                    SPLITS: tl.constexpr, VDIM: tl.constexpr, VDIM_PAD: tl.constexpr):
+                    SPLITS: tl.constexpr, VDIM: tl.constexpr, VDIM_PAD: tl.constexpr, PDL: tl.constexpr):
+    pdl_open(PDL)
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     rows = (b * tl.num_programs(1) + head) * SPLITS + tl.arange(0, SPLITS)

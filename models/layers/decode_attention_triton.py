@@ -32,6 +32,7 @@ import triton.language as tl
 from ..forward_batch import ForwardBatch
 from .attention_splits_triton import combine_splits, num_splits, split_partials
 from .paged_attention_torch import paged_attention_torch
+from .pdl import pdl_launch, pdl_open
 from .prefill_attention_triton import paged_prefill_attention_triton
 
 BLOCK_N = 32
@@ -51,7 +52,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, p
                    HEAD_BLOCKS: tl.constexpr, H_PAD: tl.constexpr, DA: tl.constexpr, DA_PAD: tl.constexpr,
                    DB: tl.constexpr, DB_PAD: tl.constexpr, VDIM: tl.constexpr, VDIM_PAD: tl.constexpr,
                    V_IN_K: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                   DOT_FP32: tl.constexpr):
+                   DOT_FP32: tl.constexpr, PDL: tl.constexpr):
+    pdl_open(PDL)
     # K's columns are part A (0..DA) and part B (DA..DA+DB, none when DB = 0); V_IN_K: V is part A.
     ctx = tl.load(ctx_ptr + tl.program_id(0))
     b = tl.program_id(0).to(tl.int64)
@@ -246,7 +248,7 @@ def decode_attention_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
         HEADS=heads, GROUP=group, BLOCK_H=block_h, HEAD_BLOCKS=head_blocks, H_PAD=_pad(block_h), DA=da,
         DA_PAD=_pad(da), DB=dim - da, DB_PAD=_pad(dim - da), VDIM=vdim, VDIM_PAD=vdim_pad, V_IN_K=v_in_k,
         PAGE=cache.block_size, BLOCK_N=launch.block_n, SPLITS=splits, DOT_FP32=_DOT_FP32,
-        num_warps=launch.warps, num_stages=launch.stages)
+        num_warps=launch.warps, num_stages=launch.stages, **pdl_launch())
     if splits > 1:
         combine_splits(part_acc, part_m, part_l, out)
     return out

@@ -8,7 +8,7 @@ name         attention                              norms, RoPE, SiLU-and-mul; r
 reference    ``paged_attention_reference``          the torch references; per-expert loop
 torch        ``paged_attention_torch`` (graphable)  the torch references; ``fused_experts_torch``
 triton       ``paged_decode_attention_triton``      Triton kernels (``*_triton.py``; GPU only);
-             (decode; several new tokens per        matmuls stay cuBLAS unless ``skinny_matmul``;
+             (decode; several new tokens per        one-row matmuls ``decode_linear``, else cuBLAS;
              sequence: the flash kernel of          ``fused_experts_triton``
              ``prefill_attention_triton.py``;
              trees: the torch one)
@@ -73,15 +73,14 @@ class Kernels:
                        fused_moe_fp8=fused_experts_fp8_torch, graph_safe=True)
 
     @staticmethod
-    def triton(skinny_matmul: bool = False) -> Kernels:
-        """GPU kernels; raises ImportError without Triton. ``skinny_matmul``: decode-sized matmuls
-        (<= 16 rows) through ``linear_triton`` instead of cuBLAS (off: on an H200 it was 0.7 ms per
-        Llama-3-8B token slower, bench/results/2026-11-30-decode-roofline-h200.json)."""
+    def triton() -> Kernels:
+        """GPU kernels; raises ImportError without Triton. Launched with programmatic dependent launch
+        where the GPU has it (``pdl.py``)."""
         from .decode_attention_triton import paged_decode_attention_triton
         from .fp8_block_gemm import block_fp8_linear_fast
         from .fused_moe_fp8_triton import fused_experts_fp8_triton
         from .fused_moe_triton import fused_experts_triton
-        from .linear_triton import linear_triton
+        from .linear_triton import decode_linear
         from .rms_norm_triton import add_rms_norm_triton, rms_norm_triton
         from .rope_triton import rope_triton
         from .silu_mul_triton import silu_and_mul_triton
@@ -89,7 +88,7 @@ class Kernels:
         return Kernels(name="triton", attention=paged_decode_attention_triton,
                        norms=NormKernels(rms_norm=rms_norm_triton, add_rms_norm=add_rms_norm_triton),
                        rope=rope_triton, silu_and_mul=silu_and_mul_triton,
-                       matmul=linear_triton if skinny_matmul else None, fused_moe=fused_experts_triton,
+                       matmul=decode_linear, fused_moe=fused_experts_triton,
                        block_fp8_matmul=block_fp8_linear_fast, fused_moe_fp8=fused_experts_fp8_triton,
                        graph_safe=True)
 
@@ -103,7 +102,7 @@ class Kernels:
 
         base = Kernels.triton()
         return Kernels(name="flashinfer", attention=flashinfer_attention, norms=base.norms, rope=base.rope,
-                       silu_and_mul=base.silu_and_mul, matmul=None, fused_moe=base.fused_moe,
+                       silu_and_mul=base.silu_and_mul, matmul=base.matmul, fused_moe=base.fused_moe,
                        block_fp8_matmul=base.block_fp8_matmul, fused_moe_fp8=base.fused_moe_fp8, graph_safe=True,
                        planner=flashinfer_planner)
 

@@ -11,11 +11,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_launch, pdl_open
+
 
 @triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_k, stride_v, stride_kc, stride_vc,
                      K_WIDTH: tl.constexpr, V_WIDTH: tl.constexpr, K_PAD: tl.constexpr, V_PAD: tl.constexpr,
-                     HAS_V: tl.constexpr):
+                     HAS_V: tl.constexpr, PDL: tl.constexpr):
+    pdl_open(PDL)
     row = tl.program_id(0)
     slot = tl.load(slot_ptr + row).to(tl.int64)
     ko = tl.arange(0, K_PAD)
@@ -47,4 +50,4 @@ def write_kv_triton(kc: torch.Tensor, vc: torch.Tensor | None, slot_mapping: tor
         vcache, vw = vc, v2.shape[1]
     _write_kv_kernel[(t,)](k2, v2, kc, vcache, slot_mapping, k2.stride(0), v2.stride(0), kc.stride(0),
                            vcache.stride(0), K_WIDTH=kw, V_WIDTH=vw, K_PAD=triton.next_power_of_2(kw),
-                           V_PAD=triton.next_power_of_2(vw), HAS_V=vc is not None)
+                           V_PAD=triton.next_power_of_2(vw), HAS_V=vc is not None, **pdl_launch())

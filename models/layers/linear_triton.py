@@ -1,24 +1,25 @@
-"""Decode-sized matmuls y = x W^T (at most 16 rows of x) as one Triton kernel streaming W once (GPU).
+"""Decode-sized matmuls y = x W^T as Triton kernels streaming W once (GPU).
 
-Plain reference: ``torch.nn.functional.linear`` (cuBLAS), which also takes every other case:
-more than 16 rows (prefill), a bias, or shapes the kernel's tiles do not divide. One program per
-16 output features reads its [16, K] slice of W in [16, 256] tiles, pipelined 4 deep; x is
-padded to 16 rows for ``tl.dot``. Opt-in (``Kernels.triton(skinny_matmul=True)``): measured on
-an H200 under CUDA graphs it streams the Llama-3-8B weights at ~3.1 TB/s against cuBLAS's ~3.7
-(~4.8 vs 4.1 ms of matmul per batch-1 token; bench/results/2026-11-30-decode-roofline-h200.json);
-its loads are software-pipelined (cp.async, 4 stages, in the PTX Triton emits for sm_90).
+Plain reference: ``torch.nn.functional.linear`` (cuBLAS), which also takes every case a kernel here
+does not fit.
 
-Variants (the same reference): ``linear_triton_config`` (other tiles), ``splitk_triton`` (K split
-over 2-4 programs per output tile, fp32 partials, a reduce launch), ``gemv_triton`` (<= 4 rows,
-no tensor cores, thinner programs). ``TunedDecodeMatmul.tune`` times all of them and cuBLAS per
-(weight shape, rows) on the GPU, under CUDA graphs with the weights rotated past the L2, and
-dispatches each call to the fastest (decided once, before capture). On an H200 for Llama-3-8B
-shapes it found at most 2-4% over cuBLAS (the LM head) and cuBLAS best elsewhere
-(bench/results/2026-11-30-decode-tp2-h200x2.json: 4.66 -> 4.63 ms per batch-1 token). Tuning every
-rank at construction was tried and taken out (2026-12-02, bench/results/2026-12-02-decode-engine-tuned-
-matmuls-h200.json): the 8B engine's batch-1 step 4.536 ms against 4.540 without it, SmolLM2's decode
-graph 898 against 905 us (every candidate, cuBLAS's too, takes ~3.2-4.3 us on its 576-wide matrices:
-the launch, not the bytes), for 8 s more start-up.
+The fast set's matmul is ``decode_linear``: a batch-1 decode step's one row of x through ``_gemv_kernel``
+(no tensor cores: a program per 4 outputs, [4, 2048] weight tiles double-buffered in registers, fp32
+sums), launched with programmatic dependent launch where the GPU has it (``pdl.py``: the first weight
+tile is read while the kernel before still runs). On an H200, 32 layers of Llama-3-8B GEMVs with the
+small kernels between them took 3.76 ms this way against 4.09 with cuBLAS, 3.50 with PDL
+(bench/pdl_gemv_probe.py, bench/results/2026-12-03-pdl-gemv-probe-h200.json; o_proj 10.5 vs 13.3 us,
+qkv 15.1 vs 16.5). More rows (batches, prefill) stay cuBLAS.
+
+Other kernels (the same reference; benchmarks and the tuner): ``linear_triton`` (<= 16 rows, one program
+per 16 outputs, ``tl.dot`` on x padded to 16 rows, [16, 256] tiles pipelined 4 deep: ~3.1 TB/s against
+cuBLAS's ~3.7 on an H200, bench/results/2026-11-30-decode-roofline-h200.json), ``linear_triton_config``
+(other tiles), ``splitk_triton`` (K split over 2-4 programs per output tile, fp32 partials, a reduce
+launch), ``gemv_triton`` (the GEMV at <= 4 rows, any tile). ``TunedDecodeMatmul.tune`` times them and
+cuBLAS per (weight shape, rows) under CUDA graphs with the weights rotated past the L2 and dispatches each
+call to the fastest; tuning every rank at construction was tried and taken out (2026-12-02, bench/results/
+2026-12-02-decode-engine-tuned-matmuls-h200.json: 4.536 against 4.540 ms per 8B batch-1 step, 8 s more
+start-up; its GEMV candidates then were an older, single-buffered kernel).
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ import triton
 import triton.language as tl
 
 from .linear import MatmulFn
+from .pdl import pdl_launch, pdl_release, pdl_wait
 
 MAX_ROWS = 16
+GEMV_ROWS = 4
 BLOCK_N = 16
 BLOCK_K = 256
 STAGES = 4
@@ -80,24 +83,44 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 # --- variants for the decode matmuls that cuBLAS serves poorly (few output tiles, e.g. o_proj) ---------
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, K, stride_xm, stride_wn, stride_ym, M_PAD: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, K, stride_xm, stride_wn, stride_ym, M_PAD: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
     """No tensor cores: a program per BLOCK_N outputs multiplies its [BLOCK_N, BLOCK_K] tiles of W with
-    every row of x (M <= M_PAD <= 4) in registers and reduces over K; more, thinner programs than a dot."""
-    rm = tl.arange(0, M_PAD)
+    every row of x (M <= M_PAD <= 4) in fp32 registers, the next tile loaded while one is multiplied.
+    Under PDL (``pdl.py``) the first weight tile is loaded before waiting on the kernel before."""
     rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    rows = rm < M
-    x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
+    rm = tl.arange(0, M_PAD)
     w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
-    acc = tl.zeros((M_PAD, BLOCK_N), tl.float32)
-    for _ in range(K // BLOCK_K):
-        x = tl.load(x_ptrs, mask=rows[:, None], other=0.0).to(tl.float32)
-        w = tl.load(w_ptrs).to(tl.float32)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=rows[:, None])
+    w = tl.load(w_ptrs)
+    pdl_release(PDL)
+    pdl_wait(PDL)
+    if M_PAD == 1:
+        acc = tl.zeros((BLOCK_N,), tl.float32)
+        for k in range(BLOCK_K, K, BLOCK_K):
+            w_next = tl.load(w_ptrs + k)
+            x = tl.load(x_ptr + (k - BLOCK_K) + rk).to(tl.float32)
+            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+            w = w_next
+        x = tl.load(x_ptr + (K - BLOCK_K) + rk).to(tl.float32)
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn).to(tl.float32)
+        tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty))
+    else:
+        rows = rm[:, None] < M
+        x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
+        acc2 = tl.zeros((M_PAD, BLOCK_N), tl.float32)
+        for k in range(BLOCK_K, K, BLOCK_K):
+            w_next = tl.load(w_ptrs + k)
+            x2 = tl.load(x_ptrs + (k - BLOCK_K), mask=rows, other=0.0).to(tl.float32)
+            acc2 += tl.sum(x2[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+            w = w_next
+        x2 = tl.load(x_ptrs + (K - BLOCK_K), mask=rows, other=0.0).to(tl.float32)
+        acc2 += tl.sum(x2[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        if HAS_BIAS:
+            acc2 += tl.load(b_ptr + rn).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc2.to(y_ptr.dtype.element_ty), mask=rows)
 
 
 @triton.jit
@@ -141,18 +164,38 @@ def _fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, max_
                 or x.stride(-1) != 1 or weight.stride(-1) != 1 or x.dtype != weight.dtype)
 
 
-def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int = 8,
-                block_k: int = 256, num_warps: int = 4) -> torch.Tensor:
+def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int = 4,
+                block_k: int = 1024, num_warps: int = 4) -> torch.Tensor:
     """x: [m, K] (m <= 4); weight: [N, K] -> [m, N] with ``_gemv_kernel``; F.linear otherwise."""
-    if not _fits(x, weight, bias, 4, block_n, block_k):
-        return F.linear(x, weight, bias)
     m, k = x.shape
     n = weight.shape[0]
+    if (m == 0 or m > GEMV_ROWS or k % block_k or n % block_n or x.stride(-1) != 1 or weight.stride(-1) != 1
+            or x.dtype != weight.dtype or (bias is not None and (bias.dtype != x.dtype or bias.stride(-1) != 1))):
+        return F.linear(x, weight, bias)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    _gemv_kernel[(n // block_n,)](x, weight, y, m, k, x.stride(0), weight.stride(0), y.stride(0),
-                                  M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
-                                  num_warps=num_warps, num_stages=STAGES)
+    _gemv_kernel[(n // block_n,)](x, weight, bias if bias is not None else weight, y, m, k, x.stride(0),
+                                  weight.stride(0), y.stride(0), M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n,
+                                  BLOCK_K=block_k, HAS_BIAS=bias is not None, num_warps=num_warps, **pdl_launch())
     return y
+
+
+def gemv_tile(k: int) -> tuple[int, int, int] | None:
+    """(block_n, block_k, num_warps) of the decode GEMV for an input width k; None: none divides it.
+    From a sweep of 8 tiles over the Llama-3-8B shapes on an H200 (bench/pdl_gemv_probe.py): 4 x 2048
+    with 8 warps within 2 % of each shape's best, and 4 x 1024 with 4 warps where 2048 does not divide."""
+    for block_k, warps in ((2048, 8), (1024, 4), (512, 4), (256, 4)):
+        if k % block_k == 0:
+            return 4, block_k, warps
+    return None
+
+
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The fast set's matmul: one row of x (a batch-1 decode step) through ``_gemv_kernel`` with the tile
+    ``gemv_tile`` gives; F.linear (cuBLAS) for more rows, other shapes, and where no tile divides K."""
+    tile = gemv_tile(x.shape[-1]) if x.dim() == 2 and x.shape[0] == 1 else None
+    if tile is None:
+        return F.linear(x, weight, bias)
+    return gemv_triton(x, weight, bias, *tile)
 
 
 def splitk_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, split_k: int = 2,

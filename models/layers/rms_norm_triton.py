@@ -12,10 +12,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_launch, pdl_open
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro,
-                     n_cols, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     n_cols, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_open(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -44,7 +47,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     if rows:
         _rms_norm_kernel[(rows,)](x, r, weight, out, ro, x.stride(0), r.stride(0), out.stride(0), ro.stride(0),
                                   cols, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
-                                  num_warps=8 if block >= 4096 else 4)
+                                  num_warps=8 if block >= 4096 else 4, **pdl_launch())
     return out, res_out
 
 

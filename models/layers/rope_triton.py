@@ -11,10 +11,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_launch, pdl_open
+
 
 @triton.jit
 def _rope_kernel(pos_ptr, inv_ptr, q_ptr, k_ptr, qo_ptr, ko_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
-                 stride_qot, stride_qoh, stride_kot, stride_koh, Q_HEADS: tl.constexpr, HALF: tl.constexpr):
+                 stride_qot, stride_qoh, stride_kot, stride_koh, Q_HEADS: tl.constexpr, HALF: tl.constexpr,
+                 PDL: tl.constexpr):
+    pdl_open(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     i = tl.arange(0, HALF)
@@ -49,5 +53,5 @@ def rope_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     if n:
         _rope_kernel[(n, q_heads + k.shape[1])](
             positions, inv_freq, q, k, qo, ko, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), Q_HEADS=q_heads, HALF=half, num_warps=1)
+            qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), Q_HEADS=q_heads, HALF=half, num_warps=1, **pdl_launch())
     return qo, ko

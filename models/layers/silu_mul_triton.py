@@ -10,11 +10,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_launch, pdl_open
+
 BLOCK = 1024
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_open(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -34,5 +37,5 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((n, inter), dtype=x.dtype, device=x.device)
     if n:
         _silu_mul_kernel[(n, triton.cdiv(inter, BLOCK))](x, out, x.stride(0), out.stride(0), inter, BLOCK=BLOCK,
-                                                          num_warps=4)
+                                                          num_warps=4, **pdl_launch())
     return out
