@@ -130,7 +130,7 @@ def _pdl(on: bool) -> dict[str, bool]:
 def gemv(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, tile: tuple[int, int, int], pdl: bool) -> None:
     bn, bk, warps = tile
     _gemv_kernel[(w.shape[0] // bn,)](x, w, w, y, 1, w.shape[1], 0, w.stride(0), 0, M_PAD=1, BLOCK_N=bn,
-                                      BLOCK_K=bk, HAS_BIAS=False, PDL=pdl, num_warps=warps, **_pdl(pdl))
+                                      BLOCK_K=bk, EVEN_K=True, HAS_BIAS=False, PDL=pdl, num_warps=warps, **_pdl(pdl))
 
 
 def copy(x: torch.Tensor, y: torch.Tensor, n: int, pdl: bool) -> None:

@@ -84,25 +84,37 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, K, stride_xm, stride_wn, stride_ym, M_PAD: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 PDL: tl.constexpr):
     """No tensor cores: a program per BLOCK_N outputs multiplies its [BLOCK_N, BLOCK_K] tiles of W with
-    every row of x (M <= M_PAD <= 4) in fp32 registers, the next tile loaded while one is multiplied.
-    Under PDL (``pdl.py``) the first weight tile is loaded before waiting on the kernel before."""
+    every row of x (M <= M_PAD <= 4) in fp32 registers, the next tile loaded while one is multiplied
+    (EVEN_K: BLOCK_K divides K, else the last tile is masked). Under PDL (``pdl.py``) the first weight
+    tile is loaded before waiting on the kernel before."""
     rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     rm = tl.arange(0, M_PAD)
     w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
-    w = tl.load(w_ptrs)
+    last = (tl.cdiv(K, BLOCK_K) - 1) * BLOCK_K
+    if EVEN_K:
+        w = tl.load(w_ptrs)
+    else:
+        w = tl.load(w_ptrs, mask=rk[None, :] < K, other=0.0)
     pdl_release(PDL)
     pdl_wait(PDL)
     if M_PAD == 1:
         acc = tl.zeros((BLOCK_N,), tl.float32)
         for k in range(BLOCK_K, K, BLOCK_K):
-            w_next = tl.load(w_ptrs + k)
+            if EVEN_K:
+                w_next = tl.load(w_ptrs + k)
+            else:
+                w_next = tl.load(w_ptrs + k, mask=rk[None, :] + k < K, other=0.0)
             x = tl.load(x_ptr + (k - BLOCK_K) + rk).to(tl.float32)
             acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
             w = w_next
-        x = tl.load(x_ptr + (K - BLOCK_K) + rk).to(tl.float32)
+        if EVEN_K:
+            x = tl.load(x_ptr + last + rk).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + last + rk, mask=rk + last < K, other=0.0).to(tl.float32)
         acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn).to(tl.float32)
@@ -112,11 +124,14 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, K, stride_xm, stride_wn, stride_
         x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
         acc2 = tl.zeros((M_PAD, BLOCK_N), tl.float32)
         for k in range(BLOCK_K, K, BLOCK_K):
-            w_next = tl.load(w_ptrs + k)
+            if EVEN_K:
+                w_next = tl.load(w_ptrs + k)
+            else:
+                w_next = tl.load(w_ptrs + k, mask=rk[None, :] + k < K, other=0.0)
             x2 = tl.load(x_ptrs + (k - BLOCK_K), mask=rows, other=0.0).to(tl.float32)
             acc2 += tl.sum(x2[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
             w = w_next
-        x2 = tl.load(x_ptrs + (K - BLOCK_K), mask=rows, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptrs + last, mask=rows & (rk[None, :] + last < K), other=0.0).to(tl.float32)
         acc2 += tl.sum(x2[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
         if HAS_BIAS:
             acc2 += tl.load(b_ptr + rn).to(tl.float32)[None, :]
@@ -169,33 +184,34 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """x: [m, K] (m <= 4); weight: [N, K] -> [m, N] with ``_gemv_kernel``; F.linear otherwise."""
     m, k = x.shape
     n = weight.shape[0]
-    if (m == 0 or m > GEMV_ROWS or k % block_k or n % block_n or x.stride(-1) != 1 or weight.stride(-1) != 1
+    if (m == 0 or m > GEMV_ROWS or n % block_n or x.stride(-1) != 1 or weight.stride(-1) != 1
             or x.dtype != weight.dtype or (bias is not None and (bias.dtype != x.dtype or bias.stride(-1) != 1))):
         return F.linear(x, weight, bias)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(n // block_n,)](x, weight, bias if bias is not None else weight, y, m, k, x.stride(0),
                                   weight.stride(0), y.stride(0), M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n,
-                                  BLOCK_K=block_k, HAS_BIAS=bias is not None, num_warps=num_warps, **pdl_launch())
+                                  BLOCK_K=block_k, EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None, num_warps=num_warps, **pdl_launch())
     return y
 
 
-def gemv_tile(k: int) -> tuple[int, int, int] | None:
-    """(block_n, block_k, num_warps) of the decode GEMV for an input width k; None: none divides it.
-    From a sweep of 8 tiles over the Llama-3-8B shapes on an H200 (bench/pdl_gemv_probe.py): 4 x 2048
-    with 8 warps within 2 % of each shape's best, and 4 x 1024 with 4 warps where 2048 does not divide."""
+def gemv_tile(k: int) -> tuple[int, int, int]:
+    """(block_n, block_k, num_warps) of the decode GEMV for an input width k. From a sweep of 8 tiles over
+    the Llama-3-8B shapes on an H200 (bench/pdl_gemv_probe.py): 4 x 2048 with 8 warps within 2 % of each
+    shape's best; 4 x 1024 with 4 warps where 2048 does not divide k; a narrower k (SmolLM2's 576) in
+    one masked tile."""
     for block_k, warps in ((2048, 8), (1024, 4), (512, 4), (256, 4)):
         if k % block_k == 0:
             return 4, block_k, warps
-    return None
+    return 4, min(1024, triton.next_power_of_2(k)), 4
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The fast set's matmul: one row of x (a batch-1 decode step) through ``_gemv_kernel`` with the tile
-    ``gemv_tile`` gives; F.linear (cuBLAS) for more rows, other shapes, and where no tile divides K."""
-    tile = gemv_tile(x.shape[-1]) if x.dim() == 2 and x.shape[0] == 1 else None
-    if tile is None:
+    ``gemv_tile`` gives; F.linear (cuBLAS) for more rows and for what the kernel does not take (an output
+    count not a multiple of 4, strided rows, mixed dtypes)."""
+    if x.dim() != 2 or x.shape[0] != 1:
         return F.linear(x, weight, bias)
-    return gemv_triton(x, weight, bias, *tile)
+    return gemv_triton(x, weight, bias, *gemv_tile(x.shape[-1]))
 
 
 def splitk_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, split_k: int = 2,
