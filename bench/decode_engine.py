@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 import fusedserve.worker  # noqa: F401  (the installed package, before the checkout joins sys.path)
+from fusedserve.models.layers.pdl import pdl_enabled
 from fusedserve.worker.engine.config import EngineConfig
 from fusedserve.worker.engine.engine import Engine
 from fusedserve.worker.engine.sequence import SamplingParams
@@ -274,14 +275,23 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="small model (CPU if no GPU): checks the script")
     ap.add_argument("--decode-only", action="store_true",
                     help="only the decode rows (no profile, prefill, read-back engine, token check or peer)")
+    ap.add_argument("--cublas-matmuls", action="store_true",
+                    help="the fast set's one-row matmuls through cuBLAS instead of its GEMV (an A/B of the kernel; "
+                         "FUSEDSERVE_PDL=0 in the environment is the A/B of programmatic dependent launch)")
     args = ap.parse_args()
+    if args.cublas_matmuls:  # before any engine is built: Kernels.triton() reads it then
+        import torch.nn.functional as F
+
+        import fusedserve.models.layers.linear_triton as linear_triton
+        linear_triton.decode_linear = F.linear  # type: ignore[assignment]
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     device = "cuda" if cuda else "cpu"
     shape = TINY if args.tiny else LLAMA3_8B
     batches = tuple(int(b) for b in args.batches.split(","))
     record: dict[str, Any] = {**record_header(), "model_shape": shape, "dtype": "bfloat16" if cuda else "float32",
-                              "prompt_len": PROMPT_LEN}
+                              "prompt_len": PROMPT_LEN, "one_row_matmul": "cublas" if args.cublas_matmuls else "gemv",
+                              "pdl": pdl_enabled()}
     bw = copy_bandwidth(dev, (4 << 30) if cuda and not args.tiny else (64 << 20))
     peak = matmul_peak(dev, 8192 if cuda and not args.tiny else 512)
     record["ceilings"] = {"copy_bandwidth_TBps": bw / 1e12, "matmul_bf16_TFLOPs": peak / 1e12,
