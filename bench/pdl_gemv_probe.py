@@ -17,6 +17,7 @@ change a bit). The GEMV is the engine's (``linear_triton._gemv_kernel``, with ``
 had the same kernel written here: cuBLAS 4.09 ms, Triton GEMV 3.76, with PDL 3.50 (97 % of the weights'
 roofline), bit-equal.
 
+``--gemv-rows`` (default 2, 4): the GEMV at a few rows, each tile of a small sweep, against cuBLAS.
 ``--dot-rows`` (default 16, 64): a tensor-core candidate for decode batches (``_dot_kernel``, operands
 swapped so the weight's rows fill the MMA) against cuBLAS per shape, each tile of a small sweep, the best
 again with PDL.
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fusedserve.models.layers.linear_triton import _gemv_kernel
+from fusedserve.models.layers.linear_triton import _gemv_kernel, gemv_tile, gemv_triton
 from fusedserve.models.layers.pdl import HAVE_GDC, pdl_open
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
@@ -90,6 +91,33 @@ def dot(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: tuple[int, int, 
     _dot_kernel[(w.shape[0] // bn,)](x, w, y, m, w.shape[1], x.stride(0), w.stride(0), y.stride(0), BLOCK_N=bn,
                                      BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_K=bk, PDL=pdl,
                                      num_stages=stages, num_warps=warps, **_pdl(pdl))
+
+
+GEMV_ROW_TILES = ((4, 256, 4), (4, 512, 4), (4, 512, 8), (8, 256, 4), (2, 512, 4), (4, 1024, 8))
+
+
+def gemv_rows_sweep(weights: list[dict[str, torch.Tensor]], m: int, dev: torch.device) -> dict[str, Any]:
+    """us per matmul at 2..4 rows: cuBLAS and the engine's GEMV launcher (``gemv_triton``, PDL where on) at
+    each GEMV_ROW_TILES tile, and the tile ``gemv_tile`` picks."""
+    out: dict[str, Any] = {}
+    for name, n, k in SHAPES:
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        ws = [w[name] for w in weights]
+        per = 1000 / len(ws)
+        cub = graph_ms(lambda: [F.linear(x, w) for w in ws], 10)["ms"] * per
+        rows: dict[str, Any] = {}
+        for tile in GEMV_ROW_TILES:
+            try:
+                rows[str(tile)] = round(graph_ms(lambda t=tile: [gemv_triton(x, w, None, *t) for w in ws], 10)["ms"]
+                                        * per, 2)
+            except Exception as e:  # a tile that does not compile or fit here is said in the record
+                rows[str(tile)] = f"{type(e).__name__}: {e}"[:200]
+        ref = F.linear(x.float(), ws[0].float())
+        err = ((gemv_triton(x, ws[0], None, *gemv_tile(k, m)).float() - ref).norm() / ref.norm()).item()
+        out[name] = {"cublas_us": round(cub, 2), "chosen": str(gemv_tile(k, m)), "tiles_us": rows,
+                     "rel_err_vs_fp32": err}
+        progress(f"gemv rows {m} {name}: {out[name]}")
+    return out
 
 
 def dot_sweep(weights: list[dict[str, torch.Tensor]], m: int, dev: torch.device) -> dict[str, Any]:
@@ -208,6 +236,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--dot-rows", default="16,64", help="row counts for the tensor-core candidate's sweep")
+    ap.add_argument("--gemv-rows", default="2,4", help="row counts for the GEMV's multi-row tile sweep")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -253,6 +282,10 @@ def main() -> None:
             progress(str(row))
             record["results"] = results
             write_record(record, args.out)
+    record["gemv_rows_sweep"] = {}
+    for m in [int(r) for r in args.gemv_rows.split(",") if r]:
+        record["gemv_rows_sweep"][str(m)] = gemv_rows_sweep(weights, m, dev)
+        write_record(record, args.out)
     record["dot_sweep"] = {}
     for m in [int(r) for r in args.dot_rows.split(",") if r]:
         record["dot_sweep"][str(m)] = dot_sweep(weights, m, dev)
