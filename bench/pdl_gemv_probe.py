@@ -17,7 +17,8 @@ change a bit). The GEMV is the engine's (``linear_triton._gemv_kernel``, with ``
 had the same kernel written here: cuBLAS 4.09 ms, Triton GEMV 3.76, with PDL 3.50 (97 % of the weights'
 roofline), bit-equal.
 
-``--gemv-rows`` (default 2, 4): the GEMV at a few rows, each tile of a small sweep, against cuBLAS.
+``--gemv-rows`` (default 2, 4): the GEMV at a few rows, each tile of a small sweep, against cuBLAS (1.5-3x
+slower everywhere on an H200: the engine's GEMV takes one row only).
 ``--dot-rows`` (default 16, 64): a tensor-core candidate for decode batches (``_dot_kernel``, operands
 swapped so the weight's rows fill the MMA) against cuBLAS per shape, each tile of a small sweep, the best
 again with PDL.
@@ -37,7 +38,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fusedserve.models.layers.linear_triton import _gemv_kernel, gemv_tile, gemv_triton
+from fusedserve.models.layers.linear_triton import _gemv_kernel, gemv_triton
 from fusedserve.models.layers.pdl import HAVE_GDC, pdl_open
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
@@ -97,8 +98,9 @@ GEMV_ROW_TILES = ((4, 256, 4), (4, 512, 4), (4, 512, 8), (8, 256, 4), (2, 512, 4
 
 
 def gemv_rows_sweep(weights: list[dict[str, torch.Tensor]], m: int, dev: torch.device) -> dict[str, Any]:
-    """us per matmul at 2..4 rows: cuBLAS and the engine's GEMV launcher (``gemv_triton``, PDL where on) at
-    each GEMV_ROW_TILES tile, and the tile ``gemv_tile`` picks."""
+    """us per matmul at 2..4 rows: cuBLAS and the GEMV launcher (``gemv_triton``, PDL where on) at each
+    GEMV_ROW_TILES tile. Found on an H200 (2026-12-03-pdl-gemv-probe-rows-h200.json): 1.5-3x slower than
+    cuBLAS at every tile (the [rows, 4, block_k] product in registers), so the engine's GEMV takes one row."""
     out: dict[str, Any] = {}
     for name, n, k in SHAPES:
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
@@ -113,9 +115,8 @@ def gemv_rows_sweep(weights: list[dict[str, torch.Tensor]], m: int, dev: torch.d
             except Exception as e:  # a tile that does not compile or fit here is said in the record
                 rows[str(tile)] = f"{type(e).__name__}: {e}"[:200]
         ref = F.linear(x.float(), ws[0].float())
-        err = ((gemv_triton(x, ws[0], None, *gemv_tile(k, m)).float() - ref).norm() / ref.norm()).item()
-        out[name] = {"cublas_us": round(cub, 2), "chosen": str(gemv_tile(k, m)), "tiles_us": rows,
-                     "rel_err_vs_fp32": err}
+        err = ((gemv_triton(x, ws[0], None, 4, 512).float() - ref).norm() / ref.norm()).item()
+        out[name] = {"cublas_us": round(cub, 2), "tiles_us": rows, "rel_err_vs_fp32_tile_4x512": err}
         progress(f"gemv rows {m} {name}: {out[name]}")
     return out
 

@@ -3,13 +3,13 @@
 Plain reference: ``torch.nn.functional.linear`` (cuBLAS), which also takes every case a kernel here
 does not fit.
 
-The fast set's matmul is ``decode_linear``: up to 4 rows of x (a batch-1 decode step: one) through ``_gemv_kernel``
+The fast set's matmul is ``decode_linear``: a batch-1 decode step's one row of x through ``_gemv_kernel``
 (no tensor cores: a program per 4 outputs, [4, 2048] weight tiles double-buffered in registers, fp32
 sums), launched with programmatic dependent launch where the GPU has it (``pdl.py``: the first weight
 tile is read while the kernel before still runs). On an H200, 32 layers of Llama-3-8B GEMVs with the
 small kernels between them took 3.76 ms this way against 4.09 with cuBLAS, 3.50 with PDL
 (bench/pdl_gemv_probe.py, bench/results/2026-12-03-pdl-gemv-probe-h200.json; o_proj 10.5 vs 13.3 us,
-qkv 15.1 vs 16.5). More rows (larger batches, prefill) stay cuBLAS.
+qkv 15.1 vs 16.5). More rows (batches, prefill) stay cuBLAS.
 
 Other kernels (the same reference; benchmarks and the tuner): ``linear_triton`` (<= 16 rows, one program
 per 16 outputs, ``tl.dot`` on x padded to 16 rows, [16, 256] tiles pipelined 4 deep: ~3.1 TB/s against
@@ -190,31 +190,28 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(n // block_n,)](x, weight, bias if bias is not None else weight, y, m, k, x.stride(0),
                                   weight.stride(0), y.stride(0), M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n,
-                                  BLOCK_K=block_k, EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None,
-                                  num_warps=num_warps, **pdl_launch())
+                                  BLOCK_K=block_k, EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None, num_warps=num_warps, **pdl_launch())
     return y
 
 
-def gemv_tile(k: int, rows: int = 1) -> tuple[int, int, int]:
-    """(block_n, block_k, num_warps) of the decode GEMV for an input width k and 1..4 rows of x. One row:
-    from a sweep of 8 tiles over the Llama-3-8B shapes on an H200 (bench/pdl_gemv_probe.py), 4 x 2048 with
-    8 warps within 2 % of each shape's best, 4 x 1024 with 4 warps where 2048 does not divide k. More rows
-    hold a [rows, 4, block_k] product in registers: 512 columns at most. A narrower k (SmolLM2's 576), or
-    one no tile divides, takes a masked last tile."""
-    tiles = ((2048, 8), (1024, 4), (512, 4), (256, 4)) if rows == 1 else ((512, 4), (256, 4))
-    for block_k, warps in tiles:
+def gemv_tile(k: int) -> tuple[int, int, int]:
+    """(block_n, block_k, num_warps) of the decode GEMV for an input width k. From a sweep of 8 tiles over
+    the Llama-3-8B shapes on an H200 (bench/pdl_gemv_probe.py): 4 x 2048 with 8 warps within 2 % of each
+    shape's best; 4 x 1024 with 4 warps where 2048 does not divide k; a narrower k (SmolLM2's 576) in
+    one masked tile."""
+    for block_k, warps in ((2048, 8), (1024, 4), (512, 4), (256, 4)):
         if k % block_k == 0:
             return 4, block_k, warps
-    return 4, min(1024 if rows == 1 else 256, triton.next_power_of_2(k)), 4
+    return 4, min(1024, triton.next_power_of_2(k)), 4
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The fast set's matmul: up to 4 rows of x (decode steps of 1-4 sequences, a short verify) through
-    ``_gemv_kernel`` with the tile ``gemv_tile`` gives; F.linear (cuBLAS) for more rows and for what the
-    kernel does not take (an output count not a multiple of 4, strided rows, mixed dtypes)."""
-    if x.dim() != 2 or not 0 < x.shape[0] <= GEMV_ROWS:
+    """The fast set's matmul: one row of x (a batch-1 decode step) through ``_gemv_kernel`` with the tile
+    ``gemv_tile`` gives; F.linear (cuBLAS) for more rows and for what the kernel does not take (an output
+    count not a multiple of 4, strided rows, mixed dtypes)."""
+    if x.dim() != 2 or x.shape[0] != 1:
         return F.linear(x, weight, bias)
-    return gemv_triton(x, weight, bias, *gemv_tile(x.shape[-1], x.shape[0]))
+    return gemv_triton(x, weight, bias, *gemv_tile(x.shape[-1]))
 
 
 def splitk_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, split_k: int = 2,
