@@ -126,6 +126,16 @@ def spread(samples: list[float]) -> dict[str, float]:
             "spread": (max(samples) - min(samples)) / med if med else 0.0, "n": len(samples)}
 
 
+def graph_ms(fn: Callable[[], None], reps: int) -> dict[str, float]:
+    """Median ms of one replay of ``fn`` captured as a CUDA graph (``reps`` replays), and their spread."""
+    g = cuda_graph(fn, warmup=1)
+    g.replay()
+    torch.cuda.synchronize()
+    s = spread(replay_ms(g, reps))
+    del g
+    return {"ms": round(s["median"], 4), "spread": round(s["spread"], 4)}
+
+
 Kinds = tuple[tuple[str, tuple[str, ...]], ...]  # (kind, marks): a kernel whose name holds a mark is of that kind
 
 

@@ -36,7 +36,7 @@ import triton.language as tl
 import fusedserve.models  # noqa: F401  (the installed package, before the checkout joins sys.path)
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
-from bench.common import Progress, copy_bandwidth, cuda_graph, record_header, replay_ms, spread, write_record
+from bench.common import Progress, copy_bandwidth, graph_ms, record_header, write_record
 
 SHAPES = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
 SPANS_US = {"qkv": 4.0, "o": 8.0, "gate_up": 4.0, "down": 1.5}  # idle before each matmul
@@ -139,16 +139,6 @@ def step_fn(weights: list[dict[str, torch.Tensor]], xs: dict[int, torch.Tensor],
         if side is not None:
             main.wait_stream(side)
     return run
-
-
-def graph_ms(fn: Callable[[], None], reps: int) -> dict[str, float]:
-    """Median ms of one replay of ``fn`` captured as a CUDA graph (``reps`` replays), and their spread."""
-    g = cuda_graph(fn, warmup=1)
-    g.replay()
-    torch.cuda.synchronize()
-    s = spread(replay_ms(g, reps))
-    del g
-    return {"ms": round(s["median"], 4), "spread": round(s["spread"], 4)}
 
 
 def hot_vs_cold(weights: list[dict[str, torch.Tensor]]) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from fusedserve.models.layers.linear_triton import _gemv_kernel, gemv_triton
 from fusedserve.models.layers.pdl import HAVE_GDC, pdl_open
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
-from bench.common import Progress, copy_bandwidth, cuda_graph, record_header, replay_ms, spread, write_record
+from bench.common import Progress, copy_bandwidth, graph_ms, record_header, write_record
 
 SHAPES = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
 # small kernels before each GEMV: (how many, elements each reads/writes)
@@ -190,15 +190,6 @@ def step_fn(weights: list[dict[str, torch.Tensor]], bufs: dict[str, torch.Tensor
                 x = y
         bufs["out"].copy_(x[:4096])
     return run
-
-
-def graph_ms(fn: Callable[[], None], reps: int) -> dict[str, float]:
-    g = cuda_graph(fn, warmup=1)
-    g.replay()
-    torch.cuda.synchronize()
-    s = spread(replay_ms(g, reps))
-    del g
-    return {"ms": round(s["median"], 4), "spread": round(s["spread"], 4)}
 
 
 def best_tiles(weights: list[dict[str, torch.Tensor]], dev: torch.device) -> dict[str, Any]:
