@@ -29,15 +29,13 @@ import triton
 import triton.language as tl
 
 from .fp8_block import ACT_SCALE_MIN, FP8_DTYPE, FP8_MAX, BlockFP8, block_fp8_linear_w8a8_reference
-from .pdl import pdl_launch, pdl_open
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU interpreter: dots in fp32 (exact for e4m3 values)
 
 
 @triton.jit
 def _group_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, fp8_max, eps,
-                        GROUP: tl.constexpr, PDL: tl.constexpr):
-    pdl_open(PDL)
+                        GROUP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     cols = g * GROUP + tl.arange(0, GROUP)
@@ -53,8 +51,7 @@ def _group_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
 def _gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, N, K, k_blocks_per_split,
                  stride_am, stride_bn, stride_cs, stride_cm, stride_asm, stride_bsn,
                  GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr):
-    pdl_open(PDL)
+                 GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr):
     pid = tl.program_id(0)
     split = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -110,7 +107,7 @@ def group_quant_triton(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
     s = torch.empty(m, groups, dtype=torch.float32, device=x.device)
     if m:
         _group_quant_kernel[(m, groups)](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), FP8_MAX, ACT_SCALE_MIN,
-                                         GROUP=group, num_warps=1 if group <= 128 else 4, **pdl_launch())
+                                         GROUP=group, num_warps=1 if group <= 128 else 4)
     return q, s
 
 
@@ -163,8 +160,7 @@ def block_fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, scale_inv: to
         q, weight, dest, s, scale_inv, bias if bias is not None and split == 1 else out, m, n, k, per_split,
         q.stride(0), weight.stride(0), dest.stride(0) if split > 1 else 0, dest.stride(-2), s.stride(0),
         scale_inv.stride(0), GROUP_N=fmt.block_n, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=fmt.block_k, GROUP_M=8,
-        HAS_BIAS=bias is not None and split == 1, DOT_FP32=_INTERPRET, num_warps=warps, num_stages=stages,
-        **pdl_launch())
+        HAS_BIAS=bias is not None and split == 1, DOT_FP32=_INTERPRET, num_warps=warps, num_stages=stages)
     if split == 1:
         return out
     total = dest.sum(0)

@@ -30,7 +30,6 @@ import triton.language as tl
 from .fp8_block import FP8_DTYPE, BlockFP8
 from .fp8_block_triton import group_quant_triton, supported
 from .fused_moe import BLOCK_M, fused_experts_fp8_torch, moe_align
-from .pdl import pdl_launch, pdl_open
 
 _DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU interpreter: dots in fp32 (exact for e4m3 values)
 STAGES = 3
@@ -40,8 +39,7 @@ STAGES = 3
 def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, h_ptr, pairs_ptr, expert_ptr, K, INTER, top_k, num_pairs,
                     stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_hm,
                     GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    DOT_FP32: tl.constexpr, PDL: tl.constexpr):
-    pdl_open(PDL)
+                    DOT_FP32: tl.constexpr):
     blk = tl.program_id(0)
     e = tl.load(expert_ptr + blk).to(tl.int64)
     if e < 0:
@@ -84,8 +82,7 @@ def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, h_ptr, pairs_ptr, expert_ptr, 
 def _down_kernel(h_ptr, hs_ptr, w_ptr, ws_ptr, out_ptr, pairs_ptr, expert_ptr, rw_ptr, K, N, num_pairs,
                  stride_hm, stride_hsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
                  GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT_FP32: tl.constexpr, PDL: tl.constexpr):
-    pdl_open(PDL)
+                 DOT_FP32: tl.constexpr):
     blk = tl.program_id(0)
     e = tl.load(expert_ptr + blk).to(tl.int64)
     if e < 0:
@@ -150,7 +147,7 @@ def fused_experts_fp8_triton(x: torch.Tensor, local_ids: torch.Tensor, weights: 
         xq.stride(0), xs.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0),
         gate_up_scale.stride(1), h.stride(0),
         GROUP_N=fmt.block_n, BLOCK_M=BLOCK_M, BLOCK_N=bn_up, BLOCK_K=bk, DOT_FP32=_DOT_FP32, num_warps=4,
-        num_stages=STAGES, **pdl_launch())
+        num_stages=STAGES)
     hq, hs = group_quant_triton(h, bk)
     rw = weights.reshape(-1).float().contiguous()
     bn_down = 64
@@ -159,5 +156,5 @@ def fused_experts_fp8_triton(x: torch.Tensor, local_ids: torch.Tensor, weights: 
         hq.stride(0), hs.stride(0), down.stride(0), down.stride(1), down_scale.stride(0), down_scale.stride(1),
         out.stride(0),
         GROUP_N=fmt.block_n, BLOCK_M=BLOCK_M, BLOCK_N=bn_down, BLOCK_K=bk, DOT_FP32=_DOT_FP32, num_warps=4,
-        num_stages=STAGES, **pdl_launch())
+        num_stages=STAGES)
     return out.view(n, k, hidden).sum(1).to(x.dtype)

@@ -25,7 +25,6 @@ import triton
 import triton.language as tl
 
 from .fused_moe import BLOCK_M, fused_experts_torch, moe_align
-from .pdl import pdl_launch, pdl_open
 
 _DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU interpreter mis-multiplies bf16 matrices
 STAGES = 4
@@ -34,8 +33,7 @@ STAGES = 4
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, h_ptr, pairs_ptr, expert_ptr, K, INTER, top_k, num_pairs,
                     stride_xm, stride_we, stride_wn, stride_hm,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr):
-    pdl_open(PDL)
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
     blk = tl.program_id(0)
     e = tl.load(expert_ptr + blk)
     if e < 0:
@@ -71,8 +69,7 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, pairs_ptr, expert_ptr, K, INTER, top_k,
 @triton.jit
 def _down_kernel(h_ptr, w_ptr, out_ptr, pairs_ptr, expert_ptr, rw_ptr, K, num_pairs,
                  stride_hm, stride_we, stride_wn, stride_om,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr):
-    pdl_open(PDL)
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
     blk = tl.program_id(0)
     e = tl.load(expert_ptr + blk)
     if e < 0:
@@ -126,10 +123,10 @@ def fused_experts_triton(x: torch.Tensor, local_ids: torch.Tensor, weights: torc
     _gate_up_kernel[(blk.max_blocks, inter // bn_up)](
         x, gate_up, h, blk.sorted_pairs, blk.block_expert, hidden, inter, k, blk.num_pairs,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=bn_up, BLOCK_K=bk_up, DOT_FP32=_DOT_FP32, num_warps=4, num_stages=STAGES, **pdl_launch())
+        BLOCK_M=BLOCK_M, BLOCK_N=bn_up, BLOCK_K=bk_up, DOT_FP32=_DOT_FP32, num_warps=4, num_stages=STAGES)
     rw = weights.reshape(-1).float().contiguous()
     _down_kernel[(blk.max_blocks, hidden // bn_down)](
         h, down, out, blk.sorted_pairs, blk.block_expert, rw, inter, blk.num_pairs,
         h.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=bn_down, BLOCK_K=bk_down, DOT_FP32=_DOT_FP32, num_warps=4, num_stages=STAGES, **pdl_launch())
+        BLOCK_M=BLOCK_M, BLOCK_N=bn_down, BLOCK_K=bk_down, DOT_FP32=_DOT_FP32, num_warps=4, num_stages=STAGES)
     return out.view(n, k, hidden).sum(1).to(x.dtype)
