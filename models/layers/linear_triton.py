@@ -15,7 +15,8 @@ Other kernels (the same reference; benchmarks and the tuner): ``linear_triton`` 
 per 16 outputs, ``tl.dot`` on x padded to 16 rows, [16, 256] tiles pipelined 4 deep: ~3.1 TB/s against
 cuBLAS's ~3.7 on an H200, bench/results/2026-11-30-decode-roofline-h200.json), ``linear_triton_config``
 (other tiles), ``splitk_triton`` (K split over 2-4 programs per output tile, fp32 partials, a reduce
-launch), ``gemv_triton`` (the GEMV at <= 4 rows, any tile). ``TunedDecodeMatmul.tune`` times them and
+launch), ``gemv_triton`` (the GEMV at <= 4 rows, any tile; at 2-4 rows 1.5-3x slower than cuBLAS on an
+H200, bench/results/2026-12-03-pdl-gemv-probe-rows-h200.json, so the fast set gives it one row only). ``TunedDecodeMatmul.tune`` times them and
 cuBLAS per (weight shape, rows) under CUDA graphs with the weights rotated past the L2 and dispatches each
 call to the fastest; tuning every rank at construction was tried and taken out (2026-12-02, bench/results/
 2026-12-02-decode-engine-tuned-matmuls-h200.json: 4.536 against 4.540 ms per 8B batch-1 step, 8 s more
@@ -190,7 +191,8 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(n // block_n,)](x, weight, bias if bias is not None else weight, y, m, k, x.stride(0),
                                   weight.stride(0), y.stride(0), M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n,
-                                  BLOCK_K=block_k, EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None, num_warps=num_warps, **pdl_launch())
+                                  BLOCK_K=block_k, EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None,
+                                  num_warps=num_warps, **pdl_launch())
     return y
 
 
