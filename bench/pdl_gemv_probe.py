@@ -21,7 +21,9 @@ roofline), bit-equal.
 slower everywhere on an H200: the engine's GEMV takes one row only).
 ``--dot-rows`` (default 16, 64): a tensor-core candidate for decode batches (``_dot_kernel``, operands
 swapped so the weight's rows fill the MMA) against cuBLAS per shape, each tile of a small sweep, the best
-again with PDL.
+again with PDL, with its first weight tile read before the PDL wait (``PRE``), and both; then the emulated
+step at that many rows (``chain_rows``): cuBLAS against the candidate without and with PDL / PRE. First run
+(2026-12-03-pdl-gemv-probe-rerun-h200.json, before PRE and the chain): 3 % under cuBLAS at 16 rows, equal at 64.
 """
 
 from __future__ import annotations
@@ -62,23 +64,34 @@ def _copy_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
 
 @triton.jit
 def _dot_kernel(x_ptr, w_ptr, y_ptr, M, K, stride_xm, stride_wn, stride_ym, BLOCK_N: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, PRE: tl.constexpr):
     """A candidate for 2..64 rows on tensor cores, operands swapped: y^T [BLOCK_N, M] = W_tile x^T, so the
-    weight's rows fill the MMA's M side and the few rows of x its N side; a program per BLOCK_N outputs."""
+    weight's rows fill the MMA's M side and the few rows of x its N side; a program per BLOCK_N outputs.
+    PRE: the loop double-buffered by hand and the first weight tile loaded before the PDL wait (as the
+    GEMV does); else Triton's pipelined loop after the wait."""
     rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
     x_ptrs = x_ptr + rm[None, :] * stride_xm + rk[:, None]
     rows = rm[None, :] < M
-    pdl_open(PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    for _ in range(0, K, BLOCK_K):
+    if PRE:
         w = tl.load(w_ptrs)
-        x = tl.load(x_ptrs, mask=rows, other=0.0)
-        acc = tl.dot(w, x, acc)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
+        pdl_open(PDL)
+        for k in range(BLOCK_K, K, BLOCK_K):
+            w_next = tl.load(w_ptrs + k)
+            acc = tl.dot(w, tl.load(x_ptrs + (k - BLOCK_K), mask=rows, other=0.0), acc)
+            w = w_next
+        acc = tl.dot(w, tl.load(x_ptrs + (K - BLOCK_K), mask=rows, other=0.0), acc)
+    else:
+        pdl_open(PDL)
+        for _ in range(0, K, BLOCK_K):
+            w = tl.load(w_ptrs)
+            x = tl.load(x_ptrs, mask=rows, other=0.0)
+            acc = tl.dot(w, x, acc)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
     tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], acc.to(y_ptr.dtype.element_ty), mask=rows)
 
 
@@ -86,11 +99,12 @@ DOT_CFGS = ((64, 128, 4, 4), (64, 256, 3, 4), (64, 128, 6, 4), (32, 256, 4, 4), 
             (32, 128, 6, 4), (16, 256, 4, 4))
 
 
-def dot(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: tuple[int, int, int, int], pdl: bool) -> None:
+def dot(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: tuple[int, int, int, int], pdl: bool,
+        pre: bool = False) -> None:
     bn, bk, stages, warps = cfg
     m = x.shape[0]
     _dot_kernel[(w.shape[0] // bn,)](x, w, y, m, w.shape[1], x.stride(0), w.stride(0), y.stride(0), BLOCK_N=bn,
-                                     BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_K=bk, PDL=pdl,
+                                     BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_K=bk, PDL=pdl, PRE=pre,
                                      num_stages=stages, num_warps=warps, **_pdl(pdl))
 
 
@@ -144,9 +158,17 @@ def dot_sweep(weights: list[dict[str, torch.Tensor]], m: int, dev: torch.device)
         ref = F.linear(x.float(), ws[0].float())
         dot(x, ws[0], y, ast.literal_eval(best), False)
         err = ((y.float() - ref).norm() / ref.norm()).item()
-        pdl_us = (round(graph_ms(lambda: [dot(x, w, y, ast.literal_eval(best), True) for w in ws], 10)["ms"] * per, 2)
-                  if HAVE_GDC else None)
-        out[name] = {"cublas_us": round(cub, 2), "best": best, "best_us": timed[best], "best_pdl_us": pdl_us,
+        cfg = ast.literal_eval(best)
+        variants: dict[str, Any] = {}
+        for label, pdl, pre in (("pdl", True, False), ("pre", False, True), ("pre_pdl", True, True)):
+            if pdl and not HAVE_GDC:
+                continue
+            try:
+                variants[label] = round(graph_ms(lambda p=pdl, q=pre: [dot(x, w, y, cfg, p, q) for w in ws], 10)["ms"]
+                                        * per, 2)
+            except Exception as e:  # a variant that does not compile or fit here is said in the record
+                variants[label] = f"{type(e).__name__}: {e}"[:200]
+        out[name] = {"cublas_us": round(cub, 2), "best": best, "best_us": timed[best], "best_variants_us": variants,
                      "rel_err_vs_fp32": err, "tiles_us": rows}
         progress(f"rows {m} {name}: {out[name]}")
     return out
@@ -190,6 +212,57 @@ def step_fn(weights: list[dict[str, torch.Tensor]], bufs: dict[str, torch.Tensor
                 x = y
         bufs["out"].copy_(x[:4096])
     return run
+
+
+def chain_rows(weights: list[dict[str, torch.Tensor]], m: int, cfgs: dict[str, tuple[int, int, int, int]],
+               reps: int, dev: torch.device) -> list[dict[str, Any]]:
+    """The emulated step (small kernels included) at ``m`` rows: cuBLAS, the tensor-core candidate, with PDL,
+    and with PDL and the first weight tile read before the wait; ms per step, the last three against the
+    plain candidate's result (PDL must not change a bit)."""
+    size = m * max(n for _, n, _ in SHAPES)
+    a, b = (torch.randn(size, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    ys = {name: torch.empty(m * n, device=dev, dtype=torch.bfloat16) for name, n, _ in SHAPES}
+    out = torch.empty(m * 4096, device=dev, dtype=torch.bfloat16)
+
+    def fn(kind: str) -> Callable[[], None]:
+        pdl, pre = kind in ("dot_pdl", "dot_pre_pdl"), kind == "dot_pre_pdl"
+
+        def run() -> None:
+            x = a
+            for layer in weights:
+                for name, n, k in SHAPES:
+                    for count, elems in SMALL[name]:
+                        for _ in range(count):
+                            dst = b if x.data_ptr() == a.data_ptr() else a
+                            copy(x, dst, m * elems, pdl)
+                            x = dst
+                    xv, yv = x[: m * k].view(m, k), ys[name].view(m, n)
+                    if kind == "cublas":
+                        torch.matmul(xv, layer[name].t(), out=yv)
+                    else:
+                        dot(xv, layer[name], yv, cfgs[name], pdl, pre)
+                    x = ys[name]
+            out.copy_(x[: m * 4096])
+        return run
+
+    rows: list[dict[str, Any]] = []
+    finals: dict[str, torch.Tensor] = {}
+    for kind in ("cublas", "dot", "dot_pdl", "dot_pre_pdl"):
+        if kind != "cublas" and kind != "dot" and not HAVE_GDC:
+            continue
+        try:
+            r: dict[str, Any] = graph_ms(fn(kind), reps)
+            fn(kind)()
+            torch.cuda.synchronize()
+            finals[kind] = out.clone()
+        except Exception as e:  # a variant that cannot run here is said, the rest still run
+            r = {"error": f"{type(e).__name__}: {e}"[:400]}
+        row = {"rows": m, "variant": kind, **r}
+        if kind in finals and "dot" in finals and kind not in ("cublas", "dot"):
+            row["max_abs_diff_vs_dot"] = (finals[kind].float() - finals["dot"].float()).abs().max().item()
+        rows.append(row)
+        progress(str(row))
+    return rows
 
 
 def best_tiles(weights: list[dict[str, torch.Tensor]], dev: torch.device) -> dict[str, Any]:
@@ -279,8 +352,12 @@ def main() -> None:
         record["gemv_rows_sweep"][str(m)] = gemv_rows_sweep(weights, m, dev)
         write_record(record, args.out)
     record["dot_sweep"] = {}
+    record["chain_rows"] = []
     for m in [int(r) for r in args.dot_rows.split(",") if r]:
-        record["dot_sweep"][str(m)] = dot_sweep(weights, m, dev)
+        record["dot_sweep"][str(m)] = sweep = dot_sweep(weights, m, dev)
+        write_record(record, args.out)
+        cfgs = {name: ast.literal_eval(sweep[name]["best"]) for name in sweep}
+        record["chain_rows"] += chain_rows(weights, m, cfgs, args.reps, dev)
         write_record(record, args.out)
 
 
