@@ -276,8 +276,9 @@ def main() -> None:
     ap.add_argument("--decode-only", action="store_true",
                     help="only the decode rows (no profile, prefill, read-back engine, token check or peer)")
     ap.add_argument("--cublas-matmuls", action="store_true",
-                    help="the fast set's one-row matmuls through cuBLAS instead of its GEMV (an A/B of the kernel; "
-                         "FUSEDSERVE_PDL=0 in the environment is the A/B of programmatic dependent launch)")
+                    help="the fast set's decode matmuls (<= 64 rows) through cuBLAS instead of its GEMV / decode GEMM "
+                         "(an A/B of the kernels; FUSEDSERVE_PDL=0 in the environment is the A/B of programmatic "
+                         "dependent launch)")
     args = ap.parse_args()
     if args.cublas_matmuls:  # before any engine is built: Kernels.triton() reads it then
         import torch.nn.functional as F
@@ -290,7 +291,7 @@ def main() -> None:
     shape = TINY if args.tiny else LLAMA3_8B
     batches = tuple(int(b) for b in args.batches.split(","))
     record: dict[str, Any] = {**record_header(), "model_shape": shape, "dtype": "bfloat16" if cuda else "float32",
-                              "prompt_len": PROMPT_LEN, "one_row_matmul": "cublas" if args.cublas_matmuls else "gemv",
+                              "prompt_len": PROMPT_LEN, "decode_matmuls": "cublas" if args.cublas_matmuls else "gemv+gemm",
                               "pdl": pdl_enabled()}
     bw = copy_bandwidth(dev, (4 << 30) if cuda and not args.tiny else (64 << 20))
     peak = matmul_peak(dev, 8192 if cuda and not args.tiny else 512)

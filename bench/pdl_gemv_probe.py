@@ -21,9 +21,14 @@ roofline), bit-equal.
 slower everywhere on an H200: the engine's GEMV takes one row only).
 ``--dot-rows`` (default 16, 64): a tensor-core candidate for decode batches (``_dot_kernel``, operands
 swapped so the weight's rows fill the MMA) against cuBLAS per shape, each tile of a small sweep, the best
-again with PDL, with its first weight tile read before the PDL wait (``PRE``), and both; then the emulated
-step at that many rows (``chain_rows``): cuBLAS against the candidate without and with PDL / PRE. First run
-(2026-12-03-pdl-gemv-probe-rerun-h200.json, before PRE and the chain): 3 % under cuBLAS at 16 rows, equal at 64.
+again with PDL and with PF (its first PF weight tiles prefetched into L2 before the PDL wait); then the
+emulated step at that many rows (``chain_rows``): cuBLAS against the candidate without PDL, with it, with
+PF 2 / 4 / 8, and with PDL again (is the PDL run deterministic?).
+(Before the chain restarted from the same input every run, its results differed between variants by
+how often each had run: the 0.05 / 0.006 differences in the -pre and -pf records; one GEMM with and
+without PDL is bit-equal there.) Runs: 2026-12-03-pdl-gemv-probe-rerun-h200.json
+(3 % under cuBLAS at 16 rows, equal at 64), 2026-12-03-pdl-gemv-probe-pre-h200.json (with PDL -8 % / -5 % at
+16 / 64 rows in the step; a first-tile-in-registers variant 2-3x slower, replaced by PF).
 """
 
 from __future__ import annotations
@@ -63,35 +68,38 @@ def _copy_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
 
 
 @triton.jit
+def _l2_prefetch(ptrs):
+    """One ``prefetch.global.L2`` per element of ``ptrs`` (a hint: nothing is read into registers)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def _dot_kernel(x_ptr, w_ptr, y_ptr, M, K, stride_xm, stride_wn, stride_ym, BLOCK_N: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, PRE: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr):
     """A candidate for 2..64 rows on tensor cores, operands swapped: y^T [BLOCK_N, M] = W_tile x^T, so the
     weight's rows fill the MMA's M side and the few rows of x its N side; a program per BLOCK_N outputs.
-    PRE: the loop double-buffered by hand and the first weight tile loaded before the PDL wait (as the
-    GEMV does); else Triton's pipelined loop after the wait."""
+    PF > 0: before the PDL wait, each program asks L2 for its first PF weight tiles (one prefetch per 128-byte
+    line), so the weight stream starts under the kernel before; then Triton's pipelined loop as without.
+    (The first try, a hand double-buffered loop with the first tile in registers before the wait, was 2-3x
+    slower: 2026-12-03-pdl-gemv-probe-pre-h200.json.)"""
     rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
+    if PF > 0:
+        lines = tl.arange(0, PF * BLOCK_K // 64) * 64
+        _l2_prefetch(w_ptr + rn[:, None] * stride_wn + lines[None, :])
+    pdl_open(PDL)
     w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
     x_ptrs = x_ptr + rm[None, :] * stride_xm + rk[:, None]
     rows = rm[None, :] < M
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    if PRE:
+    for _ in range(0, K, BLOCK_K):
         w = tl.load(w_ptrs)
-        pdl_open(PDL)
-        for k in range(BLOCK_K, K, BLOCK_K):
-            w_next = tl.load(w_ptrs + k)
-            acc = tl.dot(w, tl.load(x_ptrs + (k - BLOCK_K), mask=rows, other=0.0), acc)
-            w = w_next
-        acc = tl.dot(w, tl.load(x_ptrs + (K - BLOCK_K), mask=rows, other=0.0), acc)
-    else:
-        pdl_open(PDL)
-        for _ in range(0, K, BLOCK_K):
-            w = tl.load(w_ptrs)
-            x = tl.load(x_ptrs, mask=rows, other=0.0)
-            acc = tl.dot(w, x, acc)
-            w_ptrs += BLOCK_K
-            x_ptrs += BLOCK_K
+        x = tl.load(x_ptrs, mask=rows, other=0.0)
+        acc = tl.dot(w, x, acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
     tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], acc.to(y_ptr.dtype.element_ty), mask=rows)
 
 
@@ -100,11 +108,11 @@ DOT_CFGS = ((64, 128, 4, 4), (64, 256, 3, 4), (64, 128, 6, 4), (32, 256, 4, 4), 
 
 
 def dot(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: tuple[int, int, int, int], pdl: bool,
-        pre: bool = False) -> None:
+        pf: int = 0) -> None:
     bn, bk, stages, warps = cfg
     m = x.shape[0]
     _dot_kernel[(w.shape[0] // bn,)](x, w, y, m, w.shape[1], x.stride(0), w.stride(0), y.stride(0), BLOCK_N=bn,
-                                     BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_K=bk, PDL=pdl, PRE=pre,
+                                     BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_K=bk, PDL=pdl, PF=pf,
                                      num_stages=stages, num_warps=warps, **_pdl(pdl))
 
 
@@ -160,11 +168,15 @@ def dot_sweep(weights: list[dict[str, torch.Tensor]], m: int, dev: torch.device)
         err = ((y.float() - ref).norm() / ref.norm()).item()
         cfg = ast.literal_eval(best)
         variants: dict[str, Any] = {}
-        for label, pdl, pre in (("pdl", True, False), ("pre", False, True), ("pre_pdl", True, True)):
+        if HAVE_GDC:
+            plain = y.clone()
+            dot(x, ws[0], y, cfg, True)
+            variants["pdl_bit_equal_one_gemm"] = torch.equal(plain, y)
+        for label, pdl, pf in (("pdl", True, 0), ("pf2_pdl", True, 2), ("pf4_pdl", True, 4), ("pf8_pdl", True, 8)):
             if pdl and not HAVE_GDC:
                 continue
             try:
-                variants[label] = round(graph_ms(lambda p=pdl, q=pre: [dot(x, w, y, cfg, p, q) for w in ws], 10)["ms"]
+                variants[label] = round(graph_ms(lambda p=pdl, q=pf: [dot(x, w, y, cfg, p, q) for w in ws], 10)["ms"]
                                         * per, 2)
             except Exception as e:  # a variant that does not compile or fit here is said in the record
                 variants[label] = f"{type(e).__name__}: {e}"[:200]
@@ -221,13 +233,15 @@ def chain_rows(weights: list[dict[str, torch.Tensor]], m: int, cfgs: dict[str, t
     plain candidate's result (PDL must not change a bit)."""
     size = m * max(n for _, n, _ in SHAPES)
     a, b = (torch.randn(size, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    a0 = a.clone()  # the chain overwrites a: every run starts again from a0 (else results follow the run count)
     ys = {name: torch.empty(m * n, device=dev, dtype=torch.bfloat16) for name, n, _ in SHAPES}
     out = torch.empty(m * 4096, device=dev, dtype=torch.bfloat16)
 
     def fn(kind: str) -> Callable[[], None]:
-        pdl, pre = kind in ("dot_pdl", "dot_pre_pdl"), kind == "dot_pre_pdl"
+        pdl, pf = kind.startswith("dot_"), int(kind[len("dot_pf"):]) if kind.startswith("dot_pf") else 0
 
         def run() -> None:
+            a.copy_(a0)
             x = a
             for layer in weights:
                 for name, n, k in SHAPES:
@@ -240,14 +254,14 @@ def chain_rows(weights: list[dict[str, torch.Tensor]], m: int, cfgs: dict[str, t
                     if kind == "cublas":
                         torch.matmul(xv, layer[name].t(), out=yv)
                     else:
-                        dot(xv, layer[name], yv, cfgs[name], pdl, pre)
+                        dot(xv, layer[name], yv, cfgs[name], pdl, pf)
                     x = ys[name]
             out.copy_(x[: m * 4096])
         return run
 
     rows: list[dict[str, Any]] = []
     finals: dict[str, torch.Tensor] = {}
-    for kind in ("cublas", "dot", "dot_pdl", "dot_pre_pdl"):
+    for kind in ("cublas", "dot", "dot_pdl", "dot_pf2", "dot_pf4", "dot_pf8", "dot_pdl_again"):
         if kind != "cublas" and kind != "dot" and not HAVE_GDC:
             continue
         try:
@@ -260,6 +274,8 @@ def chain_rows(weights: list[dict[str, torch.Tensor]], m: int, cfgs: dict[str, t
         row = {"rows": m, "variant": kind, **r}
         if kind in finals and "dot" in finals and kind not in ("cublas", "dot"):
             row["max_abs_diff_vs_dot"] = (finals[kind].float() - finals["dot"].float()).abs().max().item()
+            if "dot_pdl" in finals and kind != "dot_pdl":
+                row["max_abs_diff_vs_dot_pdl"] = (finals[kind].float() - finals["dot_pdl"].float()).abs().max().item()
         rows.append(row)
         progress(str(row))
     return rows

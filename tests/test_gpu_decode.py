@@ -57,8 +57,14 @@ def test_triton_kernels_equal_references() -> None:
             w = torch.randn(out_f, in_f, device=dev, dtype=bf, generator=g) * 0.02
             xin = torch.randn(n, in_f, device=dev, dtype=bf, generator=g)
             assert _rel(linear_triton(xin, w), torch.nn.functional.linear(xin, w)) < 1e-2, (n, out_f, in_f)
-            if n == 1:  # the fast set's batch-1 GEMV (with PDL where the GPU has it)
-                assert _rel(decode_linear(xin, w), torch.nn.functional.linear(xin, w)) < 1e-2, (out_f, in_f)
+            # the fast set's matmul: the GEMV at one row, the tensor-core decode GEMM at 5 and 64 (PDL where on)
+            assert _rel(decode_linear(xin, w), torch.nn.functional.linear(xin, w)) < 1e-2, (n, out_f, in_f)
+    # SmolLM2-135M's widths (576, 1536): the GEMV's masked tail at one row, the GEMM's 64-wide K steps at more
+    for out_f, in_f in ((960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)):
+        w = torch.randn(out_f, in_f, device=dev, dtype=bf, generator=g) * 0.02
+        for n in (1, 6, 64):
+            xin = torch.randn(n, in_f, device=dev, dtype=bf, generator=g)
+            assert _rel(decode_linear(xin, w), torch.nn.functional.linear(xin, w)) < 1e-2, (n, out_f, in_f)
 
     # decode attention: GQA 32/8, head_dim 128, contexts across several kernel tiles, scattered blocks
     ctx = [1, 17, 64, 65, 300, 1000]

@@ -132,8 +132,8 @@ def test_interp_skinny_matmul_equals_f_linear() -> None:
 @inner
 def test_interp_decode_gemv_equals_f_linear() -> None:
     """The fast set's one-row matmul (``decode_linear``: the GEMV at every tile ``gemv_tile`` picks, with a
-    bias, a masked last tile where none divides the width) equals F.linear; more rows, or an output count
-    the kernel does not take, go to F.linear itself; the GEMV at 2-4 rows (``gemv_triton``) too."""
+    bias, a masked last tile where none divides the width) equals F.linear; an output count the kernels do
+    not take goes to F.linear itself; the GEMV at 2-4 rows (``gemv_triton``, a bench candidate) too."""
     import torch.nn.functional as F
 
     from fusedserve.models.layers.linear_triton import decode_linear, gemv_tile, gemv_triton
@@ -154,6 +154,33 @@ def test_interp_decode_gemv_equals_f_linear() -> None:
     w = torch.randn(10, 576, generator=g).to(torch.bfloat16)  # 10 outputs: no multiple of 4
     x = torch.randn(1, 576, generator=g).to(torch.bfloat16)
     assert torch.equal(decode_linear(x, w), F.linear(x, w))
+
+
+@inner
+def test_interp_decode_gemm_equals_f_linear() -> None:
+    """The fast set's matmul at 2..64 rows (``decode_linear`` -> ``gemm_triton``: tensor cores, operands
+    swapped, rows masked up to the padded block, a bias, K in 64- or 128-wide steps) equals F.linear; more
+    rows, fp32, or a shape no tile takes go to F.linear itself."""
+    import torch.nn.functional as F
+
+    from fusedserve.models.layers.linear_triton import decode_gemm_tile, decode_linear, gemm_triton
+
+    assert decode_gemm_tile(16, 6144, 4096) == (64, 128, 6, 4)
+    assert decode_gemm_tile(64, 28672, 4096) == (128, 128, 4, 4) and decode_gemm_tile(16, 28672, 4096) == (64, 128, 6, 4)
+    assert decode_gemm_tile(8, 960, 576) == (64, 64, 6, 4)
+    assert decode_gemm_tile(65, 4096, 4096) is None and decode_gemm_tile(8, 4100, 4096) is None
+    assert decode_gemm_tile(8, 4096, 4000) is None
+    g = torch.Generator().manual_seed(7)
+    for m, n, k in ((2, 64, 256), (5, 128, 576), (16, 64, 128), (33, 128, 256)):
+        w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+        b = torch.randn(n, generator=g).to(torch.bfloat16)
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+        _close(decode_linear(x, w), F.linear(x, w), 1e-2)
+        _close(gemm_triton(x, w, b), F.linear(x, w, b), 1e-2)
+    w = torch.randn(64, 128, generator=g).to(torch.bfloat16)
+    x = torch.randn(65, 128, generator=g).to(torch.bfloat16)  # more rows than the kernel takes
+    assert torch.equal(decode_linear(x, w), F.linear(x, w))
+    assert torch.equal(gemm_triton(x[:4].float(), w.float()), F.linear(x[:4].float(), w.float()))  # fp32: cuBLAS
 
 
 @inner

@@ -8,7 +8,7 @@ name         attention                              norms, RoPE, SiLU-and-mul; r
 reference    ``paged_attention_reference``          the torch references; per-expert loop
 torch        ``paged_attention_torch`` (graphable)  the torch references; ``fused_experts_torch``
 triton       ``paged_decode_attention_triton``      Triton kernels (``*_triton.py``; GPU only);
-             (decode; several new tokens per        one-row matmuls ``decode_linear``, else cuBLAS;
+             (decode; several new tokens per        matmuls of <= 64 rows ``decode_linear``, else cuBLAS;
              sequence: the flash kernel of          ``fused_experts_triton``
              ``prefill_attention_triton.py``;
              trees: the torch one)

@@ -9,7 +9,10 @@ sums), launched with programmatic dependent launch where the GPU has it (``pdl.p
 tile is read while the kernel before still runs). On an H200, 32 layers of Llama-3-8B GEMVs with the
 small kernels between them took 3.76 ms this way against 4.09 with cuBLAS, 3.50 with PDL
 (bench/pdl_gemv_probe.py, bench/results/2026-12-03-pdl-gemv-probe-h200.json; o_proj 10.5 vs 13.3 us,
-qkv 15.1 vs 16.5). More rows (batches, prefill) stay cuBLAS.
+qkv 15.1 vs 16.5). 2..64 rows (decode batches, speculative verifies) go through ``_decode_gemm_kernel``
+(tensor cores, operands swapped so the weight's rows fill the MMA, PDL where on): in the same emulated
+step at 16 / 64 rows 3.93 / 4.24 ms against cuBLAS's 4.26 / 4.47 (2026-12-03-pdl-gemv-probe-pre-h200.json).
+More rows (prefill, mixed batches) stay cuBLAS.
 
 Other kernels (the same reference; benchmarks and the tuner): ``linear_triton`` (<= 16 rows, one program
 per 16 outputs, ``tl.dot`` on x padded to 16 rows, [16, 256] tiles pipelined 4 deep: ~3.1 TB/s against
@@ -207,13 +210,87 @@ def gemv_tile(k: int) -> tuple[int, int, int]:
     return 4, min(1024, triton.next_power_of_2(k)), 4
 
 
+@triton.jit
+def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, K, stride_xm, stride_wn, stride_ym, BLOCK_N: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        DOT_FP32: tl.constexpr, PDL: tl.constexpr):
+    """A decode batch's matmul on tensor cores with the operands swapped: y^T [BLOCK_N, BLOCK_M] = W_tile x^T,
+    so BLOCK_N rows of W fill the MMA's wide side and the batch's M <= BLOCK_M rows of x its narrow side; a
+    program per BLOCK_N outputs, K in BLOCK_K steps (Triton pipelines the loads), fp32 sums. Under PDL it
+    waits before its first load (Triton's pipeline would otherwise reorder a first-tile-before-wait; the
+    gain is the launch overlap)."""
+    pdl_release(PDL)
+    pdl_wait(PDL)
+    rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
+    x_ptrs = x_ptr + rm[None, :] * stride_xm + rk[:, None]
+    rows = rm[None, :] < M
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    for _ in range(0, K, BLOCK_K):
+        w = tl.load(w_ptrs)
+        x = tl.load(x_ptrs, mask=rows, other=0.0)
+        if DOT_FP32:
+            acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc)
+        else:
+            acc = tl.dot(w, x, acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn).to(tl.float32)[:, None]
+    tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], acc.to(y_ptr.dtype.element_ty), mask=rows)
+
+
+GEMM_ROWS = 64
+
+
+def decode_gemm_tile(m: int, n: int, k: int) -> tuple[int, int, int, int] | None:
+    """(block_n, block_k, num_stages, num_warps) of ``_decode_gemm_kernel`` for m rows of x, an [n, k]
+    weight; None where it does not fit (more than GEMM_ROWS rows, n not a multiple of the block, k not of
+    64). From a sweep of 8 tiles over the Llama-3-8B shapes at 16 and 64 rows on an H200
+    (bench/pdl_gemv_probe.py, 2026-12-03-pdl-gemv-probe-pf-h200.json): 64 x 128, 6 stages, best or within
+    1 % everywhere but gate_up (28672 outputs) above 16 rows, where 128 x 128 with 4 stages is (62.0 vs
+    65.0 us)."""
+    if not 1 <= m <= GEMM_ROWS:
+        return None
+    block_k = 128 if k % 128 == 0 else 64
+    block_n = 128 if m > 16 and n >= 16384 else 64
+    if k % block_k or n % block_n:
+        return None
+    return block_n, block_k, (4 if block_n == 128 else 6), 4
+
+
+def gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [m, K] (m <= GEMM_ROWS); weight: [N, K] -> [m, N] with ``_decode_gemm_kernel`` at the tile
+    ``decode_gemm_tile`` gives; F.linear where no tile fits or for strided rows / mixed or fp32 dtypes."""
+    m, k = x.shape
+    n = weight.shape[0]
+    tile = decode_gemm_tile(m, n, k)
+    if (tile is None or x.stride(-1) != 1 or weight.stride(-1) != 1 or x.dtype != weight.dtype
+            or x.dtype not in (torch.bfloat16, torch.float16)
+            or (bias is not None and (bias.dtype != x.dtype or bias.stride(-1) != 1))):
+        return F.linear(x, weight, bias)
+    block_n, block_k, stages, warps = tile
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    _decode_gemm_kernel[(n // block_n,)](x, weight, bias if bias is not None else weight, y, m, k, x.stride(0),
+                                         weight.stride(0), y.stride(0), BLOCK_N=block_n,
+                                         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_K=block_k,
+                                         HAS_BIAS=bias is not None, DOT_FP32=_DOT_FP32, num_stages=stages,
+                                         num_warps=warps, **pdl_launch())
+    return y
+
+
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The fast set's matmul: one row of x (a batch-1 decode step) through ``_gemv_kernel`` with the tile
-    ``gemv_tile`` gives; F.linear (cuBLAS) for more rows and for what the kernel does not take (an output
-    count not a multiple of 4, strided rows, mixed dtypes)."""
-    if x.dim() != 2 or x.shape[0] != 1:
+    ``gemv_tile`` gives; 2..GEMM_ROWS rows (decode batches, speculative verifies) through
+    ``_decode_gemm_kernel``; F.linear (cuBLAS) for more rows and for what the kernels do not take (an
+    output count not a multiple of their block, strided rows, mixed dtypes)."""
+    if x.dim() != 2 or x.shape[0] > GEMM_ROWS:
         return F.linear(x, weight, bias)
-    return gemv_triton(x, weight, bias, *gemv_tile(x.shape[-1]))
+    if x.shape[0] == 1:
+        return gemv_triton(x, weight, bias, *gemv_tile(x.shape[-1]))
+    return gemm_triton(x, weight, bias)
 
 
 def splitk_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, split_k: int = 2,
