@@ -168,6 +168,7 @@ def profile(fn: Callable[[], Any], device: torch.device, reps: int = 3, top: int
 
 KINDS: Kinds = (
     ("comm", ("allreduce", "all_reduce", "nccl", "fusion", "lamport", "oneshot", "twoshot")),
+    ("matmul", ("_decode_gemm",)),  # the fast set's decode GEMM, before "decode" marks it attention
     ("attention", ("_decode_kernel", "_combine_kernel", "batchdecode", "batchprefill", "prefill", "decode",
                    "mla", "attention", "flashinfer")),
     ("rms_norm", ("rms_norm", "rmsnorm")), ("rope", ("rope",)), ("silu_mul", ("silu_mul", "act_and_mul")),
