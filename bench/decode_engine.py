@@ -263,6 +263,26 @@ def token_check(path: Path, device: str, steps: int, vocab: int) -> dict[str, An
             "fast": runs["fast"][:16], "reference": runs["reference"][:16]}
 
 
+def probe_tiles(path: str) -> None:
+    """Points ``linear_triton.decode_gemm_tile`` at a probe record's best tiles (shapes it did not sweep keep
+    the engine's)."""
+    import ast
+
+    import fusedserve.models.layers.linear_triton as linear_triton
+
+    sweeps = json.loads(Path(path).read_text())["dot_sweep"]
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+    table = {(int(rows), *shapes[name]): ast.literal_eval(r["best"]) for rows, sweep in sweeps.items()
+             for name, r in sweep.items()}
+    engine_tile = linear_triton.decode_gemm_tile
+
+    def tile(m: int, n: int, k: int) -> tuple[int, int, int, int] | None:
+        rows = min((r for r, _, _ in table if r >= m), default=None)
+        return table.get((rows, n, k)) or engine_tile(m, n, k) if rows is not None and m > 1 else engine_tile(m, n, k)
+
+    linear_triton.decode_gemm_tile = tile  # type: ignore[assignment]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -279,7 +299,12 @@ def main() -> None:
                     help="the fast set's decode matmuls (<= 64 rows) through cuBLAS instead of its GEMV / decode GEMM "
                          "(an A/B of the kernels; FUSEDSERVE_PDL=0 in the environment is the A/B of programmatic "
                          "dependent launch)")
+    ap.add_argument("--gemm-tiles", default="",
+                    help="a bench/pdl_gemv_probe.py record: the decode GEMM at each of its shapes' best tile (rows <= 16: "
+                         "its 16-row sweep, more: its 64-row one) instead of decode_gemm_tile's (an A/B of the tiles)")
     args = ap.parse_args()
+    if args.gemm_tiles:  # before any engine is built: gemm_triton looks the tile up at each call
+        probe_tiles(args.gemm_tiles)
     if args.cublas_matmuls:  # before any engine is built: Kernels.triton() reads it then
         import torch.nn.functional as F
 
@@ -292,6 +317,7 @@ def main() -> None:
     batches = tuple(int(b) for b in args.batches.split(","))
     record: dict[str, Any] = {**record_header(), "model_shape": shape, "dtype": "bfloat16" if cuda else "float32",
                               "prompt_len": PROMPT_LEN, "decode_matmuls": "cublas" if args.cublas_matmuls else "gemv+gemm",
+                              "gemm_tiles": args.gemm_tiles or "decode_gemm_tile",
                               "pdl": pdl_enabled()}
     bw = copy_bandwidth(dev, (4 << 30) if cuda and not args.tiny else (64 << 20))
     peak = matmul_peak(dev, 8192 if cuda and not args.tiny else 512)

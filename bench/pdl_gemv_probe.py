@@ -19,16 +19,17 @@ roofline), bit-equal.
 
 ``--gemv-rows`` (default 2, 4): the GEMV at a few rows, each tile of a small sweep, against cuBLAS (1.5-3x
 slower everywhere on an H200: the engine's GEMV takes one row only).
-``--dot-rows`` (default 16, 64): a tensor-core candidate for decode batches (``_dot_kernel``, operands
-swapped so the weight's rows fill the MMA) against cuBLAS per shape, each tile of a small sweep, the best
-again with PDL and with PF (its first PF weight tiles prefetched into L2 before the PDL wait); then the
-emulated step at that many rows (``chain_rows``): cuBLAS against the candidate without PDL, with it, with
-PF 2 / 4 / 8, and with PDL again (is the PDL run deterministic?).
-(Before the chain restarted from the same input every run, its results differed between variants by
-how often each had run: the 0.05 / 0.006 differences in the -pre and -pf records; one GEMM with and
-without PDL is bit-equal there.) Runs: 2026-12-03-pdl-gemv-probe-rerun-h200.json
-(3 % under cuBLAS at 16 rows, equal at 64), 2026-12-03-pdl-gemv-probe-pre-h200.json (with PDL -8 % / -5 % at
-16 / 64 rows in the step; a first-tile-in-registers variant 2-3x slower, replaced by PF).
+``--dot-rows`` (default 16, 64): the engine's decode GEMM for 2..64 rows (``linear_triton._decode_gemm_kernel``,
+operands swapped so the weight's rows fill the MMA) against cuBLAS per shape at each DOT_CFGS tile, the best
+again with PDL (and whether one GEMM with PDL is bit-equal to without), and the tile the engine picks
+(``decode_gemm_tile``); then the emulated step at that many rows (``chain_rows``): cuBLAS against the GEMM
+at each shape's best tile without / with PDL, at the engine's tiles with PDL, and with PDL again.
+``--no-batch1`` skips the batch-1 part. Runs: 2026-12-03-pdl-gemv-probe-rerun-h200.json (the kernel still
+in the probe: 3 % under cuBLAS at 16 rows, equal at 64), -pre- (with PDL -8 % / -5 % at 16 / 64 rows in the
+step; its first weight tile read into registers before the PDL wait: 2-3x slower), -pf- (its first 2-8
+weight tiles prefetched into L2 before the wait: no gain). In those two the chain overwrote its own input,
+so its results depended on how often each variant had run (the 0.05 / 0.006 "differences" there); it now
+restarts from the same input, and one GEMM with and without PDL was bit-equal.
 """
 
 from __future__ import annotations
@@ -45,7 +46,12 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fusedserve.models.layers.linear_triton import _gemv_kernel, gemv_triton
+from fusedserve.models.layers.linear_triton import (
+    _decode_gemm_kernel,
+    _gemv_kernel,
+    decode_gemm_tile,
+    gemv_triton,
+)
 from fusedserve.models.layers.pdl import HAVE_GDC, pdl_open
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
@@ -67,53 +73,20 @@ def _copy_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
     tl.store(y_ptr + i, (x.to(tl.float32) * 1.0001).to(y_ptr.dtype.element_ty), mask=i < n)
 
 
-@triton.jit
-def _l2_prefetch(ptrs):
-    """One ``prefetch.global.L2`` per element of ``ptrs`` (a hint: nothing is read into registers)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
-def _dot_kernel(x_ptr, w_ptr, y_ptr, M, K, stride_xm, stride_wn, stride_ym, BLOCK_N: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr):
-    """A candidate for 2..64 rows on tensor cores, operands swapped: y^T [BLOCK_N, M] = W_tile x^T, so the
-    weight's rows fill the MMA's M side and the few rows of x its N side; a program per BLOCK_N outputs.
-    PF > 0: before the PDL wait, each program asks L2 for its first PF weight tiles (one prefetch per 128-byte
-    line), so the weight stream starts under the kernel before; then Triton's pipelined loop as without.
-    (The first try, a hand double-buffered loop with the first tile in registers before the wait, was 2-3x
-    slower: 2026-12-03-pdl-gemv-probe-pre-h200.json.)"""
-    rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, BLOCK_M)
-    rk = tl.arange(0, BLOCK_K)
-    if PF > 0:
-        lines = tl.arange(0, PF * BLOCK_K // 64) * 64
-        _l2_prefetch(w_ptr + rn[:, None] * stride_wn + lines[None, :])
-    pdl_open(PDL)
-    w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
-    x_ptrs = x_ptr + rm[None, :] * stride_xm + rk[:, None]
-    rows = rm[None, :] < M
-    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    for _ in range(0, K, BLOCK_K):
-        w = tl.load(w_ptrs)
-        x = tl.load(x_ptrs, mask=rows, other=0.0)
-        acc = tl.dot(w, x, acc)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-    tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], acc.to(y_ptr.dtype.element_ty), mask=rows)
-
-
 DOT_CFGS = ((64, 128, 4, 4), (64, 256, 3, 4), (64, 128, 6, 4), (32, 256, 4, 4), (128, 128, 4, 4), (128, 64, 6, 4),
-            (32, 128, 6, 4), (16, 256, 4, 4))
+            (32, 128, 6, 4), (16, 256, 4, 4), (64, 128, 3, 4), (64, 128, 2, 4), (64, 64, 4, 4), (64, 64, 8, 4),
+            (64, 128, 4, 8), (128, 128, 3, 8), (64, 256, 2, 4))
 
 
-def dot(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: tuple[int, int, int, int], pdl: bool,
-        pf: int = 0) -> None:
+def dot(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: tuple[int, int, int, int], pdl: bool) -> None:
+    """The engine's decode GEMM (``linear_triton._decode_gemm_kernel``) at the tile ``cfg`` (block_n,
+    block_k, stages, warps), with or without PDL."""
     bn, bk, stages, warps = cfg
     m = x.shape[0]
-    _dot_kernel[(w.shape[0] // bn,)](x, w, y, m, w.shape[1], x.stride(0), w.stride(0), y.stride(0), BLOCK_N=bn,
-                                     BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_K=bk, PDL=pdl, PF=pf,
-                                     num_stages=stages, num_warps=warps, **_pdl(pdl))
+    _decode_gemm_kernel[(w.shape[0] // bn,)](x, w, w, y, m, w.shape[1], x.stride(0), w.stride(0), y.stride(0),
+                                             BLOCK_N=bn, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_K=bk,
+                                             HAS_BIAS=False, DOT_FP32=False, PDL=pdl, num_stages=stages,
+                                             num_warps=warps, **_pdl(pdl))
 
 
 GEMV_ROW_TILES = ((4, 256, 4), (4, 512, 4), (4, 512, 8), (8, 256, 4), (2, 512, 4), (4, 1024, 8))
@@ -172,14 +145,9 @@ def dot_sweep(weights: list[dict[str, torch.Tensor]], m: int, dev: torch.device)
             plain = y.clone()
             dot(x, ws[0], y, cfg, True)
             variants["pdl_bit_equal_one_gemm"] = torch.equal(plain, y)
-        for label, pdl, pf in (("pdl", True, 0), ("pf2_pdl", True, 2), ("pf4_pdl", True, 4), ("pf8_pdl", True, 8)):
-            if pdl and not HAVE_GDC:
-                continue
-            try:
-                variants[label] = round(graph_ms(lambda p=pdl, q=pf: [dot(x, w, y, cfg, p, q) for w in ws], 10)["ms"]
-                                        * per, 2)
-            except Exception as e:  # a variant that does not compile or fit here is said in the record
-                variants[label] = f"{type(e).__name__}: {e}"[:200]
+            variants["pdl"] = round(graph_ms(lambda: [dot(x, w, y, cfg, True) for w in ws], 10)["ms"] * per, 2)
+        engine = decode_gemm_tile(m, n, k)
+        variants["engine_tile"] = str(engine)
         out[name] = {"cublas_us": round(cub, 2), "best": best, "best_us": timed[best], "best_variants_us": variants,
                      "rel_err_vs_fp32": err, "tiles_us": rows}
         progress(f"rows {m} {name}: {out[name]}")
@@ -228,9 +196,9 @@ def step_fn(weights: list[dict[str, torch.Tensor]], bufs: dict[str, torch.Tensor
 
 def chain_rows(weights: list[dict[str, torch.Tensor]], m: int, cfgs: dict[str, tuple[int, int, int, int]],
                reps: int, dev: torch.device) -> list[dict[str, Any]]:
-    """The emulated step (small kernels included) at ``m`` rows: cuBLAS, the tensor-core candidate, with PDL,
-    and with PDL and the first weight tile read before the wait; ms per step, the last three against the
-    plain candidate's result (PDL must not change a bit)."""
+    """The emulated step (small kernels included) at ``m`` rows: cuBLAS, the decode GEMM at ``cfgs`` without
+    and with PDL, at the engine's tiles (``decode_gemm_tile``) with PDL, and at ``cfgs`` with PDL again; ms
+    per step, each GEMM variant's result against the one without PDL (same tiles: PDL must not change a bit)."""
     size = m * max(n for _, n, _ in SHAPES)
     a, b = (torch.randn(size, device=dev, dtype=torch.bfloat16) for _ in range(2))
     a0 = a.clone()  # the chain overwrites a: every run starts again from a0 (else results follow the run count)
@@ -238,7 +206,8 @@ def chain_rows(weights: list[dict[str, torch.Tensor]], m: int, cfgs: dict[str, t
     out = torch.empty(m * 4096, device=dev, dtype=torch.bfloat16)
 
     def fn(kind: str) -> Callable[[], None]:
-        pdl, pf = kind.startswith("dot_"), int(kind[len("dot_pf"):]) if kind.startswith("dot_pf") else 0
+        pdl = kind.startswith("dot_")
+        tiles = {name: decode_gemm_tile(m, n, k) for name, n, k in SHAPES} if kind == "dot_engine_tiles" else cfgs
 
         def run() -> None:
             a.copy_(a0)
@@ -254,14 +223,14 @@ def chain_rows(weights: list[dict[str, torch.Tensor]], m: int, cfgs: dict[str, t
                     if kind == "cublas":
                         torch.matmul(xv, layer[name].t(), out=yv)
                     else:
-                        dot(xv, layer[name], yv, cfgs[name], pdl, pf)
+                        dot(xv, layer[name], yv, tiles[name], pdl)
                     x = ys[name]
             out.copy_(x[: m * 4096])
         return run
 
     rows: list[dict[str, Any]] = []
     finals: dict[str, torch.Tensor] = {}
-    for kind in ("cublas", "dot", "dot_pdl", "dot_pf2", "dot_pf4", "dot_pf8", "dot_pdl_again"):
+    for kind in ("cublas", "dot", "dot_pdl", "dot_engine_tiles", "dot_pdl_again"):
         if kind != "cublas" and kind != "dot" and not HAVE_GDC:
             continue
         try:
@@ -311,26 +280,10 @@ def best_tiles(weights: list[dict[str, torch.Tensor]], dev: torch.device) -> dic
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="pdl-gemv-probe.json")
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--dot-rows", default="16,64", help="row counts for the tensor-core candidate's sweep")
-    ap.add_argument("--gemv-rows", default="2,4", help="row counts for the GEMV's multi-row tile sweep")
-    args = ap.parse_args()
-    dev = torch.device("cuda")
-    torch.manual_seed(0)
-    record: dict[str, Any] = record_header()
-    record["triton"] = triton.__version__
-    record["have_gdc"] = HAVE_GDC
-    bw = copy_bandwidth(dev, 1 << 30)
-    record["copy_bandwidth_TBps"] = bw / 1e12
-    weights = [{name: torch.randn(n, k, device=dev, dtype=torch.bfloat16) * k ** -0.5 for name, n, k in SHAPES}
-               for _ in range(args.layers)]
-    step_bytes = sum(n * k * 2 for _, n, k in SHAPES) * args.layers
-    record["weight_bytes_per_step"] = step_bytes
-    record["roofline_ms"] = step_bytes / bw * 1e3
+def batch1(weights: list[dict[str, torch.Tensor]], dev: torch.device, record: dict[str, Any],
+           args: argparse.Namespace) -> None:
+    """The batch-1 step: each shape's best GEMV tile, then the chain with cuBLAS / the GEMV / with PDL,
+    with and without the small kernels between (into ``record``)."""
     record["per_shape"] = per = best_tiles(weights, dev)
     tiles = {name: ast.literal_eval(per[name]["best_tile"]) for name in per}
     bufs = {f"y_{name}": torch.empty(n, device=dev, dtype=torch.bfloat16) for name, n, _ in SHAPES}
@@ -363,6 +316,31 @@ def main() -> None:
             progress(str(row))
             record["results"] = results
             write_record(record, args.out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="pdl-gemv-probe.json")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--dot-rows", default="16,64", help="row counts for the tensor-core candidate's sweep")
+    ap.add_argument("--gemv-rows", default="2,4", help="row counts for the GEMV's multi-row tile sweep")
+    ap.add_argument("--no-batch1", action="store_true", help="skip the batch-1 GEMV step (tiles, chains)")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    record: dict[str, Any] = record_header()
+    record["triton"] = triton.__version__
+    record["have_gdc"] = HAVE_GDC
+    bw = copy_bandwidth(dev, 1 << 30)
+    record["copy_bandwidth_TBps"] = bw / 1e12
+    weights = [{name: torch.randn(n, k, device=dev, dtype=torch.bfloat16) * k ** -0.5 for name, n, k in SHAPES}
+               for _ in range(args.layers)]
+    step_bytes = sum(n * k * 2 for _, n, k in SHAPES) * args.layers
+    record["weight_bytes_per_step"] = step_bytes
+    record["roofline_ms"] = step_bytes / bw * 1e3
+    if not args.no_batch1:
+        batch1(weights, dev, record, args)
     record["gemv_rows_sweep"] = {}
     for m in [int(r) for r in args.gemv_rows.split(",") if r]:
         record["gemv_rows_sweep"][str(m)] = gemv_rows_sweep(weights, m, dev)
