@@ -115,21 +115,6 @@ def test_interp_silu_and_mul() -> None:
 
 
 @inner
-def test_interp_skinny_matmul_equals_f_linear() -> None:
-    import torch.nn.functional as F
-
-    from fusedserve.models.layers.linear_triton import linear_triton
-
-    g = torch.Generator().manual_seed(4)
-    w = torch.randn(48, 512, generator=g).to(torch.bfloat16)
-    for m in (1, 5, 16):
-        x = torch.randn(m, 512, generator=g).to(torch.bfloat16)
-        _close(linear_triton(x, w), F.linear(x, w), 1e-2)
-    x = torch.randn(17, 512, generator=g).to(torch.bfloat16)  # more rows than the kernel takes: F.linear
-    assert torch.equal(linear_triton(x, w), F.linear(x, w))
-
-
-@inner
 def test_interp_decode_gemv_equals_f_linear() -> None:
     """The fast set's one-row matmul (``decode_linear``: the GEMV at every tile ``gemv_tile`` picks, with a
     bias, a masked last tile where none divides the width) equals F.linear; an output count the kernels do
@@ -688,28 +673,6 @@ def test_interp_fused_experts_equal_the_torch_blocks(n: int, k: int, experts: in
     got = fused_experts_triton(x, ids, w, gate_up, down)
     want = fused_experts_torch(x.float(), ids, w, gate_up.float(), down.float())
     _close(got.float(), want, 2e-2)
-
-
-@inner
-def test_interp_decode_matmul_candidates_and_tuned_dispatch() -> None:
-    """Every kernel the decode-matmul tuner may pick equals F.linear; the tuned matmul takes the table's
-    kernel for its (out, in, rows) and F.linear (exactly) for anything else."""
-    import torch.nn.functional as F
-
-    from fusedserve.models.layers.linear_triton import TunedDecodeMatmul, decode_matmul_candidates
-
-    g = torch.Generator().manual_seed(5)
-    w = torch.randn(64, 1024, generator=g).to(torch.bfloat16)
-    for m in (1, 3, 16):
-        x = torch.randn(m, 1024, generator=g).to(torch.bfloat16)
-        for fn in decode_matmul_candidates().values():
-            _close(fn(x, w, None), F.linear(x, w), 1e-2)
-    tuned = TunedDecodeMatmul({(64, 1024, 2): "gemv_bn8_bk256", (64, 1024, 16): "splitk2_bn16_bk256"}, {}, 16)
-    for m in (2, 16):
-        x = torch.randn(m, 1024, generator=g).to(torch.bfloat16)
-        _close(tuned(x, w), F.linear(x, w), 1e-2)
-    x = torch.randn(5, 1024, generator=g).to(torch.bfloat16)
-    assert torch.equal(tuned(x, w), F.linear(x, w))
 
 
 @inner
