@@ -128,8 +128,9 @@ def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, K, stride_xm, stride_wn, 
     """A decode batch's matmul on tensor cores with the operands swapped: y^T [BLOCK_N, BLOCK_M] = W_tile x^T,
     so BLOCK_N rows of W fill the MMA's wide side and the batch's M <= BLOCK_M rows of x its narrow side; a
     program per BLOCK_N outputs, K in BLOCK_K steps (Triton pipelines the loads), fp32 sums. Under PDL it
-    waits before its first load (Triton's pipeline would otherwise reorder a first-tile-before-wait; the
-    gain is the launch overlap)."""
+    waits before its first load: what it gains is the launch overlap (its first weight tile held in
+    registers before the wait, as the GEMV does, cost Triton's pipelining and was 2-3x slower; its first
+    tiles prefetched into L2 before the wait gained nothing: 2026-12-03-pdl-gemv-probe-{pre,pf}-h200.json)."""
     pdl_release(PDL)
     pdl_wait(PDL)
     rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
