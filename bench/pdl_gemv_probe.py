@@ -52,6 +52,7 @@ from fusedserve.models.layers.linear_triton import (
     _decode_gemm_kernel,
     _gemv_kernel,
     decode_gemm_tile,
+    gemm_tile_pointers,
     gemv_triton,
 )
 from fusedserve.models.layers.pdl import HAVE_GDC, pdl_open
@@ -82,12 +83,7 @@ def _gemm_peeled_kernel(x_ptr, w_ptr, y_ptr, M, K, stride_xm, stride_wn, stride_
     before the PDL wait (its DRAM latency under the kernel before, as the GEMV's first tile), the remaining
     steps Triton's pipelined loop after it (the earlier PRE try hand-double-buffered the whole loop and lost
     the pipelining)."""
-    rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, BLOCK_M)
-    rk = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
-    x_ptrs = x_ptr + rm[None, :] * stride_xm + rk[:, None]
-    rows = rm[None, :] < M
+    rn, rm, w_ptrs, x_ptrs, rows = gemm_tile_pointers(x_ptr, w_ptr, M, stride_xm, stride_wn, BLOCK_N, BLOCK_M, BLOCK_K)
     w = tl.load(w_ptrs)
     pdl_open(PDL)
     acc = tl.dot(w, tl.load(x_ptrs, mask=rows, other=0.0), tl.zeros((BLOCK_N, BLOCK_M), tl.float32))
