@@ -31,6 +31,8 @@ from fusedserve.models.layers import (  # noqa: E402
     silu_mul_triton,
 )
 
+# Triton 3.9 warns, once, that its FP-fusion default will change; nothing here depends on it
+pytestmark = pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION:UserWarning")
 HOPPER = GPUTarget("cuda", 90, 32)
 LOADS = ("ld.global", "cp.async.cg", "cp.async.ca", "cp.async.bulk")
 
