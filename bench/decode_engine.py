@@ -269,16 +269,18 @@ def probe_tiles(path: str) -> None:
     import ast
 
     import fusedserve.models.layers.linear_triton as linear_triton
+    from bench.pdl_gemv_probe import SHAPES
 
     sweeps = json.loads(Path(path).read_text())["dot_sweep"]
-    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+    shapes = {name: (n, k) for name, n, k in SHAPES}
     table = {(int(rows), *shapes[name]): ast.literal_eval(r["best"]) for rows, sweep in sweeps.items()
              for name, r in sweep.items()}
     engine_tile = linear_triton.decode_gemm_tile
 
     def tile(m: int, n: int, k: int) -> tuple[int, int, int, int] | None:
-        rows = min((r for r, _, _ in table if r >= m), default=None)
-        return table.get((rows, n, k)) or engine_tile(m, n, k) if rows is not None and m > 1 else engine_tile(m, n, k)
+        swept = [r for r, _, _ in table if r >= m]  # the smallest swept row count covering m
+        found = table.get((min(swept), n, k)) if swept and m > 1 else None
+        return found or engine_tile(m, n, k)
 
     linear_triton.decode_gemm_tile = tile  # type: ignore[assignment]
 

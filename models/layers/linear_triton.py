@@ -171,7 +171,8 @@ def decode_gemm_tile(m: int, n: int, k: int) -> tuple[int, int, int, int] | None
     64). From a sweep of 8 tiles over the Llama-3-8B shapes at 16 and 64 rows on an H200
     (bench/pdl_gemv_probe.py, 2026-12-03-pdl-gemv-probe-pf-h200.json): 64 x 128, 6 stages, best or within
     1 % everywhere but gate_up (28672 outputs) above 16 rows, where 128 x 128 with 4 stages is (62.0 vs
-    65.0 us)."""
+    65.0 us). A sweep of 15 tiles (2026-12-03-pdl-gemv-probe-tiles-h200.json) found no better table under PDL,
+    and its best tiles without PDL were slower through the engine (2026-12-03-decode-rows-gemm-tiles-ab-h200.json)."""
     if not 1 <= m <= GEMM_ROWS:
         return None
     block_k = 128 if k % 128 == 0 else 64
