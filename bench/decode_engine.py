@@ -14,7 +14,7 @@ GPU running the next: ``inflight_step.py``; the time of ``steps`` steps over ``s
    steps; ms per step (median, with min/max/spread over the steps) and tok/s; the honest roofline
    of that step = bytes it must stream (every weight except the embedding table, one embedding
    row per sequence, the K/V of each sequence's real context, the new K/V) over the copy bandwidth;
-3. a profile of one batch-1 and one batch-64 decode step (kernels by kind);
+3. a profile of one batch-1 and one batch-64 decode step (kernels by kind; ``--profile-batches``);
 4. prefill: time to first token of one 1k- and one 8k-token prompt, at the default
    ``max_batch_tokens`` (chunked prefill) and with one chunk; model FLOPs (2 x non-embedding
    parameters x tokens + causal attention 2 x layers x L^2 x q_heads x head_dim) over the time,
@@ -296,7 +296,12 @@ def main() -> None:
     ap.add_argument("--host-profile", action="store_true", help="cProfile the host side of decode steps")
     ap.add_argument("--tiny", action="store_true", help="small model (CPU if no GPU): checks the script")
     ap.add_argument("--decode-only", action="store_true",
-                    help="only the decode rows (no profile, prefill, read-back engine, token check or peer)")
+                    help="only the decode rows (no prefill, read-back engine, token check or peer; no profile unless "
+                         "--profile-batches)")
+    ap.add_argument("--profile-batches", default=None,
+                    help="batch sizes whose decode step is profiled (kernels by kind; default 1,64, none with "
+                         "--decode-only); with FUSEDSERVE_PDL=0 each kernel's time is its own (with PDL a kernel's "
+                         "span includes its wait for the one before)")
     ap.add_argument("--cublas-matmuls", action="store_true",
                     help="the fast set's decode matmuls (<= 64 rows) through cuBLAS instead of its GEMV / decode GEMM "
                          "(an A/B of the kernels; FUSEDSERVE_PDL=0 in the environment is the A/B of programmatic "
@@ -347,12 +352,8 @@ def main() -> None:
             progress(f"batch {batch}: {r['ms_per_step']:.2f} ms/step ({r['tok_per_s']:.0f} tok/s), roofline "
                      f"{r['roofline_ms']:.2f} ms = {100 * r['fraction_of_roofline']:.1f}%, spread {r['spread']:.2f}")
         record["decode"] = rows
-        if args.decode_only:
-            record["decode_only"] = True
-            out = args.out or f"bench/results/{record['date']}-decode-rows-{'h200' if cuda else 'cpu'}.json"
-            progress(f"wrote {write_record(record, out)}")
-            return
-        for batch in (b for b in (1, 64) if cuda and b in batches):  # a small and a large step's kernels
+        profiled = args.profile_batches if args.profile_batches is not None else ("" if args.decode_only else "1,64")
+        for batch in (int(b) for b in profiled.split(",") if b and cuda):  # which kernels a step runs, by kind
             params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
             pending = {engine.add_request(p, params) for p in prompts_of(batch, PROMPT_LEN, shape["vocab_size"])}
             while pending:
@@ -363,6 +364,11 @@ def main() -> None:
             progress(f"profile, batch {batch}: {json.dumps(record[f'profile_batch{batch}_step']['by_kind_us'])}")
             while engine.has_unfinished():
                 engine.step()
+        if args.decode_only:
+            record["decode_only"] = True
+            out = args.out or f"bench/results/{record['date']}-decode-rows-{'h200' if cuda else 'cpu'}.json"
+            progress(f"wrote {write_record(record, out)}")
+            return
         if args.host_profile:
             record["host_profile"] = {b: host_profile(engine, b, 30, shape["vocab_size"]) for b in (1, 64)}
             for b, lines in record["host_profile"].items():

@@ -23,15 +23,16 @@ slower everywhere on an H200: the engine's GEMV takes one row only).
 operands swapped so the weight's rows fill the MMA) against cuBLAS per shape at each DOT_CFGS tile, the best
 again with PDL (and whether one GEMM with PDL is bit-equal to without), and the tile the engine picks
 (``decode_gemm_tile``); then the emulated step at that many rows (``chain_rows``): cuBLAS against the GEMM
-at each shape's best tile without / with PDL, at the engine's tiles with PDL, the peeled candidate
-(``_gemm_peeled_kernel``: the first K step's weight tile loaded before the PDL wait) at the engine's tiles,
-and with PDL again.
+at each shape's best tile without / with PDL, at the engine's tiles with PDL, and with PDL again.
 ``--no-batch1`` skips the batch-1 part. Runs: 2026-12-03-pdl-gemv-probe-rerun-h200.json (the kernel still
 in the probe: 3 % under cuBLAS at 16 rows, equal at 64), -pre- (with PDL -8 % / -5 % at 16 / 64 rows in the
 step; its first weight tile read into registers before the PDL wait: 2-3x slower), -pf- (its first 2-8
 weight tiles prefetched into L2 before the wait: no gain). In those two the chain overwrote its own input,
 so its results depended on how often each variant had run (the 0.05 / 0.006 "differences" there); it now
-restarts from the same input, and one GEMM with and without PDL was bit-equal.
+restarts from the same input, and one GEMM with and without PDL was bit-equal. -peeled- (605e518): the
+engine's GEMM with its first K step's weight tile loaded before the PDL wait, Triton's pipelined loop after:
+3.89 ms against the engine kernel's 3.85 at 16 rows, out of shared memory at 64 rows (gate_up's 128x128 tile,
+one stage more); the candidate is gone from here since.
 """
 
 from __future__ import annotations
@@ -52,7 +53,6 @@ from fusedserve.models.layers.linear_triton import (
     _decode_gemm_kernel,
     _gemv_kernel,
     decode_gemm_tile,
-    gemm_tile_pointers,
     gemv_triton,
 )
 from fusedserve.models.layers.pdl import HAVE_GDC, pdl_open
@@ -76,39 +76,16 @@ def _copy_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
     tl.store(y_ptr + i, (x.to(tl.float32) * 1.0001).to(y_ptr.dtype.element_ty), mask=i < n)
 
 
-@triton.jit
-def _gemm_peeled_kernel(x_ptr, w_ptr, y_ptr, M, K, stride_xm, stride_wn, stride_ym, BLOCK_N: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """A candidate: the engine's decode GEMM with its first K step peeled, that step's weight tile loaded
-    before the PDL wait (its DRAM latency under the kernel before, as the GEMV's first tile), the remaining
-    steps Triton's pipelined loop after it (the earlier PRE try hand-double-buffered the whole loop and lost
-    the pipelining)."""
-    rn, rm, w_ptrs, x_ptrs, rows = gemm_tile_pointers(x_ptr, w_ptr, M, stride_xm, stride_wn, BLOCK_N, BLOCK_M, BLOCK_K)
-    w = tl.load(w_ptrs)
-    pdl_open(PDL)
-    acc = tl.dot(w, tl.load(x_ptrs, mask=rows, other=0.0), tl.zeros((BLOCK_N, BLOCK_M), tl.float32))
-    for k in range(BLOCK_K, K, BLOCK_K):
-        acc = tl.dot(tl.load(w_ptrs + k), tl.load(x_ptrs + k, mask=rows, other=0.0), acc)
-    tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], acc.to(y_ptr.dtype.element_ty), mask=rows)
-
-
 DOT_CFGS = ((64, 128, 4, 4), (64, 256, 3, 4), (64, 128, 6, 4), (32, 256, 4, 4), (128, 128, 4, 4), (128, 64, 6, 4),
             (32, 128, 6, 4), (16, 256, 4, 4), (64, 128, 3, 4), (64, 128, 2, 4), (64, 64, 4, 4), (64, 64, 8, 4),
             (64, 128, 4, 8), (128, 128, 3, 8), (64, 256, 2, 4))
 
 
-def dot(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: tuple[int, int, int, int], pdl: bool,
-        peeled: bool = False) -> None:
+def dot(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: tuple[int, int, int, int], pdl: bool) -> None:
     """The engine's decode GEMM (``linear_triton._decode_gemm_kernel``) at the tile ``cfg`` (block_n,
-    block_k, stages, warps), with or without PDL; ``peeled``: the candidate ``_gemm_peeled_kernel``."""
+    block_k, stages, warps), with or without PDL."""
     bn, bk, stages, warps = cfg
     m = x.shape[0]
-    if peeled:
-        _gemm_peeled_kernel[(w.shape[0] // bn,)](x, w, y, m, w.shape[1], x.stride(0), w.stride(0), y.stride(0),
-                                                 BLOCK_N=bn, BLOCK_M=max(16, triton.next_power_of_2(m)),
-                                                 BLOCK_K=bk, PDL=pdl, num_stages=stages, num_warps=warps,
-                                                 **_pdl(pdl))
-        return
     _decode_gemm_kernel[(w.shape[0] // bn,)](x, w, w, y, m, w.shape[1], x.stride(0), w.stride(0), y.stride(0),
                                              BLOCK_N=bn, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_K=bk,
                                              HAS_BIAS=False, DOT_FP32=False, PDL=pdl, num_stages=stages,
@@ -172,13 +149,6 @@ def dot_sweep(weights: list[dict[str, torch.Tensor]], m: int, dev: torch.device)
             dot(x, ws[0], y, cfg, True)
             variants["pdl_bit_equal_one_gemm"] = torch.equal(plain, y)
             variants["pdl"] = round(graph_ms(lambda: [dot(x, w, y, cfg, True) for w in ws], 10)["ms"] * per, 2)
-            try:
-                variants["peeled_pdl"] = round(graph_ms(lambda: [dot(x, w, y, cfg, True, True) for w in ws], 10)["ms"]
-                                               * per, 2)
-                dot(x, ws[0], y, cfg, True, True)
-                variants["peeled_bit_equal"] = torch.equal(plain, y)
-            except Exception as e:  # the candidate not compiling here is said in the record
-                variants["peeled_pdl"] = f"{type(e).__name__}: {e}"[:200]
         engine = decode_gemm_tile(m, n, k)
         variants["engine_tile"] = str(engine)
         out[name] = {"cublas_us": round(cub, 2), "best": best, "best_us": timed[best], "best_variants_us": variants,
@@ -239,9 +209,9 @@ def chain_rows(weights: list[dict[str, torch.Tensor]], m: int, cfgs: dict[str, t
     out = torch.empty(m * 4096, device=dev, dtype=torch.bfloat16)
 
     def fn(kind: str) -> Callable[[], None]:
-        pdl, peeled = kind.startswith("dot_"), kind == "dot_peeled_engine_tiles"
+        pdl = kind.startswith("dot_")
         engine = {name: decode_gemm_tile(m, n, k) for name, n, k in SHAPES}
-        tiles = engine if kind in ("dot_engine_tiles", "dot_peeled_engine_tiles") else cfgs
+        tiles = engine if kind == "dot_engine_tiles" else cfgs
 
         def run() -> None:
             a.copy_(a0)
@@ -257,14 +227,14 @@ def chain_rows(weights: list[dict[str, torch.Tensor]], m: int, cfgs: dict[str, t
                     if kind == "cublas":
                         torch.matmul(xv, layer[name].t(), out=yv)
                     else:
-                        dot(xv, layer[name], yv, tiles[name], pdl, peeled)
+                        dot(xv, layer[name], yv, tiles[name], pdl)
                     x = ys[name]
             out.copy_(x[: m * 4096])
         return run
 
     rows: list[dict[str, Any]] = []
     finals: dict[str, torch.Tensor] = {}
-    for kind in ("cublas", "dot", "dot_pdl", "dot_engine_tiles", "dot_peeled_engine_tiles", "dot_pdl_again"):
+    for kind in ("cublas", "dot", "dot_pdl", "dot_engine_tiles", "dot_pdl_again"):
         if kind != "cublas" and kind != "dot" and not HAVE_GDC:
             continue
         try:

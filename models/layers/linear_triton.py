@@ -143,7 +143,9 @@ def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, K, stride_xm, stride_wn, 
     program per BLOCK_N outputs, K in BLOCK_K steps (Triton pipelines the loads), fp32 sums. Under PDL it
     waits before its first load: what it gains is the launch overlap (its first weight tile held in
     registers before the wait, as the GEMV does, cost Triton's pipelining and was 2-3x slower; its first
-    tiles prefetched into L2 before the wait gained nothing: 2026-12-03-pdl-gemv-probe-{pre,pf}-h200.json)."""
+    tiles prefetched into L2 before the wait gained nothing: 2026-12-03-pdl-gemv-probe-{pre,pf}-h200.json;
+    its first K step's tile alone loaded before the wait, the loop pipelined after, 1 % slower at 16 rows and
+    out of shared memory at 64: -peeled-)."""
     pdl_release(PDL)
     pdl_wait(PDL)
     rn, rm, w_ptrs, x_ptrs, rows = gemm_tile_pointers(x_ptr, w_ptr, M, stride_xm, stride_wn, BLOCK_N, BLOCK_M, BLOCK_K)
