@@ -49,7 +49,8 @@ class LlamaDecoderLayer(nn.Module):
             attention_backend=kernels.attention)
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps, dtype, device)
         self.mlp = GatedMLP(h, config.intermediate_size, groups.tp, getattr(config, "mlp_bias", False),
-                            dtype, device, act=kernels.silu_and_mul)
+                            dtype, device, act=kernels.silu_and_mul,
+                            gated_matmul=kernels.gated_matmul)
 
     @property
     def input_boundary(self) -> int:
