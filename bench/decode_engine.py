@@ -306,9 +306,6 @@ def main() -> None:
                     help="the fast set's decode matmuls (<= 64 rows) through cuBLAS instead of its GEMV / decode GEMM "
                          "(an A/B of the kernels; FUSEDSERVE_PDL=0 in the environment is the A/B of programmatic "
                          "dependent launch)")
-    ap.add_argument("--unfused-gate-up", action="store_true",
-                    help="the gated MLPs' gate/up matmul then SiLU-and-mul as two kernels (an A/B of "
-                         "decode_gated_linear's fused epilogue)")
     ap.add_argument("--gemm-tiles", default="",
                     help="a bench/pdl_gemv_probe.py record: the decode GEMM at each of its shapes' best tile (rows <= 16: "
                          "its 16-row sweep, more: its 64-row one) instead of decode_gemm_tile's (an A/B of the tiles)")
@@ -320,13 +317,6 @@ def main() -> None:
 
         import fusedserve.models.layers.linear_triton as linear_triton
         linear_triton.decode_linear = F.linear  # type: ignore[assignment]
-    if args.unfused_gate_up:  # before any engine is built: Kernels.triton() reads it then
-        import fusedserve.models.layers.linear_triton as linear_triton
-        from fusedserve.models.layers.silu_mul_triton import silu_and_mul_triton
-
-        def unfused(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-            return silu_and_mul_triton(linear_triton.decode_linear(x, w, b))
-        linear_triton.decode_gated_linear = unfused  # type: ignore[assignment]
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     device = "cuda" if cuda else "cpu"
@@ -334,7 +324,6 @@ def main() -> None:
     batches = tuple(int(b) for b in args.batches.split(","))
     record: dict[str, Any] = {**record_header(), "model_shape": shape, "dtype": "bfloat16" if cuda else "float32",
                               "prompt_len": PROMPT_LEN, "decode_matmuls": "cublas" if args.cublas_matmuls else "gemv+gemm",
-                              "gate_up": "matmul, silu_and_mul" if args.unfused_gate_up else "decode_gated_linear",
                               "gemm_tiles": args.gemm_tiles or "decode_gemm_tile",
                               "pdl": pdl_enabled()}
     bw = copy_bandwidth(dev, (4 << 30) if cuda and not args.tiny else (64 << 20))

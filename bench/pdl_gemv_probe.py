@@ -86,10 +86,10 @@ def dot(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: tuple[int, int, 
     block_k, stages, warps), with or without PDL."""
     bn, bk, stages, warps = cfg
     m = x.shape[0]
-    _decode_gemm_kernel[(w.shape[0] // bn,)](x, w, w, y, m, w.shape[1], 0, x.stride(0), w.stride(0),
-                                             y.stride(0), BLOCK_N=bn, BLOCK_M=max(16, triton.next_power_of_2(m)),
-                                             BLOCK_K=bk, HAS_BIAS=False, GATED=False, DOT_FP32=False, PDL=pdl,
-                                             num_stages=stages, num_warps=warps, **_pdl(pdl))
+    _decode_gemm_kernel[(w.shape[0] // bn,)](x, w, w, y, m, w.shape[1], x.stride(0), w.stride(0), y.stride(0),
+                                             BLOCK_N=bn, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_K=bk,
+                                             HAS_BIAS=False, DOT_FP32=False, PDL=pdl, num_stages=stages,
+                                             num_warps=warps, **_pdl(pdl))
 
 
 GEMV_ROW_TILES = ((4, 256, 4), (4, 512, 4), (4, 512, 8), (8, 256, 4), (2, 512, 4), (4, 1024, 8))
@@ -163,9 +163,8 @@ def _pdl(on: bool) -> dict[str, bool]:
 
 def gemv(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, tile: tuple[int, int, int], pdl: bool) -> None:
     bn, bk, warps = tile
-    _gemv_kernel[(w.shape[0] // bn,)](x, w, w, y, 1, w.shape[1], 0, 0, w.stride(0), 0, M_PAD=1, BLOCK_N=bn,
-                                      BLOCK_K=bk, EVEN_K=True, HAS_BIAS=False, GATED=False, PDL=pdl, num_warps=warps,
-                                      **_pdl(pdl))
+    _gemv_kernel[(w.shape[0] // bn,)](x, w, w, y, 1, w.shape[1], 0, w.stride(0), 0, M_PAD=1, BLOCK_N=bn,
+                                      BLOCK_K=bk, EVEN_K=True, HAS_BIAS=False, PDL=pdl, num_warps=warps, **_pdl(pdl))
 
 
 def copy(x: torch.Tensor, y: torch.Tensor, n: int, pdl: bool) -> None:

@@ -74,8 +74,7 @@ class DeepseekV3DecoderLayer(nn.Module):
                 device=device, fused_experts=kernels.fused_moe, fp8=fp8, fused_experts_fp8=kernels.fused_moe_fp8))
         else:
             self.mlp = named(f"layers.{layer_id}.mlp", lambda: GatedMLP(
-                h, config.intermediate_size, groups.tp, dtype=dtype, device=device, act=kernels.silu_and_mul, fp8=fp8,
-                gated_matmul=kernels.gated_matmul))
+                h, config.intermediate_size, groups.tp, dtype=dtype, device=device, act=kernels.silu_and_mul, fp8=fp8))
 
     @property
     def input_boundary(self) -> int:

@@ -80,8 +80,7 @@ class Eagle3Draft(nn.Module):
                                        input_size=2 * h, dtype=dtype, device=device,
                                        attention_backend=attention_backend)
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps, dtype, device)
-        self.mlp = GatedMLP(h, config.intermediate_size, one, dtype=dtype, device=device, act=kernels.silu_and_mul,
-                            gated_matmul=kernels.gated_matmul)
+        self.mlp = GatedMLP(h, config.intermediate_size, one, dtype=dtype, device=device, act=kernels.silu_and_mul)
         self.norm = RMSNorm(h, config.rms_norm_eps, dtype, device)
         self.lm_head = nn.Linear(h, self.draft_vocab, bias=False, dtype=dtype, device=device).requires_grad_(False)
         self.register_buffer("d2t", torch.zeros(self.draft_vocab, dtype=torch.long, device=device))

@@ -49,8 +49,7 @@ class LlamaDecoderLayer(nn.Module):
             attention_backend=kernels.attention)
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps, dtype, device)
         self.mlp = GatedMLP(h, config.intermediate_size, groups.tp, getattr(config, "mlp_bias", False),
-                            dtype, device, act=kernels.silu_and_mul,
-                            gated_matmul=kernels.gated_matmul)
+                            dtype, device, act=kernels.silu_and_mul)
 
     @property
     def input_boundary(self) -> int:

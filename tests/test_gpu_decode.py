@@ -28,7 +28,7 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 def test_triton_kernels_equal_references() -> None:
     from fusedserve.models.forward_batch import ForwardBatch, KVCache
     from fusedserve.models.layers.decode_attention_triton import paged_decode_attention_triton
-    from fusedserve.models.layers.linear_triton import decode_gated_linear, decode_linear
+    from fusedserve.models.layers.linear_triton import decode_linear
     from fusedserve.models.layers.mlp import silu_and_mul
     from fusedserve.models.layers.paged_attention_torch import paged_attention_torch
     from fusedserve.models.layers.rms_norm_triton import add_rms_norm_triton, rms_norm_triton
@@ -53,12 +53,6 @@ def test_triton_kernels_equal_references() -> None:
         assert _rel(q1, q2) < 1e-2 and _rel(k1, k2) < 1e-2
         gu = torch.randn(n, 2 * 14336, device=dev, dtype=bf, generator=g)
         assert _rel(silu_and_mul_triton(gu), silu_and_mul(gu)) < 1e-2
-        # the gate/up matmul with SiLU-and-mul in its epilogue: the same values as the unfused pair
-        w = torch.randn(2 * 14336, 4096, device=dev, dtype=bf, generator=g) * 0.02
-        xin = torch.randn(n, 4096, device=dev, dtype=bf, generator=g)
-        fused = decode_gated_linear(xin, w)
-        assert _rel(fused, silu_and_mul_triton(decode_linear(xin, w))) < 1e-3, n
-        assert _rel(fused, silu_and_mul(torch.nn.functional.linear(xin, w))) < 1e-2, n
         for out_f, in_f in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)):
             w = torch.randn(out_f, in_f, device=dev, dtype=bf, generator=g) * 0.02
             xin = torch.randn(n, in_f, device=dev, dtype=bf, generator=g)

@@ -52,17 +52,11 @@ KERNELS: dict[str, tuple[Any, dict[str, Any], dict[str, str]]] = {
     "combine": (attention_splits_triton._combine_kernel, {"SPLITS": 4, "VDIM": 128, "VDIM_PAD": 128},
                 {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32"}),
     "decode_gemm": (linear_triton._decode_gemm_kernel,
-                    {"BLOCK_N": 64, "BLOCK_M": 16, "BLOCK_K": 128, "HAS_BIAS": False, "GATED": False,
-                     "DOT_FP32": False}, {}),
-    "decode_gemm_gated": (linear_triton._decode_gemm_kernel,
-                          {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 128, "HAS_BIAS": False, "GATED": True,
-                           "DOT_FP32": False}, {}),
+                    {"BLOCK_N": 64, "BLOCK_M": 16, "BLOCK_K": 128, "HAS_BIAS": False, "DOT_FP32": False}, {}),
     "gemv": (linear_triton._gemv_kernel,
-             {"M_PAD": 1, "BLOCK_N": 4, "BLOCK_K": 2048, "EVEN_K": True, "HAS_BIAS": False, "GATED": False}, {}),
-    "gemv_gated": (linear_triton._gemv_kernel,
-                   {"M_PAD": 1, "BLOCK_N": 4, "BLOCK_K": 2048, "EVEN_K": True, "HAS_BIAS": True, "GATED": True}, {}),
+             {"M_PAD": 1, "BLOCK_N": 4, "BLOCK_K": 2048, "EVEN_K": True, "HAS_BIAS": False}, {}),
 }
-READS_BEFORE_WAIT = {"gemv", "gemv_gated"}  # their first weight tile
+READS_BEFORE_WAIT = {"gemv"}  # its first weight tile
 
 
 def hopper_ptx(fn: Any, constexprs: dict[str, Any], types: dict[str, str]) -> list[str]:

@@ -169,39 +169,6 @@ def test_interp_decode_gemm_equals_f_linear() -> None:
 
 
 @inner
-def test_interp_decode_gated_linear_equals_matmul_then_silu_mul() -> None:
-    """The gate/up matmul with the SiLU-and-mul in its epilogue (``decode_gated_linear``: the GEMV at one
-    row, the decode GEMM at 2..64, each program's tile half gate rows, half the same features' up rows)
-    equals the unfused pair ``silu_and_mul_triton(decode_linear(...))`` and the plain reference, with a
-    bias, at 64- and 128-row tiles; what no tile takes (more rows, an odd split) goes through the pair."""
-    import torch.nn.functional as F
-
-    from fusedserve.models.layers.linear_triton import decode_gated_linear, decode_gemm_tile, decode_linear
-    from fusedserve.models.layers.mlp import silu_and_mul
-    from fusedserve.models.layers.silu_mul_triton import silu_and_mul_triton
-
-    g = torch.Generator().manual_seed(8)
-    # (rows, intermediate, in): GEMV 1 row (masked K tail at 576); GEMM 64-row tiles; 128-row tiles (m > 16, 2I >= 16384)
-    for m, inter, k in ((1, 6, 576), (1, 32, 1024), (3, 64, 256), (16, 96, 128), (17, 8192, 128)):
-        if m > 16:
-            assert decode_gemm_tile(m, 2 * inter, k) == (128, 128, 4, 4)
-        w = (torch.randn(2 * inter, k, generator=g) * 0.1).to(torch.bfloat16)
-        b = torch.randn(2 * inter, generator=g).to(torch.bfloat16)
-        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-        for bias in (None, b):
-            fused = decode_gated_linear(x, w, bias)
-            assert fused.shape == (m, inter)
-            _close(fused, silu_and_mul_triton(decode_linear(x, w, bias)), 1e-2)
-            ref = silu_and_mul(F.linear(x.float(), w.float(), None if bias is None else bias.float()))
-            _close(fused, ref.to(torch.bfloat16), 2e-2)
-    w = torch.randn(2 * 32, 128, generator=g).to(torch.bfloat16)
-    x = torch.randn(65, 128, generator=g).to(torch.bfloat16)  # more rows than the kernels take: the pair itself
-    assert torch.equal(decode_gated_linear(x, w), silu_and_mul_triton(F.linear(x, w)))
-    w = torch.randn(2 * 5, 128, generator=g).to(torch.bfloat16)  # 5 features: no whole gemv program of 2
-    assert torch.equal(decode_gated_linear(x[:1], w), silu_and_mul_triton(decode_linear(x[:1], w)))
-
-
-@inner
 @pytest.mark.parametrize("group", [1, 4])
 def test_interp_decode_attention_stores_kv_and_equals_torch(group: int) -> None:
     from fusedserve.models.forward_batch import ForwardBatch, KVCache

@@ -9,9 +9,9 @@ reference    ``paged_attention_reference``          the torch references; per-ex
 torch        ``paged_attention_torch`` (graphable)  the torch references; ``fused_experts_torch``
 triton       ``paged_decode_attention_triton``      Triton kernels (``*_triton.py``; GPU only);
              (decode; several new tokens per        matmuls of <= 64 rows ``decode_linear``, else cuBLAS;
-             sequence: the flash kernel of          a gated MLP's gate/up matmul and SiLU-and-mul
-             ``prefill_attention_triton.py``;       as one (``decode_gated_linear``);
-             trees: the torch one)                  ``fused_experts_triton``
+             sequence: the flash kernel of          ``fused_experts_triton``
+             ``prefill_attention_triton.py``;
+             trees: the torch one)
 flashinfer   ``flashinfer_attention``, planned      as ``triton``
              once per forward (``planner``)
 ===========  =====================================  ==========================================
@@ -40,7 +40,7 @@ from .attention_layout import PlannerFactory
 from .fp8_block import BlockFP8MatmulFn, block_fp8_linear_reference
 from .fused_moe import FusedExpertsFn, FusedFP8ExpertsFn, fused_experts_fp8_torch, fused_experts_torch
 from .linear import MatmulFn
-from .mlp import GatedMatmulFn, silu_and_mul
+from .mlp import silu_and_mul
 from .paged_attention_torch import paged_attention_torch
 from .rotary import RopeKernel
 
@@ -55,8 +55,6 @@ class Kernels:
     rope: RopeKernel | None = None  # None = RotaryEmbedding's torch ops
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul
     matmul: MatmulFn | None = None  # None = F.linear (cuBLAS)
-    # A gated MLP's gate/up matmul and silu-and-mul in one kernel; None = ``matmul`` then ``silu_and_mul``.
-    gated_matmul: GatedMatmulFn | None = None
     # Routed MoE experts (``fused_moe.py``); None = RoutedExperts' per-expert loop (host sync).
     fused_moe: FusedExpertsFn | None = None
     # Block-FP8 layers: the linear kernel, and the routed experts' (None = the per-expert loop, dequantizing).
@@ -82,7 +80,7 @@ class Kernels:
         from .fp8_block_gemm import block_fp8_linear_fast
         from .fused_moe_fp8_triton import fused_experts_fp8_triton
         from .fused_moe_triton import fused_experts_triton
-        from .linear_triton import decode_gated_linear, decode_linear
+        from .linear_triton import decode_linear
         from .rms_norm_triton import add_rms_norm_triton, rms_norm_triton
         from .rope_triton import rope_triton
         from .silu_mul_triton import silu_and_mul_triton
@@ -90,7 +88,7 @@ class Kernels:
         return Kernels(name="triton", attention=paged_decode_attention_triton,
                        norms=NormKernels(rms_norm=rms_norm_triton, add_rms_norm=add_rms_norm_triton),
                        rope=rope_triton, silu_and_mul=silu_and_mul_triton,
-                       matmul=decode_linear, gated_matmul=decode_gated_linear, fused_moe=fused_experts_triton,
+                       matmul=decode_linear, fused_moe=fused_experts_triton,
                        block_fp8_matmul=block_fp8_linear_fast, fused_moe_fp8=fused_experts_fp8_triton,
                        graph_safe=True)
 
@@ -104,8 +102,7 @@ class Kernels:
 
         base = Kernels.triton()
         return Kernels(name="flashinfer", attention=flashinfer_attention, norms=base.norms, rope=base.rope,
-                       silu_and_mul=base.silu_and_mul, matmul=base.matmul, gated_matmul=base.gated_matmul,
-                       fused_moe=base.fused_moe,
+                       silu_and_mul=base.silu_and_mul, matmul=base.matmul, fused_moe=base.fused_moe,
                        block_fp8_matmul=base.block_fp8_matmul, fused_moe_fp8=base.fused_moe_fp8, graph_safe=True,
                        planner=flashinfer_planner)
 

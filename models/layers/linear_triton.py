@@ -39,38 +39,14 @@ _DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU interpreter mis
 
 
 @triton.jit
-def weight_rows(BLOCK_N: tl.constexpr, GATED: tl.constexpr, HALF):
-    """The weight rows a program multiplies: BLOCK_N consecutive ones, or (GATED: W = [gate; up], HALF
-    rows each) BLOCK_N / 2 gate rows and the same features' up rows below them."""
-    r = tl.arange(0, BLOCK_N)
-    if GATED:
-        return tl.program_id(0).to(tl.int64) * (BLOCK_N // 2) + r % (BLOCK_N // 2) + (r // (BLOCK_N // 2)) * HALF
-    return tl.program_id(0).to(tl.int64) * BLOCK_N + r
-
-
-@triton.jit
-def silu_mul_rows(y, BLOCK_N: tl.constexpr):
-    """A gated program's sums y [BLOCK_N, ...] (gate rows, then up rows) rounded to the output dtype as an
-    unfused matmul would store them -> silu(gate) * up [BLOCK_N / 2, ...] in fp32, as
-    ``silu_mul_triton`` computes it from those stored values."""
-    if len(y.shape) == 1:
-        g, u = tl.split(tl.permute(tl.reshape(y, (2, BLOCK_N // 2)), (1, 0)))
-    else:
-        g, u = tl.split(tl.permute(tl.reshape(y, (2, BLOCK_N // 2, y.shape[1])), (1, 2, 0)))
-    return g / (1.0 + tl.exp(-g)) * u
-
-
-@triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, K, HALF, stride_xm, stride_wn, stride_ym, M_PAD: tl.constexpr,
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, K, stride_xm, stride_wn, stride_ym, M_PAD: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 GATED: tl.constexpr, PDL: tl.constexpr):
+                 PDL: tl.constexpr):
     """No tensor cores: a program per BLOCK_N outputs multiplies its [BLOCK_N, BLOCK_K] tiles of W with
     every row of x (M <= M_PAD <= 4) in fp32 registers, the next tile loaded while one is multiplied
     (EVEN_K: BLOCK_K divides K, else the last tile is masked). Under PDL (``pdl.py``) the first weight
-    tile is loaded before waiting on the kernel before. GATED (one row): W is [gate; up] (HALF rows
-    each), a program takes BLOCK_N / 2 features' gate and up rows and stores silu(gate) * up."""
-    tl.static_assert(not GATED or M_PAD == 1)
-    rn = weight_rows(BLOCK_N, GATED, HALF)
+    tile is loaded before waiting on the kernel before."""
+    rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     rm = tl.arange(0, M_PAD)
     w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
@@ -98,12 +74,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, K, HALF, stride_xm, stride_wn, s
         acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn).to(tl.float32)
-        if GATED:
-            ro = tl.program_id(0).to(tl.int64) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-            out = silu_mul_rows(acc.to(y_ptr.dtype.element_ty).to(tl.float32), BLOCK_N)
-            tl.store(y_ptr + ro, out.to(y_ptr.dtype.element_ty))
-        else:
-            tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty))
+        tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty))
     else:
         rows = rm[:, None] < M
         x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
@@ -123,32 +94,20 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, K, HALF, stride_xm, stride_wn, s
         tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc2.to(y_ptr.dtype.element_ty), mask=rows)
 
 
-def _takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether the kernels here take these operands: unit-stride rows, one dtype for x, W and the bias."""
-    return (x.stride(-1) == 1 and weight.stride(-1) == 1 and x.dtype == weight.dtype
-            and (bias is None or (bias.dtype == x.dtype and bias.stride(-1) == 1)))
-
-
-def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: tuple[int, int, int],
-          gated: bool) -> torch.Tensor:
-    m, k = x.shape
-    block_n, block_k, num_warps = tile
-    n = weight.shape[0]
-    y = torch.empty((m, n // 2 if gated else n), dtype=x.dtype, device=x.device)
-    _gemv_kernel[(n // block_n,)](x, weight, bias if bias is not None else weight, y, m, k, n // 2, x.stride(0),
-                                  weight.stride(0), y.stride(0), M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n,
-                                  BLOCK_K=block_k, EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None,
-                                  GATED=gated, num_warps=num_warps, **pdl_launch())
-    return y
-
-
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int = 4,
                 block_k: int = 1024, num_warps: int = 4) -> torch.Tensor:
     """x: [m, K] (m <= 4); weight: [N, K] -> [m, N] with ``_gemv_kernel``; F.linear otherwise."""
-    m = x.shape[0]
-    if m == 0 or m > GEMV_ROWS or weight.shape[0] % block_n or not _takes(x, weight, bias):
+    m, k = x.shape
+    n = weight.shape[0]
+    if (m == 0 or m > GEMV_ROWS or n % block_n or x.stride(-1) != 1 or weight.stride(-1) != 1
+            or x.dtype != weight.dtype or (bias is not None and (bias.dtype != x.dtype or bias.stride(-1) != 1))):
         return F.linear(x, weight, bias)
-    return _gemv(x, weight, bias, (block_n, block_k, num_warps), False)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    _gemv_kernel[(n // block_n,)](x, weight, bias if bias is not None else weight, y, m, k, x.stride(0),
+                                  weight.stride(0), y.stride(0), M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n,
+                                  BLOCK_K=block_k, EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None,
+                                  num_warps=num_warps, **pdl_launch())
+    return y
 
 
 def gemv_tile(k: int) -> tuple[int, int, int]:
@@ -163,9 +122,22 @@ def gemv_tile(k: int) -> tuple[int, int, int]:
 
 
 @triton.jit
-def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, K, HALF, stride_xm, stride_wn, stride_ym,
-                        BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        GATED: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr):
+def gemm_tile_pointers(x_ptr, w_ptr, M, stride_xm, stride_wn, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    """A decode-GEMM program's first K step: its outputs ``rn``, the rows ``rm``, the [BLOCK_N, BLOCK_K]
+    weight and [BLOCK_K, BLOCK_M] (x transposed) pointer tiles, and the real rows' mask [1, BLOCK_M]."""
+    rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
+    x_ptrs = x_ptr + rm[None, :] * stride_xm + rk[:, None]
+    return rn, rm, w_ptrs, x_ptrs, rm[None, :] < M
+
+
+@triton.jit
+def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, K, stride_xm, stride_wn, stride_ym, BLOCK_N: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        DOT_FP32: tl.constexpr, PDL: tl.constexpr):
     """A decode batch's matmul on tensor cores with the operands swapped: y^T [BLOCK_N, BLOCK_M] = W_tile x^T,
     so BLOCK_N rows of W fill the MMA's wide side and the batch's M <= BLOCK_M rows of x its narrow side; a
     program per BLOCK_N outputs, K in BLOCK_K steps (Triton pipelines the loads), fp32 sums. Under PDL it
@@ -173,16 +145,10 @@ def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, K, HALF, stride_xm, strid
     registers before the wait, as the GEMV does, cost Triton's pipelining and was 2-3x slower; its first
     tiles prefetched into L2 before the wait gained nothing: 2026-12-03-pdl-gemv-probe-{pre,pf}-h200.json;
     its first K step's tile alone loaded before the wait, the loop pipelined after, 1 % slower at 16 rows and
-    out of shared memory at 64: -peeled-). GATED: W is [gate; up] (HALF rows each), a program's tile the
-    gate rows of BLOCK_N / 2 features over their up rows, and it stores silu(gate) * up."""
+    out of shared memory at 64: -peeled-)."""
     pdl_release(PDL)
     pdl_wait(PDL)
-    rn = weight_rows(BLOCK_N, GATED, HALF)
-    rm = tl.arange(0, BLOCK_M)
-    rk = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
-    x_ptrs = x_ptr + rm[None, :] * stride_xm + rk[:, None]
-    rows = rm[None, :] < M
+    rn, rm, w_ptrs, x_ptrs, rows = gemm_tile_pointers(x_ptr, w_ptr, M, stride_xm, stride_wn, BLOCK_N, BLOCK_M, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     for _ in range(0, K, BLOCK_K):
         w = tl.load(w_ptrs)
@@ -195,12 +161,7 @@ def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, K, HALF, stride_xm, strid
         x_ptrs += BLOCK_K
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn).to(tl.float32)[:, None]
-    if GATED:
-        ro = tl.program_id(0).to(tl.int64) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        out = silu_mul_rows(acc.to(y_ptr.dtype.element_ty).to(tl.float32), BLOCK_N)
-        tl.store(y_ptr + rm[None, :] * stride_ym + ro[:, None], out.to(y_ptr.dtype.element_ty), mask=rows)
-    else:
-        tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], acc.to(y_ptr.dtype.element_ty), mask=rows)
+    tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], acc.to(y_ptr.dtype.element_ty), mask=rows)
 
 
 GEMM_ROWS = 64
@@ -223,28 +184,24 @@ def decode_gemm_tile(m: int, n: int, k: int) -> tuple[int, int, int, int] | None
     return block_n, block_k, (4 if block_n == 128 else 6), 4
 
 
-def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: tuple[int, int, int, int],
-          gated: bool) -> torch.Tensor:
-    m, k = x.shape
-    n = weight.shape[0]
-    block_n, block_k, stages, warps = tile
-    y = torch.empty((m, n // 2 if gated else n), dtype=x.dtype, device=x.device)
-    _decode_gemm_kernel[(n // block_n,)](x, weight, bias if bias is not None else weight, y, m, k, n // 2,
-                                         x.stride(0), weight.stride(0), y.stride(0), BLOCK_N=block_n,
-                                         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_K=block_k,
-                                         HAS_BIAS=bias is not None, GATED=gated, DOT_FP32=_DOT_FP32,
-                                         num_stages=stages, num_warps=warps, **pdl_launch())
-    return y
-
-
 def gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x: [m, K] (m <= GEMM_ROWS); weight: [N, K] -> [m, N] with ``_decode_gemm_kernel`` at the tile
     ``decode_gemm_tile`` gives; F.linear where no tile fits or for strided rows / mixed or fp32 dtypes."""
     m, k = x.shape
-    tile = decode_gemm_tile(m, weight.shape[0], k)
-    if tile is None or x.dtype not in (torch.bfloat16, torch.float16) or not _takes(x, weight, bias):
+    n = weight.shape[0]
+    tile = decode_gemm_tile(m, n, k)
+    if (tile is None or x.stride(-1) != 1 or weight.stride(-1) != 1 or x.dtype != weight.dtype
+            or x.dtype not in (torch.bfloat16, torch.float16)
+            or (bias is not None and (bias.dtype != x.dtype or bias.stride(-1) != 1))):
         return F.linear(x, weight, bias)
-    return _gemm(x, weight, bias, tile, False)
+    block_n, block_k, stages, warps = tile
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    _decode_gemm_kernel[(n // block_n,)](x, weight, bias if bias is not None else weight, y, m, k, x.stride(0),
+                                         weight.stride(0), y.stride(0), BLOCK_N=block_n,
+                                         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_K=block_k,
+                                         HAS_BIAS=bias is not None, DOT_FP32=_DOT_FP32, num_stages=stages,
+                                         num_warps=warps, **pdl_launch())
+    return y
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -257,26 +214,3 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if x.shape[0] == 1:
         return gemv_triton(x, weight, bias, *gemv_tile(x.shape[-1]))
     return gemm_triton(x, weight, bias)
-
-
-def decode_gated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The fast set's ``gated_matmul``: silu(x Wg^T + bg) * (x Wu^T + bu) for weight = [Wg; Wu] ([2I, K]) ->
-    [m, I], the activation in the matmul's epilogue (no [m, 2I] round trip, one kernel less per layer):
-    the GEMV at one row, the decode GEMM at 2..GEMM_ROWS, each with half its tile's rows from the gate and
-    half from the up projection; the same values as ``silu_and_mul_triton(decode_linear(...))`` (the sums
-    rounded to the dtype first), which also takes what the kernels do not (more rows, fp32, a shape no
-    tile fits)."""
-    from .silu_mul_triton import silu_and_mul_triton
-
-    m, k = x.shape if x.dim() == 2 else (0, 0)
-    n = weight.shape[0]
-    if 1 <= m and n % 2 == 0 and x.dtype in (torch.bfloat16, torch.float16) and _takes(x, weight, bias):
-        if m == 1:
-            tile = gemv_tile(k)
-            if (n // 2) % (tile[0] // 2) == 0:
-                return _gemv(x, weight, bias, tile, True)
-        else:
-            gemm = decode_gemm_tile(m, n, k)
-            if gemm is not None and (n // 2) % (gemm[0] // 2) == 0:
-                return _gemm(x, weight, bias, gemm, True)
-    return silu_and_mul_triton(decode_linear(x, weight, bias))

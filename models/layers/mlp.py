@@ -13,9 +13,6 @@ from ..parallel.layouts import Unreduced
 from .fp8_block import BlockFP8
 from .linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 
-# (x [n, in], weight [gate; up] [2I, in], bias [2I] | None) -> silu(gate) * up [n, I]
-GatedMatmulFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
-
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """The plain reference of the gated activation. x: [n, 2*I] (gate | up) -> [n, I]"""
@@ -25,33 +22,21 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 class GatedMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)). ``act``: a fused ``silu_and_mul`` (chosen at construction);
-    ``gated_matmul``: a kernel doing the gate/up matmul and the activation in one (``linear_triton.
-    decode_gated_linear``: ``GatedMatmulFn``), taken instead of ``gate_up_proj``'s matmul then ``act``
-    where given and the weights are not FP8; ``fp8``: block-FP8 weights (``linear.py``)."""
+    ``fp8``: block-FP8 weights (``linear.py``)."""
 
     def __init__(self, hidden: int, intermediate: int, group: Group, bias: bool = False,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                 act: Callable[[torch.Tensor], torch.Tensor] | None = None, fp8: BlockFP8 | None = None,
-                 gated_matmul: GatedMatmulFn | None = None) -> None:
+                 act: Callable[[torch.Tensor], torch.Tensor] | None = None, fp8: BlockFP8 | None = None) -> None:
         super().__init__()
         self.group = group
         self.act = act or silu_and_mul
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate], group, bias,
                                                        dtype, device, fp8)
         self.down_proj = RowParallelLinear(intermediate, hidden, group, bias, dtype, device, fp8)
-        self.gated_matmul = gated_matmul if fp8 is None else None
-        self.gate_up_act = self._fused if self.gated_matmul is not None else self._unfused
-
-    def _unfused(self, x: torch.Tensor) -> torch.Tensor:
-        return self.act(self.gate_up_proj(x))
-
-    def _fused(self, x: torch.Tensor) -> torch.Tensor:
-        assert self.gated_matmul is not None
-        return self.gated_matmul(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
 
     def forward(self, x: torch.Tensor) -> Unreduced:
         # x: [n, hidden] -> owed [n, hidden]
-        return Unreduced(self.down_proj(self.gate_up_act(x)), self.group.name)
+        return Unreduced(self.down_proj(self.act(self.gate_up_proj(x))), self.group.name)
 
 
 class Relu2MLP(nn.Module):
