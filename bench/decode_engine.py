@@ -306,6 +306,8 @@ def main() -> None:
                     help="the fast set's decode matmuls (<= 64 rows) through cuBLAS instead of its GEMV / decode GEMM "
                          "(an A/B of the kernels; FUSEDSERVE_PDL=0 in the environment is the A/B of programmatic "
                          "dependent launch)")
+    ap.add_argument("--no-split-k", action="store_true",
+                    help="the decode GEMM never splits K (an A/B of linear_triton.decode_gemm_splits)")
     ap.add_argument("--gemm-tiles", default="",
                     help="a bench/pdl_gemv_probe.py record: the decode GEMM at each of its shapes' best tile (rows <= 16: "
                          "its 16-row sweep, more: its 64-row one) instead of decode_gemm_tile's (an A/B of the tiles)")
@@ -317,6 +319,9 @@ def main() -> None:
 
         import fusedserve.models.layers.linear_triton as linear_triton
         linear_triton.decode_linear = F.linear  # type: ignore[assignment]
+    if args.no_split_k:
+        import fusedserve.models.layers.linear_triton as linear_triton
+        linear_triton.SPLIT_K_MAX = 1
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     device = "cuda" if cuda else "cpu"
@@ -324,6 +329,7 @@ def main() -> None:
     batches = tuple(int(b) for b in args.batches.split(","))
     record: dict[str, Any] = {**record_header(), "model_shape": shape, "dtype": "bfloat16" if cuda else "float32",
                               "prompt_len": PROMPT_LEN, "decode_matmuls": "cublas" if args.cublas_matmuls else "gemv+gemm",
+                              "split_k": not args.no_split_k,
                               "gemm_tiles": args.gemm_tiles or "decode_gemm_tile",
                               "pdl": pdl_enabled()}
     bw = copy_bandwidth(dev, (4 << 30) if cuda and not args.tiny else (64 << 20))

@@ -52,7 +52,11 @@ KERNELS: dict[str, tuple[Any, dict[str, Any], dict[str, str]]] = {
     "combine": (attention_splits_triton._combine_kernel, {"SPLITS": 4, "VDIM": 128, "VDIM_PAD": 128},
                 {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32"}),
     "decode_gemm": (linear_triton._decode_gemm_kernel,
-                    {"BLOCK_N": 64, "BLOCK_M": 16, "BLOCK_K": 128, "HAS_BIAS": False, "DOT_FP32": False}, {}),
+                    {"BLOCK_N": 64, "BLOCK_M": 16, "BLOCK_K": 128, "SPLIT_K": 1, "HAS_BIAS": False, "DOT_FP32": False},
+                    {}),
+    "decode_gemm_split_k": (linear_triton._decode_gemm_kernel,
+                            {"BLOCK_N": 64, "BLOCK_M": 64, "BLOCK_K": 128, "SPLIT_K": 2, "HAS_BIAS": True,
+                             "DOT_FP32": False}, {"ws_ptr": "*fp32", "cnt_ptr": "*i32"}),
     "gemv": (linear_triton._gemv_kernel,
              {"M_PAD": 1, "BLOCK_N": 4, "BLOCK_K": 2048, "EVEN_K": True, "HAS_BIAS": False}, {}),
 }
@@ -97,7 +101,7 @@ def test_pdl_kernel_waits_before_it_touches_what_other_kernels_write(name: str) 
         assert loads[0] > waits[0], f"{name}: a global load before griddepcontrol.wait:\n{ptx[loads[0]]}"
 
 
-@pytest.mark.parametrize("name", ["add_rms_norm", "decode_gemm", "gemv"])
+@pytest.mark.parametrize("name", ["add_rms_norm", "decode_gemm", "decode_gemm_split_k", "gemv"])
 def test_pdl_off_emits_no_grid_dependency_control(name: str) -> None:
     fn, constexprs, types = KERNELS[name]
     assert not any("griddepcontrol" in line for line in hopper_ptx(fn, {**constexprs, "PDL": False}, types))

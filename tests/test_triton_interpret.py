@@ -144,8 +144,9 @@ def test_interp_decode_gemv_equals_f_linear() -> None:
 @inner
 def test_interp_decode_gemm_equals_f_linear() -> None:
     """The fast set's matmul at 2..64 rows (``decode_linear`` -> ``gemm_triton``: tensor cores, operands
-    swapped, rows masked up to the padded block, a bias, K in 64- or 128-wide steps) equals F.linear; more
-    rows, fp32, or a shape no tile takes go to F.linear itself."""
+    swapped, rows masked up to the padded block, a bias, K in 64- or 128-wide steps, K split in two where
+    the output tiles are few) equals F.linear; more rows, fp32, or a shape no tile takes go to F.linear
+    itself."""
     import torch.nn.functional as F
 
     from fusedserve.models.layers.linear_triton import decode_gemm_tile, decode_linear, gemm_triton
@@ -162,6 +163,20 @@ def test_interp_decode_gemm_equals_f_linear() -> None:
         x = torch.randn(m, k, generator=g).to(torch.bfloat16)
         _close(decode_linear(x, w), F.linear(x, w), 1e-2)
         _close(gemm_triton(x, w, b), F.linear(x, w, b), 1e-2)
+    # split-K (few output tiles): both K halves summed by the tile's last program; counts back at 0
+    import fusedserve.models.layers.linear_triton as lt
+
+    cpu = torch.device("cpu")
+    assert lt.decode_gemm_splits(64, 256, (64, 128, 6, 4), cpu) == 2 and lt.decode_gemm_splits(4096, 4096, (64, 128, 6, 4), cpu) == 2
+    assert lt.decode_gemm_splits(6144, 4096, (64, 128, 6, 4), cpu) == 1 and lt.decode_gemm_splits(64, 128, (64, 128, 6, 4), cpu) == 1
+    assert lt.decode_gemm_splits(4096, 14336, (64, 128, 6, 4), cpu) == 2
+    for m, n, k in ((3, 128, 512), (40, 64, 256)):
+        w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+        b = torch.randn(n, generator=g).to(torch.bfloat16)
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+        split = gemm_triton(x, w, b)
+        _close(split, F.linear(x, w, b), 1e-2)
+        assert int(lt._COUNTERS[cpu].abs().sum()) == 0
     w = torch.randn(64, 128, generator=g).to(torch.bfloat16)
     x = torch.randn(65, 128, generator=g).to(torch.bfloat16)  # more rows than the kernel takes
     assert torch.equal(decode_linear(x, w), F.linear(x, w))

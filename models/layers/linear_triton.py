@@ -25,6 +25,7 @@ removed: the tuner gave 4.536 against 4.540 ms per 8B batch-1 step for 8 s more 
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -135,9 +136,9 @@ def gemm_tile_pointers(x_ptr, w_ptr, M, stride_xm, stride_wn, BLOCK_N: tl.conste
 
 
 @triton.jit
-def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, K, stride_xm, stride_wn, stride_ym, BLOCK_N: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        DOT_FP32: tl.constexpr, PDL: tl.constexpr):
+def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                        BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr):
     """A decode batch's matmul on tensor cores with the operands swapped: y^T [BLOCK_N, BLOCK_M] = W_tile x^T,
     so BLOCK_N rows of W fill the MMA's wide side and the batch's M <= BLOCK_M rows of x its narrow side; a
     program per BLOCK_N outputs, K in BLOCK_K steps (Triton pipelines the loads), fp32 sums. Under PDL it
@@ -145,12 +146,20 @@ def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, K, stride_xm, stride_wn, 
     registers before the wait, as the GEMV does, cost Triton's pipelining and was 2-3x slower; its first
     tiles prefetched into L2 before the wait gained nothing: 2026-12-03-pdl-gemv-probe-{pre,pf}-h200.json;
     its first K step's tile alone loaded before the wait, the loop pipelined after, 1 % slower at 16 rows and
-    out of shared memory at 64: -peeled-)."""
+    out of shared memory at 64: -peeled-).
+
+    SPLIT_K > 1 (few output tiles: more programs than tiles keep more of the GPU streaming weights): program
+    (n, s) sums the s-th of SPLIT_K equal K ranges and stores its fp32 sums in ``ws`` [SPLIT_K, N, BLOCK_M];
+    the tile's last program to finish (a per-tile arrival count in ``cnt``, which it resets to 0) adds the
+    SPLIT_K partials in split order — the same bits whichever finishes last — and stores y."""
     pdl_release(PDL)
     pdl_wait(PDL)
     rn, rm, w_ptrs, x_ptrs, rows = gemm_tile_pointers(x_ptr, w_ptr, M, stride_xm, stride_wn, BLOCK_N, BLOCK_M, BLOCK_K)
+    k_range = K // SPLIT_K
+    w_ptrs += tl.program_id(1) * k_range
+    x_ptrs += tl.program_id(1) * k_range
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    for _ in range(0, K, BLOCK_K):
+    for _ in range(0, k_range, BLOCK_K):
         w = tl.load(w_ptrs)
         x = tl.load(x_ptrs, mask=rows, other=0.0)
         if DOT_FP32:
@@ -159,9 +168,23 @@ def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, K, stride_xm, stride_wn, 
             acc = tl.dot(w, x, acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn).to(tl.float32)[:, None]
-    tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], acc.to(y_ptr.dtype.element_ty), mask=rows)
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn).to(tl.float32)[:, None]
+        tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], acc.to(y_ptr.dtype.element_ty), mask=rows)
+    else:
+        part = ws_ptr + rn[:, None] * BLOCK_M + rm[None, :]
+        tl.store(part + tl.program_id(1) * N * BLOCK_M, acc)
+        tl.debug_barrier()  # every thread's partial stored before the arrival is counted
+        arrived = tl.atomic_add(cnt_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+            for split in tl.static_range(SPLIT_K):
+                total += tl.load(part + split * N * BLOCK_M, cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + tl.program_id(0), 0, sem="relaxed", scope="gpu")
+            if HAS_BIAS:
+                total += tl.load(b_ptr + rn).to(tl.float32)[:, None]
+            tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], total.to(y_ptr.dtype.element_ty), mask=rows)
 
 
 GEMM_ROWS = 64
@@ -184,9 +207,44 @@ def decode_gemm_tile(m: int, n: int, k: int) -> tuple[int, int, int, int] | None
     return block_n, block_k, (4 if block_n == 128 else 6), 4
 
 
+SPLIT_K_MAX = 2
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The split-K GEMM's per-tile arrival counts on ``device`` (int32, zero between launches: each tile's
+    last program resets its count), made once per device outside any CUDA-graph capture; None where a
+    capture would have to make them (the GEMM then runs unsplit). One stream at a time uses them: launches
+    on one stream never overlap their counting (under PDL each waits for the one before first)."""
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counters = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = counters
+    return counters
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def decode_gemm_splits(n: int, k: int, tile: tuple[int, int, int, int], device: torch.device) -> int:
+    """K splits of the decode GEMM: 2 where the output tiles alone would leave at least half the GPU's
+    multiprocessors idle (Llama-3-8B's o_proj and down_proj: 64 tiles of 64 outputs on 132) and both
+    halves of K are whole tiles; else 1."""
+    block_n, block_k = tile[0], tile[1]
+    tiles = n // block_n
+    if SPLIT_K_MAX >= 2 and 2 * tiles <= _multiprocessors(device) and k % (2 * block_k) == 0:
+        return 2
+    return 1
+
+
 def gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x: [m, K] (m <= GEMM_ROWS); weight: [N, K] -> [m, N] with ``_decode_gemm_kernel`` at the tile
-    ``decode_gemm_tile`` gives; F.linear where no tile fits or for strided rows / mixed or fp32 dtypes."""
+    ``decode_gemm_tile`` gives, K split as ``decode_gemm_splits`` says; F.linear where no tile fits or for
+    strided rows / mixed or fp32 dtypes."""
     m, k = x.shape
     n = weight.shape[0]
     tile = decode_gemm_tile(m, n, k)
@@ -195,12 +253,18 @@ def gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
             or (bias is not None and (bias.dtype != x.dtype or bias.stride(-1) != 1))):
         return F.linear(x, weight, bias)
     block_n, block_k, stages, warps = tile
+    block_m = max(16, triton.next_power_of_2(m))
+    splits = decode_gemm_splits(n, k, tile, x.device)
+    counters = split_counters(x.device, n // block_n) if splits > 1 else None
+    if counters is None:
+        splits, counters = 1, weight
+    ws = torch.empty((splits, n, block_m), dtype=torch.float32, device=x.device) if splits > 1 else weight
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    _decode_gemm_kernel[(n // block_n,)](x, weight, bias if bias is not None else weight, y, m, k, x.stride(0),
-                                         weight.stride(0), y.stride(0), BLOCK_N=block_n,
-                                         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_K=block_k,
-                                         HAS_BIAS=bias is not None, DOT_FP32=_DOT_FP32, num_stages=stages,
-                                         num_warps=warps, **pdl_launch())
+    _decode_gemm_kernel[(n // block_n, splits)](x, weight, bias if bias is not None else weight, y, ws, counters, m, n,
+                                                k, x.stride(0), weight.stride(0), y.stride(0), BLOCK_N=block_n,
+                                                BLOCK_M=block_m, BLOCK_K=block_k, SPLIT_K=splits,
+                                                HAS_BIAS=bias is not None, DOT_FP32=_DOT_FP32, num_stages=stages,
+                                                num_warps=warps, **pdl_launch())
     return y
 
 
