@@ -306,6 +306,8 @@ def main() -> None:
                     help="the fast set's decode matmuls (<= 64 rows) through cuBLAS instead of its GEMV / decode GEMM "
                          "(an A/B of the kernels; FUSEDSERVE_PDL=0 in the environment is the A/B of programmatic "
                          "dependent launch)")
+    ap.add_argument("--torch-argmax", action="store_true",
+                    help="greedy sampling through torch.argmax instead of the fast set's argmax_triton (an A/B)")
     ap.add_argument("--no-split-k", action="store_true",
                     help="the decode GEMM never splits K (an A/B of linear_triton.decode_gemm_splits)")
     ap.add_argument("--gemm-tiles", default="",
@@ -319,6 +321,9 @@ def main() -> None:
 
         import fusedserve.models.layers.linear_triton as linear_triton
         linear_triton.decode_linear = F.linear  # type: ignore[assignment]
+    if args.torch_argmax:  # before any engine is built: Kernels.triton() imports it then
+        import fusedserve.models.layers.argmax_triton as argmax_module
+        argmax_module.argmax_triton = lambda logits: logits.float().argmax(dim=-1)  # type: ignore[assignment]
     if args.no_split_k:
         import fusedserve.models.layers.linear_triton as linear_triton
         linear_triton.SPLIT_K_MAX = 1
@@ -329,7 +334,7 @@ def main() -> None:
     batches = tuple(int(b) for b in args.batches.split(","))
     record: dict[str, Any] = {**record_header(), "model_shape": shape, "dtype": "bfloat16" if cuda else "float32",
                               "prompt_len": PROMPT_LEN, "decode_matmuls": "cublas" if args.cublas_matmuls else "gemv+gemm",
-                              "split_k": not args.no_split_k,
+                              "split_k": not args.no_split_k, "argmax": "torch" if args.torch_argmax else "triton",
                               "gemm_tiles": args.gemm_tiles or "decode_gemm_tile",
                               "pdl": pdl_enabled()}
     bw = copy_bandwidth(dev, (4 << 30) if cuda and not args.tiny else (64 << 20))

@@ -58,6 +58,12 @@ def test_triton_kernels_equal_references() -> None:
             xin = torch.randn(n, in_f, device=dev, dtype=bf, generator=g)
             # the fast set's matmul: the GEMV at one row, the tensor-core decode GEMM at 5 and 64 (PDL where on)
             assert _rel(decode_linear(xin, w), torch.nn.functional.linear(xin, w)) < 1e-2, (n, out_f, in_f)
+    # greedy sampling's argmax on the 8B vocabulary, bf16 logits as the LM head leaves them
+    from fusedserve.models.layers.argmax_triton import argmax_triton
+
+    for n in (1, 16, 64):
+        logits = torch.randn(n, 128256, device=dev, dtype=bf, generator=g) * 4
+        assert torch.equal(argmax_triton(logits), logits.float().argmax(dim=-1)), n
     # SmolLM2-135M's widths (576, 1536): the GEMV's masked tail at one row, the GEMM's 64-wide K steps at more
     for out_f, in_f in ((960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)):
         w = torch.randn(out_f, in_f, device=dev, dtype=bf, generator=g) * 0.02

@@ -22,6 +22,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from fusedserve.models.layers import (  # noqa: E402
+    argmax_triton,
     attention_splits_triton,
     decode_attention_triton,
     kv_write_triton,
@@ -39,6 +40,9 @@ LOADS = ("ld.global", "cp.async.cg", "cp.async.ca", "cp.async.bulk")
 # name -> (kernel, compile-time constants, argument types other than bf16 pointers / i32 / fp32 eps and scale)
 KERNELS: dict[str, tuple[Any, dict[str, Any], dict[str, str]]] = {
     "add_rms_norm": (rms_norm_triton._rms_norm_kernel, {"HAS_RESIDUAL": True, "BLOCK": 4096}, {}),
+    "argmax_chunks": (argmax_triton._chunk_argmax_kernel, {"BLOCK": 4096}, {"val_ptr": "*fp32", "idx_ptr": "*i64"}),
+    "argmax_rows": (argmax_triton._rows_argmax_kernel, {"C_PAD": 32},
+                    {"val_ptr": "*fp32", "idx_ptr": "*i64", "out_ptr": "*i64"}),
     "rope": (rope_triton._rope_kernel, {"Q_HEADS": 32, "HALF": 64}, {"pos_ptr": "*i64", "inv_ptr": "*fp32"}),
     "silu_mul": (silu_mul_triton._silu_mul_kernel, {"BLOCK": 1024}, {}),
     "kv_write": (kv_write_triton._write_kv_kernel,

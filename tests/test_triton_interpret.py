@@ -184,6 +184,25 @@ def test_interp_decode_gemm_equals_f_linear() -> None:
 
 
 @inner
+def test_interp_argmax_equals_torch() -> None:
+    """Greedy sampling's argmax (``argmax_triton``: row chunks, then the chunks' winners) picks torch's index:
+    the first of equal maxima within a chunk and across chunks, a masked last chunk, bf16 and fp32 rows,
+    a strided view (torch's own)."""
+    from fusedserve.models.layers import argmax_triton as am
+
+    g = torch.Generator().manual_seed(9)
+    vocab = 3 * am.BLOCK + 77
+    x = torch.randn(5, vocab, generator=g)
+    x[1, 5] = x[1, 9] = 50.0  # a tie inside the first chunk
+    x[2, 100] = x[2, 2 * am.BLOCK + 3] = 60.0  # a tie across chunks
+    x[3, vocab - 1] = 70.0  # the masked last chunk's last column
+    x[4] = 1.0  # all equal: index 0
+    for t in (x, x.to(torch.bfloat16)):
+        assert torch.equal(am.argmax_triton(t), t.argmax(dim=-1))
+    assert torch.equal(am.argmax_triton(x[:, ::2]), x[:, ::2].argmax(dim=-1))
+
+
+@inner
 @pytest.mark.parametrize("group", [1, 4])
 def test_interp_decode_attention_stores_kv_and_equals_torch(group: int) -> None:
     from fusedserve.models.forward_batch import ForwardBatch, KVCache

@@ -10,7 +10,7 @@ torch        ``paged_attention_torch`` (graphable)  the torch references; ``fuse
 triton       ``paged_decode_attention_triton``      Triton kernels (``*_triton.py``; GPU only);
              (decode; several new tokens per        matmuls of <= 64 rows ``decode_linear``, else cuBLAS;
              sequence: the flash kernel of          ``fused_experts_triton``
-             ``prefill_attention_triton.py``;
+             ``prefill_attention_triton.py``;       greedy sampling's argmax ``argmax_triton``;
              trees: the torch one)
 flashinfer   ``flashinfer_attention``, planned      as ``triton``
              once per forward (``planner``)
@@ -55,6 +55,8 @@ class Kernels:
     rope: RopeKernel | None = None  # None = RotaryEmbedding's torch ops
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul
     matmul: MatmulFn | None = None  # None = F.linear (cuBLAS)
+    # The greedy choice of each logits row ([n, vocab] -> [n] int64); None = torch.argmax.
+    argmax: Callable[[torch.Tensor], torch.Tensor] | None = None
     # Routed MoE experts (``fused_moe.py``); None = RoutedExperts' per-expert loop (host sync).
     fused_moe: FusedExpertsFn | None = None
     # Block-FP8 layers: the linear kernel, and the routed experts' (None = the per-expert loop, dequantizing).
@@ -76,6 +78,7 @@ class Kernels:
     def triton() -> Kernels:
         """GPU kernels; raises ImportError without Triton. Launched with programmatic dependent launch
         where the GPU has it (``pdl.py``)."""
+        from .argmax_triton import argmax_triton
         from .decode_attention_triton import paged_decode_attention_triton
         from .fp8_block_gemm import block_fp8_linear_fast
         from .fused_moe_fp8_triton import fused_experts_fp8_triton
@@ -88,7 +91,7 @@ class Kernels:
         return Kernels(name="triton", attention=paged_decode_attention_triton,
                        norms=NormKernels(rms_norm=rms_norm_triton, add_rms_norm=add_rms_norm_triton),
                        rope=rope_triton, silu_and_mul=silu_and_mul_triton,
-                       matmul=decode_linear, fused_moe=fused_experts_triton,
+                       matmul=decode_linear, argmax=argmax_triton, fused_moe=fused_experts_triton,
                        block_fp8_matmul=block_fp8_linear_fast, fused_moe_fp8=fused_experts_fp8_triton,
                        graph_safe=True)
 
@@ -102,7 +105,8 @@ class Kernels:
 
         base = Kernels.triton()
         return Kernels(name="flashinfer", attention=flashinfer_attention, norms=base.norms, rope=base.rope,
-                       silu_and_mul=base.silu_and_mul, matmul=base.matmul, fused_moe=base.fused_moe,
+                       silu_and_mul=base.silu_and_mul, matmul=base.matmul, argmax=base.argmax,
+                       fused_moe=base.fused_moe,
                        block_fp8_matmul=base.block_fp8_matmul, fused_moe_fp8=base.fused_moe_fp8, graph_safe=True,
                        planner=flashinfer_planner)
 

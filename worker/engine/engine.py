@@ -114,7 +114,7 @@ class Engine:
         elif not eos and isinstance(getattr(model_config, "eos_token_id", None), int):
             eos.add(model_config.eos_token_id)
         self.eos_token_ids: frozenset[int] = frozenset(eos)
-        self.sampler = Sampler(config.seed, executor.device)
+        self.sampler = Sampler(config.seed, executor.device, executor.kernels.argmax if executor.kernels else None)
         self.tokens = TokenSampler(self.sampler, self.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.speculator: SpecDecoder | None = None

@@ -12,6 +12,7 @@ sampler's shared generator. Greedy rows draw nothing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 import torch
@@ -63,9 +64,18 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     return torch.minimum(index, last_positive)
 
 
+def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
 class Sampler:
-    def __init__(self, seed: int | None = None, device: torch.device | str = "cpu") -> None:
+    """``argmax``: the greedy choice's kernel ([n, vocab] -> [n] int64; the kernel set's, chosen at
+    construction; default torch.argmax)."""
+
+    def __init__(self, seed: int | None = None, device: torch.device | str = "cpu",
+                 argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.device = torch.device(device)
+        self.argmax = argmax or torch_argmax
         self.generator = torch.Generator(device=device)
         if seed is not None:
             self.generator.manual_seed(seed)
@@ -84,6 +94,7 @@ class Sampler:
     def probs(self, logits: torch.Tensor, params: Seq[SamplingParams]) -> torch.Tensor:
         """The distribution each row samples from, after temperature, min-p, top-k and top-p.
         logits: [n, vocab] (adjusted) -> [n, vocab] float32; greedy rows are one-hot on the argmax."""
+        logits = logits.float()
         vocab = logits.shape[-1]
         device = logits.device
         # The rows' parameters go to the device without waiting for it (``to_device``), and the
@@ -112,13 +123,14 @@ class Sampler:
 
     def draw(self, logits: torch.Tensor, params: Seq[SamplingParams],
              generators: Seq[torch.Generator | None]) -> torch.Tensor:
-        """``__call__`` left on the device (nothing read back): [n] int64 token ids."""
+        """``__call__`` left on the device (nothing read back): [n] int64 token ids. logits in any float
+        dtype (the non-greedy path computes in float32)."""
         if logits.shape[0] != len(params) or len(params) != len(generators):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(params)} params / {len(generators)} generators")
         if not params:
             return torch.zeros(0, dtype=torch.long, device=logits.device)
         if all(p.greedy for p in params):
-            return logits.argmax(dim=-1)
+            return self.argmax(logits)
         probs = self.probs(logits, params)
         # One uniform per random row from its own stream; greedy rows (one-hot) draw nothing.
         uniforms = [torch.rand((), generator=g or self.generator, dtype=torch.float64, device=self.device)

@@ -71,7 +71,8 @@ class TokenSampler:
     def draw(self, logits: torch.Tensor, seqs: Seq[Sequence], states: Seq[RequestState]) -> torch.Tensor:
         """``sample`` left on the device: [n] int64 (requests whose params ``samples_on_device``)."""
         rows = [r for s, st in zip(seqs, states) for r in self.rows(s, st, [()])]
-        return self.sampler.draw(adjust_logits(logits, rows), [s.params for s in seqs], [st.generator for st in states])
+        adjusted = adjust_logits(logits, rows) if any(r.needs_adjusting for r in rows) else logits
+        return self.sampler.draw(adjusted, [s.params for s in seqs], [st.generator for st in states])
 
     def pick(self, logits: torch.Tensor, entries: Seq[tuple[ScheduledSeq, Sequence, RequestState]],
              first_rows: Seq[int]) -> list[Pick]:
@@ -80,7 +81,8 @@ class TokenSampler:
         the prompt token it predicts. logits: [rows, vocab] raw -> one Pick per entry"""
         sampling = [i for i, (e, s, _) in enumerate(entries) if e.num_logits and e.context_len == s.num_tokens]
         last = [first_rows[i] + entries[i][0].num_logits - 1 for i in sampling]
-        tokens = self.sample(logits[last], [entries[i][1] for i in sampling], [entries[i][2] for i in sampling])
+        last_rows = logits if last == list(range(logits.shape[0])) else logits[last]  # a decode step: every row
+        tokens = self.sample(last_rows, [entries[i][1] for i in sampling], [entries[i][2] for i in sampling])
         sampled = dict(zip(sampling, tokens))
         picks = []
         for i, (e, seq, state) in enumerate(entries):
