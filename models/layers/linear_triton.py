@@ -13,8 +13,10 @@ qkv 15.1 vs 16.5). 2..64 rows (decode batches, speculative verifies) go through 
 (tensor cores, operands swapped so the weight's rows fill the MMA, PDL where on): in the same emulated
 step at 16 / 64 rows 3.90 / 4.22 ms against cuBLAS's 4.32 / 4.46
 (2026-12-03-pdl-gemv-probe-tiles-h200.json), and through the engine 4.61 / 5.17 ms per 8B decode step at
-batch 16 / 64 against 4.91 / 5.35 (2026-12-03-decode-rows-gemm-ab-h200.json). More rows (prefill, mixed
-batches) stay cuBLAS.
+batch 16 / 64 against 4.91 / 5.35 (2026-12-03-decode-rows-gemm-ab-h200.json). Where the output tiles alone
+would leave half the GPU idle (o_proj and down_proj: 64 tiles of 64 on 132 SMs) K is split in two and the
+tile's last program adds the halves: 5.02 against 5.19 ms per batch-64 step, 4.55 against 4.58 at batch 16
+(2026-12-03-decode-rows-split-k-argmax-ab-h200.json). More rows (prefill, mixed batches) stay cuBLAS.
 
 ``gemv_triton`` also takes 2..4 rows at any tile (a bench candidate: 1.5-3x slower than cuBLAS there on an
 H200, bench/results/2026-12-03-pdl-gemv-probe-rows-h200.json). An earlier [16-row, 16-output] tensor-core
