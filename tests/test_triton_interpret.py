@@ -167,12 +167,9 @@ def test_interp_decode_gemm_equals_f_linear() -> None:
     import fusedserve.models.layers.linear_triton as lt
 
     cpu = torch.device("cpu")
-    tile = (64, 128, 6, 4)
-    assert lt.decode_gemm_splits(8, 64, 256, tile, cpu) == (2, 6) and lt.decode_gemm_splits(64, 4096, 4096, tile, cpu) == (2, 6)
-    assert lt.decode_gemm_splits(64, 4096, 14336, tile, cpu) == (2, 6) and lt.decode_gemm_splits(8, 64, 128, tile, cpu) == (1, 6)
-    # qkv (96 tiles): split at <= 16 rows, two programs a multiprocessor (4 stages); not at 64 rows
-    assert lt.decode_gemm_splits(16, 6144, 4096, tile, cpu) == (2, 4) and lt.decode_gemm_splits(64, 6144, 4096, tile, cpu) == (1, 6)
-    assert lt.decode_gemm_splits(16, 28672, 4096, tile, cpu) == (1, 6)  # gate_up: 448 tiles
+    assert lt.decode_gemm_splits(64, 256, (64, 128, 6, 4), cpu) == 2 and lt.decode_gemm_splits(4096, 4096, (64, 128, 6, 4), cpu) == 2
+    assert lt.decode_gemm_splits(6144, 4096, (64, 128, 6, 4), cpu) == 1 and lt.decode_gemm_splits(64, 128, (64, 128, 6, 4), cpu) == 1
+    assert lt.decode_gemm_splits(4096, 14336, (64, 128, 6, 4), cpu) == 2
     for m, n, k in ((3, 128, 512), (40, 64, 256)):
         w = torch.randn(n, k, generator=g).to(torch.bfloat16)
         b = torch.randn(n, generator=g).to(torch.bfloat16)

@@ -232,25 +232,15 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-SPLIT_SHARED_SMS = True  # bench/decode_engine.py --split-k-idle-half-only turns the second rule off (an A/B)
-
-
-def decode_gemm_splits(m: int, n: int, k: int, tile: tuple[int, int, int, int],
-                       device: torch.device) -> tuple[int, int]:
-    """(K splits, pipeline stages) of the decode GEMM at ``tile``: 2 splits where the output tiles alone
-    would leave at least half the GPU's multiprocessors idle (Llama-3-8B's o_proj and down_proj: 64 tiles
-    of 64 outputs on 132); at <= 16 rows also where they leave any idle (qkv: 96 tiles), with 4 stages
-    instead of 6 so that two programs share a multiprocessor (2 x 80 KB of shared memory); both halves of
-    K whole tiles; else 1 split at the tile's stages."""
-    block_n, block_k, stages = tile[0], tile[1], tile[2]
-    tiles, sms = n // block_n, _multiprocessors(device)
-    if SPLIT_K_MAX < 2 or k % (2 * block_k):
-        return 1, stages
-    if 2 * tiles <= sms:
-        return 2, stages
-    if SPLIT_SHARED_SMS and m <= 16 and tiles < sms and block_n == 64:
-        return 2, min(stages, 4)
-    return 1, stages
+def decode_gemm_splits(n: int, k: int, tile: tuple[int, int, int, int], device: torch.device) -> int:
+    """K splits of the decode GEMM: 2 where the output tiles alone would leave at least half the GPU's
+    multiprocessors idle (Llama-3-8B's o_proj and down_proj: 64 tiles of 64 outputs on 132) and both
+    halves of K are whole tiles; else 1."""
+    block_n, block_k = tile[0], tile[1]
+    tiles = n // block_n
+    if SPLIT_K_MAX >= 2 and 2 * tiles <= _multiprocessors(device) and k % (2 * block_k) == 0:
+        return 2
+    return 1
 
 
 def gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -264,9 +254,9 @@ def gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
             or x.dtype not in (torch.bfloat16, torch.float16)
             or (bias is not None and (bias.dtype != x.dtype or bias.stride(-1) != 1))):
         return F.linear(x, weight, bias)
-    block_n, block_k, _, warps = tile
+    block_n, block_k, stages, warps = tile
     block_m = max(16, triton.next_power_of_2(m))
-    splits, stages = decode_gemm_splits(m, n, k, tile, x.device)
+    splits = decode_gemm_splits(n, k, tile, x.device)
     counters = split_counters(x.device, n // block_n) if splits > 1 else None
     if counters is None:
         splits, counters = 1, weight
