@@ -207,7 +207,7 @@ class SpecDecoder:
         out = local.run(forward_step(ScheduledBatch(seqs=placeholder, preempted=batch.preempted)),
                         input_ids=torch.cat(pieces))
         # the read-back is queued behind the verify: the step's one wait, for draft and verify
-        flat = torch.cat([drafts[:, :n].reshape(-1), out.logits.argmax(dim=-1)]).tolist()
+        flat = torch.cat([drafts[:, :n].reshape(-1), self.tokens.sampler.argmax(out.logits)]).tolist()
         rows = [flat[i * n:(i + 1) * n] for i in range(len(work))]
         proposals = dict(zip((w.entry.seq_id for w in work), self.drafter.chain_proposals(work, rows)))
         entries = [self._verify_entry(e, proposals[e.seq_id].tree) if e.seq_id in proposals else e
@@ -240,7 +240,8 @@ class SpecDecoder:
         out = local.run(step, input_ids=tree.tokens.reshape(-1), positions=(starts[:, None] + tree.depths).reshape(-1),
                         tail_rows=tree.mask.reshape(b * n, n))
         # the read-back is queued behind the verify: the step's one wait, for the trees and the verify
-        flat = torch.cat([tree.tokens.reshape(-1), tree.parents.reshape(-1), out.logits.argmax(dim=-1)]).tolist()
+        flat = torch.cat([tree.tokens.reshape(-1), tree.parents.reshape(-1),
+                          self.tokens.sampler.argmax(out.logits)]).tolist()
         proposals = {w.entry.seq_id: Proposal(DraftTree(tuple(flat[i * n:(i + 1) * n]),
                                                         tuple(flat[(b + i) * n:(b + i + 1) * n])))
                      for i, w in enumerate(work)}
