@@ -125,19 +125,6 @@ def gemv_tile(k: int) -> tuple[int, int, int]:
 
 
 @triton.jit
-def gemm_tile_pointers(x_ptr, w_ptr, M, stride_xm, stride_wn, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
-    """A decode-GEMM program's first K step: its outputs ``rn``, the rows ``rm``, the [BLOCK_N, BLOCK_K]
-    weight and [BLOCK_K, BLOCK_M] (x transposed) pointer tiles, and the real rows' mask [1, BLOCK_M]."""
-    rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, BLOCK_M)
-    rk = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
-    x_ptrs = x_ptr + rm[None, :] * stride_xm + rk[:, None]
-    return rn, rm, w_ptrs, x_ptrs, rm[None, :] < M
-
-
-@triton.jit
 def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                         BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                         HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr):
@@ -156,10 +143,13 @@ def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, st
     SPLIT_K partials in split order — the same bits whichever finishes last — and stores y."""
     pdl_release(PDL)
     pdl_wait(PDL)
-    rn, rm, w_ptrs, x_ptrs, rows = gemm_tile_pointers(x_ptr, w_ptr, M, stride_xm, stride_wn, BLOCK_N, BLOCK_M, BLOCK_K)
     k_range = K // SPLIT_K
-    w_ptrs += tl.program_id(1) * k_range
-    x_ptrs += tl.program_id(1) * k_range
+    rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.program_id(1) * k_range + tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
+    x_ptrs = x_ptr + rm[None, :] * stride_xm + rk[:, None]
+    rows = rm[None, :] < M
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     for _ in range(0, k_range, BLOCK_K):
         w = tl.load(w_ptrs)
