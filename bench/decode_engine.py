@@ -308,6 +308,9 @@ def main() -> None:
                          "dependent launch)")
     ap.add_argument("--torch-argmax", action="store_true",
                     help="greedy sampling through torch.argmax instead of the fast set's argmax_triton (an A/B)")
+    ap.add_argument("--separate-combine", action="store_true",
+                    help="split decode attention combined by _combine_kernel after the launch, not by each tile's "
+                         "last split program (an A/B of decode_attention_triton.FUSED_COMBINE)")
     ap.add_argument("--no-split-k", action="store_true",
                     help="the decode GEMM never splits K (an A/B of linear_triton.decode_gemm_splits)")
     ap.add_argument("--gemm-tiles", default="",
@@ -324,6 +327,9 @@ def main() -> None:
     if args.torch_argmax:  # before any engine is built: Kernels.triton() imports it then
         import fusedserve.models.layers.argmax_triton as argmax_module
         argmax_module.argmax_triton = lambda logits: logits.float().argmax(dim=-1)  # type: ignore[assignment]
+    if args.separate_combine:
+        import fusedserve.models.layers.decode_attention_triton as decode_attention
+        decode_attention.FUSED_COMBINE = False
     if args.no_split_k:
         import fusedserve.models.layers.linear_triton as linear_triton
         linear_triton.SPLIT_K_MAX = 1
@@ -334,7 +340,7 @@ def main() -> None:
     batches = tuple(int(b) for b in args.batches.split(","))
     record: dict[str, Any] = {**record_header(), "model_shape": shape, "dtype": "bfloat16" if cuda else "float32",
                               "prompt_len": PROMPT_LEN, "decode_matmuls": "cublas" if args.cublas_matmuls else "gemv+gemm",
-                              "split_k": not args.no_split_k, "argmax": "torch" if args.torch_argmax else "triton",
+                              "split_k": not args.no_split_k, "attention_combine": "kernel" if args.separate_combine else "last split", "argmax": "torch" if args.torch_argmax else "triton",
                               "gemm_tiles": args.gemm_tiles or "decode_gemm_tile",
                               "pdl": pdl_enabled()}
     bw = copy_bandwidth(dev, (4 << 30) if cuda and not args.tiny else (64 << 20))

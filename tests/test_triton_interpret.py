@@ -164,6 +164,7 @@ def test_interp_decode_gemm_equals_f_linear() -> None:
         _close(decode_linear(x, w), F.linear(x, w), 1e-2)
         _close(gemm_triton(x, w, b), F.linear(x, w, b), 1e-2)
     # split-K (few output tiles): both K halves summed by the tile's last program; counts back at 0
+    import fusedserve.models.layers.arrival_counters as arrival
     import fusedserve.models.layers.linear_triton as lt
 
     cpu = torch.device("cpu")
@@ -176,7 +177,7 @@ def test_interp_decode_gemm_equals_f_linear() -> None:
         x = torch.randn(m, k, generator=g).to(torch.bfloat16)
         split = gemm_triton(x, w, b)
         _close(split, F.linear(x, w, b), 1e-2)
-        assert int(lt._COUNTERS[cpu].abs().sum()) == 0
+        assert int(arrival._COUNTERS[cpu].abs().sum()) == 0
     w = torch.randn(64, 128, generator=g).to(torch.bfloat16)
     x = torch.randn(65, 128, generator=g).to(torch.bfloat16)  # more rows than the kernel takes
     assert torch.equal(decode_linear(x, w), F.linear(x, w))
@@ -276,6 +277,19 @@ def test_interp_decode_attention_shares_the_real_context_among_its_splits() -> N
         got = decode_attention_launch(q, k, v, 0, batch(cache), dim**-0.5, launch)
         _close(got, want, 1e-2)
         assert torch.equal(cache.k[0], ref.k[0]) and torch.equal(cache.v[0], ref.v[0]), launch
+    # the splits combined by each tile's last program (arrival counts, back at 0) or by the combine kernel
+    import fusedserve.models.layers.arrival_counters as arrival
+    import fusedserve.models.layers.decode_attention_triton as decode_attention
+
+    outs = {}
+    for fused in (True, False):
+        decode_attention.FUSED_COMBINE = fused
+        cache = KVCache({0: kv.k[0].clone()}, {0: kv.v[0].clone()}, block, 160)
+        outs[fused] = decode_attention_launch(q, k, v, 0, batch(cache), dim**-0.5, DecodeLaunch(16, 2, 1, 8))
+    decode_attention.FUSED_COMBINE = True
+    _close(outs[True], outs[False], 1e-3)
+    _close(outs[True], want, 1e-2)
+    assert int(arrival._COUNTERS[torch.device("cpu")].abs().sum()) == 0
 
 
 @inner

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .arrival_counters import arrival_counters
 from .pdl import pdl_launch, pdl_release, pdl_wait
 
 GEMV_ROWS = 4
@@ -200,21 +201,6 @@ def decode_gemm_tile(m: int, n: int, k: int) -> tuple[int, int, int, int] | None
 
 
 SPLIT_K_MAX = 2
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """The split-K GEMM's per-tile arrival counts on ``device`` (int32, zero between launches: each tile's
-    last program resets its count), made once per device outside any CUDA-graph capture; None where a
-    capture would have to make them (the GEMM then runs unsplit). One stream at a time uses them: launches
-    on one stream never overlap their counting (under PDL each waits for the one before first)."""
-    counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < tiles:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counters = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[device] = counters
-    return counters
 
 
 @functools.cache
@@ -247,7 +233,7 @@ def gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     block_n, block_k, stages, warps = tile
     block_m = max(16, triton.next_power_of_2(m))
     splits = decode_gemm_splits(n, k, tile, x.device)
-    counters = split_counters(x.device, n // block_n) if splits > 1 else None
+    counters = arrival_counters(x.device, n // block_n) if splits > 1 else None
     if counters is None:
         splits, counters = 1, weight
     ws = torch.empty((splits, n, block_m), dtype=torch.float32, device=x.device) if splits > 1 else weight
