@@ -96,6 +96,13 @@ def test_requests_that_read_their_tokens_on_the_host_share_the_batch(monkeypatch
     assert [(c.token_ids, c.text, c.finish_reason) for c in got] == \
         [(c.token_ids, c.text, c.finish_reason) for c in expected]
     assert count["launched"] > 0
+    # generate() returns the logprobs asked for: one per token, the token itself ranked by its two best
+    asked = got[1]
+    assert [lp.token_id for lp in asked.logprobs] == asked.token_ids and len(asked.token_ids) == 12
+    assert all(len(lp.top) == 2 and lp.top[0][0] == lp.token_id and lp.rank == 1 for lp in asked.logprobs)
+    assert [lp.logprob for lp in asked.logprobs] == pytest.approx([lp.logprob for lp in expected[1].logprobs],
+                                                                   abs=1e-5)
+    assert all(not c.logprobs for i, c in enumerate(got) if i != 1)
 
 
 def test_preemption_and_prefix_hits_under_overlap(monkeypatch: pytest.MonkeyPatch) -> None:

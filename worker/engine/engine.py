@@ -364,6 +364,7 @@ class Engine:
                 c = results[out.request_id]
                 c.token_ids += out.new_token_ids
                 c.text += out.text_delta
+                c.logprobs += out.logprobs
                 c.finish_reason = out.finish_reason
         return list(results.values())
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from .logprobs import TokenLogprob
@@ -60,3 +60,4 @@ class Completion:
     token_ids: list[int]
     text: str
     finish_reason: FinishReason | None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token when the request asked for them
