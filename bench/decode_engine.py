@@ -25,8 +25,9 @@ GPU running the next: ``inflight_step.py``; the time of ``steps`` steps over ``s
 6. decode at batch 1 / 16 / 64 with ``overlap_scheduling=False`` (each step's tokens read back
    before the next is planned), what the overlap gains;
 7. the fast kernel set's greedy tokens against the reference set's (same weights, eager) for
-   ``--check-tokens`` steps at batch 1: first divergence, and the max |logit| difference of the
-   first step (bf16 tolerance).
+   ``--check-tokens`` steps at batch 1: first divergence, the largest difference of the top-1
+   log-probability over the common prefix (the bf16 distance), and both runs' margin between their two
+   best tokens where they part (a near-tie or not).
 """
 
 from __future__ import annotations
@@ -247,20 +248,34 @@ def hf_peer(shape: dict[str, Any], batches: tuple[int, ...], steps: int, dev: to
 
 
 def token_check(path: Path, device: str, steps: int, vocab: int) -> dict[str, Any]:
-    """Greedy tokens of the default (fast) set vs the reference set, same random weights, batch 1."""
+    """Greedy tokens of the default (fast) set vs the reference set, same random weights, batch 1, with each
+    step's two best log-probabilities (the engine's raw ``logprobs``): over the common prefix the two sets see
+    the same context, so the largest difference of their top-1 log-probability is the fast set's numerical
+    distance; at the first divergence each run's margin between its best two tokens says whether it was a
+    near-tie (random weights give many) or a real disagreement."""
     [prompt] = prompts_of(1, PROMPT_LEN, vocab, seed=7)
-    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
-    runs = {}
+    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True, logprobs=2)
+    runs, tops = {}, {}
     for name, cfg in (("fast", {}), ("reference", {"kernels": "reference", "cuda_graphs": False})):
         e = engine_for(path, device, max_num_seqs=4, **cfg)
         [c] = e.generate([prompt], params)
         runs[name] = c.token_ids
+        tops[name] = [lp.top for lp in c.logprobs]
         del e
         if device == "cuda":
             torch.cuda.empty_cache()
     same = next((i for i, (a, b) in enumerate(zip(runs["fast"], runs["reference"])) if a != b), steps)
-    return {"steps": steps, "first_divergence": same, "identical": runs["fast"] == runs["reference"],
-            "fast": runs["fast"][:16], "reference": runs["reference"][:16]}
+    prefix = range(min(same + 1, len(tops["fast"]), len(tops["reference"])))  # the divergence step too
+    out: dict[str, Any] = {
+        "steps": steps, "first_divergence": same, "identical": runs["fast"] == runs["reference"],
+        "fast": runs["fast"][:16], "reference": runs["reference"][:16],
+        "max_abs_top1_logprob_diff_over_common_prefix": max(
+            (abs(tops["fast"][i][0][1] - tops["reference"][i][0][1]) for i in prefix), default=0.0)}
+    if same < steps:
+        out["at_divergence"] = {name: {"top2": [list(t) for t in tops[name][same]],
+                                       "margin": tops[name][same][0][1] - tops[name][same][1][1]}
+                                for name in ("fast", "reference")}
+    return out
 
 
 def probe_tiles(path: str) -> None:
@@ -290,6 +305,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--steps", type=int, default=64, help="timed decode steps per batch size")
     ap.add_argument("--check-tokens", type=int, default=32)
+    ap.add_argument("--check-only", action="store_true",
+                    help="only the fast-vs-reference greedy check (item 7), no timing")
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--peer-batches", default="1,16,64", help="HF peer batch sizes (each compiles once)")
     ap.add_argument("--no-peer", action="store_true")
@@ -350,6 +367,12 @@ def main() -> None:
     progress(f"copy bandwidth {bw / 1e12:.3f} TB/s, matmul {peak / 1e12:.0f} TFLOP/s")
     with tempfile.TemporaryDirectory() as tmp:
         path = model_dir(shape, Path(tmp))
+        if args.check_only:
+            record["greedy_fast_vs_reference"] = token_check(path, device, args.check_tokens, shape["vocab_size"])
+            progress(f"fast vs reference greedy: {record['greedy_fast_vs_reference']}")
+            out = args.out or f"bench/results/{record['date']}-decode-token-check-{'h200' if cuda else 'cpu'}.json"
+            progress(f"wrote {write_record(record, out)}")
+            return
         t = time.perf_counter()
         engine = engine_for(path, device)
         record["engine"] = {"build_s": time.perf_counter() - t, "kernels": engine.executor.kernels.name
