@@ -10,7 +10,16 @@
 #                                           .whl/real/data-train: joins and checks the GGUF, converts it
 #                                           (fusedserve fetch-model --gguf), trains the draft (fusedserve
 #                                           train-draft, MINUTES, default 6.5) into /tmp/real/smollm2-eagle3;
-#                                           $OUT/smollm2-eagle3/ and $OUT/train-draft.json come back
+#                                           on the pairs of carried .whl/real/pairs/*.pt (`--pairs`, no
+#                                           regeneration) when there are some, from a carried
+#                                           .whl/real/draft-init (`--init`: config.json and model.safetensors
+#                                           or its .part* files) when there is one; $OUT/train-draft.json and
+#                                           $OUT/smollm2-eagle3/ come back, model.safetensors in 15 MiB parts
+#                                           (a returned file is at most 16 MiB): join them here with
+#                                           `cat model.safetensors.part* > model.safetensors`
+#   bash bench/gpu_real.sh regen [MINUTES [ARGS]]  carry as for train: regeneration only, the whole budget
+#                                           (fusedserve train-draft --regen-only, MINUTES, default 8.5)
+#                                           -> $OUT/pairs.pt (~5 MB for 8 500 pairs) and $OUT/regen.json
 #   bash bench/gpu_real.sh decode [ARGS]    issue #14: bench/decode_engine.py ARGS -> $OUT/decode-engine.json
 #                                           (carry the FlashInfer files: .whl/*.whl, .whl/flashinfer-aot-*.tar.gz)
 #   bash bench/gpu_real.sh serve            issue #14: bench/serve_load.py on the engine in-process and through
@@ -35,8 +44,18 @@
 #   2. carry .whl/serving-site-cp312.tar.xz .whl/sharegpt-requests.json: `serve`
 #   3. carry .whl/real/part1 part2 data wheels: `stage`;  4. carry part3 part4: `stage`
 #   5. carry .whl/real/draft (a copy of the shipped draft): `bench ...`
+# A draft over two calls (regeneration and training no longer share one call's 10 minutes):
+#   1. carry .whl/real/part1 part2 wheels data-train: `stage` (examples/checkpoints/smollm2-eagle3 moved out
+#      of the tree for this call, as above);  2. carry part3 part4: `regen 8.5 --num-prompts 11000`;
+#      then here: mkdir -p .whl/real/pairs && cp <files_at>/pairs.pt .whl/real/pairs/
+#   3. back to back (the converted model stays in /tmp/real), carry .whl/real/pairs: `train 8.6` (no
+#      regeneration: the whole budget trains); then here, in <files_at>/smollm2-eagle3:
+#      cat model.safetensors.part* > model.safetensors && rm model.safetensors.part*
+#   To go on from that draft in a later call: copy it (joined or in parts) to .whl/real/draft-init and carry it
+#   with the pairs. On a fresh machine `train` needs the GGUF again: `stage` with part1 part2, then part3 part4
+#   with the pairs (without draft-init: 64 MiB).
 set -euo pipefail
-cmd=${1:?usage: gpu_real.sh stage|train|bench|probe|growth|decode|serve|tests [args]}
+cmd=${1:?usage: gpu_real.sh stage|train|regen|bench|probe|growth|decode|serve|tests [args]}
 shift
 T=${GPU_REAL_TMP:-/tmp}  # where the staged files live (the device: /tmp)
 R=$T/real
@@ -89,9 +108,24 @@ case "$cmd" in
   stage) ;;
   train)
     layout && model
-    python3 -P -m fusedserve.cli train-draft --target "$R/smollm2" --data "$R/data-train/sharegpt.json" \
+    pairs=""  # carried pairs (no regeneration), else the ShareGPT prompts
+    for f in .whl/real/pairs/*.pt; do if [ -f "$f" ]; then pairs=${pairs:+$pairs,}$PWD/$f; fi; done
+    if [ -n "$pairs" ]; then src=(--pairs "$pairs"); else src=(--data "$R/data-train/sharegpt.json"); fi
+    if [ -d .whl/real/draft-init ]; then  # a draft to start from, whole or in the parts `train` returns
+      rm -rf "$R/draft-init" && mkdir -p "$R/draft-init" && cp .whl/real/draft-init/config.json "$R/draft-init/"
+      if [ -f .whl/real/draft-init/model.safetensors ]; then cp .whl/real/draft-init/model.safetensors "$R/draft-init/"
+      else cat .whl/real/draft-init/model.safetensors.part* > "$R/draft-init/model.safetensors"; fi
+      src+=(--init "$R/draft-init")
+    fi
+    python3 -P -m fusedserve.cli train-draft --target "$R/smollm2" "${src[@]}" \
       --out "$R/smollm2-eagle3" --budget-minutes "${1:-6.5}" --log "$OUT/train-draft.json" "${@:2}"
-    cp -r "$R/smollm2-eagle3" "$OUT/"
+    mkdir -p "$OUT/smollm2-eagle3" && cp "$R/smollm2-eagle3/config.json" "$OUT/smollm2-eagle3/"
+    split -b 15M -d "$R/smollm2-eagle3/model.safetensors" "$OUT/smollm2-eagle3/model.safetensors.part"
+    ;;
+  regen)  # regeneration only, for a later `train` (carried as .whl/real/pairs/*.pt)
+    layout && model
+    python3 -P -m fusedserve.cli train-draft --target "$R/smollm2" --data "$R/data-train/sharegpt.json" \
+      --regen-only --save-pairs "$OUT/pairs.pt" --budget-minutes "${1:-8.5}" --log "$OUT/regen.json" "${@:2}"
     ;;
   bench)
     layout && model

@@ -41,16 +41,24 @@ def _fetch_model(args: argparse.Namespace) -> int:
 
 
 def _train_draft(args: argparse.Namespace) -> int:
+    from fusedserve.draft_trainer import TrainDraftError
     from fusedserve.train_draft import TrainOptions, train_draft
 
-    opts = TrainOptions(
-        target=args.target, data=args.data, out=args.out, budget_s=60 * args.budget_minutes,
-        num_prompts=args.num_prompts, max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
-        temperatures=tuple(float(t) for t in args.temperatures.split(",")), regen_share=args.regen_share,
-        draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps, batch_tokens=args.batch_tokens, lr=args.lr,
-        device=args.device, seed=args.seed, log=args.log)
-    log = train_draft(opts)
-    print(json.dumps({"checkpoint": log["checkpoint"], "heldout": log["heldout"]}))
+    try:
+        opts = TrainOptions(
+            target=args.target, data=args.data, out=args.out, budget_s=60 * args.budget_minutes,
+            num_prompts=args.num_prompts, max_prompt_tokens=args.max_prompt_tokens,
+            max_new_tokens=args.max_new_tokens, temperatures=tuple(float(t) for t in args.temperatures.split(",")),
+            regen_share=args.regen_share, draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps,
+            batch_tokens=args.batch_tokens, lr=args.lr, device=args.device, seed=args.seed, log=args.log,
+            pairs=tuple(args.pairs.split(",")) if args.pairs else (), save_pairs=args.save_pairs,
+            regen_only=args.regen_only, init=args.init, max_steps=args.max_steps)
+        log = train_draft(opts)
+    except TrainDraftError as e:
+        print(f"fusedserve train-draft: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({"pairs": log["pairs"]} if opts.regen_only else
+                     {"checkpoint": log["checkpoint"], "heldout": log["heldout"]}))
     return 0
 
 
@@ -118,8 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "the engine, aux states from the target's own capture, a frequency draft vocabulary, a "
                        "training-time test; writes a LlamaForCausalLMEagle3 checkpoint and a JSON log.")
     t.add_argument("--target", required=True, help="the target's HF checkpoint directory")
-    t.add_argument("--data", required=True, help="ShareGPT-format JSON (e.g. ShareGPT_V3_unfiltered_cleaned_split.json)")
-    t.add_argument("--out", required=True, help="the draft checkpoint directory to write")
+    t.add_argument("--data", help="ShareGPT-format JSON (e.g. ShareGPT_V3_unfiltered_cleaned_split.json); "
+                   "not with --pairs")
+    t.add_argument("--out", help="the draft checkpoint directory to write (not with --regen-only)")
     t.add_argument("--budget-minutes", type=float, default=6.0, help="wall-clock budget of the whole run (default 6)")
     t.add_argument("--num-prompts", type=int, default=4000)
     t.add_argument("--max-prompt-tokens", type=int, default=384)
@@ -134,6 +143,16 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--log", default=f"bench/results/{datetime.date.today()}-train-draft.json",
                    help="the JSON training log")
+    t.add_argument("--save-pairs", metavar="FILE", help="write the regenerated (prompt, response) token ids to FILE")
+    t.add_argument("--pairs", metavar="FILE[,FILE...]",
+                   help="train on the pairs --save-pairs wrote (concatenated) instead of regenerating")
+    t.add_argument("--regen-only", action="store_true",
+                   help="regenerate for the whole budget (--regen-share ignored), write --save-pairs and the log, "
+                   "train nothing")
+    t.add_argument("--init", metavar="DIR", help="start from this draft checkpoint (made for the same target) "
+                   "and keep its draft vocabulary (--draft-vocab ignored)")
+    t.add_argument("--max-steps", type=int, help="stop training after this many steps (default: when the "
+                   "budget ends)")
     t.set_defaults(func=_train_draft)
     r = sub.add_parser("run", help="serve an InferenceDeployment manifest on an embedded local Ray")
     r.add_argument("manifest", help="InferenceDeployment YAML, e.g. examples/01-tiny-code.yaml")

@@ -13,13 +13,16 @@ inference). Step j's label is the target's distribution after x[b+1+j] over the 
 ``fc.weight``, ``midlayer.*``, ``norm.weight``, ``lm_head.weight`` [draft_vocab, H], ``d2t``
 (draft id + d2t = target id), ``t2d``; no ``embed_tokens`` (the target's is shared, which keeps the
 checkpoint small), and ``eagle_aux_hidden_state_layer_ids`` in sglang's convention (the layers
-whose *output* is read: ours + 1 = the layers whose input is captured).
+whose *output* is read: ours + 1 = the layers whose input is captured). ``load_draft`` reads one back
+to continue training it (``train-draft --init``), refused unless it was made for the target.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -29,6 +32,11 @@ from torch import nn
 from .models.layers.rotary import rope_inv_freq, rope_parameters
 
 STEP_WEIGHT = 0.8
+
+
+class TrainDraftError(ValueError):
+    """An input `fusedserve train-draft` cannot use (its options, a pairs file, an ``--init``
+    checkpoint): the command stops before the work with the message (exit 2)."""
 
 
 class DraftTrainer(nn.Module):
@@ -106,15 +114,29 @@ class DraftTrainer(nn.Module):
 
     def hf_state_dict(self, d2t: torch.Tensor, t2d: torch.Tensor) -> dict[str, torch.Tensor]:
         sd = {k: v.detach().to(torch.bfloat16).cpu().contiguous() for k, v in self.state_dict().items()}
-        out = {"fc.weight": sd["fc.weight"], "norm.weight": sd["norm.weight"], "lm_head.weight": sd["lm_head.weight"],
-               "d2t": d2t.to(torch.long).cpu(), "t2d": t2d.to(torch.bool).cpu()}
-        for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
-            out[f"midlayer.{name}.weight"] = sd[f"{name}.weight"]
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            out[f"midlayer.self_attn.{name}.weight"] = sd[f"{name}.weight"]
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            out[f"midlayer.mlp.{name}.weight"] = sd[f"{name}.weight"]
-        return out
+        out = {hf_name(k): v for k, v in sd.items() if k != "embed_tokens.weight"}
+        return {**out, "d2t": d2t.to(torch.long).cpu(), "t2d": t2d.to(torch.bool).cpu()}
+
+    def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
+        """The trainable weights from a checkpoint's tensors (``hf_state_dict``'s names, shapes checked by
+        ``load_draft``); the frozen ``embed_tokens`` stays the target's."""
+        with torch.no_grad():
+            for k, v in self.state_dict().items():
+                if k != "embed_tokens.weight":
+                    v.copy_(weights[hf_name(k)])
+
+
+def hf_name(name: str) -> str:
+    """A trainer parameter's name in the ``LlamaForCausalLMEagle3`` checkpoint (``q_proj.weight`` ->
+    ``midlayer.self_attn.q_proj.weight``)."""
+    module = name.split(".")[0]
+    if module in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        return f"midlayer.{name}"
+    if module in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        return f"midlayer.self_attn.{name}"
+    if module in ("gate_proj", "up_proj", "down_proj"):
+        return f"midlayer.mlp.{name}"
+    return name
 
 
 def shifted(x: torch.Tensor, j: int, fill: float = 0) -> torch.Tensor:
@@ -176,3 +198,54 @@ def save_draft(out: Path, draft: DraftTrainer, d2t: torch.Tensor, t2d: torch.Ten
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for p in [out, *out.iterdir()]:
         p.chmod(0o755 if p.is_dir() else 0o644)
+
+
+@dataclass(frozen=True)
+class DraftCheckpoint:
+    """A checkpoint ``save_draft`` wrote, read back to continue training (``--init``): its tensors by
+    checkpoint name (``embed_tokens`` left out: the trainer uses the target's), its draft vocabulary
+    (d2t [draft_vocab] long, t2d [vocab] bool), and its path."""
+
+    weights: dict[str, torch.Tensor]
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+    path: str
+
+
+def load_draft(path: Path, target_config: Any, aux_input_layers: list[int]) -> DraftCheckpoint:
+    """The draft checkpoint in ``path``, refused (``TrainDraftError``) unless made for this target:
+    the same target hidden size, vocabulary and aux layers (the trainer captures ``aux_input_layers``)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from .models.eagle3 import aux_layers
+
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise TrainDraftError(f"--init {path}: not a draft checkpoint directory (config.json and "
+                              "model.safetensors expected)")
+    try:
+        config = json.loads((path / "config.json").read_text())
+        tensors = load_file(str(path / "model.safetensors"))
+    except (OSError, ValueError, SafetensorError) as e:
+        raise TrainDraftError(f"--init {path}: unreadable checkpoint: {e}") from e
+    c = target_config
+    layers = aux_layers(int(c.num_hidden_layers), SimpleNamespace(eagle_config=config.get("eagle_config")))
+    theirs = {"target hidden size": config.get("target_hidden_size", config.get("hidden_size")),
+              "vocab size": config.get("vocab_size"), "aux layers": layers}
+    ours = {"target hidden size": int(c.hidden_size), "vocab size": int(c.vocab_size), "aux layers": aux_input_layers}
+    wrong = [f"{k} {theirs[k]} (the target: {ours[k]})" for k in ours if theirs[k] != ours[k]]
+    if wrong:
+        raise TrainDraftError(f"--init {path}: a draft of another target: {', '.join(wrong)}")
+    d2t, t2d = tensors.pop("d2t", None), tensors.pop("t2d", None)
+    if (d2t is None or t2d is None or t2d.numel() != int(c.vocab_size)
+            or not torch.equal(t2d.nonzero().flatten(), d2t.long() + torch.arange(d2t.numel()))):
+        raise TrainDraftError(f"--init {path}: no consistent draft vocabulary (d2t, t2d over {int(c.vocab_size)} ids)")
+    h = int(c.hidden_size)
+    with torch.device("meta"):  # this target's draft, for its shapes: nothing allocated
+        probe = DraftTrainer(c, torch.empty(int(c.vocab_size), h), torch.empty(d2t.numel(), h))
+    shapes = {hf_name(k): list(v.shape) for k, v in probe.state_dict().items() if k != "embed_tokens.weight"}
+    wrong = [f"{k} {list(tensors[k].shape) if k in tensors else 'missing'} (this target's draft: {shape})"
+             for k, shape in shapes.items() if k not in tensors or list(tensors[k].shape) != shape]
+    if wrong:
+        raise TrainDraftError(f"--init {path}: not a draft of this target's shape: {'; '.join(wrong)}")
+    return DraftCheckpoint({k: tensors[k] for k in shapes}, d2t.long(), t2d.bool(), str(path))

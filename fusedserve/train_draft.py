@@ -16,6 +16,12 @@
 5. The checkpoint (``LlamaForCausalLMEagle3``, read by our loader and sglang's), and a JSON log of
    every phase (``--log``, default ``bench/results/<date>-train-draft.json``); a progress line on
    stderr every few seconds.
+
+Across calls (a device call of at most 10 minutes): ``--regen-only --save-pairs FILE`` spends the whole
+budget regenerating and writes the pairs (``draft_pairs.py``); ``--pairs FILE[,FILE...]`` trains on
+them instead of regenerating (exact duplicates across files dropped); ``--init DIR`` starts from a
+draft checkpoint and keeps its vocabulary, and its weights unless training beats them on the held-out
+pairs. ``--max-steps`` ends training early (tests).
 """
 
 from __future__ import annotations
@@ -36,18 +42,21 @@ from typing import Any
 
 import torch
 
-from .draft_trainer import DraftTrainer, save_draft, ttt_loss
+from .draft_pairs import Pair, load_pairs, save_pairs
+from .draft_trainer import DraftTrainer, TrainDraftError, load_draft, save_draft, ttt_loss
 
 log = logging.getLogger(__name__)
 
 EVAL_EVERY_S = 45.0  # held-out evaluation during training
+SAVE_MARGIN_S = 20.0  # the end of the budget left to write the checkpoint (or the pairs)
+RETURNED_FILE_BYTES = 16 << 20  # the largest file a device call brings back
 
 
 @dataclass(frozen=True)
 class TrainOptions:
     target: str
-    data: str
-    out: str
+    data: str | None  # ShareGPT prompts to regenerate responses for; None with ``pairs``
+    out: str | None  # the draft checkpoint; None with ``regen_only``
     budget_s: float = 360.0
     num_prompts: int = 4000
     max_prompt_tokens: int = 384
@@ -62,6 +71,27 @@ class TrainOptions:
     seed: int = 0
     heldout: float = 0.03
     log: str | None = None
+    pairs: tuple[str, ...] = ()  # pairs files to train on instead of regenerating
+    save_pairs: str | None = None  # where to write the regenerated pairs
+    regen_only: bool = False  # stop after regeneration (the whole budget for it)
+    init: str | None = None  # a draft checkpoint to start from, vocabulary included
+    max_steps: int | None = None  # stop training after this many steps (else when the budget ends)
+
+    def __post_init__(self) -> None:
+        refused = [msg for bad, msg in [
+            (self.regen_only and not self.save_pairs, "--regen-only needs --save-pairs FILE"),
+            (self.regen_only and bool(self.pairs), "--regen-only regenerates: --pairs does not apply"),
+            (self.regen_only and self.init is not None, "--regen-only trains nothing: --init does not apply"),
+            (self.regen_only and self.out is not None, "--regen-only writes no checkpoint: --out does not apply"),
+            (bool(self.pairs) and self.save_pairs is not None, "--save-pairs writes regenerated pairs: "
+                                                               "with --pairs nothing is regenerated"),
+            (bool(self.pairs) and self.data is not None, "--pairs replaces --data: give one of them"),
+            (not self.pairs and self.data is None, "--data FILE (ShareGPT prompts) or --pairs FILE is needed"),
+            (not self.regen_only and self.out is None, "--out DIR (the draft checkpoint) is needed"),
+            (self.max_steps is not None and self.max_steps < 1, "--max-steps must be at least 1"),
+        ] if bad]
+        if refused:
+            raise TrainDraftError("; ".join(refused))
 
     @property
     def torch_device(self) -> torch.device:
@@ -316,25 +346,36 @@ def lr_at(frac: float, peak: float) -> float:
 
 
 def train_draft(opts: TrainOptions) -> dict[str, Any]:
+    from .models.eagle3 import aux_layers
+    from .models.loader import load_config
+
     progress = Progress()
     device = opts.torch_device
     torch.manual_seed(opts.seed)
     rng = random.Random(opts.seed)
     log: dict[str, Any] = {"date": str(datetime.date.today()), "machine": _machine(device),
                            "command": " ".join(["fusedserve", *sys.argv[1:]]) if sys.argv else "",
-                           "options": {**asdict(opts), "temperatures": list(opts.temperatures)}}
-    prompts = sharegpt_prompts(opts.data, opts.num_prompts, opts.seed)
-    progress(f"{len(prompts)} ShareGPT prompts from {opts.data}")
-    pairs, log["regeneration"] = regenerate(opts, prompts, progress.t0 + opts.regen_share * opts.budget_s, progress)
+                           "options": {**asdict(opts), "temperatures": list(opts.temperatures),
+                                       "pairs": list(opts.pairs)}}
+    config = load_config(opts.target)
+    init = load_draft(Path(opts.init), config, aux_layers(int(config.num_hidden_layers))) if opts.init else None
+    pairs = _pairs(opts, config, progress, log)
+    if opts.regen_only:
+        return _finish(opts, log, progress)
     if len(pairs) < 2:
-        raise RuntimeError(f"the target answered {len(pairs)} prompts in the time given: raise --budget-minutes")
-    progress(f"regenerated {len(pairs)} responses ({log['regeneration']['response_tokens']} tokens)")
+        raise RuntimeError(f"{len(pairs)} pairs to train on (a held-out one and the rest): raise --budget-minutes "
+                           "or give more --pairs")
     features = TargetFeatures(opts.target, device, opts.batch_tokens)
-    config = features.config
-    d2t, t2d, covered = draft_vocabulary(pairs, min(opts.draft_vocab, int(config.vocab_size)),
-                                         int(config.vocab_size))
+    vocab = int(config.vocab_size)
+    if init is None:
+        d2t, t2d, covered = draft_vocabulary(pairs, min(opts.draft_vocab, vocab), vocab)
+    else:
+        d2t, t2d, covered = init.d2t, init.t2d, vocabulary_coverage(pairs, init.t2d)
+        log["init"] = {"path": init.path, "draft_vocab": int(d2t.numel())}
+        progress(f"starting from the draft {init.path} and its vocabulary")
     draft_ids = d2t + torch.arange(d2t.numel())
-    log["vocabulary"] = {"draft_vocab": int(d2t.numel()), "response_token_coverage": round(covered, 4)}
+    log["vocabulary"] = {"draft_vocab": int(d2t.numel()), "response_token_coverage": round(covered, 4),
+                         "from": init.path if init else "the responses"}
     progress(f"draft vocabulary {d2t.numel()} tokens covers {covered:.2%} of the response tokens")
     rng.shuffle(pairs)
     n_held = max(1, int(len(pairs) * opts.heldout))
@@ -354,17 +395,22 @@ def train_draft(opts: TrainOptions) -> dict[str, Any]:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     draft = DraftTrainer(config, embed, head[draft_ids]).to(device)
+    if init is not None:
+        draft.load_hf_state_dict(init.weights)
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=opts.lr, betas=(0.9, 0.95), weight_decay=0.0)
     cuda = device.type == "cuda"
-    start, budget = progress.elapsed(), opts.budget_s - progress.elapsed() - 20  # leave time to save
-    curve, step, epoch, seen = [], 0, 0, 0
+    start, budget = progress.elapsed(), opts.budget_s - progress.elapsed() - SAVE_MARGIN_S
+    curve: list[dict[str, Any]] = []
+    step, epoch, seen = 0, 0, 0
     best: tuple[float, int, dict[str, torch.Tensor]] | None = None  # (held-out implied length, step, weights)
+    if init is not None:  # the checkpoint's own weights are kept unless training beats them
+        best = _keep_best(None, draft, held_ex, device, opts, step, curve)
     next_eval = start + EVAL_EVERY_S
-    while progress.elapsed() - start < budget:
+    while progress.elapsed() - start < budget and step != opts.max_steps:
         epoch += 1
         for batch in example_batches(train_ex, opts.batch_tokens, rng):
-            frac = (progress.elapsed() - start) / max(budget, 1e-9)
+            frac = max((progress.elapsed() - start) / max(budget, 1e-9), step / (opts.max_steps or math.inf))
             if frac >= 1:
                 break
             for group in opt.param_groups:
@@ -393,15 +439,64 @@ def train_draft(opts: TrainOptions) -> dict[str, Any]:
     draft.load_state_dict(best[2])
     log["heldout"] = {**evaluate(draft, held_ex, device, opts), "step": best[1]}
     progress(f"held-out top-1 agreement per step: {log['heldout']['top1_per_step']}")
+    assert opts.out is not None  # TrainOptions refuses none without regen_only
     save_draft(Path(opts.out), draft.float(), d2t, t2d, config, layers)
     size = sum(p.stat().st_size for p in Path(opts.out).iterdir())
     log["checkpoint"] = {"path": opts.out, "bytes": size, "aux_layers": layers}
+    progress(f"wrote {opts.out} ({size / 1e6:.1f} MB)")
+    return _finish(opts, log, progress)
+
+
+def _pairs(opts: TrainOptions, config: Any, progress: Progress, log: dict[str, Any]) -> list[Pair]:
+    """The (prompt ids, response ids) to train on: read from ``opts.pairs`` (``log["pairs"]``), or
+    regenerated by the target (``log["regeneration"]``) and written to ``opts.save_pairs``."""
+    vocab, model_type = int(config.vocab_size), str(config.model_type)
+    if opts.pairs:
+        read: list[Pair] = []
+        files = []
+        for path in opts.pairs:
+            some, meta = load_pairs(path, vocab, model_type)
+            read += some
+            files.append({"path": path, **meta})
+        # a pair twice (the same greedy response in two files) adds weight, and may be held out and trained on
+        pairs = [(list(p), list(r)) for p, r in dict.fromkeys((tuple(p), tuple(r)) for p, r in read)]
+        log["pairs"] = {"files": files, "pairs": len(pairs), "duplicates_dropped": len(read) - len(pairs),
+                        "response_tokens": sum(len(r) for _, r in pairs)}
+        progress(f"{len(pairs)} pairs ({log['pairs']['response_tokens']} response tokens) from {len(files)} "
+                 f"file(s), {len(read) - len(pairs)} duplicates dropped")
+        return pairs
+    assert opts.data is not None  # TrainOptions refuses neither
+    prompts = sharegpt_prompts(opts.data, opts.num_prompts, opts.seed)
+    progress(f"{len(prompts)} ShareGPT prompts from {opts.data}")
+    regen_s = opts.budget_s - SAVE_MARGIN_S if opts.regen_only else opts.regen_share * opts.budget_s
+    pairs, log["regeneration"] = regenerate(opts, prompts, progress.t0 + regen_s, progress)
+    progress(f"regenerated {len(pairs)} responses ({log['regeneration']['response_tokens']} tokens)")
+    if opts.save_pairs:
+        meta = {"target": opts.target, "data": opts.data, "seed": opts.seed, "num_prompts": opts.num_prompts,
+                "max_prompt_tokens": opts.max_prompt_tokens, "max_new_tokens": opts.max_new_tokens,
+                "temperatures": list(opts.temperatures), "regeneration": log["regeneration"]}
+        size = save_pairs(opts.save_pairs, pairs, vocab, model_type, meta)
+        log["pairs"] = {"path": opts.save_pairs, "pairs": len(pairs), "bytes": size}
+        progress(f"wrote {len(pairs)} pairs to {opts.save_pairs} ({size / 1e6:.1f} MB)")
+        if size > RETURNED_FILE_BYTES:
+            progress(f"warning: {opts.save_pairs} is over the {RETURNED_FILE_BYTES >> 20} MiB a device call "
+                     "brings back: fewer --num-prompts or --max-new-tokens")
+    return pairs
+
+
+def _finish(opts: TrainOptions, log: dict[str, Any], progress: Progress) -> dict[str, Any]:
     log["seconds_total"] = round(progress.elapsed(), 1)
-    progress(f"wrote {opts.out} ({size / 1e6:.1f} MB) in {log['seconds_total']:.0f}s")
+    progress(f"done in {log['seconds_total']:.0f}s")
     if opts.log:
         Path(opts.log).parent.mkdir(parents=True, exist_ok=True)
         Path(opts.log).write_text(json.dumps(log, indent=2) + "\n")
     return log
+
+
+def vocabulary_coverage(pairs: list[Pair], t2d: torch.Tensor) -> float:
+    """The share of the response tokens in the draft vocabulary ``t2d`` [vocab] bool."""
+    ids = torch.tensor([t for _, r in pairs for t in r], dtype=torch.long)
+    return float(t2d[ids].float().mean()) if ids.numel() else 0.0
 
 
 @torch.no_grad()

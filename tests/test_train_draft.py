@@ -4,6 +4,7 @@ the executor's slot layout), the draft vocabulary, ShareGPT prompts, and the who
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -118,3 +119,115 @@ def test_train_draft_command_at_tiny_scale(sharegpt: Path, tmp_path: Path) -> No
     spec = Engine(TARGET, EngineConfig(num_blocks=32, speculative=SpeculativeConfig(str(out), num_steps=3)))
     assert spec.generate(["def f(x):"], params)[0].token_ids == plain[0].token_ids
     assert spec.stats().spec is not None and spec.stats().spec.drafts > 0
+
+
+# Across device calls: --regen-only --save-pairs, --pairs, --init (in-process: a few seconds each).
+
+def _train_draft(*args: str | Path) -> int:
+    from fusedserve.cli import main
+
+    return main(["train-draft", "--target", str(TARGET), *map(str, args)])
+
+
+@pytest.fixture(scope="module")
+def regenerated(sharegpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A --regen-only call's folder: pairs.pt and regen.json (no --out)."""
+    out = tmp_path_factory.mktemp("regen")
+    assert _train_draft("--data", sharegpt, "--regen-only", "--save-pairs", out / "pairs.pt", "--budget-minutes", 1,
+                        "--num-prompts", 12, "--max-new-tokens", 16, "--log", out / "regen.json") == 0
+    return out
+
+
+def test_pairs_file_round_trip_is_exact_and_compact(tmp_path: Path) -> None:
+    from fusedserve.draft_pairs import load_pairs, save_pairs
+
+    g = torch.Generator().manual_seed(0)
+    # ~6 400 pairs of ~200 + ~300 tokens of SmolLM2's vocabulary: a regeneration call's worth
+    ids = torch.randint(0, 49152, (6400, 500), generator=g).tolist()
+    cut = torch.randint(150, 250, (6400,), generator=g).tolist()
+    pairs = [(row[:c], row[c:]) for row, c in zip(ids, cut)]
+    size = save_pairs(tmp_path / "pairs.pt", pairs, 49152, "llama", {"temperatures": [0.0, 0.8]})
+    assert size < 16 << 20 and size == (tmp_path / "pairs.pt").stat().st_size  # 6.46 MB (uint16 ids)
+    back, meta = load_pairs(tmp_path / "pairs.pt", 49152, "llama")
+    assert back == pairs and meta["pairs"] == 6400 and meta["temperatures"] == [0.0, 0.8]
+    wide = [([70000, 1], [99999]), ([], [0, 65536])]  # a vocabulary over 2^16: int32 ids
+    save_pairs(tmp_path / "wide.pt", wide, 100000, "llama", {})
+    assert load_pairs(tmp_path / "wide.pt", 100000, "llama")[0] == wide
+
+
+def test_regen_only_writes_the_pairs_and_no_checkpoint(regenerated: Path) -> None:
+    from fusedserve.draft_pairs import load_pairs
+
+    assert sorted(p.name for p in regenerated.iterdir()) == ["pairs.pt", "regen.json"]
+    record = json.loads((regenerated / "regen.json").read_text())
+    assert "training" not in record and "checkpoint" not in record
+    pairs, meta = load_pairs(regenerated / "pairs.pt", 1024, "llama")
+    assert len(pairs) == record["regeneration"]["responses"] == record["pairs"]["pairs"] >= 10
+    assert meta["max_new_tokens"] == 16 and meta["temperatures"] == [0.0, 0.8]
+    assert sum(len(r) for _, r in pairs) == record["regeneration"]["response_tokens"]
+
+
+def test_init_keeps_the_draft_vocabulary_and_trains_on_the_pairs(regenerated: Path, tmp_path: Path) -> None:
+    """--pairs instead of regenerating, --init from a checkpoint save_draft wrote: its vocabulary
+    (every even id, not the responses' most frequent) and weights are where training starts."""
+    from safetensors.torch import load_file
+
+    from fusedserve.draft_trainer import load_draft
+    from fusedserve.models.loader import load_config
+
+    config = load_config(TARGET)
+    torch.manual_seed(1)
+    init = DraftTrainer(config, torch.randn(1024, 128), torch.randn(512, 128))
+    with torch.no_grad():
+        for p in init.parameters():
+            p.add_(torch.randn_like(p) * 0.05)  # nothing a fresh draft would start from
+    d2t, t2d = torch.arange(0, 1024, 2) - torch.arange(512), torch.arange(1024) % 2 == 0
+    save_draft(tmp_path / "init", init, d2t, t2d, config, [2, 4, 5])
+    out, log = tmp_path / "draft", tmp_path / "log.json"
+    assert _train_draft("--pairs", regenerated / "pairs.pt", "--init", tmp_path / "init", "--out", out,
+                        "--draft-vocab", 256, "--max-steps", 3, "--ttt-steps", 2, "--batch-tokens", 2048,
+                        "--log", log) == 0
+    record = json.loads(log.read_text())
+    assert record["init"]["path"] == str(tmp_path / "init") and record["vocabulary"]["draft_vocab"] == 512
+    assert record["pairs"]["pairs"] == json.loads((regenerated / "regen.json").read_text())["pairs"]["pairs"]
+    assert "regeneration" not in record and record["training"]["steps"] == 3
+    losses = [c["loss"] for c in record["training"]["curve"] if "loss" in c]
+    assert losses and all(math.isfinite(v) for v in losses)
+    assert record["training"]["curve"][0]["step"] == 0  # the checkpoint's own held-out agreement first
+    saved, start = load_file(str(out / "model.safetensors")), load_file(str(tmp_path / "init/model.safetensors"))
+    assert torch.equal(saved["d2t"], d2t) and torch.equal(saved["t2d"], t2d)
+    # 3 steps at a warming-up learning rate move the weights little: they are the checkpoint's
+    torch.testing.assert_close(saved["fc.weight"].float(), start["fc.weight"].float(), atol=0.02, rtol=0)
+    # a checkpoint of bench/train_tiny_pair.py (embed_tokens kept, aux ids in the input convention) reads too
+    assert load_draft(REPO_ROOT / "examples/checkpoints/tiny-code-eagle3", config, [2, 4, 5]).d2t.numel() == 1024
+
+
+@pytest.mark.parametrize("case", ["vocab", "missing", "corrupt", "init-vocab", "init-layers", "regen-only-no-file"])
+def test_unusable_inputs_are_refused_before_any_work(case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                                     ) -> None:
+    from fusedserve.draft_pairs import save_pairs
+    from fusedserve.models.loader import load_config
+
+    pairs = tmp_path / "pairs.pt"
+    save_pairs(pairs, [([1, 2], [3, 4])] * 2, 2048 if case == "vocab" else 1024, "llama", {})
+    config = load_config(TARGET)
+    save_draft(tmp_path / "init", DraftTrainer(config, torch.zeros(1024, 128), torch.zeros(4, 128)),
+               torch.zeros(4, dtype=torch.long), torch.arange(1024) < 4, config, [2, 3, 5] if case == "init-layers"
+               else [2, 4, 5])
+    if case == "init-vocab":
+        cfg = json.loads((tmp_path / "init/config.json").read_text())
+        (tmp_path / "init/config.json").write_text(json.dumps({**cfg, "vocab_size": 2048}))
+    if case == "corrupt":
+        pairs.write_bytes(pairs.read_bytes()[:100])
+    args: dict[str, list[str | Path]] = {
+        "vocab": ["--pairs", pairs], "missing": ["--pairs", tmp_path / "nowhere.pt"], "corrupt": ["--pairs", pairs],
+        "init-vocab": ["--pairs", pairs, "--init", tmp_path / "init"],
+        "init-layers": ["--pairs", pairs, "--init", tmp_path / "init"], "regen-only-no-file": ["--regen-only"]}
+    expect = {"vocab": "pairs of another target: vocab size 2048 (the target: 1024)", "missing": "no such file",
+              "corrupt": "not a readable pairs file", "init-vocab": "a draft of another target: vocab size 2048",
+              "init-layers": "aux layers [2, 3, 5] (the target: [2, 4, 5])",
+              "regen-only-no-file": "--regen-only needs --save-pairs FILE"}
+    data = [] if case != "regen-only-no-file" else ["--data", tmp_path / "unused.json"]
+    assert _train_draft(*args[case], *data, "--out", tmp_path / "draft", "--log", tmp_path / "log.json") == 2
+    assert expect[case] in capsys.readouterr().err
+    assert not (tmp_path / "draft").exists() and not (tmp_path / "log.json").exists()
