@@ -11,7 +11,9 @@
 4. Training: every prompt + response sequence goes through the target's executor once, before the
    first epoch (``build_rank`` with the aux layers [2, N//2, N-3]): the aux states are ``ModelOutput.hidden``,
    the product's own capture after each layer's input boundary completed its sums (the planned
-   communicator), and the logits give the soft labels. The draft (``draft_trainer.py``) is trained
+   communicator); the labels are the target's log-probabilities over the draft vocabulary, made per
+   batch from the stream entering its final norm (kept instead of the logits: H values a position, not
+   the draft vocabulary's V_d, ~28x less memory for SmolLM2) through its final norm and LM head rows. The draft (``draft_trainer.py``) is trained
    with a ``--ttt-steps``-step training-time test, AdamW, warm-up then cosine over the time left.
 5. The checkpoint (``LlamaForCausalLMEagle3``, read by our loader and sglang's), and a JSON log of
    every phase (``--log``, default ``bench/results/<date>-train-draft.json``); a progress line on
@@ -220,8 +222,9 @@ def draft_vocabulary(pairs: list[tuple[list[int], list[int]]], size: int, vocab:
 
 
 class TargetFeatures:
-    """The target's aux states and logits of whole sequences through our executor (one prefill forward
-    per batch, every row's logits): the capture the engine's speculation reads, nothing else."""
+    """The target's aux states and final streams of whole sequences through our executor (one prefill
+    forward per batch): the capture the engine's speculation reads, and the stream entering the final
+    norm ("layer N", ``decoder_stack``), from which ``TargetLabels`` makes the soft labels."""
 
     def __init__(self, target: str, device: torch.device, max_tokens: int) -> None:
         from .models.eagle3 import aux_layers
@@ -237,25 +240,50 @@ class TargetFeatures:
         cfg = EngineConfig(block_size=self.block, num_blocks=self.num_blocks, max_num_seqs=256,
                            max_batch_tokens=max(max_tokens, 256), dtype="bfloat16" if cuda else "float32",
                            device=str(device), cuda_graphs=False, skip_tokenizer=True)
-        self.rank = build_rank(target, cfg, aux_layers=tuple(self.layers))
+        self.final = int(self.config.num_hidden_layers)  # "layer N": the stream entering the final norm
+        self.rank = build_rank(target, cfg, aux_layers=(*self.layers, self.final))
 
-    def __call__(self, seqs: list[list[int]], draft_ids: torch.Tensor
-                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """-> per sequence: aux [len, 3H] and the target's logits over the draft vocab [len, V_d] (the
-        target's dtype; their log-softmax is the label)."""
+    def __call__(self, seqs: list[list[int]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """-> per sequence: aux [len, 3H] and the stream entering the final norm [len, H] (the target's
+        dtype)."""
         from .worker.executor.step import SeqRows, Step
 
         rows, block = [], 0
         for s in seqs:
             n = -(-len(s) // self.block)
-            rows.append(SeqRows(tuple(range(block, block + n)), tuple(s), tuple(range(len(s))), len(s), len(s)))
+            # one logits row (the labels come from the final stream, not the target's logits)
+            rows.append(SeqRows(tuple(range(block, block + n)), tuple(s), tuple(range(len(s))), len(s), 1))
             block += n
         out = self.rank.executor.run(Step(tuple(rows)))
-        aux = torch.cat(out.hidden, -1)
-        logits = out.logits[:, draft_ids.to(out.logits.device)]
+        *aux_states, final = out.hidden
+        aux = torch.cat(aux_states, -1)
         bounds = torch.tensor([0] + [len(s) for s in seqs]).cumsum(0).tolist()
         spans = list(itertools.pairwise(bounds))
-        return [aux[a:b] for a, b in spans], [logits[a:b] for a, b in spans]
+        return [aux[a:b] for a, b in spans], [final[a:b] for a, b in spans]
+
+    def labels(self, draft_ids: torch.Tensor, device: torch.device) -> TargetLabels:
+        """The target's final norm and its LM head's rows of the draft vocabulary, on ``device``."""
+        model: Any = self.rank.model
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        head = model.lm_head.weight.detach()[draft_ids.to(model.lm_head.weight.device)]
+        return TargetLabels(model.norm.weight.detach().float().to(device), float(model.norm.eps),
+                            head.to(device, dtype))
+
+
+@dataclass(frozen=True)
+class TargetLabels:
+    """The soft labels from a kept final stream: log_softmax(head_d @ rms_norm(stream) * norm), fp32, as
+    the target's own forward computes them (its logits of the draft vocabulary's tokens)."""
+
+    norm: torch.Tensor  # [H] fp32
+    eps: float
+    head: torch.Tensor  # [V_d, H] the LM head's rows of the draft vocabulary (bf16 on the GPU)
+
+    def __call__(self, final: torch.Tensor) -> torch.Tensor:
+        """final: [..., H] -> log-probabilities [..., V_d] fp32."""
+        x = final.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm
+        return torch.log_softmax((x.to(self.head.dtype) @ self.head.T).float(), -1)
 
 
 def batches(pairs: list[tuple[list[int], list[int]]], batch_tokens: int, rng: random.Random
@@ -285,17 +313,18 @@ def _pad(rows: list[torch.Tensor], length: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class Example:
     """One sequence's training inputs, computed once by the target (``cache_features``): ids [L], aux
-    [L, 3H] and the target's draft-vocabulary logits [L, V_d] in the target's dtype, and the loss mask
-    [L] (1 where the next token has a target label: every position after the first ``skip``)."""
+    [L, 3H] and the stream entering the target's final norm [L, H] (its labels: ``TargetLabels``) in the
+    target's dtype, and the loss mask [L] (1 where the next token has a target label: every position
+    after the first ``skip``)."""
 
     ids: torch.Tensor
     aux: torch.Tensor
-    logits: torch.Tensor
+    final: torch.Tensor
     mask: torch.Tensor
 
 
-def cache_features(features: TargetFeatures, pairs: list[tuple[list[int], list[int]]], draft_ids: torch.Tensor,
-                   batch_tokens: int, device: torch.device, progress: Progress) -> list[Example]:
+def cache_features(features: TargetFeatures, pairs: list[tuple[list[int], list[int]]], batch_tokens: int,
+                   device: torch.device, progress: Progress) -> list[Example]:
     """The target's forward over every sequence once (it is frozen): each epoch after the first would
     recompute the same aux states and labels. Positions of the prompt are trained too: their label is
     the target's own distribution as much as a response position's (more positions per regenerated
@@ -303,22 +332,23 @@ def cache_features(features: TargetFeatures, pairs: list[tuple[list[int], list[i
     out: list[Example] = []
     for batch in batches(pairs, batch_tokens, random.Random(0)):
         seqs = [p + r for p, r in batch]
-        aux, logits = features(seqs, draft_ids)
-        for s, a, lg in zip(seqs, aux, logits):
+        aux, finals = features(seqs)
+        for s, a, f in zip(seqs, aux, finals):
             mask = torch.ones(len(s), device=device)
             mask[: min(4, len(s))] = 0.0
             mask[-1] = 0.0  # no next token
             keep = torch.bfloat16 if device.type == "cuda" else a.dtype  # 2 bytes a value on the GPU
-            out.append(Example(torch.tensor(s, device=device), a.to(device, keep), lg.to(device, keep), mask))
+            out.append(Example(torch.tensor(s, device=device), a.to(device, keep), f.to(device, keep), mask))
         progress(f"target features: {len(out)}/{len(pairs)} sequences", every=10)
     return out
 
 
-def prepare_batch(examples: list[Example]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def prepare_batch(examples: list[Example], labels: TargetLabels
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> aux [B, L, 3H] fp32, ids [B, L], target log-probs [B, L, V_d] fp32, loss mask [B, L]."""
     length = max(e.ids.numel() for e in examples)
     aux = _pad([e.aux for e in examples], length).float()
-    logp = torch.log_softmax(_pad([e.logits for e in examples], length).float(), -1)
+    logp = labels(_pad([e.final for e in examples], length))
     return aux, _pad([e.ids for e in examples], length), logp, _pad([e.mask for e in examples], length)
 
 
@@ -383,8 +413,9 @@ def train_draft(opts: TrainOptions) -> dict[str, Any]:
     embed = _target_tensor(features, "embed_tokens")
     head = _target_tensor(features, "lm_head")
     t_feat = progress.elapsed()
-    train_ex = cache_features(features, train, draft_ids, opts.batch_tokens, device, progress)
-    held_ex = cache_features(features, held, draft_ids, opts.batch_tokens, device, progress)
+    labels = features.labels(draft_ids, device)
+    train_ex = cache_features(features, train, opts.batch_tokens, device, progress)
+    held_ex = cache_features(features, held, opts.batch_tokens, device, progress)
     log["features"] = {"sequences": len(train_ex) + len(held_ex),
                        "positions": int(sum(e.mask.sum().item() for e in train_ex + held_ex)),
                        "seconds": round(progress.elapsed() - t_feat, 1)}
@@ -405,7 +436,7 @@ def train_draft(opts: TrainOptions) -> dict[str, Any]:
     step, epoch, seen = 0, 0, 0
     best: tuple[float, int, dict[str, torch.Tensor]] | None = None  # (held-out implied length, step, weights)
     if init is not None:  # the checkpoint's own weights are kept unless training beats them
-        best = _keep_best(None, draft, held_ex, device, opts, step, curve)
+        best = _keep_best(None, draft, held_ex, labels, device, opts, step, curve)
     next_eval = start + EVAL_EVERY_S
     while progress.elapsed() - start < budget and step != opts.max_steps:
         epoch += 1
@@ -415,7 +446,7 @@ def train_draft(opts: TrainOptions) -> dict[str, Any]:
                 break
             for group in opt.param_groups:
                 group["lr"] = lr_at(frac, opts.lr)
-            aux, ids, logp, mask = prepare_batch(batch)
+            aux, ids, logp, mask = prepare_batch(batch, labels)
             with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=cuda):
                 loss, accs, _ = ttt_loss(draft, aux, ids, logp, mask, opts.ttt_steps)
             opt.zero_grad(set_to_none=True)
@@ -430,14 +461,14 @@ def train_draft(opts: TrainOptions) -> dict[str, Any]:
             progress(f"epoch {epoch} step {step}: loss {loss.item():.3f}, top-1 per step "
                      f"{' '.join(f'{a:.2f}' for a in accs)}, lr {opt.param_groups[0]['lr']:.1e}", every=10)
             if progress.elapsed() >= next_eval:
-                best = _keep_best(best, draft, held_ex, device, opts, step, curve)
+                best = _keep_best(best, draft, held_ex, labels, device, opts, step, curve)
                 next_eval = progress.elapsed() + EVAL_EVERY_S
     log["training"] = {"steps": step, "epochs_started": epoch, "sequences_seen": seen, "train_sequences": len(train),
                        "seconds": round(progress.elapsed() - start, 1), "curve": curve}
-    best = _keep_best(best, draft, held_ex, device, opts, step, curve)
+    best = _keep_best(best, draft, held_ex, labels, device, opts, step, curve)
     assert best is not None
     draft.load_state_dict(best[2])
-    log["heldout"] = {**evaluate(draft, held_ex, device, opts), "step": best[1]}
+    log["heldout"] = {**evaluate(draft, held_ex, labels, device, opts), "step": best[1]}
     progress(f"held-out top-1 agreement per step: {log['heldout']['top1_per_step']}")
     assert opts.out is not None  # TrainOptions refuses none without regen_only
     save_draft(Path(opts.out), draft.float(), d2t, t2d, config, layers)
@@ -500,14 +531,15 @@ def vocabulary_coverage(pairs: list[Pair], t2d: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def evaluate(draft: DraftTrainer, held: list[Example], device: torch.device, opts: TrainOptions) -> dict[str, Any]:
+def evaluate(draft: DraftTrainer, held: list[Example], labels: TargetLabels, device: torch.device,
+             opts: TrainOptions) -> dict[str, Any]:
     """Per-step top-1 agreement with the target on held-out sequences (their response positions and
     prompts alike), and the chain acceptance length it implies (1 + sum over k of the product of the
     first k steps' agreement)."""
     totals = [0.0] * opts.ttt_steps
     counts = [0] * opts.ttt_steps
     for batch in example_batches(held, opts.batch_tokens, random.Random(0)):
-        aux, ids, logp, mask = prepare_batch(batch)
+        aux, ids, logp, mask = prepare_batch(batch, labels)
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             _, accs, n = ttt_loss(draft, aux, ids, logp, mask, opts.ttt_steps)
         for j in range(opts.ttt_steps):
@@ -523,12 +555,12 @@ def evaluate(draft: DraftTrainer, held: list[Example], device: torch.device, opt
 
 
 def _keep_best(best: tuple[float, int, dict[str, torch.Tensor]] | None, draft: DraftTrainer, held: list[Example],
-               device: torch.device, opts: TrainOptions, step: int, curve: list[dict[str, Any]]
+               labels: TargetLabels, device: torch.device, opts: TrainOptions, step: int, curve: list[dict[str, Any]]
                ) -> tuple[float, int, dict[str, torch.Tensor]]:
     """Evaluate on the held-out sequences; the weights with the best implied acceptance length so far
     (a draft trained for many epochs on a few thousand responses can overfit)."""
     draft.eval()
-    ev = evaluate(draft, held, device, opts)
+    ev = evaluate(draft, held, labels, device, opts)
     draft.train()
     curve.append({"step": step, "heldout_top1_per_step": ev["top1_per_step"],
                   "heldout_implied_chain_acceptance_length": ev["implied_chain_acceptance_length"]})

@@ -11,6 +11,10 @@ layer i-1, pre-norm) — never ``hidden + residual`` before it, which under a de
 is each rank's own partial sum. Boundaries return a fresh residual that nothing writes into
 later, so the captured tensor needs no copy.
 
+Asked for layer N (the number of layers: one past the last), the stream entering the final norm,
+completed by the final boundary: what the LM head reads before its norm (``fusedserve train-draft``
+keeps it instead of the target's logits, ~28x smaller for SmolLM2's 16 384-token draft vocabulary).
+
 Benchmark-only: ``aux_capture="before_completion"`` captures ``incoming.partial + residual`` in front
 of the boundary instead — sglang's capture before PR #28343, each rank's own partial sum wherever the
 plan defers a sum into the boundary — so ``bench/seed_bug_capture.py`` can measure what the rule is
@@ -69,6 +73,7 @@ def decoder_forward(batch: ForwardBatch, comm: Communicator, embed: Any, layers:
     x: Unreduced = embed(batch.input_ids)
     residual: torch.Tensor | None = None
     early = aux_capture == "before_completion"
+    end = 0  # one past the last layer: "layer N" is the final norm
     for layer in layers:
         if early and layer.layer_id in wanted:  # benchmark-only: the pre-#28343 capture
             aux[layer.layer_id] = x.partial if residual is None else x.partial + residual
@@ -76,7 +81,10 @@ def decoder_forward(batch: ForwardBatch, comm: Communicator, embed: Any, layers:
         if layer.layer_id in wanted and not early:
             aux[layer.layer_id] = residual  # the complete stream entering this layer
         x, residual = layer(h, residual, batch, ctx)
-    h, _ = ctx.boundary(final_boundary, x, residual, final_norm)
+        end = layer.layer_id + 1
+    h, final_stream = ctx.boundary(final_boundary, x, residual, final_norm)
+    if end in wanted:
+        aux[end] = final_stream  # the complete stream entering the final norm
     if batch.logits_indices is not None:
         h = h[batch.logits_indices]
     logits = ctx.gather_vocab(lm_head.logits_shard(h))

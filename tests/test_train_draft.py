@@ -64,7 +64,7 @@ def test_trainer_forward_is_the_inference_draft(tmp_path: Path) -> None:
     features = TargetFeatures(str(TARGET), torch.device("cpu"), 256)
     seq = [3, 17, 99, 5, 250, 8, 61, 400, 12, 33, 77, 1000, 42]
     draft_ids = torch.arange(0, 1024, 2)  # a 512-token draft vocabulary: every even id
-    aux, _ = features([seq], draft_ids)
+    aux, _ = features([seq])
     trainer = DraftTrainer(features.config, torch.randn(1024, 128), torch.randn(512, 128))
     with torch.no_grad():
         for p in trainer.parameters():
@@ -88,6 +88,25 @@ def test_trainer_forward_is_the_inference_draft(tmp_path: Path) -> None:
     config = json.loads((tmp_path / "draft/config.json").read_text())
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # sglang's: output ids
     assert config["draft_vocab_size"] == 512 and config["architectures"] == ["LlamaForCausalLMEagle3"]
+
+
+def test_labels_from_the_kept_final_stream_are_hf_log_probs_over_the_draft_vocabulary() -> None:
+    """The trainer keeps the stream entering the target's final norm ("layer N") instead of its logits;
+    the labels made from it equal HF transformers' log-softmax of the same sequence's logits, restricted to
+    the draft vocabulary."""
+    from transformers import AutoModelForCausalLM
+
+    features = TargetFeatures(str(TARGET), torch.device("cpu"), 256)
+    seq = [3, 17, 99, 5, 250, 8, 61, 400, 12, 33, 77, 1000, 42]
+    draft_ids = torch.arange(0, 1024, 2)
+    aux, finals = features([seq])
+    assert aux[0].shape == (len(seq), 3 * features.config.hidden_size)
+    assert finals[0].shape == (len(seq), features.config.hidden_size)
+    got = features.labels(draft_ids, torch.device("cpu"))(finals[0])
+    hf = AutoModelForCausalLM.from_pretrained(TARGET, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = torch.log_softmax(hf(torch.tensor([seq])).logits[0, :, draft_ids].float(), -1)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
 
 
 def test_train_draft_command_at_tiny_scale(sharegpt: Path, tmp_path: Path) -> None:
