@@ -20,6 +20,7 @@ from fusedserve.worker.spec_decode.draft_tree import (
     tree_positions,
 )
 from fusedserve.worker.spec_decode.rejection_sampler import (
+    accept_chains_sampled,
     sample_token,
     verify_chain_sampled,
     verify_tree_sampled,
@@ -87,8 +88,8 @@ P = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.6, 0.3], [0.3, 0.3, 0.4]], dtype=torc
 Q = torch.tensor([[0.2, 0.5, 0.3], [0.4, 0.4, 0.2], [0.1, 0.1, 0.8]], dtype=torch.float64)  # draft
 
 
-def _draw(g: torch.Generator):  # type: ignore[no-untyped-def]
-    return lambda: float(torch.rand((), generator=g, dtype=torch.float64))
+def _uniforms(g: torch.Generator, n: int) -> torch.Tensor:
+    return torch.rand(n, generator=g, dtype=torch.float64)
 
 
 def _first_two(verify_step, trials: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
@@ -103,15 +104,25 @@ def _first_two(verify_step, trials: int) -> torch.Tensor:  # type: ignore[no-unt
     return counts / trials
 
 
-def _chain_step(last: int, g: torch.Generator) -> list[int]:
+def _sampled_drafts(last: int, g: torch.Generator) -> tuple[list[int], torch.Tensor, torch.Tensor]:
     drafts, q_rows, ctx = [], [], last
     for _ in range(2):  # two drafts, each sampled from the draft's q
-        tok = sample_token(Q[ctx], float(torch.rand((), generator=g, dtype=torch.float64)))
+        tok = sample_token(Q[ctx], _uniforms(g, 1))
         drafts.append(tok)
         q_rows.append(Q[ctx])
         ctx = tok
-    p_rows = torch.stack([P[t] for t in [last, *drafts]])
-    return list(verify_chain_sampled(drafts, torch.stack(q_rows), p_rows, _draw(g)).tokens)
+    return drafts, torch.stack(q_rows), torch.stack([P[t] for t in [last, *drafts]])
+
+
+def _chain_step(last: int, g: torch.Generator) -> list[int]:
+    drafts, q_rows, p_rows = _sampled_drafts(last, g)
+    return list(verify_chain_sampled(drafts, q_rows, p_rows, _uniforms(g, 3)).tokens)
+
+
+def _device_chain_step(last: int, g: torch.Generator) -> list[int]:
+    drafts, q_rows, p_rows = _sampled_drafts(last, g)
+    count, token = accept_chains_sampled(torch.tensor([drafts]), q_rows[None], p_rows[None], _uniforms(g, 3)[None])
+    return [*drafts[:int(count[0])], int(token[0])]
 
 
 def _tree_step(last: int, g: torch.Generator) -> list[int]:
@@ -127,10 +138,10 @@ def _tree_step(last: int, g: torch.Generator) -> list[int]:
             parents.append(node)
     tree = DraftTree(tuple(tokens), tuple(parents))
     p_rows = torch.stack([P[t] for t in tokens])
-    return list(verify_tree_sampled(tree, p_rows, _draw(g)).tokens)
+    return list(verify_tree_sampled(tree, p_rows, _uniforms(g, tree.num_nodes)).tokens)
 
 
-@pytest.mark.parametrize("step", [_chain_step, _tree_step], ids=["chain", "tree"])
+@pytest.mark.parametrize("step", [_chain_step, _device_chain_step, _tree_step], ids=["chain", "device-chain", "tree"])
 def test_sampled_verification_emits_the_target_distribution(step) -> None:  # type: ignore[no-untyped-def]
     exact = P[0][:, None] * P  # p(a | 0) * p(b | a)
     empirical = _first_two(step, 4000)
@@ -142,8 +153,8 @@ def test_chain_with_draft_equal_to_target_accepts_everything() -> None:
     probs = torch.softmax(torch.randn(5, 50, generator=g), dim=-1)
     for seed in range(200):
         gs = torch.Generator().manual_seed(seed)
-        drafts = [sample_token(probs[i], float(torch.rand((), generator=gs))) for i in range(4)]
-        acc = verify_chain_sampled(drafts, probs[:4], probs, _draw(gs))
+        drafts = [sample_token(probs[i], _uniforms(gs, 1)) for i in range(4)]
+        acc = verify_chain_sampled(drafts, probs[:4], probs, _uniforms(gs, 5))
         assert acc.path == (1, 2, 3, 4) and acc.tokens[:4] == tuple(drafts)
 
 
@@ -153,8 +164,35 @@ def test_rejected_draft_is_never_the_replacement_when_target_dominates_nothing()
     q = torch.tensor([[1.0, 0.0, 0.0]])
     p = torch.tensor([[0.0, 0.5, 0.5], [0.2, 0.4, 0.4]])
     for seed in range(50):
-        acc = verify_chain_sampled([0], q, p, _draw(torch.Generator().manual_seed(seed)))
+        acc = verify_chain_sampled([0], q, p, _uniforms(torch.Generator().manual_seed(seed), 2))
         assert acc.path == () and acc.tokens[0] in (1, 2)
+
+
+def test_device_chains_equal_the_host_rule_given_the_same_numbers() -> None:
+    """``accept_chains_sampled`` is ``verify_chain_sampled`` for a batch: fed the same uniform numbers, every
+    row gives the same accepted drafts and emitted token (peaked and flat rows; drafts the target favours,
+    ignores or rules out; a draft equal to the target; a greedy-like one-hot q)."""
+    g = torch.Generator().manual_seed(0)
+    b, k, vocab = 64, 4, 40
+    scale = torch.tensor([0.3, 1.0, 4.0, 12.0]).repeat(b // 4)[:, None, None]
+    p = torch.softmax(torch.randn(b, k + 1, vocab, generator=g) * scale, dim=-1)
+    q = torch.softmax(torch.randn(b, k, vocab, generator=g) * scale, dim=-1)
+    p[::5, :, 7] = 0.0  # some rows rule token 7 out (drafted below: always rejected there)
+    q[3] = p[3, :k]  # row 3: the draft is the target
+    q[6] = torch.nn.functional.one_hot(q[6].argmax(dim=-1), vocab).float()  # row 6: the draft's argmax
+    drafts = torch.stack([torch.multinomial(q[i], 1, generator=g)[:, 0] for i in range(b)])
+    drafts[::5, 1] = 7
+    q[::5, 1, 7] = 0.5
+    uniforms = torch.rand(b, k + 1, generator=g, dtype=torch.float64)
+    count, token = accept_chains_sampled(drafts, q, p, uniforms)
+    seen = set()
+    for i in range(b):
+        acc = verify_chain_sampled(drafts[i].tolist(), q[i], p[i], uniforms[i])
+        assert (int(count[i]), int(token[i])) == (acc.num_accepted, acc.tokens[-1]), i
+        seen.add(acc.num_accepted)
+    assert int(count[3]) == k and seen >= {0, 1, k} and all(int(count[i]) <= 1 for i in range(0, b, 5))
+    with pytest.raises(ValueError, match="uniform numbers"):
+        accept_chains_sampled(drafts, q, p, uniforms[:, :k])
 
 
 # --- accounting and configuration ---------------------------------------------------------------

@@ -71,3 +71,28 @@ def test_overlapped_steps_equal_read_back_steps_on_the_gpu() -> None:
         assert engine.overlap is (overlap is None)
         runs[overlap] = [(c.token_ids, c.finish_reason) for c in engine.generate(PROMPTS, params)]
     assert runs[None] == runs[False]
+
+
+@needs_gpu
+def test_sampled_chains_under_graphs_keep_greedy_rows_and_reproduce() -> None:
+    """chain-3 under graphs on a batch mixing greedy and seeded sampled requests: the sampled rows draw
+    their drafts from the draft's q and are accepted on the device (the step's one read-back), the greedy
+    rows still give plain greedy decoding's tokens, and the same batch again gives the same tokens."""
+    from fusedserve.worker.engine.config import EngineConfig
+    from fusedserve.worker.engine.engine import Engine
+    from fusedserve.worker.engine.sequence import SamplingParams
+    from fusedserve.worker.spec_decode.config import SpeculativeConfig
+
+    plain, _ = _generate(None, True)
+    params = [SamplingParams(temperature=0 if i % 2 else 0.9, seed=i, max_tokens=40, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    runs = []
+    for _ in range(2):
+        engine = Engine(TARGET, EngineConfig(num_blocks=64, max_num_seqs=4, device="cuda", cuda_graphs=True,
+                                             speculative=SpeculativeConfig(DRAFT, num_steps=3)))
+        runs.append([c.token_ids for c in engine.generate(PROMPTS, params)])
+        stats = engine.stats().spec
+        assert stats is not None and stats.drafts > 0 and stats.accepted_tokens > 0
+    assert runs[0] == runs[1]
+    assert all(runs[0][i] == plain[i] for i in range(1, len(PROMPTS), 2))
+    assert any(runs[0][i] != plain[i] for i in range(0, len(PROMPTS), 2))  # the sampled rows sampled

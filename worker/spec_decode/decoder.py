@@ -21,10 +21,11 @@ token, with at least one token already in the cache):
    top-k), with the request's own random stream. The accepted nodes' K/V move to the
    sequence's next slots (the runner's ``copy_kv``); their aux rows wait for the next draft.
 
-On one rank at captured shapes the step waits once: a greedy chain's drafts (``_deferred_verify``) and
-a tree (``_deferred_tree``: grown on the device) stay on the device and the verify is queued right
-behind the draft's replays with them as its inputs; the drafts, or the trees, are read back after it
-with the target's argmax of every row.
+On one rank the step waits once: a chain's drafts (``_deferred_verify``) and a tree
+(``_deferred_tree``: grown on the device, at captured shapes) stay on the device and the verify is
+queued right behind the draft's replays with them as its inputs; the drafts, or the trees, are read
+back after it with the target's argmax of every row, and a chain's sampled requests whose logits
+nothing adjusts with their acceptance, drawn on the device (``accept_chains_sampled``).
 
 Prefill chunks and a prompt's first sample run as without speculation (and capture aux).
 Preempted sequences lose their draft state and rebuild it from the recomputed prefill. A
@@ -43,6 +44,7 @@ the draft has not (a prompt whose only uncomputed token is its last samples it p
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -65,7 +67,7 @@ from .config import SpeculativeConfig, SpeculativeConfigError
 from .draft_model import build_draft, chain_shapes, draft_shapes
 from .draft_tree import Acceptance, DraftTree, accept_greedy, relocation, tree_positions
 from .drafter import Drafter, DraftState, DraftWork, Proposal
-from .rejection_sampler import Draw, verify_chain_sampled, verify_tree_sampled
+from .rejection_sampler import Uniforms, accept_chains_sampled, verify_chain_sampled, verify_tree_sampled
 from .stats import SpecDecodeCounters, SpecDecodeStats
 
 if TYPE_CHECKING:
@@ -158,10 +160,11 @@ class SpecDecoder:
                 raise RuntimeError(f"sequence {e.seq_id}: draft state out of step with the target's cache")
         work = [DraftWork(e, s, self._states[e.seq_id], self._draw(state_of(s).generator))
                 for e, s in zip(batch.seqs, seqs) if self._drafts(e, self._states[e.seq_id])]
-        deferred = self._deferred_verify(batch, work) or self._deferred_tree(batch, work)
+        deferred = self._deferred_verify(batch, work, state_of) or self._deferred_tree(batch, work)
         argmax: list[int] | None = None  # the target's argmax of every logits row, when already read back
+        accepted: dict[int, Acceptance] = {}  # sampled chains accepted on the device, read back already
         if deferred is not None:
-            run, out, proposals, argmax = deferred
+            run, out, proposals, argmax, accepted = deferred
         else:
             proposals = dict(zip((w.entry.seq_id for w in work), self.propose(work)))
             entries = [self._verify_entry(e, proposals[e.seq_id].tree) if e.seq_id in proposals else e
@@ -172,25 +175,22 @@ class SpecDecoder:
         logits = out.logits  # [sum(num_logits), vocab]
         aux = torch.cat(out.hidden, dim=-1)  # [num_tokens, 3H]: the layers' complete input streams
         draws = {w.entry.seq_id: w.draw for w in work}
-        results = self._accept(run, seqs, logits, aux, proposals, draws, state_of, argmax)
+        results = self._accept(run, seqs, logits, aux, proposals, draws, state_of, argmax, accepted)
         sampling = [(s, results[i]) for i, (e, s) in enumerate(zip(entries, seqs)) if e.num_logits > 0]
         settled = {e.seq_id: self._states[e.seq_id].num_bases for e in run.seqs}
         return SpecStep(run, [s for s, _ in sampling], [p for _, p in sampling], settled)
 
-    def _deferred_verify(self, batch: ScheduledBatch, work: list[DraftWork]
-                         ) -> tuple[ScheduledBatch, Any, dict[int, Proposal], list[int]] | None:
-        """A greedy chain on one rank: the drafts stay on the device, the verify forward is queued right
-        behind the draft's replays with the drafts as its token ids (placeholders on the host), and the
-        drafts are read back after it together with the target's argmax of every logits row (one wait for
-        draft and verify), so the GPU runs draft and verify back to back.
-        None where this does not apply (several ranks take the step's token ids as values, a sampled
-        request's chain draws on the host, nothing chained captured)."""
-        if (not work or self.target is not self.target.local or not self.drafter.is_chain
-                or not all(w.seq.params.greedy for w in work)):
+    def _deferred_verify(self, batch: ScheduledBatch, work: list[DraftWork], state_of: StateOf
+                         ) -> tuple[ScheduledBatch, Any, dict[int, Proposal], list[int], dict[int, Acceptance]] | None:
+        """A chain on one rank: the drafts stay on the device, the verify forward is queued right behind
+        the draft's replays with the drafts as its token ids (placeholders on the host), the sampled
+        requests whose logits nothing adjusts are accepted on the device (``_accept_on_device``), and all
+        is read back after it together with the target's argmax of every logits row (one wait for draft,
+        verify and acceptance), so the GPU runs draft and verify back to back.
+        None where this does not apply (several ranks take the step's token ids as values, a tree)."""
+        if not work or self.target is not self.target.local or not self.drafter.is_chain:
             return None
-        drafts = self.drafter.greedy_chain(work)  # [B, num_steps] target ids, on the device
-        if drafts is None:
-            return None
+        drafts, q = self.drafter.chain(work)  # [B, num_steps] target ids (and sampled rows' q), on the device
         n = self.config.verify_tokens - 1
         drafting = {w.entry.seq_id: i for i, w in enumerate(work)}
         local = self.target.local
@@ -206,16 +206,45 @@ class SpecDecoder:
                 placeholder.append(replace(e, token_ids=[*e.token_ids, *[0] * n], num_logits=n + 1))
         out = local.run(forward_step(ScheduledBatch(seqs=placeholder, preempted=batch.preempted)),
                         input_ids=torch.cat(pieces))
-        # the read-back is queued behind the verify: the step's one wait, for draft and verify
-        flat = torch.cat([drafts[:, :n].reshape(-1), self.tokens.sampler.argmax(out.logits)]).tolist()
+        first_row = dict(zip((e.seq_id for e in placeholder),
+                             itertools.accumulate((e.num_logits for e in placeholder), initial=0)))
+        sampled = [i for i, w in enumerate(work)
+                   if not w.seq.params.greedy and not self.tokens.adjusts(w.seq, state_of(w.seq))]
+        on_device: list[torch.Tensor] = []
+        if sampled:
+            assert q is not None  # some request samples
+            pick = to_device(sampled, local.device)
+            on_device = self._accept_on_device([work[i] for i in sampled], drafts.index_select(0, pick)[:, :n],
+                                               q.index_select(0, pick)[:, :n], out.logits,
+                                               [first_row[work[i].entry.seq_id] for i in sampled])
+        # the read-back is queued behind the verify: the step's one wait, for draft, verify and acceptance
+        argmax = self.tokens.sampler.argmax(out.logits)
+        flat = torch.cat([drafts[:, :n].reshape(-1), argmax, *on_device]).tolist()
         rows = [flat[i * n:(i + 1) * n] for i in range(len(work))]
-        proposals = dict(zip((w.entry.seq_id for w in work), self.drafter.chain_proposals(work, rows)))
+        proposals = dict(zip((w.entry.seq_id for w in work), self.drafter.chain_proposals(work, rows, q)))
         entries = [self._verify_entry(e, proposals[e.seq_id].tree) if e.seq_id in proposals else e
                    for e in batch.seqs]
-        return ScheduledBatch(seqs=entries, preempted=batch.preempted), out, proposals, flat[len(work) * n:]
+        end = len(work) * n + int(argmax.shape[0])
+        counts, tokens = flat[end:end + len(sampled)], flat[end + len(sampled):]
+        accepted = {work[i].entry.seq_id: Acceptance(tuple(range(1, c + 1)), (*rows[i][:c], t))
+                    for i, c, t in zip(sampled, counts, tokens)}
+        return ScheduledBatch(seqs=entries, preempted=batch.preempted), out, proposals, flat[len(work) * n:end], accepted
+
+    def _accept_on_device(self, work: list[DraftWork], drafts: torch.Tensor, q: torch.Tensor, logits: torch.Tensor,
+                          first_rows: list[int]) -> list[torch.Tensor]:
+        """The standard rule for sampled chains, on the device (nothing read back): drafts [S, k], their q
+        [S, k, vocab] and each chain's k + 1 logits rows from ``first_rows``; the uniform numbers from each
+        request's own stream. -> [accepted drafts [S], emitted tokens [S]]"""
+        k = int(drafts.shape[1])
+        device = logits.device
+        rows = to_device([r + j for r in first_rows for j in range(k + 1)], device)
+        probs = self.sampler.probs(logits.index_select(0, rows), [w.seq.params for w in work for _ in range(k + 1)])
+        uniforms = torch.stack([w.draw(k + 1) for w in work]).to(device)
+        count, token = accept_chains_sampled(drafts, q, probs.view(len(work), k + 1, -1), uniforms)
+        return [count, token]
 
     def _deferred_tree(self, batch: ScheduledBatch, work: list[DraftWork]
-                       ) -> tuple[ScheduledBatch, Any, dict[int, Proposal], list[int]] | None:
+                       ) -> tuple[ScheduledBatch, Any, dict[int, Proposal], list[int], dict[int, Acceptance]] | None:
         """A tree on one rank: the draft trees are grown on the device (``Drafter.tree_on_device``) and the
         verify is queued behind the draft steps with the trees' tokens, positions and masks as device
         inputs (placeholders on the host size the step); the trees are read back after it together with
@@ -246,7 +275,7 @@ class SpecDecoder:
                                                         tuple(flat[(b + i) * n:(b + i + 1) * n])))
                      for i, w in enumerate(work)}
         entries = [self._verify_entry(e, proposals[e.seq_id].tree) for e in batch.seqs]
-        return ScheduledBatch(seqs=entries, preempted=batch.preempted), out, proposals, flat[2 * b * n:]
+        return ScheduledBatch(seqs=entries, preempted=batch.preempted), out, proposals, flat[2 * b * n:], {}
 
     @staticmethod
     def _drafts(e: ScheduledSeq, state: DraftState) -> bool:
@@ -259,10 +288,10 @@ class SpecDecoder:
                        position_ids=None if chain else tree_positions(tree.parents, e.start),
                        tree_parents=None if chain else tree.parents)
 
-    def _draw(self, generator: torch.Generator | None) -> Draw:
+    def _draw(self, generator: torch.Generator | None) -> Uniforms:
         g = generator or self.sampler.generator
         device = self.sampler.device
-        return lambda: float(torch.rand((), generator=g, dtype=torch.float64, device=device))
+        return lambda n: torch.rand(n, generator=g, dtype=torch.float64, device=device)
 
     # --- drafting -----------------------------------------------------------------------------
 
@@ -273,11 +302,13 @@ class SpecDecoder:
     # --- verification -------------------------------------------------------------------------
 
     def _accept(self, run: ScheduledBatch, seqs: list[Sequence], logits: torch.Tensor, aux: torch.Tensor,
-                proposals: dict[int, Proposal], draws: dict[int, Draw], state_of: StateOf,
-                argmax: list[int] | None = None) -> dict[int, Pick]:
+                proposals: dict[int, Proposal], draws: dict[int, Uniforms], state_of: StateOf,
+                argmax: list[int] | None = None, accepted: dict[int, Acceptance] | None = None) -> dict[int, Pick]:
         """A Pick per entry with logits (by index); queues aux rows, moves accepted K/V, counts.
         ``argmax``: the raw logits' argmax per row, read back already (a greedy request whose logits
-        nothing adjusts verifies with it, without another wait)."""
+        nothing adjusts verifies with it, without another wait); ``accepted``: outcomes drawn on the
+        device and read back already, by sequence."""
+        accepted = accepted or {}
         results: dict[int, Pick] = {}
         plain: list[tuple[int, int]] = []  # (entry index, first logits row)
         src: list[int] = []
@@ -294,7 +325,8 @@ class SpecDecoder:
             else:
                 node_logits = logits[logit_row: logit_row + e.num_logits]
                 known = None if argmax is None else argmax[logit_row: logit_row + e.num_logits]
-                acc = self._verify(prop, seq, state_of(seq), node_logits, draws[e.seq_id], known)
+                acc = accepted.get(e.seq_id) or self._verify(prop, seq, state_of(seq), node_logits,
+                                                             draws[e.seq_id], known)
                 self.counters.record(prop.tree.num_nodes - 1, acc.num_accepted)
                 rows = to_device([tok_row, *(tok_row + k for k in acc.path)], aux.device)
                 state.pending.append(aux.index_select(0, rows))
@@ -318,7 +350,7 @@ class SpecDecoder:
         return results
 
     def _verify(self, prop: Proposal, seq: Sequence, state: RequestState, logits: torch.Tensor,
-                draw: Draw, raw_argmax: list[int] | None = None) -> Acceptance:
+                draw: Uniforms, raw_argmax: list[int] | None = None) -> Acceptance:
         """logits: [num_nodes, vocab] raw, row i = the target after node i; adjusted per node with the
         drafts on the path to it as history. raw_argmax: their argmax, already on the host, or None."""
         tree = prop.tree
@@ -329,8 +361,8 @@ class SpecDecoder:
             return accept_greedy(tree, adjusted.argmax(dim=-1).tolist())
         p = self.sampler.probs(adjusted, [seq.params] * tree.num_nodes)
         if prop.draft_probs is not None:
-            return verify_chain_sampled(list(tree.tokens[1:]), prop.draft_probs, p, draw)
-        return verify_tree_sampled(tree, p, draw)
+            return verify_chain_sampled(list(tree.tokens[1:]), prop.draft_probs, p, draw(tree.num_nodes))
+        return verify_tree_sampled(tree, p, draw(tree.num_nodes))
 
 
 @functools.cache

@@ -11,13 +11,16 @@ Per sequence and step (``n`` = the position of the last known token, the root):
    ancestors and itself (``draft_model.py``'s slot layout); each adds ``topk`` children.
 3. ``TreeBuilder.build``: the root and the ``num_nodes - 1`` best candidates.
 
-Candidates are the draft's top-k by log-probability, except for a sampled request's chain,
-whose drafts are drawn from the draft's distribution q (kept for the rejection rule).
+Candidates are the draft's top-k by log-probability, except for a sampled request's chain, whose
+drafts are drawn from the draft's distribution q (kept for the rejection rule): at temperature 1 that
+accepts more than the draft's argmax would (SmolLM2's pair on CPU, 12 + 12 prompts, chain-5: 1.96 /
+2.11 against 1.35 / 1.76).
 
-A greedy chain (every sequence of the batch greedy, topk 1) runs steps 1 .. num_steps - 1 as one
-chained replay (``StepExecutor.run_chain``: each step's argmax token and hidden state feed the next
-on the device) and reads the drafts back once; where no chained shape was captured (or off
-graphs) it takes the step-by-step path above, which proposes the same drafts. A tree on one rank
+A chain (topk 1, ``chain``) leaves its drafts on the device for the caller's one read-back: every
+request greedy, steps 1 .. num_steps - 1 run as one chained replay (``StepExecutor.run_chain``: each
+step's argmax token and hidden state feed the next on the device) where one is captured for the batch;
+otherwise one forward a step, each step's draft drawn on the device from its q with the request's
+uniform numbers. A tree on one rank
 grows on the device instead (``tree_on_device``: ``grow_tree`` over ``device_tree.TreeGrowth``, the same
 candidates, leaves and masks as steps 2-3 here; steps 1 .. num_steps - 1 and the tree's build are one
 replay of a captured tree chain, nothing read back in between) wherever the tree chain is captured; the
@@ -33,16 +36,16 @@ from dataclasses import dataclass, field
 import torch
 
 from ...models.eagle3 import Eagle3Draft
-from ..engine.sampler import Sampler
+from ..engine.sampler import Sampler, sample_from_probs
 from ..engine.scheduler import ScheduledSeq
-from ..engine.sequence import SamplingParams, Sequence
+from ..engine.sequence import Sequence
 from ..executor.executor import StepExecutor
 from ..executor.host_copy import to_device
 from ..executor.step import SeqRows, Step
 from ..executor.step_graphs import TreeForward
 from .device_tree import DeviceTree, ExpandKernel, TreeGrowth
 from .draft_tree import DraftTree, TreeBuilder
-from .rejection_sampler import Draw, sample_token
+from .rejection_sampler import Uniforms
 
 
 @dataclass
@@ -66,7 +69,7 @@ class DraftWork:
     entry: ScheduledSeq
     seq: Sequence
     state: DraftState
-    draw: Draw
+    draw: Uniforms
 
 
 @dataclass(frozen=True)
@@ -86,26 +89,23 @@ class Drafter:
         self.is_chain = topk == 1
         self._vocab = vocab
         self._draft_to_target = model.to_target_ids(torch.arange(model.draft_vocab, device=draft.device))
-        self._draft_to_target_host: list[int] = self._draft_to_target.tolist()  # a sampled draft's lookup, no sync
         self._hidden = int(model.config.hidden_size)  # the chained steps' hidden input
         self._expand = tree_expand_kernel(draft.device)  # a device tree's step in one kernel (GPU), or None
         self._top_k_rows = top_k_kernel(draft.device, model.draft_vocab)  # the draft's top-k (GPU), or torch's
 
     def propose(self, work: list[DraftWork]) -> list[Proposal]:
-        """Each sequence's draft tree (and a sampled chain's draft distributions)."""
+        """Each sequence's draft tree."""
         if not work:
             return []
         width = self.topk
-        if self.is_chain and all(w.seq.params.greedy for w in work):
-            drafts = self.greedy_chain(work)
-            if drafts is not None:
-                return self.chain_proposals(work, drafts[:, : self.num_nodes - 1].tolist())
+        if self.is_chain:
+            drafts, q = self.chain(work)
+            return self.chain_proposals(work, drafts[:, : self.num_nodes - 1].tolist(), q)
         logits, root_hidden = self._first_pass(work)
         builders = [TreeBuilder(w.seq.token_ids(w.entry.start, w.entry.start + 1)[0]) for w in work]
-        q_rows: list[list[torch.Tensor]] = [[] for _ in work]
         feed_hidden: list[dict[int, torch.Tensor]] = [{} for _ in work]
         leaves: list[list[int]] = []
-        children = self._children(work, builders, logits, [[-1] for _ in work], q_rows)
+        children = self._children(builders, logits, [[-1] for _ in work])
         for i, kids in enumerate(children):
             feed_hidden[i].update({c: root_hidden[i] for c in kids})
             leaves.append(kids)
@@ -122,7 +122,7 @@ class Drafter:
                                       (n + j,) * len(leaves[i]), ctx, len(leaves[i]), mask))
                 rows += [feed_hidden[i][c] for c in leaves[i]]
             logits, out = self._run(inputs, torch.stack(rows))
-            children = self._children(work, builders, logits, leaves, q_rows)
+            children = self._children(builders, logits, leaves)
             row = 0
             for i, kids_per_leaf in enumerate(self._split(children, leaves)):
                 new: list[int] = []
@@ -131,32 +131,56 @@ class Drafter:
                     new += kids
                     row += 1
                 leaves[i] = builders[i].best(new, width)
-        proposals = []
-        for i, b in enumerate(builders):
-            q = torch.stack(q_rows[i]) if q_rows[i] else None
-            proposals.append(Proposal(b.build(self.num_nodes), q))
-        return proposals
+        return [Proposal(b.build(self.num_nodes)) for b in builders]
 
     def greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor:
         """The draft's greedy choice as target ids. logits: [rows, draft_vocab] -> [rows] (on the device;
         the chained replay's feed)."""
         return self._draft_to_target[logits.argmax(dim=-1)]
 
-    def greedy_chain(self, work: list[DraftWork]) -> torch.Tensor | None:
-        """A greedy chain's drafts, left on the device: the first pass, then steps 1 .. num_steps - 1 in
-        one chained replay. -> [len(work), num_steps] target ids; None (before running anything) when
-        no captured chained shape fits."""
-        if self.num_steps > 1 and self.draft.chain_shape(len(work), self._hidden, self.num_steps - 1) is None:
-            return None
-        logits, root_hidden = self._first_pass(work)
-        first = self.greedy_tokens(logits)  # [B]: each root's first draft
-        if self.num_steps == 1:
-            return first[:, None]
-        seqs = tuple(SeqRows(tuple(w.entry.block_table), (0,), (w.entry.start + 1,), w.entry.start + 1)
-                     for w in work)  # token ids: ``first``, on the device
-        fed = self.draft.run_chain(Step(seqs), root_hidden, first, self.num_steps - 1)
-        assert fed is not None  # chain_shape said a shape fits
-        return torch.cat([first[:, None], fed], dim=1)
+    def chain(self, work: list[DraftWork]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A chain's drafts, left on the device: the first pass, then steps 1 .. num_steps - 1 (step j's
+        one row per sequence at RoPE n + j in slot n + j - 1, fed the step before's draft and hidden state
+        on the device). Every request greedy: the draft's argmax, the steps in one chained replay where one
+        is captured for the batch, else one forward each. Otherwise every row draws its draft from q (its
+        request's temperature, min-p, top-k, top-p; a greedy row's q is one-hot on the argmax) with numbers
+        from its own stream, one forward a step; nothing is read back either way.
+        -> (drafts [len(work), num_steps] target ids, each draft's q over the target vocabulary
+        [len(work), num_steps, vocab], or None when every request is greedy)"""
+        logits, hidden = self._first_pass(work)
+        if all(w.seq.params.greedy for w in work):
+            first = self.greedy_tokens(logits)  # [B]: each root's first draft
+            seqs = tuple(SeqRows(tuple(w.entry.block_table), (0,), (w.entry.start + 1,), w.entry.start + 1)
+                         for w in work)  # token ids: ``first``, on the device
+            fed = self.draft.run_chain(Step(seqs), hidden, first, self.num_steps - 1) if self.num_steps > 1 else None
+            if fed is not None or self.num_steps == 1:
+                return torch.cat([first[:, None], *([] if fed is None else [fed])], dim=1), None
+            return self._chain_steps(work, hidden, [first], self.greedy_tokens), None
+        params = [w.seq.params for w in work]
+        uniforms = torch.stack([w.draw(self.num_steps) for w in work]).to(logits.device)  # [B, num_steps]
+        qs: list[torch.Tensor] = []
+
+        def sample(step_logits: torch.Tensor) -> torch.Tensor:
+            q = self.sampler.probs(step_logits, params)
+            qs.append(q)
+            return self._draft_to_target[sample_from_probs(q, uniforms[:, len(qs) - 1])]
+
+        drafts = self._chain_steps(work, hidden, [sample(logits)], sample)
+        q_target = logits.new_zeros(len(work), self.num_steps, self._vocab)
+        q_target[:, :, self._draft_to_target] = torch.stack(qs, dim=1)
+        return drafts, q_target
+
+    def _chain_steps(self, work: list[DraftWork], hidden: torch.Tensor, drafts: list[torch.Tensor],
+                     feed: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Chain steps 1 .. num_steps - 1 one forward each after the first draft (``drafts``: [[B]]), each
+        step's logits turned into the next draft by ``feed``. -> [B, num_steps]"""
+        for j in range(1, self.num_steps):
+            step = Step(tuple(SeqRows(tuple(w.entry.block_table), (0,), (w.entry.start + j,), w.entry.start + j)
+                              for w in work))
+            out = self.draft.run(step, hidden, input_ids=drafts[-1])
+            hidden = out.hidden[0]
+            drafts.append(feed(out.logits.float()))
+        return torch.stack(drafts, dim=1)
 
     def tree_on_device(self, work: list[DraftWork]) -> DeviceTree | None:
         """Every sequence's verified draft tree grown on the device: the first pass, then one replay of
@@ -196,11 +220,14 @@ class Drafter:
         top_lp, top_ids = self._top_k_rows(logits, self.topk)
         return self._draft_to_target[top_ids], top_lp
 
-    @staticmethod
-    def chain_proposals(work: list[DraftWork], rows: list[list[int]]) -> list[Proposal]:
-        """Each sequence's chain from ``greedy_chain``'s drafts, read back (the caller's one wait): its
-        first ``num_nodes - 1`` per sequence."""
-        return [Proposal(DraftTree.chain(w.entry.token_ids[0], row)) for w, row in zip(work, rows)]
+    def chain_proposals(self, work: list[DraftWork], rows: list[list[int]], q: torch.Tensor | None
+                        ) -> list[Proposal]:
+        """Each sequence's chain from ``chain``'s drafts, read back (the caller's one wait): its first
+        ``num_nodes - 1`` per sequence, with their q rows for a sampled request."""
+        n = self.num_nodes - 1
+        return [Proposal(DraftTree.chain(w.entry.token_ids[0], row[:n]),
+                         None if q is None or w.seq.params.greedy else q[i, :n])
+                for i, (w, row) in enumerate(zip(work, rows))]
 
     def _first_pass(self, work: list[DraftWork]) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft over every base not yet in its cache, up to the root; consumes the pending
@@ -223,31 +250,20 @@ class Drafter:
         out = self.draft.run(Step(tuple(seqs)), hidden)
         return out.logits.float(), out.hidden[0]
 
-    def _children(self, work: list[DraftWork], builders: list[TreeBuilder], logits: torch.Tensor,
-                  parents: list[list[int]], q_rows: list[list[torch.Tensor]]) -> list[list[int]]:
+    def _children(self, builders: list[TreeBuilder], logits: torch.Tensor, parents: list[list[int]]
+                  ) -> list[list[int]]:
         """Add the children of every fed node (one logits row each, in order); returns, per
         sequence, the new candidates in order (``topk`` per parent)."""
-        top_tokens: list[list[int]] = []
-        top_lp_list: list[list[float]] = []
-        if not (self.is_chain and all(not w.seq.params.greedy for w in work)):  # some row takes the top-k
-            top_tokens_t, top_lp = self._top_k(logits)
-            # one read-back for tokens and scores (a wait each: the draft step must finish); float64 holds
-            # any token id exactly
-            both = torch.cat([top_tokens_t.double(), top_lp.double()], dim=-1).tolist()
-            k = self.topk
-            top_tokens = [[int(t) for t in row[:k]] for row in both]
-            top_lp_list = [row[k:] for row in both]
+        top_tokens_t, top_lp = self._top_k(logits)
+        # one read-back for tokens and scores (a wait: the draft step must finish); float64 holds any token id
+        both = torch.cat([top_tokens_t.double(), top_lp.double()], dim=-1).tolist()
+        k = self.topk
         out: list[list[int]] = []
         row = 0
-        for i, w in enumerate(work):
+        for i, builder in enumerate(builders):
             new: list[int] = []
             for parent in parents[i]:
-                if self.is_chain and not w.seq.params.greedy:
-                    token, lp, q = self._sample_draft(logits[row], w.seq.params, w.draw)
-                    q_rows[i].append(q)
-                    new += builders[i].add_children(parent, [token], [lp])
-                else:
-                    new += builders[i].add_children(parent, top_tokens[row], top_lp_list[row])
+                new += builder.add_children(parent, [int(t) for t in both[row][:k]], both[row][k:])
                 row += 1
             out.append(new)
         return out
@@ -255,17 +271,6 @@ class Drafter:
     def _split(self, children: list[list[int]], leaves: list[list[int]]) -> list[list[list[int]]]:
         k = self.topk
         return [[kids[r * k:(r + 1) * k] for r in range(len(leaves[i]))] for i, kids in enumerate(children)]
-
-    def _sample_draft(self, logits: torch.Tensor, params: SamplingParams, draw: Draw
-                      ) -> tuple[int, float, torch.Tensor]:
-        """A chain draft drawn from the draft's distribution q (the request's temperature, top-k,
-        top-p). logits: [draft_vocab] -> (target token, log q(token), q over the target vocab [vocab])"""
-        q_draft = self.sampler.probs(logits[None], [params])[0]
-        d = sample_token(q_draft, draw())
-        q = torch.zeros(self._vocab, dtype=q_draft.dtype, device=q_draft.device)
-        q[self._draft_to_target] = q_draft
-        token = self._draft_to_target_host[d]
-        return token, float(torch.log(q_draft[d])), q
 
     @staticmethod
     def _draft_mask(builder: TreeBuilder, feed: list[int], slot_of: dict[int, int], n: int, ctx: int

@@ -3,7 +3,8 @@
 Chain (drafts sampled from the draft's distribution q): the standard rule (Leviathan et al.,
 Chen et al.). Draft x at position i is accepted with probability min(1, p_i(x) / q_i(x)); at the
 first rejection the position's token is drawn from normalize(max(0, p_i - q_i)) and the step
-ends; when every draft is accepted the bonus token is drawn from p_{k+1}.
+ends; when every draft is accepted the bonus token is drawn from p_{k+1}. A greedy request's q is
+one-hot on the draft's argmax, and it verifies exactly (``accept_greedy``) instead.
 
 Tree (deterministic candidates: the draft's top-k, i.e. q is a point mass on each candidate):
 sglang's "target only" rule. At a node with children c_1..c_m, c_j is accepted with probability
@@ -13,8 +14,13 @@ is then exactly distributed as p (c_1 with probability p(c_1), c_2 with (1 - p(c
 p(c_2) / (1 - p(c_1)), ...), and the walk continues with the target's distribution at the
 accepted child.
 
-``p`` and ``q`` are the distributions after temperature, top-k and top-p (``Sampler.probs``).
-Uniform numbers come from ``draw``: the request's own random stream.
+``p`` and ``q`` are the distributions after temperature, min-p, top-k and top-p (``Sampler.probs``).
+Uniform numbers come from the request's own random stream, drawn on the device ahead of use
+(``Uniforms``) and consumed in the rule's order: one per test, then one for the emitted token. The
+host walks (``verify_chain_sampled``, ``verify_tree_sampled``: the reference, and what a tree or a
+rank group takes) read back what they test once; ``accept_chains_sampled`` is the chain rule for a
+batch on the device with nothing read back (the caller's one wait takes its result with the step's
+other values).
 """
 
 from __future__ import annotations
@@ -27,53 +33,93 @@ from ..engine.sampler import sample_from_probs
 from ..executor.host_copy import to_device
 from .draft_tree import Acceptance, DraftTree
 
-Draw = Callable[[], float]  # one uniform number in [0, 1) from the request's stream
+Uniforms = Callable[[int], torch.Tensor]  # n uniform numbers in [0, 1) from the request's stream: [n] float64
 
 
-def sample_token(probs: torch.Tensor, u: float) -> int:
-    """Inverse-CDF draw from one (unnormalised, non-negative) row. probs: [vocab]"""
-    return int(sample_from_probs(probs[None], to_device([u], probs.device, torch.float64))[0])
+def sample_token(probs: torch.Tensor, u: torch.Tensor) -> int:
+    """Inverse-CDF draw from one (unnormalised, non-negative) row. probs: [vocab]; u: [1] (a wait)"""
+    return int(sample_from_probs(probs[None], u.to(probs.device))[0])
 
 
 def verify_chain_sampled(drafts: list[int], draft_probs: torch.Tensor, target_probs: torch.Tensor,
-                         draw: Draw) -> Acceptance:
+                         uniforms: torch.Tensor) -> Acceptance:
     """drafts: k tokens, each drawn from its row of draft_probs [k, vocab]; target_probs: [k+1, vocab]
-    (row i = the target after the root and drafts[:i])."""
+    (row i = the target after the root and drafts[:i]); uniforms: [k + 1]."""
     k = len(drafts)
-    if draft_probs.shape[0] != k or target_probs.shape[0] != k + 1:
-        raise ValueError(f"{k} drafts need {k} draft rows and {k + 1} target rows, got "
-                         f"{draft_probs.shape[0]} and {target_probs.shape[0]}")
+    if draft_probs.shape[0] != k or target_probs.shape[0] != k + 1 or uniforms.shape != (k + 1,):
+        raise ValueError(f"{k} drafts need {k} draft rows, {k + 1} target rows and {k + 1} uniform numbers, got "
+                         f"{draft_probs.shape[0]}, {target_probs.shape[0]} and {tuple(uniforms.shape)}")
     p_all, q_all = target_probs.double(), draft_probs.double()
-    for i, x in enumerate(drafts):
-        p, q = p_all[i], q_all[i]
-        if not draw() * float(q[x]) < float(p[x]):  # rejected (also when q(x) = 0)
-            residual = torch.clamp(p - q, min=0.0)
+    ids = to_device(drafts, p_all.device)
+    rows = torch.arange(k, device=p_all.device)
+    values = torch.cat([p_all[rows, ids], q_all[rows, ids], uniforms.to(p_all.device).double()]).tolist()  # one wait
+    p_hit, q_hit, u = values[:k], values[k:2 * k], values[2 * k:]
+    for i in range(k):
+        if not u[i] * q_hit[i] < p_hit[i]:  # rejected (also when q(x) = 0)
+            residual = torch.clamp(p_all[i] - q_all[i], min=0.0)
             if float(residual.sum()) <= 0.0:  # p <= q everywhere: only rounding gets here
-                residual = p
-            token = sample_token(residual, draw())
-            return Acceptance(tuple(range(1, i + 1)), (*drafts[:i], token))
-    return Acceptance(tuple(range(1, k + 1)), (*drafts, sample_token(p_all[k], draw())))
+                residual = p_all[i]
+            return Acceptance(tuple(range(1, i + 1)), (*drafts[:i], sample_token(residual, uniforms[i + 1:i + 2])))
+    return Acceptance(tuple(range(1, k + 1)), (*drafts, sample_token(p_all[k], uniforms[k:])))
 
 
-def verify_tree_sampled(tree: DraftTree, target_probs: torch.Tensor, draw: Draw) -> Acceptance:
-    """target_probs: [num_nodes, vocab], row i = the target's distribution after node i."""
-    if target_probs.shape[0] != tree.num_nodes:
-        raise ValueError(f"{target_probs.shape[0]} target rows for a tree of {tree.num_nodes} nodes")
+def verify_tree_sampled(tree: DraftTree, target_probs: torch.Tensor, uniforms: torch.Tensor) -> Acceptance:
+    """target_probs: [num_nodes, vocab], row i = the target's distribution after node i; uniforms:
+    [num_nodes] (a walk tests at most num_nodes - 1 children). Two waits: the rows' masses, the
+    children's probabilities and the numbers; then the emitted token."""
+    n = tree.num_nodes
+    if target_probs.shape[0] != n or uniforms.shape != (n,):
+        raise ValueError(f"{target_probs.shape[0]} target rows and {tuple(uniforms.shape)} uniform numbers for a "
+                         f"tree of {n} nodes")
+    p = target_probs.double()
+    parents = to_device([max(a, 0) for a in tree.parents], p.device)
+    values = torch.cat([p.sum(dim=-1), p[parents, to_device(list(tree.tokens), p.device)],
+                        uniforms.to(p.device).double()]).tolist()
+    mass_of, child_p, u = values[:n], values[n:2 * n], values[2 * n:]  # child_p[c]: p(token c) after c's parent
     path: list[int] = []
+    used = 0
     node = 0
     while True:
-        p = target_probs[node].double().clone()
+        mass = mass_of[node]
+        removed: list[int] = []
         accepted = None
         for child in tree.children(node):
-            token = tree.tokens[child]
-            if draw() * float(p.sum()) < float(p[token]):
+            used += 1
+            if u[used - 1] * mass < child_p[child]:
                 accepted = child
                 break
-            p[token] = 0.0
+            mass -= child_p[child]
+            removed.append(tree.tokens[child])
         if accepted is None:
-            if float(p.sum()) <= 0.0:  # the children held all the mass: only rounding gets here
-                p = target_probs[node].double()
-            bonus = sample_token(p, draw())
+            row = p[node]
+            if removed and mass > 0.0:  # else the children held all the mass: only rounding gets here
+                row = row.index_fill(0, to_device(removed, p.device), 0.0)
+            bonus = sample_token(row, uniforms[used:used + 1])
             return Acceptance(tuple(path), (*(tree.tokens[i] for i in path), bonus))
         path.append(accepted)
         node = accepted
+
+
+def accept_chains_sampled(drafts: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                          uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``verify_chain_sampled`` for B chains of k drafts each, on the device without a wait.
+    drafts: [B, k] token ids; draft_probs: [B, k, vocab] (each draft's q); target_probs: [B, k + 1, vocab];
+    uniforms: [B, k + 1]. -> (accepted drafts [B] in 0..k, the emitted token after them [B]: drawn from the
+    residual at the first rejection, else the bonus)"""
+    b, k = drafts.shape
+    if draft_probs.shape[:2] != (b, k) or target_probs.shape[:2] != (b, k + 1) or uniforms.shape != (b, k + 1):
+        raise ValueError(f"{tuple(drafts.shape)} drafts need [{b}, {k}, vocab] draft rows, [{b}, {k + 1}, vocab] "
+                         f"target rows and [{b}, {k + 1}] uniform numbers, got {tuple(draft_probs.shape)}, "
+                         f"{tuple(target_probs.shape)} and {tuple(uniforms.shape)}")
+    p, q = target_probs.double(), draft_probs.double()
+    p_hit = p[:, :k].gather(-1, drafts[..., None])[..., 0]  # [B, k]
+    q_hit = q.gather(-1, drafts[..., None])[..., 0]
+    accepted = uniforms[:, :k].double() * q_hit < p_hit
+    count = accepted.long().cumprod(dim=-1).sum(dim=-1)  # [B]: drafts before the first rejection
+    rows = torch.arange(b, device=drafts.device)
+    at = count.clamp(max=k - 1)
+    residual = torch.clamp(p[rows, at] - q[rows, at], min=0.0)
+    residual = torch.where((residual.sum(dim=-1) > 0.0)[:, None], residual, p[rows, at])  # rounding only
+    final = torch.where((count < k)[:, None], residual, p[:, k])
+    u = uniforms.gather(-1, torch.minimum(count + 1, torch.full_like(count, k))[:, None])[:, 0]
+    return count, sample_from_probs(final, u)
