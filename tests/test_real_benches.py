@@ -105,3 +105,18 @@ def test_the_benchmark_only_capture_is_reachable_from_no_spec_or_cli() -> None:
 
     with pytest.raises(ValueError, match="aux_capture must be one of"):
         check_aux_capture("early")
+
+
+def test_sharegpt_subset_passes_over_the_first_prompts_for_a_fresh_round() -> None:
+    """``bench/real_data.py --sharegpt-skip``: the next regeneration round's prompts follow the last round's."""
+    from bench.real_data import sharegpt_subset
+
+    convs = [{"id": "gpt-first", "conversations": [{"from": "gpt", "value": "not a prompt"}]}]
+    convs += [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"question {i}"},
+                                                {"from": "gpt", "value": "answer"}]} for i in range(6)]
+    raw = json.dumps(convs).encode()
+    first = sharegpt_subset(raw, 3)
+    after = sharegpt_subset(raw, 3, skip=3)
+    assert [c["id"] for c in first] == ["c0", "c1", "c2"] and [c["id"] for c in after] == ["c3", "c4", "c5"]
+    assert after[0]["conversations"] == [{"from": "human", "value": "question 3"}]
+    assert sharegpt_subset(raw, 3, skip=5) == [{"id": "c5", "conversations": [{"from": "human", "value": "question 5"}]}]
