@@ -135,13 +135,17 @@ def run_engine(args: argparse.Namespace, name: str, temperature: float,
                 seconds += secs
                 per_prompt.append({"id": pid, "tokens": len(ids), "seconds": round(secs, 4), "drafts": counts[0],
                                    "accepted": counts[1], "text_ids": ids})
+            rounds = sum(r[0] for r in rows)  # verify steps (batch 1: one a step)
             turns_out.append({"turn": turn + 1, "tokens": tokens, "seconds": round(seconds, 3),
                               "tok_per_s": round(tokens / seconds, 2) if seconds else None,
+                              # wall time (prefill included) per generated token, and per verify round
+                              "ms_per_token": round(1000 * seconds / tokens, 4) if tokens else None,
+                              "ms_per_round": round(1000 * seconds / rounds, 4) if rounds else None,
                               "acceptance": summary(rows) if name != "none" else None, "per_prompt": per_prompt})
             progress(f"engine {name:8s} T={temperature:g} {set_name} turn {turn + 1}: {tokens} tokens, "
                      f"{tokens / max(seconds, 1e-9):.1f} tok/s"
-                     + (f", acceptance length {turns_out[-1]['acceptance']['acceptance_length']:.3f}"
-                        if name != "none" else ""))
+                     + (f", acceptance length {turns_out[-1]['acceptance']['acceptance_length']:.3f}, "
+                        f"{turns_out[-1]['ms_per_round']} ms a round" if name != "none" else ""))
         out[set_name] = turns_out
     return out, prof
 

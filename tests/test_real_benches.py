@@ -52,6 +52,9 @@ def test_spec_decode_real_tiny(data_dir: Path, tmp_path: Path) -> None:
     acc = chain["mtbench"][0]["acceptance"]
     assert acc["prompts"] == 2 and acc["drafts"] > 0 and 1.0 <= acc["acceptance_length"] <= 4.0
     assert "bootstrap_95" in acc and "per_prompt_std" in acc
+    first = chain["mtbench"][0]
+    assert abs(first["ms_per_round"] * acc["drafts"] / 1000 - first["seconds"]) <= 6e-4  # seconds: 3 decimals
+    assert numbers["engine"]["none@T=0"]["humaneval"][0]["ms_per_round"] is None
     assert numbers["speedup_engine"]["tree@T=1"]["humaneval_turn1"]["speedup"] > 0
 
 
