@@ -233,14 +233,16 @@ def run_http(args: argparse.Namespace, name: str, temperature: float,
 
     cfg = config_of(name)
     tokens = f", numDraftTokens: {cfg['num_draft_tokens']}" if cfg and "num_draft_tokens" in cfg else ""
-    spec = "" if cfg is None else (f"  speculative: {{draftModel: {args.draft}, numSteps: {cfg['num_steps']}, "
+    # absolute paths: the manifest is written in a temporary folder, and relative ones resolve from there
+    spec = "" if cfg is None else (f"  speculative: {{draftModel: {Path(args.draft).resolve()}, "
+                                   f"numSteps: {cfg['num_steps']}, "
                                    f"topK: {cfg.get('topk', 1)}{tokens}}}\n")
     manifest = Path(tempfile.mkdtemp(prefix="spec-real-")) / "pair.yaml"
     manifest.write_text(f"""apiVersion: fusedserve.io/v1alpha1
 kind: InferenceDeployment
 metadata: {{name: real-pair}}
 spec:
-  model: {{path: {args.target}}}
+  model: {{path: {Path(args.target).resolve()}}}
 {spec}  serving: {{maxSequences: 1, kvCacheFraction: 0.2}}
 """)
     port = free_port()
