@@ -206,13 +206,13 @@ class SpecDecoder:
                 placeholder.append(replace(e, token_ids=[*e.token_ids, *[0] * n], num_logits=n + 1))
         out = local.run(forward_step(ScheduledBatch(seqs=placeholder, preempted=batch.preempted)),
                         input_ids=torch.cat(pieces))
-        first_row = dict(zip((e.seq_id for e in placeholder),
-                             itertools.accumulate((e.num_logits for e in placeholder), initial=0)))
         sampled = [i for i, w in enumerate(work)
                    if not w.seq.params.greedy and not self.tokens.adjusts(w.seq, state_of(w.seq))]
         on_device: list[torch.Tensor] = []
         if sampled:
             assert q is not None  # some request samples
+            first_row = dict(zip((e.seq_id for e in placeholder),
+                                 itertools.accumulate((e.num_logits for e in placeholder), initial=0)))
             pick = to_device(sampled, local.device)
             on_device = self._accept_on_device([work[i] for i in sampled], drafts.index_select(0, pick)[:, :n],
                                                q.index_select(0, pick)[:, :n], out.logits,

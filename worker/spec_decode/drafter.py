@@ -117,7 +117,7 @@ class Drafter:
                 for r, c in enumerate(leaves[i]):
                     slot_of[i][c] = n + (j - 1) * width + r
                 ctx = n + j * width
-                mask = None if self.is_chain else self._draft_mask(builders[i], leaves[i], slot_of[i], n, ctx)
+                mask = self._draft_mask(builders[i], leaves[i], slot_of[i], n, ctx)  # a tree: chains returned above
                 inputs.append(SeqRows(tuple(w.entry.block_table), tuple(builders[i].token(c) for c in leaves[i]),
                                       (n + j,) * len(leaves[i]), ctx, len(leaves[i]), mask))
                 rows += [feed_hidden[i][c] for c in leaves[i]]
@@ -150,11 +150,13 @@ class Drafter:
         logits, hidden = self._first_pass(work)
         if all(w.seq.params.greedy for w in work):
             first = self.greedy_tokens(logits)  # [B]: each root's first draft
+            if self.num_steps == 1:
+                return first[:, None], None
             seqs = tuple(SeqRows(tuple(w.entry.block_table), (0,), (w.entry.start + 1,), w.entry.start + 1)
                          for w in work)  # token ids: ``first``, on the device
-            fed = self.draft.run_chain(Step(seqs), hidden, first, self.num_steps - 1) if self.num_steps > 1 else None
-            if fed is not None or self.num_steps == 1:
-                return torch.cat([first[:, None], *([] if fed is None else [fed])], dim=1), None
+            fed = self.draft.run_chain(Step(seqs), hidden, first, self.num_steps - 1)
+            if fed is not None:
+                return torch.cat([first[:, None], fed], dim=1), None
             return self._chain_steps(work, hidden, [first], self.greedy_tokens), None
         params = [w.seq.params for w in work]
         uniforms = torch.stack([w.draw(self.num_steps) for w in work]).to(logits.device)  # [B, num_steps]

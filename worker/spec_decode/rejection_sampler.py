@@ -121,5 +121,5 @@ def accept_chains_sampled(drafts: torch.Tensor, draft_probs: torch.Tensor, targe
     residual = torch.clamp(p[rows, at] - q[rows, at], min=0.0)
     residual = torch.where((residual.sum(dim=-1) > 0.0)[:, None], residual, p[rows, at])  # rounding only
     final = torch.where((count < k)[:, None], residual, p[:, k])
-    u = uniforms.gather(-1, torch.minimum(count + 1, torch.full_like(count, k))[:, None])[:, 0]
+    u = uniforms.gather(-1, (count + 1).clamp(max=k)[:, None])[:, 0]  # the number after the last test
     return count, sample_from_probs(final, u)
