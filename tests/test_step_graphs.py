@@ -99,11 +99,47 @@ def test_chained_greedy_drafts_equal_step_by_step(monkeypatch: pytest.MonkeyPatc
     assert saved > 0 and saved % 3 == 0, replays
 
 
+def test_chained_sampled_drafts_equal_step_by_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sampled chain's draft steps as one chained replay (each draft drawn inside it at the request's
+    temperature with its uniform numbers, the distributions returned for the rejection rule) give the
+    step-by-step path's tokens and acceptance for seeded requests; a batch mixing greedy, temperature-only
+    and top-p requests takes the step-by-step draw (top-p is not drawn in the replay) and agrees too."""
+    from fusedserve.worker.executor.executor import StepExecutor
+
+    spec = SpeculativeConfig(DRAFT, num_steps=5)
+    mixed = [SamplingParams(temperature=0.8, seed=3, max_tokens=14, ignore_eos=True),
+             SamplingParams(temperature=0, max_tokens=14, ignore_eos=True),
+             SamplingParams(temperature=1.0, top_p=0.9, seed=4, max_tokens=14, ignore_eos=True)]
+    drawn = [SamplingParams(temperature=t, seed=i, max_tokens=14, ignore_eos=True)
+             for i, t in enumerate((0.8, 1.0, 0.0))]
+    runs: dict[str, tuple[list[list[int]], list[list[int]], object]] = {}
+    replays: dict[str, int] = {}
+    for name in ("chained", "step-by-step"):
+        if name == "step-by-step":
+            monkeypatch.setattr(StepExecutor, "chainable", lambda self: False)
+        engine = Engine(TARGET, EngineConfig(num_blocks=24, block_size=4, max_num_seqs=3, speculative=spec,
+                                             cuda_graphs=True, cuda_graph_batch_sizes=(1, 2, 4)))
+        assert engine.speculator is not None
+        graphs = engine.speculator.draft.graphs
+        assert graphs is not None and any(s.sampled for s in graphs.captured) == (name == "chained")
+        out_drawn = [c.token_ids for c in engine.generate(PROMPTS, drawn)]
+        replays[name] = graphs.runs
+        out_mixed = [c.token_ids for c in engine.generate(PROMPTS, mixed)]
+        runs[name] = (out_drawn, out_mixed, engine.stats().spec)
+    assert runs["chained"] == runs["step-by-step"]
+    stats = runs["chained"][2]
+    assert stats is not None and stats.accepted_tokens > 0
+    saved = replays["step-by-step"] - replays["chained"]
+    assert saved > 0 and saved % 3 == 0, replays
+
+
 def test_chained_shape_needs_device_metadata_attention() -> None:
     from fusedserve.worker.executor.step_shape import StepShape
 
     with pytest.raises(ValueError, match="one row per sequence"):
         StepShape(2, 3, hidden=8, chain=2)
+    with pytest.raises(ValueError, match="draws its drafts"):
+        StepShape(2, 1, hidden=8, sampled=True)
 
 
 def test_tree_chain_shape_masks_every_step_over_its_scratch_slots() -> None:

@@ -167,6 +167,11 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def temperature_only(self) -> bool:
+        """Whether the distribution drawn from is the softmax at the temperature alone (no min-p, top-k, top-p)."""
+        return self.min_p == 0.0 and self.top_k_or_none is None and self.top_p >= 1.0
+
+    @property
     def top_k_or_none(self) -> int | None:
         """The number of tokens top-k keeps; None = all."""
         return self.top_k if self.top_k > 0 else None

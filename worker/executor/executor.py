@@ -35,7 +35,7 @@ from ...models.layers.mamba_state import MambaStateCache
 from ...models.parallel.ledger import CollectiveLedger
 from .host_copy import to_device
 from .step import SeqRows, Step
-from .step_graphs import FeedFn, GrowFn, PackedSeq, StepGraphs
+from .step_graphs import FeedFn, GrowFn, PackedSeq, SampleFn, StepGraphs
 from .step_shape import ShapeKey, StepShape
 
 log = logging.getLogger(__name__)
@@ -157,7 +157,7 @@ class StepExecutor:
         if all(s.rows == q and s.num_logits == q and s.tail == tail and (s.tail_mask is None) == (first.tail_mask
                                                                                                    is None)
                for s in step.seqs):
-            key: ShapeKey = (q, tail, False, hidden, 0)
+            key: ShapeKey = (q, tail, False, hidden, 0, False)
             if key in graphs.batch_sizes:
                 return key
         if all(s.num_logits == 1 and s.tail_mask is None for s in step.seqs):
@@ -179,33 +179,37 @@ class StepExecutor:
         device metadata alone: ``AttentionPlanner.graph_plan``)."""
         return not self.dp
 
-    def chain_shape(self, num_seqs: int, hidden: int, chain: int) -> StepShape | None:
+    def chain_shape(self, num_seqs: int, hidden: int, chain: int, sampled: bool = False) -> StepShape | None:
         """The captured chained shape ``run_chain`` replays for ``num_seqs`` sequences, or None."""
         if self.graphs is None or self.dp:
             return None
-        return self.graphs.shape_for(num_seqs, (1, 0, False, hidden, chain))
+        return self.graphs.shape_for(num_seqs, (1, 0, False, hidden, chain, sampled))
 
     @torch.inference_mode()
-    def run_chain(self, step: Step, hidden: torch.Tensor, first_ids: torch.Tensor, chain: int
-                  ) -> torch.Tensor | None:
+    def run_chain(self, step: Step, hidden: torch.Tensor, first_ids: torch.Tensor, chain: int,
+                  sampling: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[torch.Tensor] | None:
         """``chain`` forwards of one row per sequence in one replay, each fed the previous one's
         ``feed`` tokens and hidden state (a captured chained shape); the first is fed ``first_ids``
         ([len(step.seqs)], on the device) in place of the step's token ids and ``hidden``
-        ([len(step.seqs), width]). -> the tokens fed after each forward [len(step.seqs), chain], or
-        None when no captured chained shape fits (the caller runs the forwards one by one)."""
+        ([len(step.seqs), width]). ``sampling``: each sequence's temperature [len(step.seqs)] (0: greedy)
+        and uniform numbers [len(step.seqs), chain], for a sampled chain (its tokens drawn by ``sample``).
+        -> [the tokens fed after each forward [len(step.seqs), chain]] (and for a sampled chain the
+        distributions they were drawn from [len(step.seqs), chain, vocab]), or None when no captured
+        chained shape fits (the caller runs the forwards one by one)."""
         if not step.seqs or not all(s.rows == 1 and s.num_logits == 1 and s.tail_mask is None for s in step.seqs):
             return None
-        shape = self.chain_shape(len(step.seqs), int(hidden.shape[-1]), chain)
+        shape = self.chain_shape(len(step.seqs), int(hidden.shape[-1]), chain, sampling is not None)
         if shape is None or self.graphs is None:
             return None
-        [fed] = self.graphs.run(shape, self._packed(step), hidden, input_ids=first_ids)
-        return fed
+        temperatures, uniforms = sampling if sampling is not None else (None, None)
+        return self.graphs.run(shape, self._packed(step), hidden, input_ids=first_ids, temperatures=temperatures,
+                               uniforms=uniforms)
 
     def tree_chain_shape(self, num_seqs: int, hidden: int, chain: int, leaves: int) -> StepShape | None:
         """The captured tree chain ``run_tree_chain`` replays for ``num_seqs`` sequences, or None."""
         if self.graphs is None or self.dp:
             return None
-        return self.graphs.shape_for(num_seqs, (leaves, chain * leaves, False, hidden, chain))
+        return self.graphs.shape_for(num_seqs, (leaves, chain * leaves, False, hidden, chain, False))
 
     @torch.inference_mode()
     def run_tree_chain(self, step: Step, hidden: torch.Tensor, first_ids: torch.Tensor, scores: torch.Tensor,
@@ -244,15 +248,16 @@ class StepExecutor:
     # --- start-up and cache moves -------------------------------------------------------------
 
     def capture(self, shapes: Sequence[StepShape], max_blocks: int, feed: FeedFn | None = None,
-                grow: GrowFn | None = None) -> None:
+                grow: GrowFn | None = None, sample: SampleFn | None = None) -> None:
         """Capture the forward at these shapes (once, at start-up); from now on matching steps replay.
-        ``feed``: a chained shape's logits -> next tokens; ``grow``: a tree chain's program (``step_graphs.py``)."""
+        ``feed``: a chained shape's logits -> next tokens; ``sample``: a sampled chain's draw; ``grow``: a
+        tree chain's program (``step_graphs.py``)."""
         if not self.graph_ready:
             raise ValueError("this executor was not built for CUDA graphs (graph-safe kernels, a padding block)")
         dtype = next(self.model.parameters()).dtype
         self.graphs = StepGraphs(self.model, self.kv_cache, shapes, max_blocks, dtype, self.ledger,
                                  self.aux_layers, self.dp, use_graphs=self.device.type == "cuda",
-                                 attention=self.attention, feed=feed, grow=grow)
+                                 attention=self.attention, feed=feed, grow=grow, sample=sample)
         log.info("captured %d step shapes (%s) %s", len(shapes), ", ".join(str(s) for s in sorted(shapes)[:4]),
                  "as CUDA graphs" if self.graphs.use_graphs else "(run eagerly off CUDA)")
 

@@ -20,7 +20,9 @@ of one row per sequence back to back: after each, ``feed`` turns its logits into
 tokens and its hidden output becomes the next hidden input, and positions, causal limits, context
 lengths and cache slots advance by one on the device (the next slot through the block table;
 padding rows keep writing to ``pad_slot``). Its one output is every forward's fed token,
-[rows, chain]. A tree chain (``StepShape.is_tree_chain``: a draft tree's steps) replays ``grow``,
+[rows, chain]. A sampled chain (``StepShape.sampled``) feeds ``sample``'s draw instead, from each row's
+temperature and uniform numbers (``run``'s ``temperatures`` [rows], ``uniforms`` [rows, chain]; static
+inputs like the rest), and also returns the distributions drawn from, [rows, chain, vocab]. A tree chain (``StepShape.is_tree_chain``: a draft tree's steps) replays ``grow``,
 the drafter's program, which runs the ``chain`` forwards through a hook: before forward j its
 ``tokens`` leaves per sequence take the program's tokens, hidden inputs and mask rows over the
 ``j * tokens`` scratch slots (the tail's earlier columns stay visible: bases), at RoPE one further
@@ -61,6 +63,8 @@ FeedFn = Callable[[torch.Tensor], torch.Tensor]  # a chained forward's logits [r
 TreeForward = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 # a tree chain's program: (forward, first leaves' tokens [B, k], scores [B, k], hidden [B, k, H]) -> per-sequence outputs
 GrowFn = Callable[[TreeForward, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]
+# a sampled chain's draw: (logits [rows, vocab], temperatures [rows] (0: argmax), uniforms [rows]) -> (tokens, q)
+SampleFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 class GraphReplayMismatch(RuntimeError):
@@ -98,6 +102,8 @@ class _Views:
     last_rows: torch.Tensor  # [batch] constant: each sequence's last row
     hidden: torch.Tensor | None  # [rows, hidden]
     scores: torch.Tensor | None  # [rows] float64: a tree chain's first leaves' scores
+    temperatures: torch.Tensor | None  # [rows] float32: a sampled chain's (0: argmax)
+    uniforms: torch.Tensor | None  # [rows, chain] float64: a sampled chain's numbers
 
 
 @dataclass
@@ -117,13 +123,16 @@ class StepGraphs:
                  hidden_dtype: torch.dtype, ledger: CollectiveLedger | None = None,
                  aux_layers: tuple[int, ...] = (), dp: int = 0, use_graphs: bool | None = None,
                  attention: AttentionPlanner | None = None, feed: FeedFn | None = None,
-                 grow: GrowFn | None = None) -> None:
+                 grow: GrowFn | None = None, sample: SampleFn | None = None) -> None:
         if not shapes:
             raise ValueError("no step shapes to capture")
         for shape in shapes:
-            if shape.chain and ((grow if shape.is_tree_chain else feed) is None or dp):
-                raise ValueError(f"{shape}: a chained forward needs a feed (a tree's: a program) and no DP attention")
+            program = grow if shape.is_tree_chain else sample if shape.sampled else feed
+            if shape.chain and (program is None or dp):
+                raise ValueError(f"{shape}: a chained forward needs a feed (a sampled chain's: a draw; a tree's: a "
+                                 f"program) and no DP attention")
         self.feed = feed
+        self.sample = sample
         self.grow = grow
         self.fn = fn
         self.kv_cache = kv_cache
@@ -151,6 +160,10 @@ class StepGraphs:
                                        device=device) for h in {s.hidden for s in ordered if s.hidden}}
         trees = [s.rows for s in ordered if s.is_tree_chain]
         self._scores = torch.zeros(max(trees), dtype=torch.float64, device=device) if trees else None
+        drawn = [s for s in ordered if s.sampled]
+        self._temperatures = torch.zeros(max(s.rows for s in drawn), device=device) if drawn else None
+        self._uniforms = (torch.zeros(max(s.rows for s in drawn), max(s.chain for s in drawn), dtype=torch.float64,
+                                      device=device) if drawn else None)
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.captured: dict[StepShape, _Captured] = {}
         self.runs = 0  # steps run through here (replays, or the padded forward off CUDA)
@@ -189,7 +202,10 @@ class StepGraphs:
                       query_start=torch.arange(b + 1, dtype=torch.int32, device=dev) * q,
                       last_rows=torch.arange(b, device=dev) * q + q - 1,
                       hidden=self._hidden[shape.hidden][:t] if shape.hidden else None,
-                      scores=self._scores[:t] if shape.is_tree_chain and self._scores is not None else None)
+                      scores=self._scores[:t] if shape.is_tree_chain and self._scores is not None else None,
+                      temperatures=self._temperatures[:t] if shape.sampled and self._temperatures is not None else None,
+                      uniforms=(self._uniforms[:t, :shape.chain] if shape.sampled and self._uniforms is not None
+                                else None))
 
     def _forward(self, shape: StepShape, v: _Views, attention: Any = None) -> tuple[torch.Tensor, ...]:
         """The padded forward on the static views (captured: everything here is replayed)."""
@@ -214,13 +230,23 @@ class StepGraphs:
             assert tail is not None
             return self._tree_chain(shape, v, batch, tail)
         step = self._chain_steps(shape, v, batch)
-        assert self.feed is not None and v.hidden is not None
+        assert v.hidden is not None
         fed: list[torch.Tensor] = []
+        drawn_from: list[torch.Tensor] = []
         ids, hidden = v.ids, v.hidden
         for j in range(1, shape.chain + 1):
             out = self.fn(step(j, ids, hidden))
-            fed.append(self.feed(out.logits))
-            ids, hidden = fed[-1], out.hidden[0]
+            if shape.sampled:
+                assert self.sample is not None and v.temperatures is not None and v.uniforms is not None
+                token, q = self.sample(out.logits, v.temperatures, v.uniforms[:, j - 1])
+                drawn_from.append(q)
+            else:
+                assert self.feed is not None
+                token = self.feed(out.logits)
+            fed.append(token)
+            ids, hidden = token, out.hidden[0]
+        if shape.sampled:
+            return torch.stack(fed, dim=1), torch.stack(drawn_from, dim=1)
         return (torch.stack(fed, dim=1),)
 
     def _chain_steps(self, shape: StepShape, v: _Views, batch: ForwardBatch
@@ -330,14 +356,16 @@ class StepGraphs:
     def run(self, shape: StepShape, seqs: Sequence[PackedSeq], hidden: torch.Tensor | None = None,
             dp_real: Sequence[int] = (), input_ids: torch.Tensor | None = None,
             positions: torch.Tensor | None = None, tail_rows: torch.Tensor | None = None,
-            scores: torch.Tensor | None = None) -> list[torch.Tensor]:
+            scores: torch.Tensor | None = None, temperatures: torch.Tensor | None = None,
+            uniforms: torch.Tensor | None = None) -> list[torch.Tensor]:
         """One step at ``shape`` (from ``shape_for``) -> each output's real rows, in ``seqs`` order:
         a per-row output [real rows, ...], a per-sequence one (``last_only`` logits) [len(seqs), ...].
         hidden: [real rows, shape.hidden] (the draft's hidden input) or None; dp_real: every DP
         group's real tokens (DP attention); input_ids, positions: [real rows], tail_rows: [real rows,
         shape.tail] (0/1), on the device, in place of the rows' token ids, RoPE positions and tail
         masks (drafts and draft trees grown on the device; the host's values only size the step);
-        scores: [real rows] (a tree chain's first leaves' scores)."""
+        scores: [real rows] (a tree chain's first leaves' scores); temperatures [real rows], uniforms
+        [real rows, chain] (a sampled chain's)."""
         entry = self.captured[shape]
         v = entry.views
         self.runs += 1
@@ -370,6 +398,12 @@ class StepGraphs:
             if scores is None or input_ids is None:
                 raise ValueError(f"{shape} takes its first leaves' tokens and scores")
             v.scores.index_copy_(0, dest, scores.to(v.scores.dtype))
+        if (v.temperatures is None) != (temperatures is None or uniforms is None):
+            raise ValueError(f"{shape}: a sampled chain, and only one, takes temperatures and uniform numbers")
+        if v.temperatures is not None and v.uniforms is not None:
+            assert temperatures is not None and uniforms is not None
+            v.temperatures.index_copy_(0, dest, temperatures.to(v.temperatures.dtype))
+            v.uniforms.index_copy_(0, dest, uniforms.to(v.uniforms.dtype))
         if entry.graph is None:
             with self.ledger.capture() as again:
                 outputs = self._forward(shape, v, entry.attention)

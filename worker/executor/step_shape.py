@@ -6,7 +6,7 @@ sequence's last row only (``last_only``: a sequence may bring fewer rows than ``
 padded in front, e.g. the draft's first pass), and, for the EAGLE3 draft, a ``hidden`` input of
 that width; ``chain``: that many forwards replayed back to back, each feeding the next on the
 device: one row per sequence with its greedy next token and hidden state (the EAGLE3 draft's chain
-steps), or ``tokens`` leaves per sequence with a mask over the last ``tail = chain * tokens`` slots
+steps; ``sampled``: its token drawn at the row's temperature with the row's uniform numbers), or ``tokens`` leaves per sequence with a mask over the last ``tail = chain * tokens`` slots
 (a draft tree's steps, grown on the device). Examples (chain of 3 drafts, batch padded to 8):
 
     StepShape(8, 1)                              target decode: one token per sequence
@@ -15,6 +15,7 @@ steps), or ``tokens`` leaves per sequence with a mask over the last ``tail = cha
     StepShape(8, 4, last_only=True, hidden=384)  draft first pass: <= 4 bases, aux states in
     StepShape(8, 1, hidden=128)                  draft step of a chain: its own hidden state in
     StepShape(8, 1, hidden=128, chain=2)         the chain's 2 remaining draft steps, one replay
+    StepShape(8, 1, hidden=128, chain=2, sampled=True)  the same, each draft drawn from the draft's q
     StepShape(8, 4, 24, hidden=128, chain=6)     a tree's 6 draft steps of 4 leaves, one replay
 """
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ShapeKey = tuple[int, int, bool, int, int]  # (tokens, tail, last_only, hidden, chain): a shape without its batch
+ShapeKey = tuple[int, int, bool, int, int, bool]  # (tokens, tail, last_only, hidden, chain, sampled): no batch
 
 
 @dataclass(frozen=True, order=True)
@@ -33,12 +34,15 @@ class StepShape:
     last_only: bool = False  # logits of each sequence's last row; fewer rows padded in front
     hidden: int = 0  # width of the hidden-state input (EAGLE3 draft); 0 = none
     chain: int = 0  # forwards chained on the device (one row per sequence each); 0 = one plain forward
+    sampled: bool = False  # a chain whose drafts are drawn (temperatures and uniform numbers in), not argmax
 
     def __post_init__(self) -> None:
         if self.chain and (self.last_only or not self.hidden or (self.tokens, self.tail) != (1, 0)
                            and (self.tokens < 2 or self.tail != self.chain * self.tokens)):
             raise ValueError(f"a chained shape feeds a hidden input to one row per sequence, or to a tree's "
                              f"leaves with a mask over chain * tokens slots: {self}")
+        if self.sampled and (not self.chain or self.tail):
+            raise ValueError(f"only a chain of one row per sequence draws its drafts: {self}")
 
     @property
     def rows(self) -> int:
@@ -46,7 +50,7 @@ class StepShape:
 
     @property
     def key(self) -> ShapeKey:
-        return (self.tokens, self.tail, self.last_only, self.hidden, self.chain)
+        return (self.tokens, self.tail, self.last_only, self.hidden, self.chain, self.sampled)
 
     @property
     def is_tree_chain(self) -> bool:

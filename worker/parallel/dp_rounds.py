@@ -72,7 +72,7 @@ class DPRounds:
         keys = {tuple(r[2:]) for r in busy}
         if executor.graphs is not None and busy and len(keys) == 1 and _NO_KEY not in keys:
             k = next(iter(keys))
-            shape = executor.graphs.shape_for(max(r[1] for r in busy), (k[0], k[1], bool(k[2]), k[3], 0))
+            shape = executor.graphs.shape_for(max(r[1] for r in busy), (k[0], k[1], bool(k[2]), k[3], 0, False))
             self.graph_rounds += shape is not None
         return replace(step, dp_num_tokens=counts, graph_shape=shape)
 

@@ -142,7 +142,8 @@ class SpecDecoder:
         shapes = draft_shapes(self.draft_model, batch_sizes, self.config.num_steps, self.config.topk)
         if self.draft.chainable():
             shapes += chain_shapes(self.draft_model, batch_sizes, self.config.num_steps, self.config.topk)
-        self.draft.capture(shapes, max_blocks, feed=self.drafter.greedy_tokens, grow=self.drafter.grow_tree)
+        self.draft.capture(shapes, max_blocks, feed=self.drafter.greedy_tokens, grow=self.drafter.grow_tree,
+                           sample=self.drafter.sample_tokens)
 
     # --- one engine step ----------------------------------------------------------------------
 

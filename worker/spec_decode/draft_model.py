@@ -87,13 +87,16 @@ def build_draft(draft_dir: str | Path, target_dir: str | Path, target_config: An
 
 
 def chain_shapes(model: Eagle3Draft, batch_sizes: list[int], num_steps: int, width: int = 1) -> list[StepShape]:
-    """Steps 1 .. num_steps - 1 as one chained replay per batch size (none for one step): a greedy chain's,
-    or (``width`` > 1) a tree's, ``width`` leaves per step with a mask over the last (num_steps - 1) * width
-    slots."""
+    """Steps 1 .. num_steps - 1 as one chained replay per batch size (none for one step): a chain's, greedy
+    and sampled (its drafts drawn at each request's temperature), or (``width`` > 1) a tree's, ``width``
+    leaves per step with a mask over the last (num_steps - 1) * width slots."""
     h = int(model.config.hidden_size)
     chain = num_steps - 1
-    tail = 0 if width == 1 else chain * width
-    return [StepShape(b, width, tail, hidden=h, chain=chain) for b in batch_sizes] if chain else []
+    if not chain:
+        return []
+    if width > 1:
+        return [StepShape(b, width, chain * width, hidden=h, chain=chain) for b in batch_sizes]
+    return [StepShape(b, 1, hidden=h, chain=chain, sampled=s) for b in batch_sizes for s in (False, True)]
 
 
 def draft_shapes(model: Eagle3Draft, batch_sizes: list[int], num_steps: int, width: int) -> list[StepShape]:

@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ...models.eagle3 import Eagle3Draft
-from ..engine.sampler import Sampler, sample_from_probs
+from ..engine.sampler import Sampler, apply_temperature, sample_from_probs
 from ..engine.scheduler import ScheduledSeq
-from ..engine.sequence import Sequence
+from ..engine.sequence import SamplingParams, Sequence
 from ..executor.executor import StepExecutor
 from ..executor.host_copy import to_device
 from ..executor.step import SeqRows, Step
@@ -138,39 +138,65 @@ class Drafter:
         the chained replay's feed)."""
         return self._draft_to_target[logits.argmax(dim=-1)]
 
+    def sample_tokens(self, logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's draft drawn from the draft's distribution at the row's temperature (0: one-hot on the
+        argmax), with its uniform number: ``Sampler.probs`` for a request that sets nothing but a
+        temperature, and graph-safe (a sampled chained replay's draw). logits: [rows, draft_vocab];
+        temperatures: [rows]; uniforms: [rows] -> (target ids [rows], q [rows, draft_vocab] float32)"""
+        greedy = temperatures <= 0
+        q = torch.softmax(apply_temperature(logits, torch.where(greedy, torch.ones_like(temperatures),
+                                                                temperatures)), dim=-1)
+        one_hot = torch.zeros_like(q).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        q = torch.where(greedy[:, None], one_hot, q)
+        return self._draft_to_target[sample_from_probs(q, uniforms)], q
+
     def chain(self, work: list[DraftWork]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A chain's drafts, left on the device: the first pass, then steps 1 .. num_steps - 1 (step j's
         one row per sequence at RoPE n + j in slot n + j - 1, fed the step before's draft and hidden state
-        on the device). Every request greedy: the draft's argmax, the steps in one chained replay where one
-        is captured for the batch, else one forward each. Otherwise every row draws its draft from q (its
-        request's temperature, min-p, top-k, top-p; a greedy row's q is one-hot on the argmax) with numbers
-        from its own stream, one forward a step; nothing is read back either way.
+        on the device), in one chained replay where one is captured for the batch, else one forward each.
+        Every request greedy: the draft's argmax. Otherwise every row draws its draft from q (its request's
+        temperature, min-p, top-k, top-p; a greedy row's q is one-hot on the argmax) with numbers from its
+        own stream (the chained replay where no request sets more than a temperature). Nothing is read back.
         -> (drafts [len(work), num_steps] target ids, each draft's q over the target vocabulary
         [len(work), num_steps, vocab], or None when every request is greedy)"""
         logits, hidden = self._first_pass(work)
+        seqs = tuple(SeqRows(tuple(w.entry.block_table), (0,), (w.entry.start + 1,), w.entry.start + 1)
+                     for w in work)  # token ids: the first drafts, on the device
+        rest = self.num_steps - 1
         if all(w.seq.params.greedy for w in work):
             first = self.greedy_tokens(logits)  # [B]: each root's first draft
-            if self.num_steps == 1:
-                return first[:, None], None
-            seqs = tuple(SeqRows(tuple(w.entry.block_table), (0,), (w.entry.start + 1,), w.entry.start + 1)
-                         for w in work)  # token ids: ``first``, on the device
-            fed = self.draft.run_chain(Step(seqs), hidden, first, self.num_steps - 1)
+            fed = self.draft.run_chain(Step(seqs), hidden, first, rest) if rest else []
             if fed is not None:
-                return torch.cat([first[:, None], fed], dim=1), None
+                return torch.cat([first[:, None], *fed], dim=1), None
             return self._chain_steps(work, hidden, [first], self.greedy_tokens), None
         params = [w.seq.params for w in work]
         uniforms = torch.stack([w.draw(self.num_steps) for w in work]).to(logits.device)  # [B, num_steps]
         qs: list[torch.Tensor] = []
-
-        def sample(step_logits: torch.Tensor) -> torch.Tensor:
-            q = self.sampler.probs(step_logits, params)
-            qs.append(q)
-            return self._draft_to_target[sample_from_probs(q, uniforms[:, len(qs) - 1])]
-
-        drafts = self._chain_steps(work, hidden, [sample(logits)], sample)
+        if all(p.greedy or p.temperature_only for p in params):
+            temperatures = to_device([0.0 if p.greedy else p.temperature for p in params], logits.device,
+                                     torch.float32)
+            first, q = self.sample_tokens(logits, temperatures, uniforms[:, 0])
+            out = self.draft.run_chain(Step(seqs), hidden, first, rest, (temperatures, uniforms[:, 1:])) if rest else []
+            if out is not None:
+                drafts = torch.cat([first[:, None], *out[:1]], dim=1)
+                qs = [q[:, None], *out[1:]]
+            else:
+                qs = [q]
+                drafts = self._chain_steps(work, hidden, [first], lambda lg: self._sampled(lg, params, uniforms, qs))
+        else:
+            drafts = self._chain_steps(work, hidden, [self._sampled(logits, params, uniforms, qs)],
+                                       lambda lg: self._sampled(lg, params, uniforms, qs))
         q_target = logits.new_zeros(len(work), self.num_steps, self._vocab)
-        q_target[:, :, self._draft_to_target] = torch.stack(qs, dim=1)
+        q_target[:, :, self._draft_to_target] = torch.cat([q if q.dim() == 3 else q[:, None] for q in qs], dim=1)
         return drafts, q_target
+
+    def _sampled(self, logits: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor,
+                 qs: list[torch.Tensor]) -> torch.Tensor:
+        """Chain step ``len(qs)``'s drafts drawn from ``Sampler.probs`` (appended to ``qs``). -> target ids [B]"""
+        q = self.sampler.probs(logits, params)
+        qs.append(q)
+        return self._draft_to_target[sample_from_probs(q, uniforms[:, len(qs) - 1])]
 
     def _chain_steps(self, work: list[DraftWork], hidden: torch.Tensor, drafts: list[torch.Tensor],
                      feed: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
