@@ -123,3 +123,15 @@ def test_sharegpt_subset_passes_over_the_first_prompts_for_a_fresh_round() -> No
     assert [c["id"] for c in first] == ["c0", "c1", "c2"] and [c["id"] for c in after] == ["c3", "c4", "c5"]
     assert after[0]["conversations"] == [{"from": "human", "value": "question 3"}]
     assert sharegpt_subset(raw, 3, skip=5) == [{"id": "c5", "conversations": [{"from": "human", "value": "question 5"}]}]
+
+
+def test_spec_host_time_runs_and_counts_forwards(tmp_path: Path) -> None:
+    out = tmp_path / "host.json"
+    proc = _bench("spec_host_time.py", "--temperatures", "1", "--steps", "3", "--tokens", "12", "--repeats", "1",
+                  "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["numbers"]
+    assert [r["steps"] for r in rows] == [0, 3]
+    assert rows[0]["forwards_per_round"] == pytest.approx(1.0, abs=0.1)  # a decode step a token
+    assert 2.5 <= rows[1]["forwards_per_round"] <= 3.5  # first pass, the chained draft steps, the verify
+    assert all(r["host_ms_per_round_median"] > 0 for r in rows)

@@ -1,0 +1,109 @@
+"""Host time of a speculative step outside its forwards, on CPU: what Python and op dispatch cost a round.
+
+    python bench/spec_host_time.py [--temperatures 0,1] [--steps 5] [--tokens 200] [--out FILE]
+
+The engine runs the tiny pair (examples/checkpoints/tiny-code + tiny-code-eagle3) with ``cuda_graphs=True``,
+which on CPU runs every captured shape's forward eagerly on its static buffers (``step_graphs.py``); the
+time inside those forwards is the model's, everything else in ``Engine.generate`` is host work the GPU
+would wait on between its graph replays: building steps, packing metadata, sampling and acceptance ops,
+bookkeeping. Reported per verify round (and per token without speculation), with the number of forwards a
+round replays. A CPU proxy, not the GPU's host: the ops outside the forwards run on tiny tensors here and
+launch kernels there, so compare configurations with each other, not with GPU timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import fusedserve.worker  # noqa: F401  (the installed package, before the checkout joins sys.path)
+from fusedserve.worker.engine.config import EngineConfig
+from fusedserve.worker.engine.engine import Engine
+from fusedserve.worker.engine.sequence import SamplingParams
+from fusedserve.worker.executor import step_graphs
+from fusedserve.worker.spec_decode.config import SpeculativeConfig
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # bench.*; fusedserve stays the installed one
+
+from bench.common import record_header, write_record  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET = ROOT / "examples/checkpoints/tiny-code"
+DRAFT = str(ROOT / "examples/checkpoints/tiny-code-eagle3")
+
+
+class ForwardClock:
+    """Time spent inside the captured shapes' forwards (patched around ``StepGraphs._forward``)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+        self._orig = step_graphs.StepGraphs._forward
+
+    def __enter__(self) -> ForwardClock:
+        clock, orig = self, self._orig
+
+        def timed(graphs: Any, *args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return orig(graphs, *args, **kwargs)
+            finally:
+                clock.seconds += time.perf_counter() - t
+                clock.calls += 1
+
+        step_graphs.StepGraphs._forward = timed  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        step_graphs.StepGraphs._forward = self._orig  # type: ignore[method-assign]
+
+
+def measure(temperature: float, steps: int, tokens: int, repeats: int) -> dict[str, Any]:
+    spec = SpeculativeConfig(DRAFT, num_steps=steps) if steps else None
+    engine = Engine(TARGET, EngineConfig(num_blocks=64, max_num_seqs=1, cuda_graphs=True, speculative=spec))
+    params = SamplingParams(temperature=temperature, max_tokens=tokens, ignore_eos=True, seed=1)
+    engine.generate(["def fib(n):\n    "], params)  # warm-up
+    runs = []
+    for r in range(repeats):
+        before = engine.stats().spec
+        with ForwardClock() as clock:
+            t = time.perf_counter()
+            [out] = engine.generate([f"import os\nx = {r}\n"], params)
+            wall = time.perf_counter() - t
+        after = engine.stats().spec
+        rounds = after.drafts - before.drafts if after and before else len(out.token_ids)
+        runs.append({"wall_ms": round(1e3 * wall, 2), "in_forwards_ms": round(1e3 * clock.seconds, 2),
+                     "forwards": clock.calls, "rounds": rounds, "tokens": len(out.token_ids),
+                     "host_ms_per_round": round(1e3 * (wall - clock.seconds) / rounds, 4)})
+    host = sorted(r["host_ms_per_round"] for r in runs)
+    return {"temperature": temperature, "steps": steps, "runs": runs,
+            "host_ms_per_round_median": host[len(host) // 2], "host_ms_per_round_spread": [host[0], host[-1]],
+            "forwards_per_round": round(sum(r["forwards"] for r in runs) / sum(r["rounds"] for r in runs), 2),
+            "tokens_per_round": round(sum(r["tokens"] for r in runs) / sum(r["rounds"] for r in runs), 3)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--steps", type=int, default=5, help="chain steps (0: no speculation, a round = a token)")
+    ap.add_argument("--tokens", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    rows = []
+    for temperature in (float(t) for t in args.temperatures.split(",")):
+        for steps in (0, args.steps):
+            row = measure(temperature, steps, args.tokens, args.repeats)
+            rows.append(row)
+            print(f"T={temperature:g} {'chain-' + str(steps) if steps else 'none':8s}: host "
+                  f"{row['host_ms_per_round_median']:.3f} ms a round (spread {row['host_ms_per_round_spread']}), "
+                  f"{row['forwards_per_round']} forwards and {row['tokens_per_round']} tokens a round", flush=True)
+    if args.out:
+        write_record({**record_header(), "what": __doc__.strip().splitlines()[0], "numbers": rows}, args.out)
+
+
+if __name__ == "__main__":
+    main()
