@@ -217,3 +217,23 @@ def write_record(record: dict[str, Any], path: str | Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2, default=str) + "\n")
     return out
+
+
+def apply_settings(items: list[str]) -> dict[str, Any]:
+    """A/B runs of module constants: each ``module.NAME=value`` (module under ``fusedserve.``, e.g.
+    ``models.layers.linear_triton.SPLIT_K_MAX=2``; value a Python literal) set before any engine is built.
+    -> what was set, for the record. ValueError for a name the module does not have."""
+    import ast
+    import importlib
+
+    done: dict[str, Any] = {}
+    for item in items:
+        target, _, text = item.partition("=")
+        module_name, _, attr = target.rpartition(".")
+        module = importlib.import_module(f"fusedserve.{module_name}")
+        if not hasattr(module, attr):
+            raise ValueError(f"fusedserve.{module_name} has no {attr}")
+        value = ast.literal_eval(text)
+        setattr(module, attr, value)
+        done[target] = value
+    return done

@@ -44,7 +44,7 @@ import fusedserve.worker  # noqa: F401  (the installed package, before the check
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # bench.*; fusedserve stays the installed one
 
-from bench.common import profile, record_header  # noqa: E402
+from bench.common import apply_settings, profile, record_header  # noqa: E402
 from bench.spec_decode_real import spec_config  # noqa: E402
 
 
@@ -235,13 +235,17 @@ def main() -> None:
     ap.add_argument("--out", default="")
     ap.add_argument("--kernels", action="store_true", help="each long captured graph's kernels by GPU time")
     ap.add_argument("--host-profile", action="store_true", help="cProfile of a generate's host functions")
+    ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                    help="set a module constant under fusedserve. first (an A/B), e.g. models.layers.linear_triton.SPLIT_K_MAX=2")
     ap.add_argument("--timeline", action="store_true", help="a generate's GPU timeline per step against the host's")
     args = ap.parse_args()
+    settings = apply_settings(args.set)
     from fusedserve.worker.engine.config import EngineConfig
     from fusedserve.worker.engine.engine import Engine
     from fusedserve.worker.engine.sequence import SamplingParams
 
-    out: dict[str, Any] = {**record_header(), "what": __doc__.split("\n")[0], "configs": {}}
+    out: dict[str, Any] = {**record_header(), "what": __doc__.split("\n")[0], "settings": settings,
+                           "configs": {}}
     for name in args.configs.split(","):
         engine = Engine(args.target, EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=1,
                                                   speculative=spec_config(args.draft, name), seed=0,

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT))  # bench.*; fusedserve stays the installed one (bench/common.py)
 
 from bench.acceptance_stats import Counts, summary
-from bench.common import Progress, record_header, write_record
+from bench.common import Progress, apply_settings, record_header, write_record
 from bench.real_prompts import DEFAULT_DIR, humaneval, mtbench
 
 CONFIGS: dict[str, dict[str, int] | None] = {
@@ -342,9 +342,12 @@ def main() -> None:
     ap.add_argument("--num-blocks", type=int, default=None)
     ap.add_argument("--profile", action="store_true", help="profile one generate per configuration (device "
                     "kernel time vs wall, host Python by function)")
+    ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                    help="set a module constant under fusedserve. first (an A/B), e.g. models.layers.linear_triton.SPLIT_K_MAX=2")
     ap.add_argument("--tiny", action="store_true", help="CPU check of the script: the tiny pair, a few prompts")
     ap.add_argument("--out", default=f"bench/results/{datetime.date.today()}-spec-decode-real.json")
     args = ap.parse_args()
+    settings = apply_settings(args.set)
     if args.tiny:
         args.target = args.target or str(ROOT / "examples/checkpoints/tiny-code")
         args.draft = args.draft or str(ROOT / "examples/checkpoints/tiny-code-eagle3")
@@ -398,7 +401,7 @@ def main() -> None:
               f"{args.turns} turn(s)) and HumanEval (first {args.humaneval})",
               "peers": {"sglang_llama31_8b_eagle3_speedup": 2.36, "seed_pr_28343_acceptance_gain":
                         {"mt_bench": 0.025, "humaneval": 0.031}},
-              "numbers": numbers}
+              "settings": settings, "numbers": numbers}
     path = write_record(record, args.out)
     progress(f"wrote {path}")
     print(json.dumps(numbers["speedup_engine"], indent=1))
