@@ -200,8 +200,7 @@ def decode_gemm_tile(m: int, n: int, k: int) -> tuple[int, int, int, int] | None
     return block_n, block_k, (4 if block_n == 128 else 6), 4
 
 
-SPLIT_K_MAX = 8
-NARROW_BLOCKS = (32, 16)  # output blocks below the wide tile's, for projections too narrow to fill the GPU
+SPLIT_K_MAX = 2
 
 
 @functools.cache
@@ -209,47 +208,31 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-def decode_gemm_plan(m: int, n: int, k: int, sms: int) -> tuple[tuple[int, int, int, int], int] | None:
-    """(tile, K splits) of ``_decode_gemm_kernel`` for m rows of x and an [n, k] weight on a GPU of ``sms``
-    multiprocessors; None where no tile fits (``decode_gemm_tile``). Where the wide tile's outputs alone
-    would leave at least half the multiprocessors idle, the most programs (output blocks x K splits) that
-    fit one wave: output blocks of the wide tile's width or of NARROW_BLOCKS, K cut into up to SPLIT_K_MAX
-    equal ranges of whole K steps; ties go to the wider block, then to fewer splits. Llama-3-8B's o_proj
-    and down_proj (64 blocks of 64 on 132) keep 64 x 2, as measured against one split
-    (2026-12-03-decode-rows-split-k-argmax-ab-h200.json); SmolLM2's narrow projections (576 / 960
-    outputs: 9 / 15 blocks of 64) get e.g. 36 blocks of 16 x 3 splits."""
-    tile = decode_gemm_tile(m, n, k)
-    if tile is None:
-        return None
+def decode_gemm_splits(n: int, k: int, tile: tuple[int, int, int, int], device: torch.device) -> int:
+    """K splits of the decode GEMM: 2 where the output tiles alone would leave at least half the GPU's
+    multiprocessors idle (Llama-3-8B's o_proj and down_proj: 64 tiles of 64 outputs on 132) and both
+    halves of K are whole tiles; else 1."""
     block_n, block_k = tile[0], tile[1]
-    if 2 * (n // block_n) > sms:
-        return tile, 1
-    steps = k // block_k
-    best = (n // block_n, block_n, -1)  # (programs, block width, -splits)
-    for width in (block_n, *NARROW_BLOCKS):
-        if width > block_n or n % width:
-            continue
-        for splits in range(1, SPLIT_K_MAX + 1):
-            programs = n // width * splits
-            if steps % splits == 0 and programs <= sms:
-                best = max(best, (programs, width, -splits))
-    programs, width, splits = best
-    return (width, *tile[1:]), -splits
+    tiles = n // block_n
+    if SPLIT_K_MAX >= 2 and 2 * tiles <= _multiprocessors(device) and k % (2 * block_k) == 0:
+        return 2
+    return 1
 
 
 def gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [m, K] (m <= GEMM_ROWS); weight: [N, K] -> [m, N] with ``_decode_gemm_kernel`` at the tile and
-    K splits ``decode_gemm_plan`` gives; F.linear where no tile fits or for
+    """x: [m, K] (m <= GEMM_ROWS); weight: [N, K] -> [m, N] with ``_decode_gemm_kernel`` at the tile
+    ``decode_gemm_tile`` gives, K split as ``decode_gemm_splits`` says; F.linear where no tile fits or for
     strided rows / mixed or fp32 dtypes."""
     m, k = x.shape
     n = weight.shape[0]
-    plan = decode_gemm_plan(m, n, k, _multiprocessors(x.device))
-    if (plan is None or x.stride(-1) != 1 or weight.stride(-1) != 1 or x.dtype != weight.dtype
+    tile = decode_gemm_tile(m, n, k)
+    if (tile is None or x.stride(-1) != 1 or weight.stride(-1) != 1 or x.dtype != weight.dtype
             or x.dtype not in (torch.bfloat16, torch.float16)
             or (bias is not None and (bias.dtype != x.dtype or bias.stride(-1) != 1))):
         return F.linear(x, weight, bias)
-    (block_n, block_k, stages, warps), splits = plan
+    block_n, block_k, stages, warps = tile
     block_m = max(16, triton.next_power_of_2(m))
+    splits = decode_gemm_splits(n, k, tile, x.device)
     counters = arrival_counters(x.device, n // block_n) if splits > 1 else None
     if counters is None:
         splits, counters = 1, weight
