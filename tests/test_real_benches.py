@@ -133,5 +133,5 @@ def test_spec_host_time_runs_and_counts_forwards(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())["numbers"]
     assert [r["steps"] for r in rows] == [0, 3]
     assert rows[0]["forwards_per_round"] == pytest.approx(1.0, abs=0.1)  # a decode step a token
-    assert 2.5 <= rows[1]["forwards_per_round"] <= 3.5  # first pass, the chained draft steps, the verify
+    assert 1.5 <= rows[1]["forwards_per_round"] <= 2.5  # first pass and chained draft steps in one, the verify
     assert all(r["host_ms_per_round_median"] > 0 for r in rows)

@@ -66,46 +66,70 @@ def test_static_shape_steps_equal_eager(spec: SpeculativeConfig | None) -> None:
     assert outputs[True] == outputs[False]
 
 
+MODES = ("fused", "chained", "step-by-step")
+
+
+def _spec_engine(monkeypatch: pytest.MonkeyPatch, mode: str, spec: SpeculativeConfig) -> tuple[Engine, list[int]]:
+    """An engine whose draft runs a chain as ``mode`` says: "fused" (first pass and steps in one replay, the
+    default), "chained" (the first pass, then the steps in one replay), "step-by-step" (no chained shapes);
+    and a counter of the fused replays that ran."""
+    from fusedserve.worker.executor.executor import StepExecutor
+
+    fused = [0]
+    run_first_chain = StepExecutor.run_first_chain
+
+    def counted(self: StepExecutor, *args: object, **kwargs: object) -> object:
+        out = run_first_chain(self, *args, **kwargs)  # type: ignore[arg-type]
+        fused[0] += out is not None
+        return out
+
+    monkeypatch.setattr(StepExecutor, "run_first_chain", counted)
+    if mode != "fused":
+        monkeypatch.setattr(StepExecutor, "first_chain_shape", lambda self, *a, **k: None)
+    if mode == "step-by-step":
+        monkeypatch.setattr(StepExecutor, "chainable", lambda self: False)
+    engine = Engine(TARGET, EngineConfig(num_blocks=24, block_size=4, max_num_seqs=3, speculative=spec,
+                                         cuda_graphs=True, cuda_graph_batch_sizes=(1, 2, 4)))
+    return engine, fused
+
+
 @pytest.mark.parametrize("penalty", [1.0, 1.6], ids=["raw", "repetition-penalty"])
 def test_chained_greedy_drafts_equal_step_by_step(monkeypatch: pytest.MonkeyPatch, penalty: float) -> None:
     """A greedy chain's draft steps as one chained replay (device-side feedback of token, hidden
-    state, position and slot, across a block boundary: block size 4, 5 steps) propose exactly the
-    step-by-step drafts: same tokens, same acceptance at every position. The chained step verifies with
+    state, position and slot, across a block boundary: block size 4, 5 steps), and with the first pass in
+    the same replay (its last row's draft and hidden state fed to step 1 on the device), propose exactly
+    the step-by-step drafts: same tokens, same acceptance at every position. The chained step verifies with
     the verify's raw argmax read back beside the drafts; a request whose logits a penalty adjusts must
     verify against the adjusted ones instead, as the step-by-step path does."""
-    from fusedserve.worker.executor.executor import StepExecutor
-
     params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, repetition_penalty=penalty)
     spec = SpeculativeConfig(DRAFT, num_steps=5)
     runs: dict[str, tuple[list[list[int]], object]] = {}
     replays: dict[str, int] = {}
-    for name in ("chained", "step-by-step"):
-        if name == "step-by-step":
-            monkeypatch.setattr(StepExecutor, "chainable", lambda self: False)
-        engine = Engine(TARGET, EngineConfig(num_blocks=24, block_size=4, max_num_seqs=3, speculative=spec,
-                                             cuda_graphs=True, cuda_graph_batch_sizes=(1, 2, 4)))
-        assert engine.speculator is not None
-        graphs = engine.speculator.draft.graphs
-        assert graphs is not None and any(s.chain == 4 for s in graphs.captured) == (name == "chained")
-        outputs = [c.token_ids for c in engine.generate(PROMPTS, params)]
-        runs[name] = (outputs, engine.stats().spec)
-        replays[name] = graphs.runs
-    assert runs["chained"][0] == runs["step-by-step"][0]
-    assert runs["chained"][1] == runs["step-by-step"][1]
+    for mode in MODES:
+        with monkeypatch.context() as patch:
+            engine, fused = _spec_engine(patch, mode, spec)
+            assert engine.speculator is not None
+            graphs = engine.speculator.draft.graphs
+            assert graphs is not None and any(s.chain == 4 for s in graphs.captured) == (mode != "step-by-step")
+            outputs = [c.token_ids for c in engine.generate(PROMPTS, params)]
+        runs[mode] = (outputs, engine.stats().spec)
+        replays[mode] = graphs.runs
+        assert (fused[0] > 0) == (mode == "fused"), (mode, fused)
+    assert runs["fused"] == runs["chained"] == runs["step-by-step"]
     stats = runs["chained"][1]
     assert stats is not None and stats.accepted_tokens > 0
-    # each chained replay stands for the 4 step replays of the step-by-step path
+    # each chained replay stands for the 4 step replays of the step-by-step path; a fused one also for the first pass
     saved = replays["step-by-step"] - replays["chained"]
     assert saved > 0 and saved % 3 == 0, replays
+    assert replays["fused"] < replays["chained"], replays
 
 
 def test_chained_sampled_drafts_equal_step_by_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """A sampled chain's draft steps as one chained replay (each draft drawn inside it at the request's
-    temperature with its uniform numbers, the distributions returned for the rejection rule) give the
-    step-by-step path's tokens and acceptance for seeded requests; a batch mixing greedy, temperature-only
-    and top-p requests takes the step-by-step draw (top-p is not drawn in the replay) and agrees too."""
-    from fusedserve.worker.executor.executor import StepExecutor
-
+    temperature with its uniform numbers, the distributions returned for the rejection rule), and with the
+    first pass's draw in the same replay, give the step-by-step path's tokens and acceptance for seeded
+    requests; a batch mixing greedy, temperature-only and top-p requests takes the step-by-step draw (top-p
+    is not drawn in the replay) and agrees too."""
     spec = SpeculativeConfig(DRAFT, num_steps=5)
     mixed = [SamplingParams(temperature=0.8, seed=3, max_tokens=14, ignore_eos=True),
              SamplingParams(temperature=0, max_tokens=14, ignore_eos=True),
@@ -114,23 +138,23 @@ def test_chained_sampled_drafts_equal_step_by_step(monkeypatch: pytest.MonkeyPat
              for i, t in enumerate((0.8, 1.0, 0.0))]
     runs: dict[str, tuple[list[list[int]], list[list[int]], object]] = {}
     replays: dict[str, int] = {}
-    for name in ("chained", "step-by-step"):
-        if name == "step-by-step":
-            monkeypatch.setattr(StepExecutor, "chainable", lambda self: False)
-        engine = Engine(TARGET, EngineConfig(num_blocks=24, block_size=4, max_num_seqs=3, speculative=spec,
-                                             cuda_graphs=True, cuda_graph_batch_sizes=(1, 2, 4)))
-        assert engine.speculator is not None
-        graphs = engine.speculator.draft.graphs
-        assert graphs is not None and any(s.sampled for s in graphs.captured) == (name == "chained")
-        out_drawn = [c.token_ids for c in engine.generate(PROMPTS, drawn)]
-        replays[name] = graphs.runs
-        out_mixed = [c.token_ids for c in engine.generate(PROMPTS, mixed)]
-        runs[name] = (out_drawn, out_mixed, engine.stats().spec)
-    assert runs["chained"] == runs["step-by-step"]
+    for mode in MODES:
+        with monkeypatch.context() as patch:
+            engine, fused = _spec_engine(patch, mode, spec)
+            assert engine.speculator is not None
+            graphs = engine.speculator.draft.graphs
+            assert graphs is not None and any(s.sampled for s in graphs.captured) == (mode != "step-by-step")
+            out_drawn = [c.token_ids for c in engine.generate(PROMPTS, drawn)]
+            replays[mode] = graphs.runs
+            assert (fused[0] > 0) == (mode == "fused"), (mode, fused)
+            out_mixed = [c.token_ids for c in engine.generate(PROMPTS, mixed)]
+        runs[mode] = (out_drawn, out_mixed, engine.stats().spec)
+    assert runs["fused"] == runs["chained"] == runs["step-by-step"]
     stats = runs["chained"][2]
     assert stats is not None and stats.accepted_tokens > 0
     saved = replays["step-by-step"] - replays["chained"]
     assert saved > 0 and saved % 3 == 0, replays
+    assert replays["fused"] < replays["chained"], replays
 
 
 def test_chained_shape_needs_device_metadata_attention() -> None:
@@ -147,6 +171,8 @@ def test_tree_chain_shape_masks_every_step_over_its_scratch_slots() -> None:
 
     tree = StepShape(2, 3, 6, hidden=8, chain=2)  # 3 leaves a step, 2 steps: a mask over 2 * 3 slots
     assert tree.is_tree_chain and not StepShape(2, 1, hidden=8, chain=2).is_tree_chain
+    first = StepShape(2, 4, last_only=True, hidden=24, chain=2)  # a first pass of 4 rows, then 2 one-row steps
+    assert first.has_first_pass and not first.is_tree_chain and not tree.has_first_pass
     for bad in [dict(tokens=3, tail=3), dict(tokens=1, tail=2), dict(tokens=3, tail=6, last_only=True)]:
         with pytest.raises(ValueError, match="chained shape"):
             StepShape(2, hidden=8, chain=2, **bad)  # type: ignore[arg-type]

@@ -205,6 +205,29 @@ class StepExecutor:
         return self.graphs.run(shape, self._packed(step), hidden, input_ids=first_ids, temperatures=temperatures,
                                uniforms=uniforms)
 
+    def first_chain_shape(self, step: Step, hidden: int, chain: int, sampled: bool = False) -> StepShape | None:
+        """The captured first pass + chain ``run_first_chain`` replays for this first pass, or None."""
+        if (self.graphs is None or self.dp or not step.seqs
+                or not all(s.num_logits == 1 and s.tail_mask is None for s in step.seqs)):
+            return None
+        key = self.graphs.first_pass_key(max(s.rows for s in step.seqs), hidden, chain, sampled)
+        return None if key is None else self.graphs.shape_for(len(step.seqs), key)
+
+    @torch.inference_mode()
+    def run_first_chain(self, step: Step, hidden: torch.Tensor, chain: int,
+                        sampling: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[torch.Tensor] | None:
+        """The draft's first pass (``step``: each sequence's bases, its last row the root; ``hidden``: their aux
+        rows [step.num_tokens, width]) and ``chain`` steps after it, in one replay (a captured shape with a
+        first pass): step 1 is fed the first pass's ``feed`` token (or draw) and its last row's hidden state.
+        ``sampling``: each sequence's temperature and uniform numbers [len(step.seqs), 1 + chain].
+        -> [the drafts [len(step.seqs), 1 + chain]] (a sampled chain's also the distributions drawn from
+        [len(step.seqs), 1 + chain, vocab]), or None when no such shape is captured for the step."""
+        shape = self.first_chain_shape(step, int(hidden.shape[-1]), chain, sampling is not None)
+        if shape is None or self.graphs is None:
+            return None
+        temperatures, uniforms = sampling if sampling is not None else (None, None)
+        return self.graphs.run(shape, self._packed(step), hidden, temperatures=temperatures, uniforms=uniforms)
+
     def tree_chain_shape(self, num_seqs: int, hidden: int, chain: int, leaves: int) -> StepShape | None:
         """The captured tree chain ``run_tree_chain`` replays for ``num_seqs`` sequences, or None."""
         if self.graphs is None or self.dp:

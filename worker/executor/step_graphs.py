@@ -20,9 +20,14 @@ of one row per sequence back to back: after each, ``feed`` turns its logits into
 tokens and its hidden output becomes the next hidden input, and positions, causal limits, context
 lengths and cache slots advance by one on the device (the next slot through the block table;
 padding rows keep writing to ``pad_slot``). Its one output is every forward's fed token,
-[rows, chain]. A sampled chain (``StepShape.sampled``) feeds ``sample``'s draw instead, from each row's
-temperature and uniform numbers (``run``'s ``temperatures`` [rows], ``uniforms`` [rows, chain]; static
-inputs like the rest), and also returns the distributions drawn from, [rows, chain, vocab]. A tree chain (``StepShape.is_tree_chain``: a draft tree's steps) replays ``grow``,
+[rows, chain]. A chain with a first pass (``StepShape.has_first_pass``) runs the draft's first pass over
+the packed rows before it: the first pass's draft (from its ``last_only`` logits) and its last rows' hidden
+states feed step 1, one row per sequence one position, index, context and slot after the sequence's last
+row; its output [batch, 1 + chain] starts with the first pass's draft. A sampled chain
+(``StepShape.sampled``) feeds ``sample``'s draw instead, from each sequence's temperature and uniform
+numbers (``run``'s ``temperatures`` [seqs], ``uniforms`` [seqs, drafts]; static inputs like the rest),
+and also returns the distributions drawn from, [batch, drafts, vocab]. A tree chain
+(``StepShape.is_tree_chain``: a draft tree's steps) replays ``grow``,
 the drafter's program, which runs the ``chain`` forwards through a hook: before forward j its
 ``tokens`` leaves per sequence take the program's tokens, hidden inputs and mask rows over the
 ``j * tokens`` scratch slots (the tail's earlier columns stay visible: bases), at RoPE one further
@@ -102,8 +107,10 @@ class _Views:
     last_rows: torch.Tensor  # [batch] constant: each sequence's last row
     hidden: torch.Tensor | None  # [rows, hidden]
     scores: torch.Tensor | None  # [rows] float64: a tree chain's first leaves' scores
-    temperatures: torch.Tensor | None  # [rows] float32: a sampled chain's (0: argmax)
-    uniforms: torch.Tensor | None  # [rows, chain] float64: a sampled chain's numbers
+    temperatures: torch.Tensor | None  # [batch] float32: a sampled chain's (0: argmax)
+    uniforms: torch.Tensor | None  # [batch, drafts] float64: a sampled chain's numbers, one per draft it draws
+    one_row_seq: torch.Tensor | None  # [batch] constant: the chain's rows after a first pass, one per sequence
+    one_row_start: torch.Tensor | None  # [batch + 1] constant (int32)
 
 
 @dataclass
@@ -161,8 +168,8 @@ class StepGraphs:
         trees = [s.rows for s in ordered if s.is_tree_chain]
         self._scores = torch.zeros(max(trees), dtype=torch.float64, device=device) if trees else None
         drawn = [s for s in ordered if s.sampled]
-        self._temperatures = torch.zeros(max(s.rows for s in drawn), device=device) if drawn else None
-        self._uniforms = (torch.zeros(max(s.rows for s in drawn), max(s.chain for s in drawn), dtype=torch.float64,
+        self._temperatures = torch.zeros(max(s.batch for s in drawn), device=device) if drawn else None
+        self._uniforms = (torch.zeros(max(s.batch for s in drawn), max(_drafts(s) for s in drawn), dtype=torch.float64,
                                       device=device) if drawn else None)
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.captured: dict[StepShape, _Captured] = {}
@@ -179,9 +186,11 @@ class StepGraphs:
         b = next((b for b in self.batch_sizes.get(key, ()) if b >= num_seqs), None)
         return None if b is None else StepShape.of(b, key)
 
-    def first_pass_key(self, max_rows: int, hidden: int) -> ShapeKey | None:
-        """The captured ``last_only`` key that holds ``max_rows`` rows per sequence, if any."""
-        keys = sorted(k for k in self.batch_sizes if k[2] and k[3] == hidden and k[0] >= max_rows)
+    def first_pass_key(self, max_rows: int, hidden: int, chain: int = 0, sampled: bool = False) -> ShapeKey | None:
+        """The captured ``last_only`` key that holds ``max_rows`` rows per sequence, if any (with ``chain``:
+        a first pass and that many chained steps, drawn when ``sampled``)."""
+        keys = sorted(k for k in self.batch_sizes
+                      if k[2] and k[3] == hidden and k[0] >= max_rows and k[4] == chain and k[5] == sampled)
         return keys[0] if keys else None
 
     # --- capture ----------------------------------------------------------------------------
@@ -203,9 +212,11 @@ class StepGraphs:
                       last_rows=torch.arange(b, device=dev) * q + q - 1,
                       hidden=self._hidden[shape.hidden][:t] if shape.hidden else None,
                       scores=self._scores[:t] if shape.is_tree_chain and self._scores is not None else None,
-                      temperatures=self._temperatures[:t] if shape.sampled and self._temperatures is not None else None,
-                      uniforms=(self._uniforms[:t, :shape.chain] if shape.sampled and self._uniforms is not None
-                                else None))
+                      temperatures=self._temperatures[:b] if shape.sampled and self._temperatures is not None else None,
+                      uniforms=(self._uniforms[:b, :_drafts(shape)] if shape.sampled and self._uniforms is not None
+                                else None),
+                      one_row_seq=torch.arange(b, device=dev) if shape.has_first_pass else None,
+                      one_row_start=torch.arange(b + 1, dtype=torch.int32, device=dev) if shape.has_first_pass else None)
 
     def _forward(self, shape: StepShape, v: _Views, attention: Any = None) -> tuple[torch.Tensor, ...]:
         """The padded forward on the static views (captured: everything here is replayed)."""
@@ -229,42 +240,61 @@ class StepGraphs:
         if shape.is_tree_chain:
             assert tail is not None
             return self._tree_chain(shape, v, batch, tail)
-        step = self._chain_steps(shape, v, batch)
-        assert v.hidden is not None
         fed: list[torch.Tensor] = []
         drawn_from: list[torch.Tensor] = []
-        ids, hidden = v.ids, v.hidden
-        for j in range(1, shape.chain + 1):
-            out = self.fn(step(j, ids, hidden))
+
+        def draw(logits: torch.Tensor) -> torch.Tensor:
             if shape.sampled:
                 assert self.sample is not None and v.temperatures is not None and v.uniforms is not None
-                token, q = self.sample(out.logits, v.temperatures, v.uniforms[:, j - 1])
+                token, q = self.sample(logits, v.temperatures, v.uniforms[:, len(fed)])
                 drawn_from.append(q)
             else:
                 assert self.feed is not None
-                token = self.feed(out.logits)
+                token = self.feed(logits)
             fed.append(token)
-            ids, hidden = token, out.hidden[0]
+            return token
+
+        assert v.hidden is not None
+        if shape.has_first_pass:  # the first pass, then one row per sequence after each one's last row
+            assert v.one_row_seq is not None and v.one_row_start is not None and batch.paged is not None
+            first = self.fn(batch)
+            last = v.last_rows
+            ids, hidden = draw(first.logits), first.hidden[0].index_select(0, last)
+            one_row = replace(batch, query_lens=[1] * b, context_lens=[1] * b, logits_indices=None,
+                              paged=replace(batch.paged, token_seq=v.one_row_seq, query_start=v.one_row_start,
+                                            max_query_len=1))
+            step = self._chain_steps(b, 1, shape.chain, v.positions[last] + 1, v.index[last] + 1,
+                                     v.context_lens + 1, v.slots[last], v.tables, one_row)
+        else:
+            ids, hidden = v.ids, v.hidden
+            step = self._chain_steps(b, shape.tokens, shape.chain, v.positions, v.index, v.context_lens, v.slots,
+                                     v.tables, batch)
+        for j in range(1, shape.chain + 1):
+            out = self.fn(step(j, ids, hidden))
+            ids, hidden = draw(out.logits), out.hidden[0]
         if shape.sampled:
             return torch.stack(fed, dim=1), torch.stack(drawn_from, dim=1)
         return (torch.stack(fed, dim=1),)
 
-    def _chain_steps(self, shape: StepShape, v: _Views, batch: ForwardBatch
+    def _chain_steps(self, b: int, q: int, chain: int, positions: torch.Tensor, index: torch.Tensor,
+                     context_lens: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, batch: ForwardBatch
                      ) -> Callable[[int, torch.Tensor, torch.Tensor], ForwardBatch]:
-        """Forward j (1 .. chain) of a chained shape, fed these token ids and hidden inputs: its rows one RoPE
-        position and ``tokens`` slots further per step than the packed layout (step 1's); every step's
-        positions, causal limits, context lengths and cache slots made at once (padding rows keep ``pad_slot``)."""
-        b, q, chain = shape.batch, shape.tokens, shape.chain
+        """Forward j (1 .. chain) of a chained shape (``b`` sequences of ``q`` rows), fed these token ids and
+        hidden inputs: its rows one RoPE position and ``q`` slots further per step than step 1's layout
+        (``positions``, causal limits ``index`` and ``slots`` [b * q], ``context_lens`` [b], the block
+        ``tables``; ``batch`` the step's template); every step's positions, causal limits, context lengths and
+        cache slots made at once (padding rows keep ``pad_slot``)."""
         bs = self.kv_cache.block_size
         assert batch.paged is not None
         paged = batch.paged
-        on = torch.arange(chain, device=v.positions.device)[:, None]  # [chain, 1]: steps after the first
-        positions = v.positions + on  # [chain, rows]
-        index = v.index + on * q
-        context_lens = v.context_lens + on * q  # [chain, batch]
+        on = torch.arange(chain, device=positions.device)[:, None]  # [chain, 1]: steps after the first
+        first_slots = slots
+        positions = positions + on  # [chain, rows]
+        index = index + on * q
+        context_lens = context_lens + on * q  # [chain, batch]
         per_seq = (index // bs).view(chain, b, q).transpose(0, 1).reshape(b, chain * q)
-        block = v.tables.gather(1, per_seq).view(b, chain, q).transpose(0, 1).reshape(chain, b * q)
-        slots = torch.where(v.slots != self.pad_slot, block * bs + index % bs, self.pad_slot)
+        block = tables.gather(1, per_seq).view(b, chain, q).transpose(0, 1).reshape(chain, b * q)
+        slots = torch.where(first_slots != self.pad_slot, block * bs + index % bs, self.pad_slot)
 
         def step(j: int, ids: torch.Tensor, hidden: torch.Tensor) -> ForwardBatch:
             meta = replace(paged, context_lens=context_lens[j - 1], token_index=index[j - 1])
@@ -279,7 +309,7 @@ class StepGraphs:
         columns of ``tail``, the attention's mask (bool [rows, shape.tail])."""
         b, k, width = shape.batch, shape.tokens, shape.tail
         assert self.grow is not None and v.hidden is not None and v.scores is not None
-        step = self._chain_steps(shape, v, batch)
+        step = self._chain_steps(b, k, shape.chain, v.positions, v.index, v.context_lens, v.slots, v.tables, batch)
 
         def forward(j: int, ids: torch.Tensor, hidden: torch.Tensor, rows: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -364,8 +394,8 @@ class StepGraphs:
         group's real tokens (DP attention); input_ids, positions: [real rows], tail_rows: [real rows,
         shape.tail] (0/1), on the device, in place of the rows' token ids, RoPE positions and tail
         masks (drafts and draft trees grown on the device; the host's values only size the step);
-        scores: [real rows] (a tree chain's first leaves' scores); temperatures [real rows], uniforms
-        [real rows, chain] (a sampled chain's)."""
+        scores: [real rows] (a tree chain's first leaves' scores); temperatures [len(seqs)], uniforms
+        [len(seqs), drafts] (a sampled chain's: one number per draft it draws)."""
         entry = self.captured[shape]
         v = entry.views
         self.runs += 1
@@ -402,8 +432,8 @@ class StepGraphs:
             raise ValueError(f"{shape}: a sampled chain, and only one, takes temperatures and uniform numbers")
         if v.temperatures is not None and v.uniforms is not None:
             assert temperatures is not None and uniforms is not None
-            v.temperatures.index_copy_(0, dest, temperatures.to(v.temperatures.dtype))
-            v.uniforms.index_copy_(0, dest, uniforms.to(v.uniforms.dtype))
+            v.temperatures[:len(seqs)].copy_(temperatures)
+            v.uniforms[:len(seqs)].copy_(uniforms)
         if entry.graph is None:
             with self.ledger.capture() as again:
                 outputs = self._forward(shape, v, entry.attention)
@@ -423,3 +453,8 @@ class StepGraphs:
             else:  # one row per sequence
                 out.append(t[:n])
         return out
+
+
+def _drafts(shape: StepShape) -> int:
+    """The drafts a chained shape draws per sequence: one per chained step, and the first pass's."""
+    return shape.chain + shape.has_first_pass

@@ -6,8 +6,10 @@ sequence's last row only (``last_only``: a sequence may bring fewer rows than ``
 padded in front, e.g. the draft's first pass), and, for the EAGLE3 draft, a ``hidden`` input of
 that width; ``chain``: that many forwards replayed back to back, each feeding the next on the
 device: one row per sequence with its greedy next token and hidden state (the EAGLE3 draft's chain
-steps; ``sampled``: its token drawn at the row's temperature with the row's uniform numbers), or ``tokens`` leaves per sequence with a mask over the last ``tail = chain * tokens`` slots
-(a draft tree's steps, grown on the device). Examples (chain of 3 drafts, batch padded to 8):
+steps; ``sampled``: its token drawn at the row's temperature with the row's uniform numbers); with
+``last_only``, the draft's first pass first (its ``tokens`` rows per sequence), whose last row's draft
+and hidden state feed the chain's first step; or ``tokens`` leaves per sequence with a mask over the
+last ``tail = chain * tokens`` slots (a draft tree's steps, grown on the device). Examples (chain of 3 drafts, batch padded to 8):
 
     StepShape(8, 1)                              target decode: one token per sequence
     StepShape(8, 4)                              target verify of a chain (root + 3 drafts, causal)
@@ -16,6 +18,7 @@ steps; ``sampled``: its token drawn at the row's temperature with the row's unif
     StepShape(8, 1, hidden=128)                  draft step of a chain: its own hidden state in
     StepShape(8, 1, hidden=128, chain=2)         the chain's 2 remaining draft steps, one replay
     StepShape(8, 1, hidden=128, chain=2, sampled=True)  the same, each draft drawn from the draft's q
+    StepShape(8, 4, last_only=True, hidden=384, chain=2)  the first pass, its draft and the 2 steps, one replay
     StepShape(8, 4, 24, hidden=128, chain=6)     a tree's 6 draft steps of 4 leaves, one replay
 """
 
@@ -37,10 +40,11 @@ class StepShape:
     sampled: bool = False  # a chain whose drafts are drawn (temperatures and uniform numbers in), not argmax
 
     def __post_init__(self) -> None:
-        if self.chain and (self.last_only or not self.hidden or (self.tokens, self.tail) != (1, 0)
-                           and (self.tokens < 2 or self.tail != self.chain * self.tokens)):
-            raise ValueError(f"a chained shape feeds a hidden input to one row per sequence, or to a tree's "
-                             f"leaves with a mask over chain * tokens slots: {self}")
+        one_row = (self.tokens, self.tail) == (1, 0) or self.last_only and not self.tail
+        tree = not self.last_only and self.tokens >= 2 and self.tail == self.chain * self.tokens
+        if self.chain and (not self.hidden or not (one_row or tree)):
+            raise ValueError(f"a chained shape feeds a hidden input to one row per sequence (after a first pass: "
+                             f"last_only), or to a tree's leaves with a mask over chain * tokens slots: {self}")
         if self.sampled and (not self.chain or self.tail):
             raise ValueError(f"only a chain of one row per sequence draws its drafts: {self}")
 
@@ -51,6 +55,11 @@ class StepShape:
     @property
     def key(self) -> ShapeKey:
         return (self.tokens, self.tail, self.last_only, self.hidden, self.chain, self.sampled)
+
+    @property
+    def has_first_pass(self) -> bool:
+        """A chain that starts with the draft's first pass over ``tokens`` rows per sequence."""
+        return self.chain > 0 and self.last_only
 
     @property
     def is_tree_chain(self) -> bool:

@@ -15,8 +15,9 @@ tree steps pass a mask over the scratch slots (each node sees the bases, its anc
 CUDA graphs (``draft_shapes``): the first pass (at most ``num_steps + 1`` bases per sequence,
 padded in front, the last row's logits) and the draft steps (``width`` nodes per sequence; a
 tree's step j with its mask over the ``j * width`` scratch slots) at every captured batch size;
-and (``chain_shapes``) its steps after the first pass chained in one replay (a greedy chain's, or a tree's grown on the device), at the
-batch sizes whose attention reads device metadata only.
+and (``chain_shapes``) its steps after the first pass chained in one replay (a chain's, greedy or
+sampled, also with the first pass in the same replay; or a tree's grown on the device), at the batch
+sizes whose attention reads device metadata only.
 """
 
 from __future__ import annotations
@@ -88,15 +89,19 @@ def build_draft(draft_dir: str | Path, target_dir: str | Path, target_config: An
 
 def chain_shapes(model: Eagle3Draft, batch_sizes: list[int], num_steps: int, width: int = 1) -> list[StepShape]:
     """Steps 1 .. num_steps - 1 as one chained replay per batch size (none for one step): a chain's, greedy
-    and sampled (its drafts drawn at each request's temperature), or (``width`` > 1) a tree's, ``width``
-    leaves per step with a mask over the last (num_steps - 1) * width slots."""
+    and sampled (its drafts drawn at each request's temperature), alone and after the first pass (the
+    first pass's rows, as ``draft_shapes``), or (``width`` > 1) a tree's, ``width`` leaves per step with a
+    mask over the last (num_steps - 1) * width slots."""
     h = int(model.config.hidden_size)
     chain = num_steps - 1
     if not chain:
         return []
     if width > 1:
         return [StepShape(b, width, chain * width, hidden=h, chain=chain) for b in batch_sizes]
-    return [StepShape(b, 1, hidden=h, chain=chain, sampled=s) for b in batch_sizes for s in (False, True)]
+    aux = int(model.fc.in_features)
+    return [shape for b in batch_sizes for s in (False, True)
+            for shape in (StepShape(b, 1, hidden=h, chain=chain, sampled=s),
+                          StepShape(b, num_steps + 1, last_only=True, hidden=aux, chain=chain, sampled=s))]
 
 
 def draft_shapes(model: Eagle3Draft, batch_sizes: list[int], num_steps: int, width: int) -> list[StepShape]:

@@ -30,6 +30,7 @@ each step's expand is one kernel (``tree_expand_triton``).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -154,30 +155,41 @@ class Drafter:
     def chain(self, work: list[DraftWork]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A chain's drafts, left on the device: the first pass, then steps 1 .. num_steps - 1 (step j's
         one row per sequence at RoPE n + j in slot n + j - 1, fed the step before's draft and hidden state
-        on the device), in one chained replay where one is captured for the batch, else one forward each.
-        Every request greedy: the draft's argmax. Otherwise every row draws its draft from q (its request's
-        temperature, min-p, top-k, top-p; a greedy row's q is one-hot on the argmax) with numbers from its
-        own stream (the chained replay where no request sets more than a temperature). Nothing is read back.
+        on the device) — first pass and steps in one replay where such a shape is captured for the batch
+        (``run_first_chain``), else the first pass and one chained replay of the steps (``run_chain``),
+        else one forward each. Every request greedy: the draft's argmax. Otherwise every row draws its
+        draft from q (its request's temperature, min-p, top-k, top-p; a greedy row's q is one-hot on the
+        argmax) with numbers from its own stream (in the replays where no request sets more than a
+        temperature). Nothing is read back.
         -> (drafts [len(work), num_steps] target ids, each draft's q over the target vocabulary
         [len(work), num_steps, vocab], or None when every request is greedy)"""
-        logits, hidden = self._first_pass(work)
-        seqs = tuple(SeqRows(tuple(w.entry.block_table), (0,), (w.entry.start + 1,), w.entry.start + 1)
-                     for w in work)  # token ids: the first drafts, on the device
+        seqs, aux = self._first_pass_inputs(work)
         rest = self.num_steps - 1
-        if all(w.seq.params.greedy for w in work):
+        params = [w.seq.params for w in work]
+        greedy = all(p.greedy for p in params)
+        uniforms = None if greedy else torch.stack([w.draw(self.num_steps) for w in work]).to(aux.device)
+        temperatures = None
+        if not greedy and all(p.greedy or p.temperature_only for p in params):
+            temperatures = to_device([0.0 if p.greedy else p.temperature for p in params], aux.device, torch.float32)
+        if rest and (greedy or temperatures is not None):
+            sampling = None if temperatures is None or uniforms is None else (temperatures, uniforms)
+            fused = self.draft.run_first_chain(Step(seqs), aux, rest, sampling)
+            if fused is not None:
+                return fused[0], None if greedy else self._on_target(fused[1])
+        logits, hidden = self._first_pass_run(seqs, aux)
+        steps = tuple(SeqRows(tuple(w.entry.block_table), (0,), (w.entry.start + 1,), w.entry.start + 1)
+                      for w in work)  # token ids: the first drafts, on the device
+        if greedy:
             first = self.greedy_tokens(logits)  # [B]: each root's first draft
-            fed = self.draft.run_chain(Step(seqs), hidden, first, rest) if rest else []
+            fed = self.draft.run_chain(Step(steps), hidden, first, rest) if rest else []
             if fed is not None:
                 return torch.cat([first[:, None], *fed], dim=1), None
             return self._chain_steps(work, hidden, [first], self.greedy_tokens), None
-        params = [w.seq.params for w in work]
-        uniforms = torch.stack([w.draw(self.num_steps) for w in work]).to(logits.device)  # [B, num_steps]
+        assert uniforms is not None
         qs: list[torch.Tensor] = []
-        if all(p.greedy or p.temperature_only for p in params):
-            temperatures = to_device([0.0 if p.greedy else p.temperature for p in params], logits.device,
-                                     torch.float32)
+        if temperatures is not None:
             first, q = self.sample_tokens(logits, temperatures, uniforms[:, 0])
-            out = self.draft.run_chain(Step(seqs), hidden, first, rest, (temperatures, uniforms[:, 1:])) if rest else []
+            out = self.draft.run_chain(Step(steps), hidden, first, rest, (temperatures, uniforms[:, 1:])) if rest else []
             if out is not None:
                 drafts = torch.cat([first[:, None], *out[:1]], dim=1)
                 qs = [q[:, None], *out[1:]]
@@ -187,9 +199,13 @@ class Drafter:
         else:
             drafts = self._chain_steps(work, hidden, [self._sampled(logits, params, uniforms, qs)],
                                        lambda lg: self._sampled(lg, params, uniforms, qs))
-        q_target = logits.new_zeros(len(work), self.num_steps, self._vocab)
-        q_target[:, :, self._draft_to_target] = torch.cat([q if q.dim() == 3 else q[:, None] for q in qs], dim=1)
-        return drafts, q_target
+        return drafts, self._on_target(torch.cat([q if q.dim() == 3 else q[:, None] for q in qs], dim=1))
+
+    def _on_target(self, q: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary distributions [B, steps, draft_vocab] -> over the target's vocabulary."""
+        out = q.new_zeros(q.shape[0], q.shape[1], self._vocab)
+        out[:, :, self._draft_to_target] = q
+        return out
 
     def _sampled(self, logits: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor,
                  qs: list[torch.Tensor]) -> torch.Tensor:
@@ -260,6 +276,12 @@ class Drafter:
     def _first_pass(self, work: list[DraftWork]) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft over every base not yet in its cache, up to the root; consumes the pending
         aux rows. -> (root-row logits [B, draft_vocab], root-row hidden [B, H])"""
+        return self._first_pass_run(*self._first_pass_inputs(work))
+
+    @staticmethod
+    def _first_pass_inputs(work: list[DraftWork]) -> tuple[tuple[SeqRows, ...], torch.Tensor]:
+        """The first pass's rows (base b reads token b + 1 at RoPE b + 1) and their aux states [rows, 3H]; the
+        pending rows are consumed (the bases up to the root count as in the draft cache from here)."""
         inputs: list[SeqRows] = []
         hidden: list[torch.Tensor] = []
         for w in work:
@@ -268,9 +290,12 @@ class Drafter:
             inputs.append(SeqRows(tuple(w.entry.block_table), tuple(tokens), tuple(range(b0 + 1, n + 1)), n))
             hidden += w.state.pending
             w.state.num_bases, w.state.pending = n, []
-        logits, out = self._run(inputs, torch.cat(hidden))
-        last = to_device([d.rows for d in inputs], out.device).cumsum(0) - 1
-        return logits, out[last]
+        return tuple(inputs), hidden[0] if len(hidden) == 1 else torch.cat(hidden)
+
+    def _first_pass_run(self, inputs: tuple[SeqRows, ...], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, out = self._run(list(inputs), hidden)
+        last = to_device([r - 1 for r in itertools.accumulate(d.rows for d in inputs)], out.device)
+        return logits, out.index_select(0, last)
 
     def _run(self, seqs: list[SeqRows], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft forward. hidden: [rows, 3*H_target] or [rows, H] -> (draft-vocab logits fp32
