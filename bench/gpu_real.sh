@@ -90,7 +90,9 @@ layout() {  # the package as `fusedserve` without installing it (as bench/device
       python3 -m pip install -q --no-index --no-deps --no-compile --target $T/site "$R/$w"/*.whl && touch "$T/site/.$w"
     fi
   done
-  if [ -d $T/fi ] && [ ! -f "$T/site/.flashinfer" ]; then
+  # (run as a plain command, not in an && list: bash ignores set -e inside a function called from one, which
+  # once marked FlashInfer installed after its wheels were missing)
+  if [ ! -f "$T/site/.flashinfer" ] && ls $T/fi/flashinfer_python-*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target $T/site $T/fi/*.whl
     mkdir -p $T/site/flashinfer/data && for t in $T/fi/flashinfer-aot-*.tar.gz; do tar -C $T/site/flashinfer/data -xzf "$t"; done
     touch "$T/site/.flashinfer"
@@ -111,7 +113,7 @@ stage
 case "$cmd" in
   stage) ;;
   train)
-    layout && model
+    layout; model
     pairs=""  # carried pairs (no regeneration), else the ShareGPT prompts
     for f in .whl/real/pairs/*.pt; do if [ -f "$f" ]; then pairs=${pairs:+$pairs,}$PWD/$f; fi; done
     if [ -n "$pairs" ]; then src=(--pairs "$pairs"); else src=(--data "$R/data-train/sharegpt.json"); fi
@@ -127,12 +129,12 @@ case "$cmd" in
     split -b 15M -d "$R/smollm2-eagle3/model.safetensors" "$OUT/smollm2-eagle3/model.safetensors.part"
     ;;
   regen)  # regeneration only, for a later `train` (carried as .whl/real/pairs/*.pt)
-    layout && model
+    layout; model
     python3 -P -m fusedserve.cli train-draft --target "$R/smollm2" --data "$R/data-train/sharegpt.json" \
       --regen-only --save-pairs "$OUT/pairs.pt" --budget-minutes "${1:-8.5}" --log "$OUT/regen.json" "${@:2}"
     ;;
   bench)
-    layout && model
+    layout; model
     draft=${DRAFT:-$R/smollm2-eagle3}
     [ -d "$draft" ] || draft=$R/draft  # carried as .whl/real/draft
     [ -d "$draft" ] || draft=$PWD/examples/checkpoints/smollm2-eagle3
@@ -140,7 +142,7 @@ case "$cmd" in
       --out "$OUT/spec-decode-real.json" "$@"
     ;;
   probe)  # bench/graph_launch_probe.py: each captured graph's host launch time (engine none / chain-3 on SmolLM2)
-    layout && model
+    layout; model
     draft=$R/draft; [ -d "$draft" ] || draft=$PWD/examples/checkpoints/smollm2-eagle3
     python3 -P bench/graph_launch_probe.py --target "$R/smollm2" --draft "$draft" --out "$OUT/graph-launch.json" "$@"
     ;;

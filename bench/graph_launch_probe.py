@@ -98,6 +98,7 @@ def idle_launches(graphs: Any, label: str, repeats: int = 20, kernels: bool = Fa
         if entry.graph is None:
             continue
         host, gpu = [], []
+        graphs.pad_inputs(shape)  # not the inputs another shape's last step left in the shared buffer
         for _ in range(repeats):
             torch.cuda.synchronize()
             start = torch.cuda.Event(enable_timing=True)

@@ -343,6 +343,15 @@ class StepGraphs:
 
     # --- replay -----------------------------------------------------------------------------
 
+    def pad_inputs(self, shape: StepShape) -> None:
+        """Fill ``shape``'s static inputs with padding rows only, as at its capture (every row writes the pad
+        slot, every index stays in range): what a bench needs before replaying a graph on its own (the
+        buffers hold whatever the last step of another shape packed)."""
+        packed = self._packed(shape, [], [0] * self.dp)
+        self._meta[: packed.shape[0]].copy_(packed)
+        if self._copied is not None:
+            self._copied.record()
+
     def _packed(self, shape: StepShape, seqs: Sequence[PackedSeq], dp_real: Sequence[int],
                 host_masks: bool = True) -> torch.Tensor:
         """The shape's int64 layout on the host (one pinned buffer, numpy slices: a step's host cost
