@@ -96,3 +96,43 @@ def test_sampled_chains_under_graphs_keep_greedy_rows_and_reproduce() -> None:
     assert runs[0] == runs[1]
     assert all(runs[0][i] == plain[i] for i in range(1, len(PROMPTS), 2))
     assert any(runs[0][i] != plain[i] for i in range(0, len(PROMPTS), 2))  # the sampled rows sampled
+
+
+@needs_gpu
+def test_chains_drafted_ahead_equal_chains_drafted_after_the_read_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under CUDA graphs the next round's chain, drafted on the device behind each verify (its first pass laid out
+    as if every draft were accepted, the rejected rows dropped on the device, the replay's output buffers reused
+    by the next round's replay), gives the tokens of drafting after the read-back: greedy and seeded sampled
+    requests in one batch, chain-3 and chain-5; and it is taken on most rounds."""
+    from fusedserve.worker.engine.config import EngineConfig
+    from fusedserve.worker.engine.engine import Engine
+    from fusedserve.worker.engine.sequence import SamplingParams
+    from fusedserve.worker.spec_decode.config import SpeculativeConfig
+    from fusedserve.worker.spec_decode.drafter import Drafter
+
+    params = [SamplingParams(temperature=0 if i % 2 else 0.9, seed=i, max_tokens=40, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    taken = [0, 0]
+    chain = Drafter.chain
+
+    def counted(self: Drafter, work: list) -> object:  # type: ignore[type-arg]
+        taken[0] += 1
+        taken[1] += all(w.state.ahead is not None and w.state.ahead.start == w.entry.start for w in work)
+        return chain(self, work)
+
+    for steps in (3, 5):
+        runs = {}
+        for ahead in (True, False):
+            with monkeypatch.context() as patch:
+                patch.setattr(Drafter, "chain", counted)
+                if not ahead:
+                    patch.setattr(Drafter, "chain_after", lambda self, *a, **k: False)
+                taken[:] = [0, 0]
+                engine = Engine(TARGET, EngineConfig(num_blocks=64, max_num_seqs=4, device="cuda", cuda_graphs=True,
+                                                     speculative=SpeculativeConfig(DRAFT, num_steps=steps)))
+                runs[ahead] = [c.token_ids for c in engine.generate(PROMPTS, params)]
+                if ahead:
+                    assert taken[1] >= taken[0] // 2, taken
+                else:
+                    assert taken[1] == 0
+        assert runs[True] == runs[False], steps

@@ -66,31 +66,40 @@ def test_static_shape_steps_equal_eager(spec: SpeculativeConfig | None) -> None:
     assert outputs[True] == outputs[False]
 
 
-MODES = ("fused", "chained", "step-by-step")
+MODES = ("ahead", "fused", "chained", "step-by-step")
 
 
 def _spec_engine(monkeypatch: pytest.MonkeyPatch, mode: str, spec: SpeculativeConfig) -> tuple[Engine, list[int]]:
-    """An engine whose draft runs a chain as ``mode`` says: "fused" (first pass and steps in one replay, the
-    default), "chained" (the first pass, then the steps in one replay), "step-by-step" (no chained shapes);
-    and a counter of the fused replays that ran."""
+    """An engine whose draft runs a chain as ``mode`` says: "ahead" (the default: the next round's chain drafted
+    on the device behind each verify, with the device's acceptance), "fused" (first pass and steps in one
+    replay), "chained" (the first pass, then the steps in one replay), "step-by-step" (no chained shapes);
+    and counters of the fused replays that ran and of the steps that used a chain drafted ahead."""
     from fusedserve.worker.executor.executor import StepExecutor
+    from fusedserve.worker.spec_decode.drafter import Drafter
 
-    fused = [0]
-    run_first_chain = StepExecutor.run_first_chain
+    counts = [0, 0]
+    run_first_chain, chain = StepExecutor.run_first_chain, Drafter.chain
 
     def counted(self: StepExecutor, *args: object, **kwargs: object) -> object:
         out = run_first_chain(self, *args, **kwargs)  # type: ignore[arg-type]
-        fused[0] += out is not None
+        counts[0] += out is not None
         return out
 
+    def chain_counted(self: Drafter, work: list) -> object:  # type: ignore[type-arg]
+        counts[1] += all(w.state.ahead is not None and w.state.ahead.start == w.entry.start for w in work)
+        return chain(self, work)
+
     monkeypatch.setattr(StepExecutor, "run_first_chain", counted)
-    if mode != "fused":
+    monkeypatch.setattr(Drafter, "chain", chain_counted)
+    if mode != "ahead":
+        monkeypatch.setattr(Drafter, "chain_after", lambda self, *a, **k: False)
+    if mode not in ("ahead", "fused"):
         monkeypatch.setattr(StepExecutor, "first_chain_shape", lambda self, *a, **k: None)
     if mode == "step-by-step":
         monkeypatch.setattr(StepExecutor, "chainable", lambda self: False)
-    engine = Engine(TARGET, EngineConfig(num_blocks=24, block_size=4, max_num_seqs=3, speculative=spec,
+    engine = Engine(TARGET, EngineConfig(num_blocks=32, block_size=4, max_num_seqs=3, speculative=spec,
                                          cuda_graphs=True, cuda_graph_batch_sizes=(1, 2, 4)))
-    return engine, fused
+    return engine, counts
 
 
 @pytest.mark.parametrize("penalty", [1.0, 1.6], ids=["raw", "repetition-penalty"])
@@ -114,14 +123,16 @@ def test_chained_greedy_drafts_equal_step_by_step(monkeypatch: pytest.MonkeyPatc
             outputs = [c.token_ids for c in engine.generate(PROMPTS, params)]
         runs[mode] = (outputs, engine.stats().spec)
         replays[mode] = graphs.runs
-        assert (fused[0] > 0) == (mode == "fused"), (mode, fused)
-    assert runs["fused"] == runs["chained"] == runs["step-by-step"]
+        assert (fused[0] > 0) == (mode in ("ahead", "fused")), (mode, fused)
+        # a penalty adjusts the logits: the device's raw acceptance cannot stand in for the host's
+        assert (fused[1] > 0) == (mode == "ahead" and penalty == 1.0), (mode, fused)
+    assert runs["ahead"] == runs["fused"] == runs["chained"] == runs["step-by-step"]
     stats = runs["chained"][1]
     assert stats is not None and stats.accepted_tokens > 0
     # each chained replay stands for the 4 step replays of the step-by-step path; a fused one also for the first pass
     saved = replays["step-by-step"] - replays["chained"]
     assert saved > 0 and saved % 3 == 0, replays
-    assert replays["fused"] < replays["chained"], replays
+    assert replays["fused"] < replays["chained"], replays  # ("ahead" also drafts after a sequence's last round)
 
 
 def test_chained_sampled_drafts_equal_step_by_step(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -146,10 +157,11 @@ def test_chained_sampled_drafts_equal_step_by_step(monkeypatch: pytest.MonkeyPat
             assert graphs is not None and any(s.sampled for s in graphs.captured) == (mode != "step-by-step")
             out_drawn = [c.token_ids for c in engine.generate(PROMPTS, drawn)]
             replays[mode] = graphs.runs
-            assert (fused[0] > 0) == (mode == "fused"), (mode, fused)
+            assert (fused[0] > 0) == (mode in ("ahead", "fused")), (mode, fused)
+            assert (fused[1] > 0) == (mode == "ahead"), (mode, fused)
             out_mixed = [c.token_ids for c in engine.generate(PROMPTS, mixed)]
         runs[mode] = (out_drawn, out_mixed, engine.stats().spec)
-    assert runs["fused"] == runs["chained"] == runs["step-by-step"]
+    assert runs["ahead"] == runs["fused"] == runs["chained"] == runs["step-by-step"]
     stats = runs["chained"][2]
     assert stats is not None and stats.accepted_tokens > 0
     saved = replays["step-by-step"] - replays["chained"]

@@ -215,18 +215,24 @@ class StepExecutor:
 
     @torch.inference_mode()
     def run_first_chain(self, step: Step, hidden: torch.Tensor, chain: int,
-                        sampling: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[torch.Tensor] | None:
+                        sampling: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        drop: torch.Tensor | None = None, input_ids: torch.Tensor | None = None
+                        ) -> list[torch.Tensor] | None:
         """The draft's first pass (``step``: each sequence's bases, its last row the root; ``hidden``: their aux
         rows [step.num_tokens, width]) and ``chain`` steps after it, in one replay (a captured shape with a
         first pass): step 1 is fed the first pass's ``feed`` token (or draw) and its last row's hidden state.
         ``sampling``: each sequence's temperature and uniform numbers [len(step.seqs), 1 + chain].
         -> [the drafts [len(step.seqs), 1 + chain]] (a sampled chain's also the distributions drawn from
-        [len(step.seqs), 1 + chain, vocab]), or None when no such shape is captured for the step."""
+        [len(step.seqs), 1 + chain, vocab]), or None when no such shape is captured for the step.
+        ``drop`` ([len(step.seqs)], on the device): how many of each sequence's last rows are not real after
+        all (``StepGraphs.run``; the step lays out every sequence's most rows); ``input_ids``: the rows' token
+        ids on the device, in place of the step's."""
         shape = self.first_chain_shape(step, int(hidden.shape[-1]), chain, sampling is not None)
         if shape is None or self.graphs is None:
             return None
         temperatures, uniforms = sampling if sampling is not None else (None, None)
-        return self.graphs.run(shape, self._packed(step), hidden, temperatures=temperatures, uniforms=uniforms)
+        return self.graphs.run(shape, self._packed(step), hidden, input_ids=input_ids, temperatures=temperatures,
+                               uniforms=uniforms, drop=drop)
 
     def tree_chain_shape(self, num_seqs: int, hidden: int, chain: int, leaves: int) -> StepShape | None:
         """The captured tree chain ``run_tree_chain`` replays for ``num_seqs`` sequences, or None."""

@@ -319,6 +319,25 @@ class StepGraphs:
 
         return self.grow(forward, v.ids.view(b, k), v.scores.view(b, k), v.hidden.view(b, k, -1))
 
+    def _drop_rows(self, shape: StepShape, v: _Views, drop: torch.Tensor) -> None:
+        """Sequence i's last ``drop[i]`` packed rows are not real after all (a count only the device knows: the
+        drafts that a verify queued before this step rejected): its other rows move to the end of its ``tokens``
+        rows, padding in front — the layout ``_packed`` gives a sequence of fewer rows — and its context
+        shrinks by as many (eager ops on the static inputs, queued before the replay)."""
+        b, q = shape.batch, shape.tokens
+        d = torch.nn.functional.pad(drop.to(torch.long), (0, b - int(drop.shape[0])))  # padding sequences: 0
+        r = torch.arange(q, device=d.device)
+        keep = (r[None, :] >= d[:, None]).view(-1)
+        src = (torch.arange(b, device=d.device)[:, None] * q + r[None, :] - d[:, None]).clamp(min=0).view(-1)
+        first = v.index.view(b, q)[:, :1].expand(b, q).reshape(-1)  # the first real row's index: padding's
+        v.ids.copy_(torch.where(keep, v.ids[src], 0))
+        v.positions.copy_(torch.where(keep, v.positions[src], 0))
+        v.slots.copy_(torch.where(keep, v.slots[src], self.pad_slot))
+        v.index.copy_(torch.where(keep, v.index[src], first))
+        v.context_lens.sub_(d)
+        if v.hidden is not None:
+            v.hidden.copy_(v.hidden[src])
+
     def _capture(self, shape: StepShape) -> _Captured:
         views = self._views(shape)
         packed = self._packed(shape, [], [0] * self.dp)
@@ -396,7 +415,7 @@ class StepGraphs:
             dp_real: Sequence[int] = (), input_ids: torch.Tensor | None = None,
             positions: torch.Tensor | None = None, tail_rows: torch.Tensor | None = None,
             scores: torch.Tensor | None = None, temperatures: torch.Tensor | None = None,
-            uniforms: torch.Tensor | None = None) -> list[torch.Tensor]:
+            uniforms: torch.Tensor | None = None, drop: torch.Tensor | None = None) -> list[torch.Tensor]:
         """One step at ``shape`` (from ``shape_for``) -> each output's real rows, in ``seqs`` order:
         a per-row output [real rows, ...], a per-sequence one (``last_only`` logits) [len(seqs), ...].
         hidden: [real rows, shape.hidden] (the draft's hidden input) or None; dp_real: every DP
@@ -404,7 +423,8 @@ class StepGraphs:
         shape.tail] (0/1), on the device, in place of the rows' token ids, RoPE positions and tail
         masks (drafts and draft trees grown on the device; the host's values only size the step);
         scores: [real rows] (a tree chain's first leaves' scores); temperatures [len(seqs)], uniforms
-        [len(seqs), drafts] (a sampled chain's: one number per draft it draws)."""
+        [len(seqs), drafts] (a sampled chain's: one number per draft it draws); drop: [len(seqs)] on the
+        device, how many of each sequence's last rows are not real after all (``_drop_rows``)."""
         entry = self.captured[shape]
         v = entry.views
         self.runs += 1
@@ -443,6 +463,10 @@ class StepGraphs:
             assert temperatures is not None and uniforms is not None
             v.temperatures[:len(seqs)].copy_(temperatures)
             v.uniforms[:len(seqs)].copy_(uniforms)
+        if drop is not None:
+            if not shape.last_only or not all(len(s.token_ids) == shape.tokens for s in seqs):
+                raise ValueError(f"{shape}: rows are dropped from a last_only shape's full sequences only")
+            self._drop_rows(shape, v, drop)
         if entry.graph is None:
             with self.ledger.capture() as again:
                 outputs = self._forward(shape, v, entry.attention)

@@ -67,5 +67,8 @@ class SpeculativeConfig:
     @property
     def lookahead_tokens(self) -> int:
         """K/V slots needed beyond the last known token: the verified drafts in the target's
-        cache, the nodes of draft steps 1.. in the draft's (same block tables)."""
-        return max(self.verify_tokens - 1, (self.num_steps - 1) * self.topk - 1)
+        cache, the nodes of draft steps 1.. in the draft's (same block tables); a chain's also the
+        next round's draft steps, run before this round's acceptance is read back (``SpecDecoder``:
+        after every draft accepted, they reach num_steps - 1 slots past this verify's)."""
+        ahead = self.num_steps - 1 if self.is_chain else 0
+        return max(self.verify_tokens - 1 + ahead, (self.num_steps - 1) * self.topk - 1)

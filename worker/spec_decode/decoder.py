@@ -47,7 +47,7 @@ import functools
 import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -87,6 +87,21 @@ class SpecStep:
 
 
 StateOf = Callable[[Sequence], RequestState]
+
+
+@dataclass(frozen=True)
+class Verified:
+    """A step's verify as run: its entries (drafts in), the logits rows, every row's aux states [num_tokens, 3H],
+    the proposals by sequence; what was read back already: the raw logits' argmax per row, the sampled chains
+    accepted on the device, the device's acceptance counts of the sequences whose next chain was drafted ahead."""
+
+    run: ScheduledBatch
+    logits: torch.Tensor
+    aux: torch.Tensor
+    proposals: dict[int, Proposal]
+    argmax: list[int] | None = None
+    accepted: dict[int, Acceptance] = field(default_factory=dict)
+    drafted: dict[int, int] = field(default_factory=dict)
 
 
 class SpecDecoder:
@@ -161,33 +176,28 @@ class SpecDecoder:
                 raise RuntimeError(f"sequence {e.seq_id}: draft state out of step with the target's cache")
         work = [DraftWork(e, s, self._states[e.seq_id], self._draw(state_of(s).generator))
                 for e, s in zip(batch.seqs, seqs) if self._drafts(e, self._states[e.seq_id])]
-        deferred = self._deferred_verify(batch, work, state_of) or self._deferred_tree(batch, work)
-        argmax: list[int] | None = None  # the target's argmax of every logits row, when already read back
-        accepted: dict[int, Acceptance] = {}  # sampled chains accepted on the device, read back already
-        if deferred is not None:
-            run, out, proposals, argmax, accepted = deferred
-        else:
+        verified = self._deferred_verify(batch, work, state_of) or self._deferred_tree(batch, work)
+        if verified is None:
             proposals = dict(zip((w.entry.seq_id for w in work), self.propose(work)))
             entries = [self._verify_entry(e, proposals[e.seq_id].tree) if e.seq_id in proposals else e
                        for e in batch.seqs]
             run = ScheduledBatch(seqs=entries, preempted=batch.preempted)
             out = self.target.run(forward_step(run))
-        entries = run.seqs
-        logits = out.logits  # [sum(num_logits), vocab]
-        aux = torch.cat(out.hidden, dim=-1)  # [num_tokens, 3H]: the layers' complete input streams
+            verified = Verified(run, out.logits, torch.cat(out.hidden, dim=-1), proposals)
+        run, entries = verified.run, verified.run.seqs
         draws = {w.entry.seq_id: w.draw for w in work}
-        results = self._accept(run, seqs, logits, aux, proposals, draws, state_of, argmax, accepted)
+        results = self._accept(verified, seqs, draws, state_of)
         sampling = [(s, results[i]) for i, (e, s) in enumerate(zip(entries, seqs)) if e.num_logits > 0]
         settled = {e.seq_id: self._states[e.seq_id].num_bases for e in run.seqs}
         return SpecStep(run, [s for s, _ in sampling], [p for _, p in sampling], settled)
 
-    def _deferred_verify(self, batch: ScheduledBatch, work: list[DraftWork], state_of: StateOf
-                         ) -> tuple[ScheduledBatch, Any, dict[int, Proposal], list[int], dict[int, Acceptance]] | None:
+    def _deferred_verify(self, batch: ScheduledBatch, work: list[DraftWork], state_of: StateOf) -> Verified | None:
         """A chain on one rank: the drafts stay on the device, the verify forward is queued right behind
         the draft's replays with the drafts as its token ids (placeholders on the host), the sampled
-        requests whose logits nothing adjusts are accepted on the device (``_accept_on_device``), and all
-        is read back after it together with the target's argmax of every logits row (one wait for draft,
-        verify and acceptance), so the GPU runs draft and verify back to back.
+        requests whose logits nothing adjusts are accepted on the device (``_accept_on_device``), the next
+        round's chains are drafted on the device behind it where they can be (``_draft_ahead``), and all
+        is read back after that together with the target's argmax of every logits row (one wait for draft,
+        verify and acceptance), so the GPU runs draft, verify and the next draft back to back.
         None where this does not apply (several ranks take the step's token ids as values, a tree)."""
         if not work or self.target is not self.target.local or not self.drafter.is_chain:
             return None
@@ -210,6 +220,7 @@ class SpecDecoder:
         sampled = [i for i, w in enumerate(work)
                    if not w.seq.params.greedy and not self.tokens.adjusts(w.seq, state_of(w.seq))]
         on_device: list[torch.Tensor] = []
+        pick = None
         if sampled:
             assert q is not None  # some request samples
             first_row = dict(zip((e.seq_id for e in placeholder),
@@ -218,18 +229,52 @@ class SpecDecoder:
             on_device = self._accept_on_device([work[i] for i in sampled], drafts.index_select(0, pick)[:, :n],
                                                q.index_select(0, pick)[:, :n], out.logits,
                                                [first_row[work[i].entry.seq_id] for i in sampled])
-        # the read-back is queued behind the verify: the step's one wait, for draft, verify and acceptance
         argmax = self.tokens.sampler.argmax(out.logits)
-        flat = torch.cat([drafts[:, :n].reshape(-1), argmax, *on_device]).tolist()
+        aux = torch.cat(out.hidden, dim=-1)  # [num_tokens, 3H]: the layers' complete input streams
+        ahead = self._acceptance_on_device(batch, work, drafts[:, :n], argmax, sampled, pick, on_device, state_of)
+        # what is read back, gathered before the next draft's replay reuses the draft's output buffers
+        back = torch.cat([drafts[:, :n].reshape(-1), argmax, *on_device, *ahead[:1]])
+        drafted_ahead = bool(ahead) and self.drafter.chain_after(work, ahead[1].reshape(-1), aux, ahead[0])
+        flat = back.tolist()  # the step's one wait: draft, verify, acceptance (the next draft runs on meanwhile)
         rows = [flat[i * n:(i + 1) * n] for i in range(len(work))]
         proposals = dict(zip((w.entry.seq_id for w in work), self.drafter.chain_proposals(work, rows, q)))
         entries = [self._verify_entry(e, proposals[e.seq_id].tree) if e.seq_id in proposals else e
                    for e in batch.seqs]
         end = len(work) * n + int(argmax.shape[0])
-        counts, tokens = flat[end:end + len(sampled)], flat[end + len(sampled):]
+        counts, tokens = flat[end:end + len(sampled)], flat[end + len(sampled):end + 2 * len(sampled)]
         accepted = {work[i].entry.seq_id: Acceptance(tuple(range(1, c + 1)), (*rows[i][:c], t))
                     for i, c, t in zip(sampled, counts, tokens)}
-        return ScheduledBatch(seqs=entries, preempted=batch.preempted), out, proposals, flat[len(work) * n:end], accepted
+        drafted = dict(zip((w.entry.seq_id for w in work), flat[end + 2 * len(sampled):])) if drafted_ahead else {}
+        return Verified(ScheduledBatch(seqs=entries, preempted=batch.preempted), out.logits, aux, proposals,
+                        flat[len(work) * n:end], accepted, drafted)
+
+    def _acceptance_on_device(self, batch: ScheduledBatch, work: list[DraftWork], drafts: torch.Tensor,
+                              argmax: torch.Tensor, sampled: list[int], pick: torch.Tensor | None,
+                              on_device: list[torch.Tensor], state_of: StateOf) -> list[torch.Tensor]:
+        """Every chain's acceptance on the device, for drafting the next round's chains right behind this
+        verify (``Drafter.chain_after``): a greedy row accepts its drafts up to the first that differs from
+        the target's argmax (the raw logits: nothing adjusts them) and goes on with the argmax after them; a
+        sampled row as ``_accept_on_device`` drew. Only where every sequence of the step drafts and every
+        request is greedy or temperature-only with nothing adjusting its logits.
+        -> [acceptance counts [B], the tokens after each root [B, num_steps + 1] (its accepted drafts, then the
+        token emitted after them)], or [] where this does not apply. The counts are read back with the rest:
+        ``_accept`` keeps a chain drafted ahead only where the host accepted as many."""
+        if len(work) != len(batch.seqs) or not all(
+                (w.seq.params.greedy or w.seq.params.temperature_only) and not self.tokens.adjusts(w.seq, state_of(w.seq))
+                for w in work):
+            return []
+        b, k = drafts.shape
+        targets = argmax.view(b, k + 1)  # every sequence's k + 1 logits rows, in order
+        counts = (drafts == targets[:, :k]).long().cumprod(dim=1).sum(dim=1)
+        tokens = targets  # a greedy row's accepted drafts equal the argmax before them; then the argmax
+        if sampled:
+            assert pick is not None
+            count, token = on_device
+            rows = torch.cat([drafts.index_select(0, pick), token[:, None]], dim=1)
+            rows.scatter_(1, count[:, None], token[:, None])  # accepted drafts, then the emitted token
+            counts = counts.index_copy(0, pick, count)
+            tokens = targets.index_copy(0, pick, rows)
+        return [counts, tokens]
 
     def _accept_on_device(self, work: list[DraftWork], drafts: torch.Tensor, q: torch.Tensor, logits: torch.Tensor,
                           first_rows: list[int]) -> list[torch.Tensor]:
@@ -244,8 +289,7 @@ class SpecDecoder:
         count, token = accept_chains_sampled(drafts, q, probs.view(len(work), k + 1, -1), uniforms)
         return [count, token]
 
-    def _deferred_tree(self, batch: ScheduledBatch, work: list[DraftWork]
-                       ) -> tuple[ScheduledBatch, Any, dict[int, Proposal], list[int], dict[int, Acceptance]] | None:
+    def _deferred_tree(self, batch: ScheduledBatch, work: list[DraftWork]) -> Verified | None:
         """A tree on one rank: the draft trees are grown on the device (``Drafter.tree_on_device``) and the
         verify is queued behind the draft steps with the trees' tokens, positions and masks as device
         inputs (placeholders on the host size the step); the trees are read back after it together with
@@ -276,7 +320,8 @@ class SpecDecoder:
                                                         tuple(flat[(b + i) * n:(b + i + 1) * n])))
                      for i, w in enumerate(work)}
         entries = [self._verify_entry(e, proposals[e.seq_id].tree) for e in batch.seqs]
-        return ScheduledBatch(seqs=entries, preempted=batch.preempted), out, proposals, flat[2 * b * n:], {}
+        return Verified(ScheduledBatch(seqs=entries, preempted=batch.preempted), out.logits,
+                        torch.cat(out.hidden, dim=-1), proposals, flat[2 * b * n:])
 
     @staticmethod
     def _drafts(e: ScheduledSeq, state: DraftState) -> bool:
@@ -302,14 +347,15 @@ class SpecDecoder:
 
     # --- verification -------------------------------------------------------------------------
 
-    def _accept(self, run: ScheduledBatch, seqs: list[Sequence], logits: torch.Tensor, aux: torch.Tensor,
-                proposals: dict[int, Proposal], draws: dict[int, Uniforms], state_of: StateOf,
-                argmax: list[int] | None = None, accepted: dict[int, Acceptance] | None = None) -> dict[int, Pick]:
-        """A Pick per entry with logits (by index); queues aux rows, moves accepted K/V, counts.
-        ``argmax``: the raw logits' argmax per row, read back already (a greedy request whose logits
-        nothing adjusts verifies with it, without another wait); ``accepted``: outcomes drawn on the
-        device and read back already, by sequence."""
-        accepted = accepted or {}
+    def _accept(self, verified: Verified, seqs: list[Sequence], draws: dict[int, Uniforms], state_of: StateOf
+                ) -> dict[int, Pick]:
+        """A Pick per entry with logits (by index); queues aux rows, moves accepted K/V, counts, and
+        keeps a chain drafted ahead where the device accepted as many drafts as the host.
+        ``verified.argmax``: the raw logits' argmax per row, read back already (a greedy request whose
+        logits nothing adjusts verifies with it, without another wait); ``verified.accepted``: outcomes
+        drawn on the device and read back already, by sequence."""
+        run, logits, aux, proposals = verified.run, verified.logits, verified.aux, verified.proposals
+        argmax, accepted = verified.argmax, verified.accepted
         results: dict[int, Pick] = {}
         plain: list[tuple[int, int]] = []  # (entry index, first logits row)
         src: list[int] = []
@@ -329,6 +375,9 @@ class SpecDecoder:
                 acc = accepted.get(e.seq_id) or self._verify(prop, seq, state_of(seq), node_logits,
                                                              draws[e.seq_id], known)
                 self.counters.record(prop.tree.num_nodes - 1, acc.num_accepted)
+                if e.seq_id in verified.drafted:
+                    Drafter.settle_ahead(state, e.start + acc.num_accepted + 1, acc.num_accepted,
+                                         verified.drafted[e.seq_id])
                 rows = to_device([tok_row, *(tok_row + k for k in acc.path)], aux.device)
                 state.pending.append(aux.index_select(0, rows))
                 table = e.block_table

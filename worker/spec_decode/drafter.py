@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -50,12 +50,26 @@ from .rejection_sampler import Uniforms
 
 
 @dataclass
+class Ahead:
+    """A sequence's next chain, drafted on the device before the host read its last verify back
+    (``Drafter.chain_after``): valid for the step whose root is at ``start`` (None until the host knows
+    the acceptance), when the draft's first pass over its bases [num_bases, start) already ran."""
+
+    drafts: torch.Tensor  # [num_steps] target ids
+    q: torch.Tensor | None  # [num_steps, vocab]: a sampled request's distributions
+    uniforms: torch.Tensor | None  # [num_steps]: the numbers its draws took from the request's stream
+    start: int | None = None
+
+
+@dataclass
 class DraftState:
     """A sequence's draft progress: bases [0, num_bases) are in the draft cache; ``pending``
-    holds the target's aux rows of the positions after them ([rows, 3H] each)."""
+    holds the target's aux rows of the positions after them ([rows, 3H] each); ``ahead``: its
+    next chain, already drafted (the pending rows then went into its first pass)."""
 
     num_bases: int = 0
     pending: list[torch.Tensor] = field(default_factory=list)
+    ahead: Ahead | None = None
 
     @property
     def num_pending(self) -> int:
@@ -163,11 +177,26 @@ class Drafter:
         temperature). Nothing is read back.
         -> (drafts [len(work), num_steps] target ids, each draft's q over the target vocabulary
         [len(work), num_steps, vocab], or None when every request is greedy)"""
+        ready = [w.state.ahead for w in work]
+        for w in work:
+            w.state.ahead = None
+        if all(a is not None and a.start == w.entry.start for a, w in zip(ready, work)):
+            for w in work:  # the drafted-ahead first pass consumed the pending rows
+                w.state.num_bases, w.state.pending = w.entry.start, []
+            done = [a for a in ready if a is not None]
+            given = [a.q for a in done]
+            some = next((x for x in given if x is not None), None)
+            q = None if some is None else torch.stack([some.new_zeros(some.shape) if x is None else x for x in given])
+            return torch.stack([a.drafts for a in done]), q
         seqs, aux = self._first_pass_inputs(work)
         rest = self.num_steps - 1
         params = [w.seq.params for w in work]
         greedy = all(p.greedy for p in params)
-        uniforms = None if greedy else torch.stack([w.draw(self.num_steps) for w in work]).to(aux.device)
+        # a chain drafted ahead but not taken already drew its numbers: they are this chain's (the request's
+        # stream stays where it would be without drafting ahead)
+        drawn = [None if a is None else a.uniforms for a in ready]
+        uniforms = None if greedy else torch.stack(
+            [w.draw(self.num_steps) if d is None else d for d, w in zip(drawn, work)]).to(aux.device)
         temperatures = None
         if not greedy and all(p.greedy or p.temperature_only for p in params):
             temperatures = to_device([0.0 if p.greedy else p.temperature for p in params], aux.device, torch.float32)
@@ -200,6 +229,49 @@ class Drafter:
             drafts = self._chain_steps(work, hidden, [self._sampled(logits, params, uniforms, qs)],
                                        lambda lg: self._sampled(lg, params, uniforms, qs))
         return drafts, self._on_target(torch.cat([q if q.dim() == 3 else q[:, None] for q in qs], dim=1))
+
+    def chain_after(self, work: list[DraftWork], tokens: torch.Tensor, aux: torch.Tensor, counts: torch.Tensor
+                    ) -> bool:
+        """Each sequence's next chain, drafted now, on the device, before the host knows how many of this
+        round's ``num_steps`` drafts its verify accepted: ``counts`` [B] (the device's acceptance), ``tokens``
+        [B * (num_steps + 1)] (per sequence the tokens after the root and its accepted drafts: the accepted
+        drafts, then the token emitted after them; the rest any), ``aux`` the verify's aux rows [same, 3H]. The
+        first pass lays out every draft as accepted and drops the rejected rows on the device
+        (``run_first_chain``'s ``drop``); its chain is stored in each state's ``ahead`` for the step whose root
+        follows the accepted drafts (``settle_ahead`` says which, once read back). False (nothing run) where no
+        captured shape or the block tables do not reach that far; every request must be greedy or temperature-only
+        (the caller checks)."""
+        k = self.num_steps
+        bs = self.draft.block_size
+        if k < 2 or any(len(w.entry.block_table) * bs < w.entry.start + 2 * k for w in work):
+            return False
+        seqs = Step(tuple(SeqRows(tuple(w.entry.block_table), (0,) * (k + 1),
+                                  tuple(range(w.entry.start + 1, w.entry.start + k + 2)), w.entry.start + k + 1)
+                          for w in work))  # bases start .. start + k, as if every draft were accepted
+        params = [w.seq.params for w in work]
+        if self.draft.first_chain_shape(seqs, int(aux.shape[-1]), k - 1, not all(p.greedy for p in params)) is None:
+            return False
+        sampling = None
+        if not all(p.greedy for p in params):
+            sampling = (to_device([0.0 if p.greedy else p.temperature for p in params], aux.device, torch.float32),
+                        torch.stack([w.draw(k) for w in work]).to(aux.device))
+        uniforms = None if sampling is None else sampling[1]
+        out = self.draft.run_first_chain(seqs, aux, k - 1, sampling, drop=k - counts, input_ids=tokens)
+        assert out is not None  # first_chain_shape said one fits
+        q = None if sampling is None else self._on_target(out[1])
+        drafts = out[0].clone()  # the replay's output buffer serves its next replay too
+        for i, w in enumerate(work):
+            greedy = w.seq.params.greedy
+            w.state.ahead = Ahead(drafts[i], None if q is None or greedy else q[i],
+                                  None if uniforms is None else uniforms[i])
+        return True
+
+    @staticmethod
+    def settle_ahead(state: DraftState, start: int, count: int, device_count: int) -> None:
+        """The host read the verify back: the sequence's next root is at ``start`` if it goes on; its chain
+        drafted ahead stands only if the device accepted as many drafts as the host (``device_count``)."""
+        if state.ahead is not None:  # (not taken: its numbers drawn stay for the chain drafted instead)
+            state.ahead = replace(state.ahead, start=start if count == device_count else None)
 
     def _on_target(self, q: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary distributions [B, steps, draft_vocab] -> over the target's vocabulary."""
