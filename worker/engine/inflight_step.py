@@ -20,11 +20,13 @@ it). A sequence at its ``max_tokens`` with a placeholder outstanding is not sche
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from ..executor.host_copy import to_device
+from ..executor.host_copy import read_later, to_device
 from .scheduler import ScheduledBatch
 from .sequence import PLACEHOLDER, Sequence
 
@@ -35,25 +37,17 @@ class InFlightStep:
     seqs: list[Sequence]  # the sequences that sampled, in token order
     at: list[int]  # the index in each one's output_ids of its placeholder
     tokens: torch.Tensor  # [len(seqs)] int64 on the device
-    host: torch.Tensor  # its host copy (pinned on CUDA), valid once ``ready`` has passed
-    ready: torch.cuda.Event | None  # recorded after the copy (None off CUDA: already there)
+    read: Callable[[], list[Any]]  # their copy to the host, queued behind the step (``read_later``)
 
     @staticmethod
     def launch(batch: ScheduledBatch, tokens: torch.Tensor, seqs: list[Sequence]) -> InFlightStep:
         """Start the copy of ``tokens`` behind the work queued so far and give each sequence its placeholder."""
-        if tokens.device.type == "cuda":
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
-            ready: torch.cuda.Event | None = torch.cuda.Event()
-            assert ready is not None
-            ready.record()
-        else:
-            host, ready = tokens, None
+        read = read_later(tokens)
         at = []
         for seq in seqs:
             at.append(len(seq.output_ids))
             seq.output_ids.append(PLACEHOLDER)
-        return InFlightStep(batch, seqs, at, tokens, host, ready)
+        return InFlightStep(batch, seqs, at, tokens, read)
 
     def input_ids(self, batch: ScheduledBatch, device: torch.device) -> torch.Tensor | None:
         """The token ids of ``batch``'s forward (its rows in order) on the device, with this step's tokens
@@ -78,6 +72,4 @@ class InFlightStep:
 
     def values(self) -> list[int]:
         """The sampled tokens, once their copy is done (waits for it, not for later steps)."""
-        if self.ready is not None:
-            self.ready.synchronize()
-        return [int(t) for t in self.host.tolist()]
+        return [int(t) for t in self.read()]

@@ -60,7 +60,7 @@ from ..engine.scheduler import ScheduledBatch, ScheduledSeq, Scheduler
 from ..engine.sequence import Sequence
 from ..engine.token_sampler import Pick, TokenSampler
 from ..executor.executor import StepExecutor
-from ..executor.host_copy import to_device
+from ..executor.host_copy import read_later, to_device
 from ..executor.step import SeqRows, Step
 from ..executor.step_shape import StepShape
 from .config import SpeculativeConfig, SpeculativeConfigError
@@ -233,9 +233,9 @@ class SpecDecoder:
         aux = torch.cat(out.hidden, dim=-1)  # [num_tokens, 3H]: the layers' complete input streams
         ahead = self._acceptance_on_device(batch, work, drafts[:, :n], argmax, sampled, pick, on_device, state_of)
         # what is read back, gathered before the next draft's replay reuses the draft's output buffers
-        back = torch.cat([drafts[:, :n].reshape(-1), argmax, *on_device, *ahead[:1]])
+        read = read_later(torch.cat([drafts[:, :n].reshape(-1), argmax, *on_device, *ahead[:1]]))
         drafted_ahead = bool(ahead) and self.drafter.chain_after(work, ahead[1].reshape(-1), aux, ahead[0])
-        flat = back.tolist()  # the step's one wait: draft, verify, acceptance (the next draft runs on meanwhile)
+        flat = read()  # the step's one wait: draft, verify, acceptance (not the next draft, queued after them)
         rows = [flat[i * n:(i + 1) * n] for i in range(len(work))]
         proposals = dict(zip((w.entry.seq_id for w in work), self.drafter.chain_proposals(work, rows, q)))
         entries = [self._verify_entry(e, proposals[e.seq_id].tree) if e.seq_id in proposals else e
