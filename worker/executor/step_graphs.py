@@ -109,6 +109,7 @@ class _Views:
     scores: torch.Tensor | None  # [rows] float64: a tree chain's first leaves' scores
     temperatures: torch.Tensor | None  # [batch] float32: a sampled chain's (0: argmax)
     uniforms: torch.Tensor | None  # [batch, drafts] float64: a sampled chain's numbers, one per draft it draws
+    drop: torch.Tensor | None  # [batch] a first pass's rows that are not real after all (``run``'s drop; packed 0)
     one_row_seq: torch.Tensor | None  # [batch] constant: the chain's rows after a first pass, one per sequence
     one_row_start: torch.Tensor | None  # [batch + 1] constant (int32)
 
@@ -197,16 +198,18 @@ class StepGraphs:
 
     def _layout_size(self, shape: StepShape) -> int:
         t = shape.rows
-        return 5 * t + shape.batch * (1 + self.max_blocks) + t * shape.tail + self.dp
+        drop = shape.batch if shape.has_first_pass else 0
+        return 5 * t + shape.batch * (1 + self.max_blocks) + t * shape.tail + drop + self.dp
 
     def _views(self, shape: StepShape) -> _Views:
         t, b, m = shape.rows, shape.batch, self.max_blocks
-        parts = self._meta[: self._layout_size(shape)].split([t, t, t, t, t, b, b * m, t * shape.tail, self.dp])
+        drop = b if shape.has_first_pass else 0
+        parts = self._meta[: self._layout_size(shape)].split([t, t, t, t, t, b, b * m, t * shape.tail, drop, self.dp])
         dev = self.device
         q = shape.tokens
         return _Views(ids=parts[0], positions=parts[1], slots=parts[2], index=parts[3], dest=parts[4],
                       context_lens=parts[5], tables=parts[6].view(b, m), tail=parts[7].view(t, shape.tail),
-                      dp_real=parts[8] if self.dp else None,
+                      dp_real=parts[9] if self.dp else None, drop=parts[8] if drop else None,
                       token_seq=torch.arange(b, device=dev).repeat_interleave(q),
                       query_start=torch.arange(b + 1, dtype=torch.int32, device=dev) * q,
                       last_rows=torch.arange(b, device=dev) * q + q - 1,
@@ -257,14 +260,26 @@ class StepGraphs:
         assert v.hidden is not None
         if shape.has_first_pass:  # the first pass, then one row per sequence after each one's last row
             assert v.one_row_seq is not None and v.one_row_start is not None and batch.paged is not None
+            assert v.drop is not None
+            # each sequence's last ``drop`` rows are not real: its rows shift to the end, its front rows all
+            # copies of its first real row (the same K/V to the same slot, outputs dropped)
+            q = shape.tokens
+            row = torch.arange(q, device=v.ids.device)
+            src = (v.one_row_seq[:, None] * q + (row[None, :] - v.drop[:, None]).clamp(min=0)).view(-1)
+            positions, slots, index = v.positions[src], v.slots[src], v.index[src]
+            context_lens = v.context_lens - v.drop
+            batch = replace(batch, input_ids=v.ids[src], positions=positions, slot_mapping=slots,
+                            input_hidden=v.hidden[src],
+                            paged=replace(batch.paged, context_lens=context_lens, token_index=index))
+            assert batch.paged is not None
             first = self.fn(batch)
             last = v.last_rows
             ids, hidden = draw(first.logits), first.hidden[0].index_select(0, last)
             one_row = replace(batch, query_lens=[1] * b, context_lens=[1] * b, logits_indices=None,
                               paged=replace(batch.paged, token_seq=v.one_row_seq, query_start=v.one_row_start,
                                             max_query_len=1))
-            step = self._chain_steps(b, 1, shape.chain, v.positions[last] + 1, v.index[last] + 1,
-                                     v.context_lens + 1, v.slots[last], v.tables, one_row)
+            step = self._chain_steps(b, 1, shape.chain, positions[last] + 1, index[last] + 1, context_lens + 1,
+                                     slots[last], v.tables, one_row)
         else:
             ids, hidden = v.ids, v.hidden
             step = self._chain_steps(b, shape.tokens, shape.chain, v.positions, v.index, v.context_lens, v.slots,
@@ -318,25 +333,6 @@ class StepGraphs:
             return out.logits, out.hidden[0]
 
         return self.grow(forward, v.ids.view(b, k), v.scores.view(b, k), v.hidden.view(b, k, -1))
-
-    def _drop_rows(self, shape: StepShape, v: _Views, drop: torch.Tensor) -> None:
-        """Sequence i's last ``drop[i]`` packed rows are not real after all (a count only the device knows: the
-        drafts that a verify queued before this step rejected): its other rows move to the end of its ``tokens``
-        rows, padding in front — the layout ``_packed`` gives a sequence of fewer rows — and its context
-        shrinks by as many (eager ops on the static inputs, queued before the replay)."""
-        b, q = shape.batch, shape.tokens
-        d = torch.nn.functional.pad(drop.to(torch.long), (0, b - int(drop.shape[0])))  # padding sequences: 0
-        r = torch.arange(q, device=d.device)
-        keep = (r[None, :] >= d[:, None]).view(-1)
-        src = (torch.arange(b, device=d.device)[:, None] * q + r[None, :] - d[:, None]).clamp(min=0).view(-1)
-        first = v.index.view(b, q)[:, :1].expand(b, q).reshape(-1)  # the first real row's index: padding's
-        v.ids.copy_(torch.where(keep, v.ids[src], 0))
-        v.positions.copy_(torch.where(keep, v.positions[src], 0))
-        v.slots.copy_(torch.where(keep, v.slots[src], self.pad_slot))
-        v.index.copy_(torch.where(keep, v.index[src], first))
-        v.context_lens.sub_(d)
-        if v.hidden is not None:
-            v.hidden.copy_(v.hidden[src])
 
     def _capture(self, shape: StepShape) -> _Captured:
         views = self._views(shape)
@@ -424,7 +420,8 @@ class StepGraphs:
         masks (drafts and draft trees grown on the device; the host's values only size the step);
         scores: [real rows] (a tree chain's first leaves' scores); temperatures [len(seqs)], uniforms
         [len(seqs), drafts] (a sampled chain's: one number per draft it draws); drop: [len(seqs)] on the
-        device, how many of each sequence's last rows are not real after all (``_drop_rows``)."""
+        device, how many of each sequence's last rows are not real after all (a chain with a first pass, its
+        sequences packed with all their rows: the replay shifts the real ones to the end)."""
         entry = self.captured[shape]
         v = entry.views
         self.runs += 1
@@ -464,9 +461,9 @@ class StepGraphs:
             v.temperatures[:len(seqs)].copy_(temperatures)
             v.uniforms[:len(seqs)].copy_(uniforms)
         if drop is not None:
-            if not shape.last_only or not all(len(s.token_ids) == shape.tokens for s in seqs):
-                raise ValueError(f"{shape}: rows are dropped from a last_only shape's full sequences only")
-            self._drop_rows(shape, v, drop)
+            if v.drop is None or not all(len(s.token_ids) == shape.tokens for s in seqs):
+                raise ValueError(f"{shape}: rows are dropped from a first pass's full sequences only")
+            v.drop[:len(seqs)].copy_(drop)
         if entry.graph is None:
             with self.ledger.capture() as again:
                 outputs = self._forward(shape, v, entry.attention)
