@@ -44,8 +44,10 @@ then replays the ledger as a graph would. Needs graph-safe kernels (``Kernels.gr
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -176,7 +178,7 @@ class StepGraphs:
         self.captured: dict[StepShape, _Captured] = {}
         self.runs = 0  # steps run through here (replays, or the padded forward off CUDA)
         self.batch_sizes: dict[ShapeKey, list[int]] = {}
-        with torch.inference_mode():
+        with torch.inference_mode(), _no_collection():
             for shape in ordered:
                 self.captured[shape] = self._capture(shape)
         for s in sorted(self.captured):
@@ -488,3 +490,20 @@ class StepGraphs:
 def _drafts(shape: StepShape) -> int:
     """The drafts a chained shape draws per sequence: one per chained step, and the first pass's."""
     return shape.chain + shape.has_first_pass
+
+
+@contextlib.contextmanager
+def _no_collection() -> Iterator[None]:
+    """Python's cyclic garbage collector held off while graphs are captured, after one collection first:
+    objects of an earlier engine that only a collection frees (its graphs, events, pinned buffers) would
+    otherwise be destroyed in the middle of a capture, and their CUDA calls there invalidate it
+    ("operation failed due to a previous error during capture": seen once on the H200 in a test that builds
+    engines one after another, 2026-12-04-gpu-tests-draft-ahead-h200.json)."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
