@@ -5,6 +5,7 @@ the packing, the padding rows and the tree masks as device tensors."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from fusedserve.worker.engine.config import EngineConfig
 from fusedserve.worker.engine.engine import Engine
 from fusedserve.worker.engine.sequence import SamplingParams
 from fusedserve.worker.executor.step import ancestor_mask
+from fusedserve.worker.executor.step_shape import StepShape
 from fusedserve.worker.spec_decode.config import SpeculativeConfig
 from fusedserve.worker.spec_decode.draft_tree import tree_attention_mask
 
@@ -102,34 +104,45 @@ def _spec_engine(monkeypatch: pytest.MonkeyPatch, mode: str, spec: SpeculativeCo
     return engine, counts
 
 
+def _runs(monkeypatch: pytest.MonkeyPatch, spec: SpeculativeConfig, batches: list[list[SamplingParams]],
+          chained: Callable[[StepShape], bool]) -> dict[str, tuple[list[list[list[int]]], object, int, list[int]]]:
+    """Per mode (``MODES``): every batch's tokens (one generate each, on one engine), the speculation stats, and
+    after the first batch the draft's replays and ``_spec_engine``'s counters. Checks that the draft captured a
+    shape ``chained`` picks in every mode but step-by-step."""
+    out = {}
+    for mode in MODES:
+        with monkeypatch.context() as patch:
+            engine, counts = _spec_engine(patch, mode, spec)
+            assert engine.speculator is not None
+            graphs = engine.speculator.draft.graphs
+            assert graphs is not None and any(chained(s) for s in graphs.captured) == (mode != "step-by-step")
+            tokens = [[c.token_ids for c in engine.generate(PROMPTS, params)] for params in batches[:1]]
+            replays, first = graphs.runs, list(counts)
+            tokens += [[c.token_ids for c in engine.generate(PROMPTS, params)] for params in batches[1:]]
+        out[mode] = (tokens, engine.stats().spec, replays, first)
+    return out
+
+
 @pytest.mark.parametrize("penalty", [1.0, 1.6], ids=["raw", "repetition-penalty"])
 def test_chained_greedy_drafts_equal_step_by_step(monkeypatch: pytest.MonkeyPatch, penalty: float) -> None:
     """A greedy chain's draft steps as one chained replay (device-side feedback of token, hidden
-    state, position and slot, across a block boundary: block size 4, 5 steps), and with the first pass in
-    the same replay (its last row's draft and hidden state fed to step 1 on the device), propose exactly
-    the step-by-step drafts: same tokens, same acceptance at every position. The chained step verifies with
-    the verify's raw argmax read back beside the drafts; a request whose logits a penalty adjusts must
-    verify against the adjusted ones instead, as the step-by-step path does."""
+    state, position and slot, across a block boundary: block size 4, 5 steps), with the first pass in
+    the same replay (its last row's draft and hidden state fed to step 1 on the device), and drafted ahead
+    behind the verify from the device's acceptance, propose exactly the step-by-step drafts: same tokens,
+    same acceptance at every position. The chained step verifies with the verify's raw argmax read back
+    beside the drafts; a request whose logits a penalty adjusts must verify against the adjusted ones
+    instead, as the step-by-step path does (and is not drafted ahead)."""
     params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, repetition_penalty=penalty)
-    spec = SpeculativeConfig(DRAFT, num_steps=5)
-    runs: dict[str, tuple[list[list[int]], object]] = {}
-    replays: dict[str, int] = {}
-    for mode in MODES:
-        with monkeypatch.context() as patch:
-            engine, fused = _spec_engine(patch, mode, spec)
-            assert engine.speculator is not None
-            graphs = engine.speculator.draft.graphs
-            assert graphs is not None and any(s.chain == 4 for s in graphs.captured) == (mode != "step-by-step")
-            outputs = [c.token_ids for c in engine.generate(PROMPTS, params)]
-        runs[mode] = (outputs, engine.stats().spec)
-        replays[mode] = graphs.runs
-        assert (fused[0] > 0) == (mode in ("ahead", "fused")), (mode, fused)
+    runs = _runs(monkeypatch, SpeculativeConfig(DRAFT, num_steps=5), [[params] * len(PROMPTS)], lambda s: s.chain == 4)
+    for mode, (_, _, _, (fused, ahead)) in runs.items():
+        assert (fused > 0) == (mode in ("ahead", "fused")), (mode, fused)
         # a penalty adjusts the logits: the device's raw acceptance cannot stand in for the host's
-        assert (fused[1] > 0) == (mode == "ahead" and penalty == 1.0), (mode, fused)
-    assert runs["ahead"] == runs["fused"] == runs["chained"] == runs["step-by-step"]
+        assert (ahead > 0) == (mode == "ahead" and penalty == 1.0), (mode, ahead)
+    assert runs["ahead"][:2] == runs["fused"][:2] == runs["chained"][:2] == runs["step-by-step"][:2]
     stats = runs["chained"][1]
-    assert stats is not None and stats.accepted_tokens > 0
+    assert stats is not None and stats.accepted_tokens > 0  # type: ignore[attr-defined]
     # each chained replay stands for the 4 step replays of the step-by-step path; a fused one also for the first pass
+    replays = {mode: run[2] for mode, run in runs.items()}
     saved = replays["step-by-step"] - replays["chained"]
     assert saved > 0 and saved % 3 == 0, replays
     assert replays["fused"] < replays["chained"], replays  # ("ahead" also drafts after a sequence's last round)
@@ -137,33 +150,23 @@ def test_chained_greedy_drafts_equal_step_by_step(monkeypatch: pytest.MonkeyPatc
 
 def test_chained_sampled_drafts_equal_step_by_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """A sampled chain's draft steps as one chained replay (each draft drawn inside it at the request's
-    temperature with its uniform numbers, the distributions returned for the rejection rule), and with the
-    first pass's draw in the same replay, give the step-by-step path's tokens and acceptance for seeded
-    requests; a batch mixing greedy, temperature-only and top-p requests takes the step-by-step draw (top-p
-    is not drawn in the replay) and agrees too."""
-    spec = SpeculativeConfig(DRAFT, num_steps=5)
+    temperature with its uniform numbers, the distributions returned for the rejection rule), with the
+    first pass's draw in the same replay, and drafted ahead, give the step-by-step path's tokens and
+    acceptance for seeded requests; a batch mixing greedy, temperature-only and top-p requests takes the
+    step-by-step draw (top-p is not drawn in the replay) and agrees too."""
     mixed = [SamplingParams(temperature=0.8, seed=3, max_tokens=14, ignore_eos=True),
              SamplingParams(temperature=0, max_tokens=14, ignore_eos=True),
              SamplingParams(temperature=1.0, top_p=0.9, seed=4, max_tokens=14, ignore_eos=True)]
     drawn = [SamplingParams(temperature=t, seed=i, max_tokens=14, ignore_eos=True)
              for i, t in enumerate((0.8, 1.0, 0.0))]
-    runs: dict[str, tuple[list[list[int]], list[list[int]], object]] = {}
-    replays: dict[str, int] = {}
-    for mode in MODES:
-        with monkeypatch.context() as patch:
-            engine, fused = _spec_engine(patch, mode, spec)
-            assert engine.speculator is not None
-            graphs = engine.speculator.draft.graphs
-            assert graphs is not None and any(s.sampled for s in graphs.captured) == (mode != "step-by-step")
-            out_drawn = [c.token_ids for c in engine.generate(PROMPTS, drawn)]
-            replays[mode] = graphs.runs
-            assert (fused[0] > 0) == (mode in ("ahead", "fused")), (mode, fused)
-            assert (fused[1] > 0) == (mode == "ahead"), (mode, fused)
-            out_mixed = [c.token_ids for c in engine.generate(PROMPTS, mixed)]
-        runs[mode] = (out_drawn, out_mixed, engine.stats().spec)
-    assert runs["ahead"] == runs["fused"] == runs["chained"] == runs["step-by-step"]
-    stats = runs["chained"][2]
-    assert stats is not None and stats.accepted_tokens > 0
+    runs = _runs(monkeypatch, SpeculativeConfig(DRAFT, num_steps=5), [drawn, mixed], lambda s: s.sampled)
+    for mode, (_, _, _, (fused, ahead)) in runs.items():
+        assert (fused > 0) == (mode in ("ahead", "fused")), (mode, fused)
+        assert (ahead > 0) == (mode == "ahead"), (mode, ahead)
+    assert runs["ahead"][:2] == runs["fused"][:2] == runs["chained"][:2] == runs["step-by-step"][:2]
+    stats = runs["chained"][1]
+    assert stats is not None and stats.accepted_tokens > 0  # type: ignore[attr-defined]
+    replays = {mode: run[2] for mode, run in runs.items()}
     saved = replays["step-by-step"] - replays["chained"]
     assert saved > 0 and saved % 3 == 0, replays
     assert replays["fused"] < replays["chained"], replays
