@@ -123,6 +123,22 @@ def _runs(monkeypatch: pytest.MonkeyPatch, spec: SpeculativeConfig, batches: lis
     return out
 
 
+def _agree(runs: dict[str, tuple[list[list[list[int]]], object, int, list[int]]], drafted_ahead: bool) -> None:
+    """Every mode gave the same tokens and acceptance; each used its path (``drafted_ahead``: "ahead" took chains
+    drafted ahead); each chained replay stood for the 4 step replays of the step-by-step path, a fused one also
+    for the first pass ("ahead" also drafts after a sequence's last round)."""
+    for mode, (_, _, _, (fused, ahead)) in runs.items():
+        assert (fused > 0) == (mode in ("ahead", "fused")), (mode, fused)
+        assert (ahead > 0) == (mode == "ahead" and drafted_ahead), (mode, ahead)
+    assert runs["ahead"][:2] == runs["fused"][:2] == runs["chained"][:2] == runs["step-by-step"][:2]
+    stats = runs["chained"][1]
+    assert stats is not None and stats.accepted_tokens > 0  # type: ignore[attr-defined]
+    replays = {mode: run[2] for mode, run in runs.items()}
+    saved = replays["step-by-step"] - replays["chained"]
+    assert saved > 0 and saved % 3 == 0, replays
+    assert replays["fused"] < replays["chained"], replays
+
+
 @pytest.mark.parametrize("penalty", [1.0, 1.6], ids=["raw", "repetition-penalty"])
 def test_chained_greedy_drafts_equal_step_by_step(monkeypatch: pytest.MonkeyPatch, penalty: float) -> None:
     """A greedy chain's draft steps as one chained replay (device-side feedback of token, hidden
@@ -134,18 +150,8 @@ def test_chained_greedy_drafts_equal_step_by_step(monkeypatch: pytest.MonkeyPatc
     instead, as the step-by-step path does (and is not drafted ahead)."""
     params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, repetition_penalty=penalty)
     runs = _runs(monkeypatch, SpeculativeConfig(DRAFT, num_steps=5), [[params] * len(PROMPTS)], lambda s: s.chain == 4)
-    for mode, (_, _, _, (fused, ahead)) in runs.items():
-        assert (fused > 0) == (mode in ("ahead", "fused")), (mode, fused)
-        # a penalty adjusts the logits: the device's raw acceptance cannot stand in for the host's
-        assert (ahead > 0) == (mode == "ahead" and penalty == 1.0), (mode, ahead)
-    assert runs["ahead"][:2] == runs["fused"][:2] == runs["chained"][:2] == runs["step-by-step"][:2]
-    stats = runs["chained"][1]
-    assert stats is not None and stats.accepted_tokens > 0  # type: ignore[attr-defined]
-    # each chained replay stands for the 4 step replays of the step-by-step path; a fused one also for the first pass
-    replays = {mode: run[2] for mode, run in runs.items()}
-    saved = replays["step-by-step"] - replays["chained"]
-    assert saved > 0 and saved % 3 == 0, replays
-    assert replays["fused"] < replays["chained"], replays  # ("ahead" also drafts after a sequence's last round)
+    # a penalty adjusts the logits: the device's raw acceptance cannot stand in for the host's
+    _agree(runs, drafted_ahead=penalty == 1.0)
 
 
 def test_chained_sampled_drafts_equal_step_by_step(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -160,16 +166,7 @@ def test_chained_sampled_drafts_equal_step_by_step(monkeypatch: pytest.MonkeyPat
     drawn = [SamplingParams(temperature=t, seed=i, max_tokens=14, ignore_eos=True)
              for i, t in enumerate((0.8, 1.0, 0.0))]
     runs = _runs(monkeypatch, SpeculativeConfig(DRAFT, num_steps=5), [drawn, mixed], lambda s: s.sampled)
-    for mode, (_, _, _, (fused, ahead)) in runs.items():
-        assert (fused > 0) == (mode in ("ahead", "fused")), (mode, fused)
-        assert (ahead > 0) == (mode == "ahead"), (mode, ahead)
-    assert runs["ahead"][:2] == runs["fused"][:2] == runs["chained"][:2] == runs["step-by-step"][:2]
-    stats = runs["chained"][1]
-    assert stats is not None and stats.accepted_tokens > 0  # type: ignore[attr-defined]
-    replays = {mode: run[2] for mode, run in runs.items()}
-    saved = replays["step-by-step"] - replays["chained"]
-    assert saved > 0 and saved % 3 == 0, replays
-    assert replays["fused"] < replays["chained"], replays
+    _agree(runs, drafted_ahead=True)
 
 
 def test_chained_shape_needs_device_metadata_attention() -> None:
