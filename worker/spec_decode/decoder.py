@@ -378,8 +378,12 @@ class SpecDecoder:
                 if e.seq_id in verified.drafted:
                     Drafter.settle_ahead(state, e.start + acc.num_accepted + 1, acc.num_accepted,
                                          verified.drafted[e.seq_id])
-                rows = to_device([tok_row, *(tok_row + k for k in acc.path)], aux.device)
-                state.pending.append(aux.index_select(0, rows))
+                path = acc.path
+                if path == tuple(range(1, len(path) + 1)):  # a chain's: the root's row and the next ones, a view
+                    state.pending.append(aux[tok_row: tok_row + 1 + len(path)])
+                else:
+                    rows = to_device([tok_row, *(tok_row + k for k in path)], aux.device)
+                    state.pending.append(aux.index_select(0, rows))
                 table = e.block_table
                 for a, b in relocation(acc.path):
                     src.append(table[(e.start + a) // bs] * bs + (e.start + a) % bs)
