@@ -25,7 +25,11 @@ On one rank the step waits once: a chain's drafts (``_deferred_verify``) and a t
 (``_deferred_tree``: grown on the device, at captured shapes) stay on the device and the verify is
 queued right behind the draft's replays with them as its inputs; the drafts, or the trees, are read
 back after it with the target's argmax of every row, and a chain's sampled requests whose logits
-nothing adjusts with their acceptance, drawn on the device (``accept_chains_sampled``).
+nothing adjusts with their acceptance, drawn on the device (``accept_chains_sampled``). Where every
+sequence of a chain step drafts and no request's logits are adjusted, the next round's chains are
+drafted on the device right behind the verify, from the device's own acceptance
+(``_acceptance_on_device``, ``Drafter.chain_after``), while the host reads this one back; the next
+step takes each where the host accepted as many drafts (``Drafter.settle_ahead``).
 
 Prefill chunks and a prompt's first sample run as without speculation (and capture aux).
 Preempted sequences lose their draft state and rebuild it from the recomputed prefill. A
