@@ -199,7 +199,7 @@ class SpecDecoder:
         """A chain on one rank: the drafts stay on the device, the verify forward is queued right behind
         the draft's replays with the drafts as its token ids (placeholders on the host), the sampled
         requests whose logits nothing adjusts are accepted on the device (``_accept_on_device``), the next
-        round's chains are drafted on the device behind it where they can be (``_draft_ahead``), and all
+        round's chains are drafted on the device behind it where they can be (``Drafter.chain_after``), and all
         is read back after that together with the target's argmax of every logits row (one wait for draft,
         verify and acceptance), so the GPU runs draft, verify and the next draft back to back.
         None where this does not apply (several ranks take the step's token ids as values, a tree)."""
