@@ -199,7 +199,7 @@ class Drafter:
             [w.draw(self.num_steps) if d is None else d for d, w in zip(drawn, work)]).to(aux.device)
         temperatures = None
         if not greedy and all(p.greedy or p.temperature_only for p in params):
-            temperatures = to_device([0.0 if p.greedy else p.temperature for p in params], aux.device, torch.float32)
+            temperatures = _temperatures(params, aux.device)
         if rest and (greedy or temperatures is not None):
             sampling = None if temperatures is None or uniforms is None else (temperatures, uniforms)
             fused = self.draft.run_first_chain(Step(seqs), aux, rest, sampling)
@@ -253,8 +253,7 @@ class Drafter:
             return False
         sampling = None
         if not all(p.greedy for p in params):
-            sampling = (to_device([0.0 if p.greedy else p.temperature for p in params], aux.device, torch.float32),
-                        torch.stack([w.draw(k) for w in work]).to(aux.device))
+            sampling = (_temperatures(params, aux.device), torch.stack([w.draw(k) for w in work]).to(aux.device))
         uniforms = None if sampling is None else sampling[1]
         out = self.draft.run_first_chain(seqs, aux, k - 1, sampling, drop=k - counts, input_ids=tokens)
         assert out is not None  # first_chain_shape said one fits
@@ -410,6 +409,11 @@ class Drafter:
                 mask[r * width + slot_of[a] - n] = True
                 a = builder.parent(a)
         return tuple(mask)
+
+
+def _temperatures(params: list[SamplingParams], device: torch.device) -> torch.Tensor:
+    """Each request's temperature as a chained replay draws with it (0: the argmax), on the device."""
+    return to_device([0.0 if p.greedy else p.temperature for p in params], device, torch.float32)
 
 
 def tree_expand_kernel(device: torch.device) -> ExpandKernel | None:
