@@ -73,7 +73,7 @@ stage() {
   done
   # FlashInfer (the fast kernel set): its wheels and prebuilt modules, carried as .whl/*.whl and
   # .whl/flashinfer-aot-*.tar.gz (bench/device_env.sh's files), in one call or spread over several
-  if ls .whl/flashinfer_python-*.whl >/dev/null 2>&1; then mkdir -p $T/fi && cp .whl/*.whl $T/fi/; fi
+  for w in .whl/*.whl; do if [ -f "$w" ]; then mkdir -p $T/fi && cp "$w" $T/fi/; fi; done
   for t in .whl/flashinfer-aot-*.tar.gz; do if [ -f "$t" ]; then mkdir -p $T/fi && cp "$t" $T/fi/; fi; done
   if [ -f .whl/serving-site-cp312.tar.xz ] && [ ! -d $T/serving/ray ]; then
     mkdir -p $T/serving && tar -C $T/serving -xJf .whl/serving-site-cp312.tar.xz
