@@ -16,7 +16,8 @@ configuration. Configurations: chains of 3/5/7 steps, a tree of topK 4 over 5 st
 any ``chain-N`` and ``tree-sS-kK-tT`` (S steps, topK K, T verified tokens) by name.
 
 HTTP (``--http``): ``fusedserve run`` on a manifest per configuration, the prompts sent one at a time with
-the openai client (chat completions), tok/s from the client's wall time, acceptance from /metrics.
+the openai client (chat completions), each set twice: responses sent whole, then streamed (``<set>_stream``,
+server-sent events); tok/s from the client's wall time, acceptance from /metrics.
 ``--hf-peer N``: HF transformers' ``generate`` (greedy) on the first N MT-bench prompts, tok/s — a peer
 measured in the same run. The record (JSON) has date, machine, command and every number.
 """
@@ -261,23 +262,34 @@ spec:
         if "acceptance length:" not in "".join(lines):
             raise RuntimeError("fusedserve run did not start:\n" + "".join(lines[-30:]))
         client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
-        for set_name, prompts in sets.items():
+        for (set_name, prompts), stream in [(kv, stream) for kv in sets.items() for stream in (False, True)]:
             before = _metric_totals(httpx.get(f"{url}/metrics", timeout=30).text)
-            tokens, seconds = 0, 0.0
+            tokens, seconds, chunks = 0, 0.0, 0
             for i, (_pid, turns) in enumerate(prompts):
                 t = time.perf_counter()
-                r = client.chat.completions.create(model="real-pair", messages=[{"role": "user", "content": turns[0]}],
-                                                   max_tokens=args.max_new_tokens, temperature=temperature, seed=i)
+                kw: dict[str, Any] = {"model": "real-pair", "messages": [{"role": "user", "content": turns[0]}],
+                                      "max_tokens": args.max_new_tokens, "temperature": temperature, "seed": i}
+                if stream:  # server-sent events, a chunk per engine step (its last one carries the usage)
+                    usage = None
+                    for chunk in client.chat.completions.create(**kw, stream=True,
+                                                                stream_options={"include_usage": True}):
+                        chunks += 1
+                        usage = chunk.usage or usage
+                else:
+                    usage = client.chat.completions.create(**kw).usage
                 seconds += time.perf_counter() - t
-                tokens += r.usage.completion_tokens if r.usage else 0
+                tokens += usage.completion_tokens if usage else 0
             after = _metric_totals(httpx.get(f"{url}/metrics", timeout=30).text)
             drafts = after["drafts"] - before["drafts"]
             row: dict[str, Any] = {"prompts": len(prompts), "tokens": tokens, "seconds": round(seconds, 3),
                                    "tok_per_s": round(tokens / seconds, 2) if seconds else None}
+            if stream:
+                row["chunks"] = chunks
             if drafts:
                 row["acceptance_length"] = round(1 + (after["accepted"] - before["accepted"]) / drafts, 4)
-            out[set_name] = row
-            progress(f"http   {name:8s} T={temperature:g} {set_name}: {json.dumps(row)}")
+            key = f"{set_name}_stream" if stream else set_name
+            out[key] = row
+            progress(f"http   {name:8s} T={temperature:g} {key}: {json.dumps(row)}")
     finally:
         proc.send_signal(signal.SIGINT)
         try:

@@ -165,9 +165,9 @@ def test_the_engine_is_handed_token_ids_only(server: Any, monkeypatch: pytest.Mo
     seen: list[Any] = []
     real = client.generate
 
-    def recording(prompt: Any, params: Any, request_id: str) -> Any:
+    def recording(prompt: Any, params: Any, request_id: str, **kw: Any) -> Any:
         seen.append(prompt)
-        return real(prompt, params, request_id)
+        return real(prompt, params, request_id, **kw)
 
     monkeypatch.setattr(client, "generate", recording)
     assert post(srv.url, SMALL).status_code == 200

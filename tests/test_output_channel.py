@@ -63,6 +63,43 @@ def test_a_channel_carries_every_requests_outputs_one_delivery_per_step() -> Non
         assert len({o.request_id for o in b}) == len(b)
 
 
+def test_a_final_only_request_arrives_once_with_every_steps_tokens_text_and_logprobs() -> None:
+    """What a response sent whole asks for (``final_only``): one output at the end, equal to the streamed
+    ones merged — on a channel beside streamed requests, and through ``generate``."""
+    p = [SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True, logprobs=2 if i == 1 else None)
+         for i in range(len(PROMPTS))]
+    ref = engine().generate(PROMPTS, p)
+    client = LocalEngineClient(engine())
+
+    async def run() -> tuple[dict[str, list[RequestOutput]], list[RequestOutput]]:
+        channel = client.open_channel()
+        for i, prompt in enumerate(PROMPTS):
+            await client.submit(prompt, p[i], f"r{i}", channel, final_only=i % 2 == 0)
+        got: dict[str, list[RequestOutput]] = {f"r{i}": [] for i in range(len(PROMPTS))}
+        while channel.requests:
+            for out in await asyncio.wait_for(channel.next_batch(), 60):
+                assert isinstance(out, RequestOutput)
+                got[out.request_id].append(out)
+        whole = [o async for o in client.generate(PROMPTS[1], p[1], "g", final_only=True)]
+        return got, whole
+
+    got, whole = asyncio.run(run())
+    client.close()
+    for i, c in enumerate(ref):
+        outs = got[f"r{i}"]
+        assert [t for o in outs for t in o.new_token_ids] == c.token_ids
+        assert "".join(o.text_delta for o in outs) == c.text
+        assert outs[-1].finished and outs[-1].times is not None
+        if i % 2 == 0:
+            assert len(outs) == 1 and outs[0].num_output_tokens == len(c.token_ids)
+        else:
+            assert len(outs) > 1
+    [one] = whole
+    assert one.finished and one.new_token_ids == ref[1].token_ids and one.text_delta == ref[1].text
+    assert [lp.token_id for lp in one.logprobs] == ref[1].token_ids  # (batch 4 there, 1 here: values ~equal)
+    assert [lp.logprob for lp in one.logprobs] == pytest.approx([lp.logprob for lp in ref[1].logprobs], abs=1e-5)
+
+
 def test_closing_a_channel_aborts_its_requests_and_a_dead_engine_ends_it() -> None:
     client = LocalEngineClient(engine())
 

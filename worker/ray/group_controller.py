@@ -280,8 +280,8 @@ class GroupController:
         group = self.groups[index]
         return group, group.leaders[i]
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str
-                       ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
+                       final_only: bool = False) -> AsyncIterator[RequestOutput]:
         with self._lock:  # picked and counted at once: a draining group sees every request it got
             group, leader = self._pick()
             self._requests[request_id] = (group, leader)
@@ -290,7 +290,7 @@ class GroupController:
         try:
             pump = self._pump(group, leader)
             queue = pump.open(request_id)
-            await leader.submit.remote(prompt, asdict(params), request_id, pump.channel)
+            await leader.submit.remote(prompt, asdict(params), request_id, pump.channel, final_only)
             while not finished:
                 item = await queue.get()
                 if isinstance(item, EngineDead):

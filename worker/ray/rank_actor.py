@@ -225,11 +225,13 @@ class RankActor:
     def max_model_len(self) -> int:
         return int(self.client.max_model_len)
 
-    async def submit(self, prompt: str | list[int], params: dict[str, Any], request_id: str, channel: str) -> None:
-        """Start a request whose outputs go to ``channel``'s stream (``outputs``); raises ``InvalidRequest``."""
+    async def submit(self, prompt: str | list[int], params: dict[str, Any], request_id: str, channel: str,
+                     final_only: bool = False) -> None:
+        """Start a request whose outputs go to ``channel``'s stream (``outputs``); raises ``InvalidRequest``.
+        ``final_only``: its one output when it ends (``EngineClient.generate``)."""
         from ..engine.sequence import SamplingParams
 
-        await self.client.submit(prompt, SamplingParams(**params), request_id, self._channel(channel))
+        await self.client.submit(prompt, SamplingParams(**params), request_id, self._channel(channel), final_only)
 
     async def outputs(self, channel: str) -> AsyncIterator[list[dict[str, Any]]]:
         """One consumer's stream (a Ray streaming call, ``num_returns="streaming"``): the outputs of every

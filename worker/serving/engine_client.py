@@ -72,9 +72,11 @@ class EngineClient(Protocol):
         the engine's is the engine thread's); None when the engine takes token ids only."""
         ...
 
-    def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str
-                 ) -> AsyncIterator[RequestOutput]:
-        """Stream the request's outputs; the last one has ``finished`` set. Raises
+    def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
+                 final_only: bool = False) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs; the last one has ``finished`` set. ``final_only`` (a response that
+        is not streamed: vLLM's ``FINAL_ONLY``): one output when the request ends, every step's tokens,
+        text and logprobs merged into it — nothing crosses a thread or process boundary per step. Raises
         ``InvalidRequest`` before the first output for a request the engine refuses,
         ``NoReadyEngine`` when nothing can take it now, and ``EngineDead`` when the engine (or a
         rank of its group) failed mid-request."""

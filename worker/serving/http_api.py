@@ -112,7 +112,9 @@ class _Api:
                     params = body.sampling_params(max_tokens[p], i, grammar)
                 except InvalidRequest as e:
                     raise ApiError(400, str(e), code="invalid_parameter") from e
-                stream = self.client.generate(prompt, params, f"{request_id}-{p * body.n + i}")
+                # a response sent whole needs the request's end only: nothing per step crosses to here
+                stream = self.client.generate(prompt, params, f"{request_id}-{p * body.n + i}",
+                                              final_only=not body.stream)
                 streams.append(self.metrics.track(stream) if self.metrics is not None else stream)
         return streams
 
@@ -134,10 +136,19 @@ class _Api:
         return [r for r in results if isinstance(r, RequestOutput)]
 
     async def _collect(self, streams: list[AsyncIterator[RequestOutput]], request: Request) -> list[Choice]:
-        """Run the requests to their end; abort them if the client disconnects first."""
-        firsts = await self._first(streams)
+        """Run the requests to their end; abort them if the client disconnects first (also while the
+        first outputs are awaited: a request sent whole has only its last one)."""
         choices = [Choice() for _ in streams]
-        work = asyncio.ensure_future(self._drain(streams, firsts, choices))
+
+        async def run() -> None:
+            try:
+                firsts = await self._first(streams)
+            except asyncio.CancelledError:
+                await close_all(streams)
+                raise
+            await self._drain(streams, firsts, choices)
+
+        work = asyncio.ensure_future(run())
         gone = asyncio.ensure_future(disconnected(request))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)

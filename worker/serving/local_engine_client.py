@@ -25,7 +25,7 @@ import logging
 import threading
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Generic, TypeVar
 
 from typing_extensions import Self
@@ -118,10 +118,13 @@ class OutputChannel:
 
 @dataclass
 class _Track:
-    """A request the engine holds. ``stream`` is None once its consumer went away."""
+    """A request the engine holds. ``stream`` is None once its consumer went away. A ``final_only``
+    request's outputs wait in ``held`` (engine thread only) until its last one."""
 
     stream: _Stream | None
+    final_only: bool = False
     prompt_counted: bool = False
+    held: list[RequestOutput] = field(default_factory=list)
 
 
 class LocalEngineClient:
@@ -157,18 +160,18 @@ class LocalEngineClient:
     def load_tokenizer(self) -> Tokenizer | None:
         return None if self._tokenizer is None else copy.deepcopy(self._tokenizer)
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str
-                       ) -> AsyncIterator[RequestOutput]:
-        async for chunk in self._chunks(prompt, params, request_id):
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
+                       final_only: bool = False) -> AsyncIterator[RequestOutput]:
+        async for chunk in self._chunks(prompt, params, request_id, final_only):
             for item in chunk:
                 yield item
 
-    async def _chunks(self, prompt: str | list[int], params: SamplingParams, request_id: str
-                      ) -> AsyncIterator[list[RequestOutput]]:
+    async def _chunks(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                      final_only: bool = False) -> AsyncIterator[list[RequestOutput]]:
         """The request's outputs, each time as many as have queued up (at least one)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[_Item] = asyncio.Queue()
-        track = _Track(_Stream(loop, queue))
+        track = _Track(_Stream(loop, queue), final_only)
         finished = False
 
         def add() -> None:
@@ -197,9 +200,10 @@ class LocalEngineClient:
         return OutputChannel()
 
     async def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                     channel: OutputChannel) -> None:
-        """Start a request whose outputs go to ``channel`` (raises ``InvalidRequest`` here)."""
-        track = _Track(channel.stream)
+                     channel: OutputChannel, final_only: bool = False) -> None:
+        """Start a request whose outputs go to ``channel`` (raises ``InvalidRequest`` here); ``final_only``
+        as in ``generate``."""
+        track = _Track(channel.stream, final_only)
 
         def add() -> None:
             self.engine.add_request(prompt, params, request_id)
@@ -334,6 +338,11 @@ class LocalEngineClient:
                 continue
             if out.finished:
                 del self._tracks[out.request_id]
+            if track.final_only:
+                track.held.append(out)
+                if not out.finished:
+                    continue
+                out, track.held = merge_outputs(track.held), []
             if track.stream is not None:
                 batches.setdefault(id(track.stream), (track.stream, []))[1].append(out)
         for stream, items in batches.values():

@@ -253,7 +253,9 @@ class MetricsRegistry:
                 self._collector.snapshots = self._vllm.snapshots = []
 
     async def track(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
-        """Pass a request's outputs through, observing its latencies (aborted requests: none)."""
+        """Pass a request's outputs through, observing its latencies (aborted requests: none). A request
+        whose tokens all come in its last output (``final_only``, or done in one step) had its first token
+        ``times.decode_s`` before that output arrived (the engine's clock); no inter-token gap is seen."""
         start = last = time.perf_counter()
         first_at: float | None = None
         try:
@@ -262,8 +264,10 @@ class MetricsRegistry:
                 if out.new_token_ids:
                     if first_at is None:
                         first_at = now
-                        self.ttft.observe(now - start)
-                        self.vllm.ttft.observe(now - start)
+                        if out.finished and out.times is not None:
+                            first_at = max(start, now - out.times.decode_s)
+                        self.ttft.observe(first_at - start)
+                        self.vllm.ttft.observe(first_at - start)
                     else:
                         self.itl.observe(now - last)
                         self.vllm.itl.observe(now - last)
