@@ -135,3 +135,13 @@ def test_spec_host_time_runs_and_counts_forwards(tmp_path: Path) -> None:
     assert rows[0]["forwards_per_round"] == pytest.approx(1.0, abs=0.1)  # a decode step a token
     assert 1.5 <= rows[1]["forwards_per_round"] <= 2.5  # first pass and chained draft steps in one, the verify
     assert all(r["host_ms_per_round_median"] > 0 for r in rows)
+
+
+def test_output_handoff_runs_and_delivers_once_or_every_step(tmp_path: Path) -> None:
+    out = tmp_path / "handoff.json"
+    proc = _bench("output_handoff.py", "--tokens", "12", "--reps", "1", "--busy-us", "0", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert rows["final_only"]["deliveries"] == 1
+    assert rows["streamed"]["deliveries"] >= 6  # a delivery per step (the consumer may merge a few)
+    assert all(r["ms_per_token"] > 0 for r in rows.values())
