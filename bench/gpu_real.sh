@@ -36,6 +36,8 @@
 #                                           (.whl/serving-site-cp312.tar.xz) and .whl/real/wheels-http
 #   bash bench/gpu_real.sh tests [ARGS]     the -m gpu suite (FlashInfer staged) -> $OUT/gpu-tests.xml (junit)
 #   bash bench/gpu_real.sh growth [ARGS]    bench/tree_growth_gpu.py ARGS (no model needed) -> $OUT/tree-growth.json
+#   bash bench/gpu_real.sh handoff [ARGS]   bench/output_handoff.py ARGS on /tmp/real/smollm2, plain and chain-7
+#                                           -> $OUT/output-handoff.json, output-handoff-chain-7.json
 #
 # A device session, in calls back to back (the machine goes back after 30 s idle, and a fresh one costs
 # 1-3 minutes of the session's device time before the first command runs; read the results afterwards):
@@ -60,7 +62,7 @@
 # (e.g. flashinfer-aot-attention-*.tar.gz with part1 part2, flashinfer-aot-0*.tar.gz with part3 part4, the four
 # wheels with the call that runs), and the first command that lays the package out installs them.
 set -euo pipefail
-cmd=${1:?usage: gpu_real.sh stage|train|regen|bench|probe|growth|decode|serve|tests [args]}
+cmd=${1:?usage: gpu_real.sh stage|train|regen|bench|probe|handoff|growth|decode|serve|tests [args]}
 shift
 T=${GPU_REAL_TMP:-/tmp}  # where the staged files live (the device: /tmp)
 R=$T/real
@@ -145,6 +147,13 @@ case "$cmd" in
     layout; model
     draft=$R/draft; [ -d "$draft" ] || draft=$PWD/examples/checkpoints/smollm2-eagle3
     python3 -P bench/graph_launch_probe.py --target "$R/smollm2" --draft "$draft" --out "$OUT/graph-launch.json" "$@"
+    ;;
+  handoff)  # bench/output_handoff.py on SmolLM2 (plain, then chain-7 with the draft) -> $OUT/output-handoff{,-chain-7}.json
+    layout; model
+    draft=$R/draft; [ -d "$draft" ] || draft=$PWD/examples/checkpoints/smollm2-eagle3
+    python3 -P bench/output_handoff.py --model "$R/smollm2" --out "$OUT/output-handoff.json" "$@"
+    python3 -P bench/output_handoff.py --model "$R/smollm2" --draft "$draft" --steps 7 \
+      --out "$OUT/output-handoff-chain-7.json" "$@"
     ;;
   growth)  # bench/tree_growth_gpu.py: one draft tree round's growth, torch ops vs the fused step -> $OUT/tree-growth.json
     layout

@@ -1,6 +1,6 @@
 """What handing a request's outputs to a serving thread costs the engine, without Ray and HTTP.
 
-    python bench/output_handoff.py [--model examples/checkpoints/tiny-code] [--draft DIR] [--tokens 300]
+    python bench/output_handoff.py [--model examples/checkpoints/tiny-code] [--draft DIR [--steps 3]] [--tokens 300]
         [--reps 3] [--busy-us 0,100,300] [--out FILE]
 
 One request at a time, batch 1, greedy, ``ignore_eos``: ms per generated token of
@@ -42,7 +42,8 @@ PROMPT = "def fibonacci(n):\n    "
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(ROOT / "examples/checkpoints/tiny-code"))
-    ap.add_argument("--draft", default=None, help="an EAGLE3 draft: chain-3 speculation")
+    ap.add_argument("--draft", default=None, help="an EAGLE3 draft: a chain of --steps draft steps")
+    ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=300)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--busy-us", default="0,100,300")
@@ -60,7 +61,7 @@ def main() -> None:
         torch.set_num_threads(1)
     engine = Engine(args.model, EngineConfig(
         device="cuda" if cuda else "cpu", dtype="bfloat16" if cuda else "float32", max_num_seqs=1, seed=0,
-        speculative=SpeculativeConfig(args.draft, 3) if args.draft else None))
+        speculative=SpeculativeConfig(args.draft, args.steps) if args.draft else None))
     assert engine.tokenizer is not None
     prompt = engine.tokenizer.encode(PROMPT)
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
@@ -104,6 +105,7 @@ def main() -> None:
     for row in rows.values():
         row["over_direct_ms"] = round(row["ms_per_token"] - base, 4)
     record = {**record_header(), "what": __doc__.split("\n\n")[0], "model": args.model, "draft": args.draft,
+              "steps": args.steps if args.draft else None,
               "tokens": args.tokens, "reps": args.reps, "rows": rows}
     print(f"wrote {write_record(record, args.out)}")
 
