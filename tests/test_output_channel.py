@@ -90,8 +90,9 @@ def test_a_final_only_request_arrives_once_with_every_steps_tokens_text_and_logp
         assert [t for o in outs for t in o.new_token_ids] == c.token_ids
         assert "".join(o.text_delta for o in outs) == c.text
         assert outs[-1].finished and outs[-1].times is not None
-        if i % 2 == 0:
+        if i % 2 == 0:  # the steps' gaps come along (the metrics' inter-token latencies)
             assert len(outs) == 1 and outs[0].num_output_tokens == len(c.token_ids)
+            assert 0 < len(outs[0].gaps) <= len(c.token_ids) - 1 and min(outs[0].gaps) >= 0
         else:
             assert len(outs) > 1
     [one] = whole

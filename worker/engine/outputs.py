@@ -38,6 +38,9 @@ class RequestOutput:
     logprobs: tuple[TokenLogprob, ...] = ()  # one per new token when the request asked for logprobs
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # prompt tokens 1.. (in order, over the first outputs)
     times: RequestTimes | None = None  # on a finished request's last output (not an abort's)
+    # seconds between this request's consecutive steps that produced tokens, when outputs were merged before
+    # they were delivered (a final-only request's one output): what a consumer would have seen as gaps
+    gaps: tuple[float, ...] = ()
 
 
 def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
@@ -48,7 +51,8 @@ def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
     return RequestOutput(last.request_id, [t for o in outs for t in o.new_token_ids], "".join(o.text_delta for o in outs),
                          last.finished, last.finish_reason, last.num_prompt_tokens, last.num_output_tokens,
                          tuple(lp for o in outs for lp in o.logprobs),
-                         tuple(lp for o in outs for lp in o.prompt_logprobs), last.times)
+                         tuple(lp for o in outs for lp in o.prompt_logprobs), last.times,
+                         tuple(g for o in outs for g in o.gaps))
 
 
 @dataclass

@@ -23,6 +23,7 @@ import asyncio
 import copy
 import logging
 import threading
+import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -125,6 +126,7 @@ class _Track:
     final_only: bool = False
     prompt_counted: bool = False
     held: list[RequestOutput] = field(default_factory=list)
+    stamps: list[float] = field(default_factory=list)  # when each held output with tokens was made
 
 
 class LocalEngineClient:
@@ -331,6 +333,7 @@ class LocalEngineClient:
 
     def _route(self, outputs: list[RequestOutput]) -> None:
         batches: dict[int, tuple[_Stream, list[_Item]]] = {}
+        now = time.monotonic()
         for out in outputs:
             track = self._tracks.get(out.request_id)
             self._count(out, track)
@@ -340,9 +343,12 @@ class LocalEngineClient:
                 del self._tracks[out.request_id]
             if track.final_only:
                 track.held.append(out)
+                if out.new_token_ids:
+                    track.stamps.append(now)
                 if not out.finished:
                     continue
-                out, track.held = merge_outputs(track.held), []
+                gaps = tuple(b - a for a, b in zip(track.stamps, track.stamps[1:]))
+                out, track.held, track.stamps = replace(merge_outputs(track.held), gaps=gaps), [], []
             if track.stream is not None:
                 batches.setdefault(id(track.stream), (track.stream, []))[1].append(out)
         for stream, items in batches.values():

@@ -255,7 +255,8 @@ class MetricsRegistry:
     async def track(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
         """Pass a request's outputs through, observing its latencies (aborted requests: none). A request
         whose tokens all come in its last output (``final_only``, or done in one step) had its first token
-        ``times.decode_s`` before that output arrived (the engine's clock); no inter-token gap is seen."""
+        ``times.decode_s`` before that output arrived, and its inter-token latencies are the gaps between its
+        steps (``out.gaps``): the engine's clock, as vLLM observes every request's from its engine's outputs."""
         start = last = time.perf_counter()
         first_at: float | None = None
         try:
@@ -266,6 +267,9 @@ class MetricsRegistry:
                         first_at = now
                         if out.finished and out.times is not None:
                             first_at = max(start, now - out.times.decode_s)
+                        for gap in out.gaps:
+                            self.itl.observe(gap)
+                            self.vllm.itl.observe(gap)
                         self.ttft.observe(first_at - start)
                         self.vllm.ttft.observe(first_at - start)
                     else:
