@@ -205,6 +205,9 @@ def test_get_watch_streams_events(kube_api: KubeAPI) -> None:
     try:
         assert next_line().split()[:2] == ["NAME", "READY"]
         assert next_line().split()[0] == "tiny-code"
+        # kubectl watches only after printing (resourceVersion 0, its first event dropped): a write before the
+        # watch is open would never be printed, by a real API server either
+        kube_api.wait_for_watch("inferencedeployments")
         kube_api.patch(infd("tiny-code", "status"),
                        {"status": {"readyReplicas": 1, "conditions": [{"type": "Ready", "status": "True"}]}})
         assert next_line().split()[:3] == ["tiny-code", "True", "1"]

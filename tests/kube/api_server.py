@@ -16,6 +16,7 @@ import socket
 import subprocess
 import tempfile
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -164,6 +165,17 @@ class KubeAPI:
         """A long-running kubectl (``get -w``); the caller must kill it."""
         return subprocess.Popen(self.kubectl_args(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, cwd=cwd)
+
+    def wait_for_watch(self, plural: str, streams: int = 1, timeout: float = 30.0) -> None:
+        """Until ``streams`` watches of ``plural`` are open on the server (e.g. the one ``kubectl get -w`` starts
+        after printing what it read: a write before that is folded into the watch's first event, which kubectl
+        drops for a single object — as against a real API server)."""
+        assert self.handler is not None, "start() the server first"
+        deadline = time.monotonic() + timeout
+        while self.handler.watch_streams(plural) < streams:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no watch of {plural} opened within {timeout:.0f} s")
+            time.sleep(0.01)
 
     # --- plain HTTP ---------------------------------------------------------------------------------------
     def request(self, method: str, path: str, body: Any = None, *, content_type: str = "application/json",

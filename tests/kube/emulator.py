@@ -103,6 +103,10 @@ class KubeEmulator(kmock.KubernetesScaffold):
     def watch_history(self, rtype: ResourceType) -> list[WatchEvent]:
         return self._watches.history(rtype.key)
 
+    def watch_streams(self, plural: str) -> int:
+        """Watch streams open on resources of ``plural`` (subscribed: no later write is missed)."""
+        return self._watches.streams(plural)
+
     def close(self) -> None:
         """End all watch streams (call on the server's loop before shutting the server down)."""
         self._closing = True

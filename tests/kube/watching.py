@@ -87,6 +87,11 @@ class WatchHub:
         self._subscribers.setdefault(resource, set()).add(queue)
         return queue
 
+    def streams(self, plural: str) -> int:
+        """Live watch streams on resources of this plural (any group and version); safe from another thread
+        (the dict copied in one step)."""
+        return sum(len(queues) for key, queues in list(self._subscribers.items()) if key.plural == plural)
+
     def unsubscribe(self, resource: kmock.resource, queue: Subscriber) -> None:
         self._subscribers.get(resource, set()).discard(queue)
 
