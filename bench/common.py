@@ -14,6 +14,7 @@ would hide the laid-out package, so it is only ever appended, after the package 
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import platform
@@ -197,8 +198,31 @@ def commit() -> str | None:
         return None
 
 
+@functools.cache
+def host() -> dict[str, Any]:
+    """The host a run got: CPU model, CPUs it may use, 1-minute load average, and the time of a fixed
+    pure-Python loop (median of 5, measured once per process). Host-bound figures follow the last: the
+    same speculative code read 0.8x to 1.43x over plain decoding on H200 leases whose hosts differed
+    (2026-12-04), so every record says which host it had."""
+    try:
+        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name")), None)
+    except OSError:
+        cpu = None
+
+    def loop() -> float:
+        start, acc = time.perf_counter(), 0
+        for i in range(200_000):
+            acc += i & 7
+        return time.perf_counter() - start
+
+    return {"cpu": cpu or platform.processor() or None, "cpus": len(os.sched_getaffinity(0)),
+            "loadavg_1m": round(os.getloadavg()[0], 2),
+            "python_loop_ms": round(1e3 * statistics.median(loop() for _ in range(5)), 2)}
+
+
 def record_header(command: list[str] | None = None) -> dict[str, Any]:
-    """date, machine, commit, command and versions: what every recorded run starts with."""
+    """date, machine, host, commit, command and versions: what every recorded run starts with."""
     cuda = torch.cuda.is_available()
     versions = {"python": platform.python_version(), "torch": torch.__version__}
     for name in ("transformers", "triton", "flashinfer"):
@@ -208,7 +232,7 @@ def record_header(command: list[str] | None = None) -> dict[str, Any]:
             pass
     return {"date": str(datetime.date.today()),
             "machine": f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}" if cuda
-            else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)", "commit": commit(),
+            else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)", "host": host(), "commit": commit(),
             "command": " ".join(command if command is not None else ["python", *sys.argv]), "versions": versions}
 
 
