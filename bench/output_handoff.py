@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import itertools
 import statistics
 import sys
 import time
@@ -73,7 +74,7 @@ def main() -> None:
         return (time.perf_counter() - t) / len(c.token_ids)
 
     client = LocalEngineClient(engine)
-    counter = iter(range(10**9))
+    counter = itertools.count()
 
     async def served(final_only: bool, busy_us: int) -> tuple[float, int]:
         channel = client.open_channel()

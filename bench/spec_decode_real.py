@@ -12,9 +12,10 @@ of the engine's counters around it (``bench/acceptance_stats.py``: pooled accept
 spread, bootstrap intervals). MT-bench: first turns, and with ``--turns 2`` the second turn asked after
 the configuration's own first answer. HumanEval: the problem's prompt as the user message.
 tok/s = generated tokens / wall time of the prompts of a set (after a warm-up on a short prompt and each
-set's first), the same run for every configuration. Configurations: chains of 3/5/7 steps, a tree of topK 4 over 5 steps verifying 8 tokens;
-any ``chain-N`` and ``tree-sS-kK-tT`` (S steps, topK K, T verified tokens) by name. With other configurations,
-no speculation runs first and again last (``none-again``) and the speed-ups take the faster of its two runs.
+set's first), the same run for every configuration. Configurations: chains of 3/5/7 steps, a tree of topK 4
+over 5 steps verifying 8 tokens; any ``chain-N`` and ``tree-sS-kK-tT`` (S steps, topK K, T verified tokens) by
+name. With other configurations, no speculation runs first and again last (``none-again``) and the speed-ups
+take the faster of its two runs.
 
 HTTP (``--http``): ``fusedserve run`` on a manifest per configuration, the prompts sent one at a time with
 the openai client (chat completions), each set twice: responses sent whole, then streamed (``<set>_stream``,
@@ -116,9 +117,9 @@ def run_engine(args: argparse.Namespace, name: str, temperature: float,
         counts = (after.drafts - before.drafts, after.accepted_tokens - before.accepted_tokens) if after and before else (0, 0)
         return c.token_ids, seconds, counts
 
-    # warm-up, untimed: a short prompt and each set's first (Triton compiles a kernel again for argument
-    # values of another divisibility class: prompt lengths the short one did not cover would compile in
-    # the first timed prompts of the first configuration — ~2.7 s on a fresh H200 machine, 2026-12-04)
+    # warm-up, untimed: a short prompt and each set's first (prompt lengths the short one does not cover). On a
+    # fresh H200 machine the first configuration still ran slow after it (2026-12-04; cause not established),
+    # hence plain decoding measured again last (main)
     for text in ["Hello!"] + [prompts[0][1][0] for prompts in sets.values() if prompts]:
         generate([{"role": "user", "content": text}], 0)
     out: dict[str, Any] = {}
