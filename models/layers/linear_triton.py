@@ -219,20 +219,22 @@ def decode_gemm_splits(n: int, k: int, tile: tuple[int, int, int, int], device: 
     return 1
 
 
-def gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                tile: tuple[int, int, int, int] | None = None, splits: int | None = None) -> torch.Tensor:
     """x: [m, K] (m <= GEMM_ROWS); weight: [N, K] -> [m, N] with ``_decode_gemm_kernel`` at the tile
-    ``decode_gemm_tile`` gives, K split as ``decode_gemm_splits`` says; F.linear where no tile fits or for
-    strided rows / mixed or fp32 dtypes."""
+    ``decode_gemm_tile`` gives, K split as ``decode_gemm_splits`` says (``tile`` / ``splits``: another cut,
+    for benchmarks; it must divide N and K); F.linear where no tile fits or for strided rows / mixed or fp32
+    dtypes."""
     m, k = x.shape
     n = weight.shape[0]
-    tile = decode_gemm_tile(m, n, k)
+    tile = tile or decode_gemm_tile(m, n, k)
     if (tile is None or x.stride(-1) != 1 or weight.stride(-1) != 1 or x.dtype != weight.dtype
             or x.dtype not in (torch.bfloat16, torch.float16)
             or (bias is not None and (bias.dtype != x.dtype or bias.stride(-1) != 1))):
         return F.linear(x, weight, bias)
     block_n, block_k, stages, warps = tile
     block_m = max(16, triton.next_power_of_2(m))
-    splits = decode_gemm_splits(n, k, tile, x.device)
+    splits = splits or decode_gemm_splits(n, k, tile, x.device)
     counters = arrival_counters(x.device, n // block_n) if splits > 1 else None
     if counters is None:
         splits, counters = 1, weight

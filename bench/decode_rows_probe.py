@@ -1,0 +1,190 @@
+"""Where a many-row 8B decode step loses to its roofline: the decode GEMM's cuts and decode attention over
+cold caches, at 16 and 64 rows (issue #14's batch-64 goal).
+
+    . bench/device_env.sh && python -P bench/decode_rows_probe.py --out $OUT/decode-rows-probe.json
+
+GEMMs: each Llama-3-8B matmul (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336) over 32
+layers' distinct weights (13.9 GB: nothing stays in L2), captured back to back in one CUDA graph, launched
+as the engine launches them (PDL where on): cuBLAS, the engine's cut (``decode_gemm_tile`` /
+``decode_gemm_splits``) and each ``GEMM_CUTS`` cut (block_n, block_k, stages, warps, K splits), in µs per
+matmul and TB/s of weights, with each cut's relative error against fp32.
+
+Attention: the engine's decode kernel (``decode_attention_launch``) at batch 16 / 64, context ``--ctx``,
+32 calls per graph each on its own layer's cache (what a step reads: 42 MB a layer at batch 64 fits the
+H200's 50 MB L2, so the one-layer sweep of bench/attention_kernels.py read it warm), at the engine's cut and
+each ``ATTENTION_CUTS`` cut; and the engine's cut on one layer's cache (warm) for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import fusedserve.worker  # noqa: F401  (the installed package, before the checkout joins sys.path)
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+from bench.common import Progress, copy_bandwidth, graph_ms, record_header, write_record
+
+progress = Progress("decode_rows_probe")
+SHAPES = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
+GEMM_CUTS: dict[str, tuple[tuple[int, int, int, int, int], ...]] = {
+    "qkv": ((64, 128, 6, 4, 1), (64, 128, 3, 4, 2), (128, 128, 4, 4, 2), (128, 128, 4, 8, 2), (128, 64, 6, 4, 2),
+            (256, 64, 4, 8, 4), (256, 64, 3, 8, 4), (128, 64, 6, 4, 4)),
+    "o": ((64, 128, 6, 4, 1), (64, 128, 6, 4, 2), (64, 128, 3, 4, 4), (128, 128, 4, 4, 4), (128, 128, 4, 8, 4),
+          (128, 64, 6, 4, 4), (256, 64, 4, 8, 8), (128, 64, 6, 4, 2)),
+    "gate_up": ((128, 128, 4, 4, 1), (64, 128, 6, 4, 1), (256, 64, 4, 8, 1), (128, 64, 6, 4, 1), (128, 128, 4, 8, 1)),
+    "down": ((64, 128, 6, 4, 2), (64, 128, 6, 4, 1), (64, 128, 3, 4, 4), (128, 128, 4, 4, 4), (128, 128, 4, 8, 4),
+             (128, 64, 6, 4, 4), (256, 64, 4, 8, 8), (128, 64, 6, 4, 2)),
+}
+ATTENTION_CUTS = ((32, 4, 2, 1), (32, 4, 3, 1), (32, 8, 2, 1), (16, 2, 2, 1), (16, 4, 2, 1), (16, 2, 2, 2),
+                  (32, 4, 2, 2), (64, 4, 3, 1), (64, 8, 3, 1), (64, 8, 2, 1), (16, 2, 3, 1))
+LAYERS = 32
+BLOCK = 16
+WIDTH = 8192 // BLOCK  # pages per block table in the 8B engine's captured batches
+
+
+def gemms(rows: int, reps: int, bw: float) -> dict[str, Any]:
+    from fusedserve.models.layers.linear_triton import decode_gemm_splits, decode_gemm_tile, gemm_triton
+
+    dev = torch.device("cuda")
+    out: dict[str, Any] = {}
+    for name, n, k in SHAPES:
+        ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * k ** -0.5 for _ in range(LAYERS)]
+        x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
+        ref = F.linear(x.float(), ws[0].float())
+        mb = n * k * 2 / 1e6
+        row: dict[str, Any] = {"MB": mb}
+
+        def time_it(fn: Any, ws: list[torch.Tensor] = ws) -> dict[str, Any]:
+            def calls() -> None:
+                for w in ws:
+                    fn(w)
+
+            r = graph_ms(calls, reps)
+            us = r["ms"] * 1000 / LAYERS
+            return {"us": round(us, 2), "spread": r["spread"], "TBps": round(mb / us / 1e6, 3),
+                    "of_copy_bw": round(mb / us / 1e6 / (bw / 1e12), 3)}
+
+        row["cublas"] = time_it(lambda w: F.linear(x, w))
+        tile = decode_gemm_tile(rows, n, k)
+        row["engine_cut"] = [*tile, decode_gemm_splits(n, k, tile, dev)] if tile else None
+        row["engine"] = time_it(lambda w: gemm_triton(x, w))
+        cuts = []
+        for cut in GEMM_CUTS[name]:
+            bn, bk, stages, warps, splits = cut
+            if n % bn or k % (bk * splits):
+                continue
+            try:
+                err = ((gemm_triton(x, ws[0], None, (bn, bk, stages, warps), splits).float() - ref).norm()
+                       / ref.norm()).item()
+                cuts.append({"cut": list(cut), **time_it(lambda w, c=cut: gemm_triton(x, w, None, c[:4], c[4])),
+                             "rel_err": err})
+            except Exception as e:  # a cut that does not compile or fit: said in the record
+                cuts.append({"cut": list(cut), "error": f"{type(e).__name__}: {e}"[:200]})
+        row["cuts"] = cuts
+        timed = [c for c in cuts if "us" in c]
+        row["best"] = min(timed, key=lambda c: c["us"]) if timed else None
+        out[name] = row
+        progress(f"gemm rows {rows} {name}: cublas {row['cublas']['us']} engine {row['engine']['us']} "
+                 f"best {row['best']}")
+        ws.clear()
+        torch.cuda.empty_cache()
+    return out
+
+
+def attention(batch: int, ctx: int, reps: int) -> dict[str, Any]:
+    from fusedserve.models.forward_batch import ForwardBatch, KVCache, PagedAttentionMetadata
+    from fusedserve.models.layers.decode_attention_triton import (
+        DecodeLaunch,
+        decode_attention_launch,
+        decode_launch,
+    )
+
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(batch * 7 + ctx)
+    pages = -(-ctx // BLOCK)
+    nb = batch * pages + 1
+    kv = KVCache.allocate({i: (8, 128) for i in range(LAYERS)}, nb, BLOCK, bf, dev)
+    for i in range(LAYERS):
+        kv.k[i].normal_(generator=g)
+        kv.v[i].normal_(generator=g)
+    perm = torch.randperm(nb - 1, device=dev, generator=g).view(batch, pages).to(torch.int32)
+    tables = perm.tolist()
+    slots = torch.tensor([t[(ctx - 1) // BLOCK] * BLOCK + (ctx - 1) % BLOCK for t in tables], device=dev)
+    wide = torch.zeros(batch, WIDTH, dtype=torch.int32, device=dev)
+    wide[:, :pages] = perm
+    meta = PagedAttentionMetadata.decode(wide, torch.full((batch,), ctx, dtype=torch.int32, device=dev))
+    fb = ForwardBatch(torch.zeros(batch, dtype=torch.long, device=dev), torch.zeros(batch, device=dev), [1] * batch,
+                      [ctx] * batch, slots, tables, kv, paged=meta)
+    q = torch.randn(batch, 32, 128, device=dev, dtype=bf, generator=g)
+    k = torch.randn(batch, 8, 128, device=dev, dtype=bf, generator=g)
+    v = torch.randn(batch, 8, 128, device=dev, dtype=bf, generator=g)
+    kv_bytes = batch * ctx * 8 * 128 * 2 * 2
+    scale = 128 ** -0.5
+
+    def time_it(launch: Any, cold: bool) -> dict[str, Any]:
+        def calls() -> None:
+            for i in range(LAYERS):
+                decode_attention_launch(q, k, v, i if cold else 0, fb, scale, launch)
+
+        r = graph_ms(calls, reps)
+        us = r["ms"] * 1000 / LAYERS
+        return {"us": round(us, 2), "spread": r["spread"], "TBps": round(kv_bytes / us / 1e6, 3)}
+
+    chosen = decode_launch(batch * 8, WIDTH * BLOCK)
+    row: dict[str, Any] = {"batch": batch, "context": ctx, "kv_bytes_per_layer": kv_bytes,
+                           "engine_cut": list(chosen.__dict__.values()), "engine_cold": time_it(chosen, True),
+                           "engine_warm_one_layer": time_it(chosen, False)}
+    ref = decode_attention_launch(q, k, v, 0, fb, scale, chosen).float()
+    cuts = []
+    for block_n, warps, stages, splits in ATTENTION_CUTS:
+        launch = DecodeLaunch(block_n, warps, stages, splits)
+        try:
+            diff = (decode_attention_launch(q, k, v, 0, fb, scale, launch).float() - ref).abs().max().item()
+            cuts.append({"cut": [block_n, warps, stages, splits], **time_it(launch, True), "max_abs_diff": diff})
+        except Exception as e:  # a cut that does not compile or fit: said in the record
+            cuts.append({"cut": [block_n, warps, stages, splits], "error": f"{type(e).__name__}: {e}"[:200]})
+    row["cuts_cold"] = cuts
+    timed = [c for c in cuts if "us" in c]
+    row["best_cold"] = min(timed, key=lambda c: c["us"]) if timed else None
+    progress(f"attention batch {batch}: engine cold {row['engine_cold']} warm {row['engine_warm_one_layer']} "
+             f"best {row['best_cold']}")
+    del kv
+    torch.cuda.empty_cache()
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="decode-rows-probe.json")
+    ap.add_argument("--rows", default="16,64")
+    ap.add_argument("--ctx", type=int, default=163, help="context of the attention cases (the decode bench's midpoint)")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--no-gemm", action="store_true")
+    ap.add_argument("--no-attention", action="store_true")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    record: dict[str, Any] = record_header()
+    bw = copy_bandwidth(dev, 1 << 30)
+    record["copy_bandwidth_TBps"] = bw / 1e12
+    rows = [int(r) for r in args.rows.split(",") if r]
+    if not args.no_attention:
+        record["attention"] = []
+        for b in rows:
+            record["attention"].append(attention(b, args.ctx, args.reps))
+            write_record(record, args.out)
+    if not args.no_gemm:
+        record["gemm"] = {}
+        for m in rows:
+            record["gemm"][str(m)] = gemms(m, args.reps, bw)
+            write_record(record, args.out)
+
+
+if __name__ == "__main__":
+    main()
