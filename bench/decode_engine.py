@@ -310,6 +310,8 @@ def main() -> None:
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--peer-batches", default="1,16,64", help="HF peer batch sizes (each compiles once)")
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--prompt-len", type=int, default=128,
+                    help="prompt tokens of each decoding sequence (the context the decode rows attend over)")
     ap.add_argument("--host-profile", action="store_true", help="cProfile the host side of decode steps")
     ap.add_argument("--tiny", action="store_true", help="small model (CPU if no GPU): checks the script")
     ap.add_argument("--decode-only", action="store_true",
@@ -334,6 +336,8 @@ def main() -> None:
                     help="a bench/pdl_gemv_probe.py record: the decode GEMM at each of its shapes' best tile (rows <= 16: "
                          "its 16-row sweep, more: its 64-row one) instead of decode_gemm_tile's (an A/B of the tiles)")
     args = ap.parse_args()
+    global PROMPT_LEN
+    PROMPT_LEN = args.prompt_len
     if args.gemm_tiles:  # before any engine is built: gemm_triton looks the tile up at each call
         probe_tiles(args.gemm_tiles)
     if args.cublas_matmuls:  # before any engine is built: Kernels.triton() reads it then

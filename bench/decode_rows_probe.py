@@ -41,8 +41,9 @@ GEMM_CUTS: dict[str, tuple[tuple[int, int, int, int, int], ...]] = {
     "down": ((64, 128, 6, 4, 2), (64, 128, 6, 4, 1), (64, 128, 3, 4, 4), (128, 128, 4, 4, 4), (128, 128, 4, 8, 4),
              (128, 64, 6, 4, 4), (256, 64, 4, 8, 8), (128, 64, 6, 4, 2)),
 }
-ATTENTION_CUTS = ((32, 4, 2, 1), (32, 4, 3, 1), (32, 8, 2, 1), (16, 2, 2, 1), (16, 4, 2, 1), (16, 2, 2, 2),
-                  (32, 4, 2, 2), (64, 4, 3, 1), (64, 8, 3, 1), (64, 8, 2, 1), (16, 2, 3, 1))
+# (keys per tile, warps, stages, splits, read ahead in registers)
+ATTENTION_CUTS = tuple((bn, w, st, sp, ahead) for bn, w in ((32, 4), (64, 8), (16, 2)) for sp in (1, 2, 4, 8, 16, 32)
+                       for ahead, st in ((True, 2), (False, 3)))
 LAYERS = 32
 BLOCK = 16
 WIDTH = 8192 // BLOCK  # pages per block table in the 8B engine's captured batches
@@ -67,8 +68,8 @@ def gemms(rows: int, reps: int, bw: float) -> dict[str, Any]:
 
             r = graph_ms(calls, reps)
             us = r["ms"] * 1000 / LAYERS
-            return {"us": round(us, 2), "spread": r["spread"], "TBps": round(mb / us / 1e6, 3),
-                    "of_copy_bw": round(mb / us / 1e6 / (bw / 1e12), 3)}
+            return {"us": round(us, 2), "spread": r["spread"], "TBps": round(mb / us, 3),
+                    "of_copy_bw": round(mb / us / (bw / 1e12), 3)}
 
         row["cublas"] = time_it(lambda w: F.linear(x, w))
         tile = decode_gemm_tile(rows, n, k)
@@ -99,6 +100,7 @@ def gemms(rows: int, reps: int, bw: float) -> dict[str, Any]:
 
 def attention(batch: int, ctx: int, reps: int) -> dict[str, Any]:
     from fusedserve.models.forward_batch import ForwardBatch, KVCache, PagedAttentionMetadata
+    from fusedserve.models.layers import decode_attention_triton as dat
     from fusedserve.models.layers.decode_attention_triton import (
         DecodeLaunch,
         decode_attention_launch,
@@ -142,28 +144,49 @@ def attention(batch: int, ctx: int, reps: int) -> dict[str, Any]:
                            "engine_warm_one_layer": time_it(chosen, False)}
     ref = decode_attention_launch(q, k, v, 0, fb, scale, chosen).float()
     cuts = []
-    for block_n, warps, stages, splits in ATTENTION_CUTS:
-        launch = DecodeLaunch(block_n, warps, stages, splits)
+    for block_n, warps, stages, splits, prefetch in ATTENTION_CUTS:
+        if splits > 1 and -(-ctx // block_n) < splits:
+            continue
+        launch = DecodeLaunch(block_n, warps, stages, splits, prefetch)
+        cut = [block_n, warps, stages, splits, prefetch]
         try:
             diff = (decode_attention_launch(q, k, v, 0, fb, scale, launch).float() - ref).abs().max().item()
-            cuts.append({"cut": [block_n, warps, stages, splits], **time_it(launch, True), "max_abs_diff": diff})
+            cuts.append({"cut": cut, **time_it(launch, True), "max_abs_diff": diff})
         except Exception as e:  # a cut that does not compile or fit: said in the record
-            cuts.append({"cut": [block_n, warps, stages, splits], "error": f"{type(e).__name__}: {e}"[:200]})
+            cuts.append({"cut": cut, "error": f"{type(e).__name__}: {e}"[:200]})
+    row["compiled"] = compiled_kernels(dat._decode_kernel)
     row["cuts_cold"] = cuts
     timed = [c for c in cuts if "us" in c]
     row["best_cold"] = min(timed, key=lambda c: c["us"]) if timed else None
-    progress(f"attention batch {batch}: engine cold {row['engine_cold']} warm {row['engine_warm_one_layer']} "
+    progress(f"attention batch {batch} context {ctx}: engine cold {row['engine_cold']} warm {row['engine_warm_one_layer']} "
              f"best {row['best_cold']}")
     del kv
     torch.cuda.empty_cache()
     return row
 
 
+def compiled_kernels(kernel: Any) -> list[dict[str, Any]]:
+    """Each compiled variant of a Triton kernel: its constants, shared memory, and whether Triton pipelined its
+    loads (asynchronous copies in its TTGIR)."""
+    out: list[dict[str, Any]] = []
+    try:
+        for cache in kernel.device_caches.values():
+            for key, ck in cache[0].items():
+                ttgir = ck.asm.get("ttgir", "")
+                out.append({"key": str(key)[-300:], "shared": ck.metadata.shared,
+                            "num_stages": ck.metadata.num_stages, "num_warps": ck.metadata.num_warps,
+                            "async_copies": ttgir.count("async_copy_global_to_local"),
+                            "registers": getattr(ck, "n_regs", None), "spills": getattr(ck, "n_spills", None)})
+    except Exception as e:  # Triton's cache layout differs between versions: said in the record
+        out.append({"error": f"{type(e).__name__}: {e}"[:200]})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="decode-rows-probe.json")
     ap.add_argument("--rows", default="16,64")
-    ap.add_argument("--ctx", type=int, default=163, help="context of the attention cases (the decode bench's midpoint)")
+    ap.add_argument("--ctx", default="163", help="contexts of the attention cases (163: the decode bench's midpoint)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--no-gemm", action="store_true")
     ap.add_argument("--no-attention", action="store_true")
@@ -176,9 +199,10 @@ def main() -> None:
     rows = [int(r) for r in args.rows.split(",") if r]
     if not args.no_attention:
         record["attention"] = []
-        for b in rows:
-            record["attention"].append(attention(b, args.ctx, args.reps))
-            write_record(record, args.out)
+        for ctx in [int(c) for c in args.ctx.split(",")]:
+            for b in rows:
+                record["attention"].append(attention(b, ctx, args.reps))
+                write_record(record, args.out)
     if not args.no_gemm:
         record["gemm"] = {}
         for m in rows:

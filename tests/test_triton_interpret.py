@@ -237,7 +237,8 @@ def test_interp_decode_attention_stores_kv_and_equals_torch(group: int) -> None:
 def test_interp_decode_attention_shares_the_real_context_among_its_splits() -> None:
     """A captured batch's block table is as wide as its longest possible context and its splits are fixed
     by that width; the kernel shares each sequence's real context out among them at run time. Every cut
-    (keys per tile, splits: one, fewer than the tiles, more than the tiles) equals the torch path."""
+    (keys per tile, splits: one, fewer than the tiles, more than the tiles; loads read ahead in registers
+    or pipelined) equals the torch path."""
     from fusedserve.models.forward_batch import ForwardBatch, KVCache, PagedAttentionMetadata
     from fusedserve.models.layers.decode_attention_triton import (
         DecodeLaunch,
@@ -271,8 +272,11 @@ def test_interp_decode_attention_shares_the_real_context_among_its_splits() -> N
     ref = KVCache({0: kv.k[0].clone()}, {0: kv.v[0].clone()}, block, 160)
     want = paged_attention_torch(q, k, v, 0, batch(ref), dim**-0.5)
     assert decode_launch(len(ctx) * kv_heads, width * block).splits > 1
-    for launch in (DecodeLaunch(16, 2, 1, 1), DecodeLaunch(16, 2, 1, 4), DecodeLaunch(32, 4, 2, 8),
-                   DecodeLaunch(16, 2, 1, 16), decode_launch(len(ctx) * kv_heads, width * block)):
+    assert decode_launch(len(ctx) * kv_heads, width * block).prefetch  # 8 programs: read ahead in registers
+    assert not decode_launch(64 * kv_heads, width * block).prefetch
+    cuts = [(16, 2, 1, 1), (16, 2, 1, 4), (32, 4, 2, 8), (16, 2, 1, 16), (16, 2, 3, 2)]
+    for launch in (*(DecodeLaunch(*c, prefetch=p) for c in cuts for p in (False, True)),
+                   decode_launch(len(ctx) * kv_heads, width * block)):
         cache = KVCache({0: kv.k[0].clone()}, {0: kv.v[0].clone()}, block, 160)
         got = decode_attention_launch(q, k, v, 0, batch(cache), dim**-0.5, launch)
         _close(got, want, 1e-2)

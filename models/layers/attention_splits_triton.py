@@ -21,14 +21,14 @@ TARGET_PROGRAMS = 512
 MAX_SPLITS = 32
 
 
-def num_splits(programs: int, max_context: int, block_n: int) -> int:
+def num_splits(programs: int, max_context: int, block_n: int, target: int = TARGET_PROGRAMS) -> int:
     """Splits of each sequence's context (a power of two): enough programs (``programs`` without
-    splits: query tiles x KV heads x head blocks) to fill the GPU's ~132 multiprocessors about four
-    times, at most ``MAX_SPLITS`` and never more than one ``block_n`` tile per split. Static for a
-    captured batch (``max_context``: its block tables' width in tokens)."""
+    splits: query tiles x KV heads x head blocks) to reach ``target`` (by default about four a
+    multiprocessor of the GPU's ~132), at most ``MAX_SPLITS`` and never more than one ``block_n`` tile per
+    split. Static for a captured batch (``max_context``: its block tables' width in tokens)."""
     tiles = -(-max_context // block_n)
     splits = 1
-    while splits * 2 <= min(tiles, MAX_SPLITS) and programs * splits < TARGET_PROGRAMS:
+    while splits * 2 <= min(tiles, MAX_SPLITS) and programs * splits < target:
         splits *= 2
     return splits
 

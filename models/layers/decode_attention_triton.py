@@ -36,7 +36,6 @@ from .paged_attention_torch import paged_attention_torch
 from .pdl import pdl_launch, pdl_open
 from .prefill_attention_triton import paged_prefill_attention_triton
 
-BLOCK_N = 32
 # A split batch's last split program combines the splits itself (``arrival_counters``) instead of
 # ``_combine_kernel`` after the launch: 8B shape on an H200, batch 16 4.44 vs 4.61 ms a step, batch 2 4.26 vs
 # 4.33, batch 64 within noise, batch 1 4.07 vs 4.00 (2026-12-03-decode-rows-fused-combine-ab-h200.json).
@@ -58,7 +57,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, p
                    HEAD_BLOCKS: tl.constexpr, H_PAD: tl.constexpr, DA: tl.constexpr, DA_PAD: tl.constexpr,
                    DB: tl.constexpr, DB_PAD: tl.constexpr, VDIM: tl.constexpr, VDIM_PAD: tl.constexpr,
                    V_IN_K: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                   COMBINE: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr):
+                   COMBINE: tl.constexpr, DOT_FP32: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
     pdl_open(PDL)
     # K's columns are part A (0..DA) and part B (DA..DA+DB, none when DB = 0); V_IN_K: V is part A.
     ctx = tl.load(ctx_ptr + tl.program_id(0))
@@ -104,46 +103,120 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, p
     m = tl.full((H_PAD,), float("-inf"), tl.float32)
     l_sum = tl.zeros((H_PAD,), tl.float32)
     acc = tl.zeros((H_PAD, VDIM_PAD), tl.float32)
-    for start in range(first, end, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        in_range = n < end
-        cached = n < last
-        is_new = n == last
-        block = tl.load(bt_ptr + b * stride_bt + n // PAGE, mask=in_range, other=0).to(tl.int64)
-        slots = block * PAGE + n % PAGE
-        kt = tl.load(kc_ptr + slots[:, None] * stride_kcs + h * stride_kch + da[None, :],
-                     mask=cached[:, None] & damask[None, :], other=0.0)
-        kt = tl.where(is_new[:, None], k_a_new[None, :].to(kt.dtype), kt)
-        if DOT_FP32:
-            s = tl.dot(q_a.to(tl.float32), tl.trans(kt.to(tl.float32)))
-        else:
-            s = tl.dot(q_a.to(kt.dtype), tl.trans(kt))
+    if PREFETCH:
+        # The loads run ahead of the math by hand, in registers: a tile's K/V are loaded one tile before they
+        # are used and its cache slots (the block-table lookup) two tiles before, so no load waits on a load.
+        ar = tl.arange(0, BLOCK_N)
+        stop = tl.minimum(end, last)  # cached keys of this split end here; the new token comes from k / v
+        n_cur = first + ar
+        slots_cur = tl.load(bt_ptr + b * stride_bt + n_cur // PAGE, mask=n_cur < end, other=0).to(tl.int64) * PAGE \
+            + n_cur % PAGE
+        n_nxt = n_cur + BLOCK_N
+        slots_nxt = tl.load(bt_ptr + b * stride_bt + n_nxt // PAGE, mask=n_nxt < end, other=0).to(tl.int64) * PAGE \
+            + n_nxt % PAGE
+        kt_cur = tl.load(kc_ptr + slots_cur[:, None] * stride_kcs + h * stride_kch + da[None, :],
+                         mask=(n_cur < stop)[:, None] & damask[None, :], other=0.0)
         if DB > 0:
-            kb = tl.load(kc_ptr + slots[:, None] * stride_kcs + h * stride_kch + db[None, :],
-                         mask=cached[:, None] & dbmask[None, :], other=0.0)
-            kb = tl.where(is_new[:, None], k_b_new[None, :].to(kb.dtype), kb)
+            kb_cur = tl.load(kc_ptr + slots_cur[:, None] * stride_kcs + h * stride_kch + db[None, :],
+                             mask=(n_cur < stop)[:, None] & dbmask[None, :], other=0.0)
+        if not V_IN_K:
+            vt_cur = tl.load(vc_ptr + slots_cur[:, None] * stride_vcs + h * stride_vch + dv[None, :],
+                             mask=(n_cur < stop)[:, None] & dvmask[None, :], other=0.0)
+        for start in range(first, end, BLOCK_N):
+            n = start + ar
+            n_nxt = n + BLOCK_N
+            n_far = n + 2 * BLOCK_N
+            kt_nxt = tl.load(kc_ptr + slots_nxt[:, None] * stride_kcs + h * stride_kch + da[None, :],
+                             mask=(n_nxt < stop)[:, None] & damask[None, :], other=0.0)
+            if DB > 0:
+                kb_nxt = tl.load(kc_ptr + slots_nxt[:, None] * stride_kcs + h * stride_kch + db[None, :],
+                                 mask=(n_nxt < stop)[:, None] & dbmask[None, :], other=0.0)
+            if not V_IN_K:
+                vt_nxt = tl.load(vc_ptr + slots_nxt[:, None] * stride_vcs + h * stride_vch + dv[None, :],
+                                 mask=(n_nxt < stop)[:, None] & dvmask[None, :], other=0.0)
+            slots_far = tl.load(bt_ptr + b * stride_bt + n_far // PAGE, mask=n_far < end,
+                                other=0).to(tl.int64) * PAGE + n_far % PAGE
+            in_range = n < end
+            is_new = n == last
+            kt = tl.where(is_new[:, None], k_a_new[None, :].to(kt_cur.dtype), kt_cur)
             if DOT_FP32:
-                s += tl.dot(q_b.to(tl.float32), tl.trans(kb.to(tl.float32)))
+                s = tl.dot(q_a.to(tl.float32), tl.trans(kt.to(tl.float32)))
             else:
-                s += tl.dot(q_b.to(kb.dtype), tl.trans(kb))
-        s = s * scale  # [H_PAD, BLOCK_N] fp32
-        s = tl.where(in_range[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        if V_IN_K:
-            vt = kt  # V = K's first VDIM (= DA) columns: the tile already loaded
-        else:
-            vt = tl.load(vc_ptr + slots[:, None] * stride_vcs + h * stride_vch + dv[None, :],
-                         mask=cached[:, None] & dvmask[None, :], other=0.0)
-            vt = tl.where(is_new[:, None], v_new[None, :].to(vt.dtype), vt)
-        if DOT_FP32:
-            pv = tl.dot(p, vt.to(tl.float32))
-        else:
-            pv = tl.dot(p.to(vt.dtype), vt)
-        acc = acc * alpha[:, None] + pv
-        m = m_new
+                s = tl.dot(q_a.to(kt.dtype), tl.trans(kt))
+            if DB > 0:
+                kb = tl.where(is_new[:, None], k_b_new[None, :].to(kb_cur.dtype), kb_cur)
+                if DOT_FP32:
+                    s += tl.dot(q_b.to(tl.float32), tl.trans(kb.to(tl.float32)))
+                else:
+                    s += tl.dot(q_b.to(kb.dtype), tl.trans(kb))
+            s = s * scale
+            s = tl.where(in_range[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_sum = l_sum * alpha + tl.sum(p, axis=1)
+            if V_IN_K:
+                vt = kt
+            else:
+                vt = tl.where(is_new[:, None], v_new[None, :].to(vt_cur.dtype), vt_cur)
+            if DOT_FP32:
+                pv = tl.dot(p, vt.to(tl.float32))
+            else:
+                pv = tl.dot(p.to(vt.dtype), vt)
+            acc = acc * alpha[:, None] + pv
+            m = m_new
+            kt_cur = kt_nxt
+            if DB > 0:
+                kb_cur = kb_nxt
+            if not V_IN_K:
+                vt_cur = vt_nxt
+            slots_nxt = slots_far
+    else:  # the block-table lookup one tile ahead, so Triton's pipelined K/V copies wait on no load
+        n_first = first + tl.arange(0, BLOCK_N)
+        slots_nxt = tl.load(bt_ptr + b * stride_bt + n_first // PAGE, mask=n_first < end,
+                            other=0).to(tl.int64) * PAGE + n_first % PAGE
+        for start in range(first, end, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            in_range = n < end
+            cached = n < last
+            is_new = n == last
+            slots = slots_nxt
+            n_nxt = n + BLOCK_N
+            slots_nxt = tl.load(bt_ptr + b * stride_bt + n_nxt // PAGE, mask=n_nxt < end,
+                                other=0).to(tl.int64) * PAGE + n_nxt % PAGE
+            kt = tl.load(kc_ptr + slots[:, None] * stride_kcs + h * stride_kch + da[None, :],
+                         mask=cached[:, None] & damask[None, :], other=0.0)
+            kt = tl.where(is_new[:, None], k_a_new[None, :].to(kt.dtype), kt)
+            if DOT_FP32:
+                s = tl.dot(q_a.to(tl.float32), tl.trans(kt.to(tl.float32)))
+            else:
+                s = tl.dot(q_a.to(kt.dtype), tl.trans(kt))
+            if DB > 0:
+                kb = tl.load(kc_ptr + slots[:, None] * stride_kcs + h * stride_kch + db[None, :],
+                             mask=cached[:, None] & dbmask[None, :], other=0.0)
+                kb = tl.where(is_new[:, None], k_b_new[None, :].to(kb.dtype), kb)
+                if DOT_FP32:
+                    s += tl.dot(q_b.to(tl.float32), tl.trans(kb.to(tl.float32)))
+                else:
+                    s += tl.dot(q_b.to(kb.dtype), tl.trans(kb))
+            s = s * scale  # [H_PAD, BLOCK_N] fp32
+            s = tl.where(in_range[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_sum = l_sum * alpha + tl.sum(p, axis=1)
+            if V_IN_K:
+                vt = kt  # V = K's first VDIM (= DA) columns: the tile already loaded
+            else:
+                vt = tl.load(vc_ptr + slots[:, None] * stride_vcs + h * stride_vch + dv[None, :],
+                             mask=cached[:, None] & dvmask[None, :], other=0.0)
+                vt = tl.where(is_new[:, None], v_new[None, :].to(vt.dtype), vt)
+            if DOT_FP32:
+                pv = tl.dot(p, vt.to(tl.float32))
+            else:
+                pv = tl.dot(p.to(vt.dtype), vt)
+            acc = acc * alpha[:, None] + pv
+            m = m_new
     do = tl.arange(0, VDIM_PAD)
     if SPLITS == 1:
         out = acc / l_sum[:, None]
@@ -180,24 +253,48 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, p
 
 @dataclass(frozen=True)
 class DecodeLaunch:
-    """How one decode launch is cut: keys per tile, warps and pipeline stages of a program, and the
-    splits of each sequence's context (static for a captured batch; the tiles of the real context are
-    shared out among them at run time)."""
+    """How one decode launch is cut: keys per tile, warps and pipeline stages of a program, the splits of
+    each sequence's context (static for a captured batch; the tiles of the real context are shared out among
+    them at run time), and how its loop reads ahead: ``prefetch`` — each tile's K/V loaded into registers
+    one tile before its math (as many registers again: for launches of few programs) — or Triton's
+    pipelined shared-memory copies, with each tile's block-table lookup one tile ahead either way."""
 
     block_n: int
     warps: int
     stages: int
     splits: int
+    prefetch: bool = False
 
 
-def decode_launch(programs: int, max_context: int) -> DecodeLaunch:
+# Programs (sequences x KV heads x head blocks, before splits) up to which a decode launch reads ahead in
+# registers, and the programs with splits each kind of launch aims at.
+FEW_PROGRAMS = 32
+PREFETCH_PROGRAMS = 256
+PIPELINED_PROGRAMS = 1024
+
+
+def decode_launch(programs: int, max_context: int, wide: bool = False) -> DecodeLaunch:
     """The launch of a decode batch of ``programs`` programs without splits (sequences x KV heads x head
-    blocks) whose contexts reach ``max_context`` tokens (a captured batch: its maximum): 32 keys per tile on
-    4 warps, 2 stages, splits up to ``TARGET_PROGRAMS`` programs (at most ``MAX_SPLITS``). Measured best or
-    within 10 % of the best of 56 cuts at batch 1..64 and contexts 160..4096 on an H200 (GQA 32/8, head dim
-    128: bench/results/2026-12-02-decode-launch-sweep-h200.json); the latent cache's wide tiles ([32 keys,
-    512 + 64]) take the same cut, as sglang's MLA decode (not swept)."""
-    return DecodeLaunch(BLOCK_N, 4, 2, num_splits(programs, max_context, BLOCK_N))
+    blocks) whose contexts reach ``max_context`` tokens (a captured batch: its maximum). From a sweep of 54
+    cuts over 32 layers' caches (cold, as a step reads them) at batch 1 / 16 / 64 and contexts 163 / 1024 /
+    4096 on an H200 (GQA 32/8, head dim 128; bench/decode_rows_probe.py,
+    bench/results/2026-12-04-decode-attention-cold-sweep-h200.json):
+
+    - up to ``FEW_PROGRAMS`` (batch <= 4 there): 32 keys per tile on 4 warps, read ahead in registers,
+      splits up to ``PREFETCH_PROGRAMS`` programs — batch 1 at 1024 / 4096 tokens 7.9 / 12.2 us against
+      9.8 / 17.1 with the cut before (32 keys, 4 warps, 2 stages, splits up to 512 programs, no read-ahead);
+    - more: 16 keys on 2 warps, 3 pipelined stages, splits up to ``PIPELINED_PROGRAMS`` — batch 16 at 163 /
+      1024 / 4096 tokens 11.3 / 25.4 / 75.9 us against 10.6 / 28.1 / 91.3, batch 64 20.2 / 74.3 / 275.6 against
+      20.5 / 89.3 / 340.3 (3.9 TB/s at 4096). Reading ahead in registers is faster still at 163 tokens there
+      (batch 64: 18.2 us) but 10-20 % slower from 1024 on: a captured batch has one cut for every context.
+
+    ``wide``: head dims above 128 (MLA's latent cache, [32 keys, 512 + 64] tiles): the cut before, pipelined
+    (the register read-ahead would double registers the wide tiles already fill; not swept)."""
+    if wide:
+        return DecodeLaunch(32, 4, 2, num_splits(programs, max_context, 32))
+    if programs <= FEW_PROGRAMS:
+        return DecodeLaunch(32, 4, 2, num_splits(programs, max_context, 32, PREFETCH_PROGRAMS), prefetch=True)
+    return DecodeLaunch(16, 2, 3, num_splits(programs, max_context, 16, PIPELINED_PROGRAMS))
 
 
 def heads_per_program(group: int, vdim_pad: int) -> int:
@@ -233,14 +330,14 @@ def paged_decode_attention_triton(
         return paged_attention_torch(q, k, v, layer_id, batch, scale)
     if meta.max_query_len != 1 or meta.tail_mask is not None:
         return paged_prefill_attention_triton(q, k, v, layer_id, batch, scale)
-    n, heads, _ = q.shape
+    n, heads, dim = q.shape
     kv_heads, vdim = k.shape[1], v.shape[2]
     group = heads // kv_heads
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("decode attention kernel needs unit-stride head dims")
     block_h = heads_per_program(group, _pad(vdim))
     context = meta.block_tables.shape[1] * cache.block_size
-    launch = decode_launch(n * kv_heads * -(-group // block_h), context)
+    launch = decode_launch(n * kv_heads * -(-group // block_h), context, wide=max(_pad(dim), _pad(vdim)) > 128)
     return decode_attention_launch(q, k, v, layer_id, batch, scale, launch)
 
 
@@ -280,7 +377,7 @@ def decode_attention_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
         HEADS=heads, GROUP=group, BLOCK_H=block_h, HEAD_BLOCKS=head_blocks, H_PAD=_pad(block_h), DA=da,
         DA_PAD=_pad(da), DB=dim - da, DB_PAD=_pad(dim - da), VDIM=vdim, VDIM_PAD=vdim_pad, V_IN_K=v_in_k,
         PAGE=cache.block_size, BLOCK_N=launch.block_n, SPLITS=splits, COMBINE=counters is not None,
-        DOT_FP32=_DOT_FP32, num_warps=launch.warps, num_stages=launch.stages, **pdl_launch())
+        DOT_FP32=_DOT_FP32, PREFETCH=launch.prefetch, num_warps=launch.warps, num_stages=launch.stages, **pdl_launch())
     if splits > 1 and counters is None:
         combine_splits(part_acc, part_m, part_l, out)
     return out
