@@ -267,34 +267,32 @@ class DecodeLaunch:
 
 
 # Programs (sequences x KV heads x head blocks, before splits) up to which a decode launch reads ahead in
-# registers, and the programs with splits each kind of launch aims at.
+# registers, and the programs with splits it then aims at (more programs: ``num_splits``'s default, 512).
 FEW_PROGRAMS = 32
 PREFETCH_PROGRAMS = 256
-PIPELINED_PROGRAMS = 1024
 
 
 def decode_launch(programs: int, max_context: int, wide: bool = False) -> DecodeLaunch:
     """The launch of a decode batch of ``programs`` programs without splits (sequences x KV heads x head
-    blocks) whose contexts reach ``max_context`` tokens (a captured batch: its maximum). From a sweep of 54
-    cuts over 32 layers' caches (cold, as a step reads them) at batch 1 / 16 / 64 and contexts 163 / 1024 /
-    4096 on an H200 (GQA 32/8, head dim 128; bench/decode_rows_probe.py,
-    bench/results/2026-12-04-decode-attention-cold-sweep-h200.json):
+    blocks) whose contexts reach ``max_context`` tokens (a captured batch: its maximum): 32 keys per tile on
+    4 warps; up to ``FEW_PROGRAMS`` (batch <= 4 at GQA 32/8) read ahead in registers with splits up to
+    ``PREFETCH_PROGRAMS`` programs, more pipelined in 3 stages with splits up to 512 programs (at most
+    ``MAX_SPLITS``). From a sweep of 54 cuts over 32 layers' caches (cold, as a step reads them) at batch 1 /
+    16 / 64 and contexts 163 / 1024 / 4096 on an H200 (GQA 32/8, head dim 128; bench/decode_rows_probe.py,
+    bench/results/2026-12-04-decode-attention-cold-sweep-h200.json), in us against the cut before (2 stages,
+    no lookup ahead, no read-ahead): batch 1 at 1024 / 4096 tokens 7.9 / 12.2 against 9.8 / 17.1; batch 16 at
+    163 / 1024 / 4096 10.8 / 26.2 / 80.6 against 10.6 / 28.1 / 91.3; batch 64 19.6 / 78.1 / 294.3 against
+    20.5 / 89.3 / 340.3. 16-key tiles on 2 warps with splits up to 1024 programs read faster from 1024 tokens on
+    in that sweep (batch 64: 74.3 / 275.6) but made the engine's 64-row step at 163 tokens 2-4 % slower
+    (2026-12-04-decode-attention-ab-h200.json); a captured batch has one cut for every context.
 
-    - up to ``FEW_PROGRAMS`` (batch <= 4 there): 32 keys per tile on 4 warps, read ahead in registers,
-      splits up to ``PREFETCH_PROGRAMS`` programs — batch 1 at 1024 / 4096 tokens 7.9 / 12.2 us against
-      9.8 / 17.1 with the cut before (32 keys, 4 warps, 2 stages, splits up to 512 programs, no read-ahead);
-    - more: 16 keys on 2 warps, 3 pipelined stages, splits up to ``PIPELINED_PROGRAMS`` — batch 16 at 163 /
-      1024 / 4096 tokens 11.3 / 25.4 / 75.9 us against 10.6 / 28.1 / 91.3, batch 64 20.2 / 74.3 / 275.6 against
-      20.5 / 89.3 / 340.3 (3.9 TB/s at 4096). Reading ahead in registers is faster still at 163 tokens there
-      (batch 64: 18.2 us) but 10-20 % slower from 1024 on: a captured batch has one cut for every context.
-
-    ``wide``: head dims above 128 (MLA's latent cache, [32 keys, 512 + 64] tiles): the cut before, pipelined
-    (the register read-ahead would double registers the wide tiles already fill; not swept)."""
+    ``wide``: head dims above 128 (MLA's latent cache, [32 keys, 512 + 64] tiles): 2 stages, never read ahead
+    (it would double registers the wide tiles already fill; not swept)."""
     if wide:
         return DecodeLaunch(32, 4, 2, num_splits(programs, max_context, 32))
     if programs <= FEW_PROGRAMS:
         return DecodeLaunch(32, 4, 2, num_splits(programs, max_context, 32, PREFETCH_PROGRAMS), prefetch=True)
-    return DecodeLaunch(16, 2, 3, num_splits(programs, max_context, 16, PIPELINED_PROGRAMS))
+    return DecodeLaunch(32, 4, 3, num_splits(programs, max_context, 32))
 
 
 def heads_per_program(group: int, vdim_pad: int) -> int:
