@@ -10,7 +10,7 @@ back, as a serving loop runs them, after a warm-up (the engine overlaps a step's
 GPU running the next: ``inflight_step.py``; the time of ``steps`` steps over ``steps``). In one run:
 
 1. ceilings: copy bandwidth (read + write counted) and a large bf16 matmul;
-2. decode at batch 1 .. 64: each sequence a 128-token prompt, then ``--steps`` greedy decode
+2. decode at batch 1 .. 64: each sequence a 128-token prompt (``--prompt-len``), then ``--steps`` greedy decode
    steps; ms per step (median, with min/max/spread over the steps) and tok/s; the honest roofline
    of that step = bytes it must stream (every weight except the embedding table, one embedding
    row per sequence, the K/V of each sequence's real context, the new K/V) over the copy bandwidth;

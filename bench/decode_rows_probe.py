@@ -12,7 +12,10 @@ matmul and TB/s of weights, with each cut's relative error against fp32.
 Attention: the engine's decode kernel (``decode_attention_launch``) at batch 16 / 64, context ``--ctx``,
 32 calls per graph each on its own layer's cache (what a step reads: 42 MB a layer at batch 64 fits the
 H200's 50 MB L2, so the one-layer sweep of bench/attention_kernels.py read it warm), at the engine's cut and
-each ``ATTENTION_CUTS`` cut; and the engine's cut on one layer's cache (warm) for comparison.
+each ``ATTENTION_CUTS`` cut (keys per tile, warps, stages, splits, loads read ahead in registers), with each
+compiled variant's shared memory, registers and whether Triton pipelined its loads; and the engine's cut on
+one layer's cache (warm) for comparison. Runs: 2026-12-04-decode-rows-probe-gemm-h200.json (GEMMs),
+2026-12-04-decode-attention-cold-sweep-h200.json (attention, 3 contexts).
 """
 
 from __future__ import annotations
