@@ -100,6 +100,29 @@ def test_triton_kernels_equal_references() -> None:
 
 
 @needs_gpu
+def test_a_new_token_count_compiles_no_new_kernel() -> None:
+    """Row and token counts that change from call to call (a prompt's length, a verify's tokens, a batch's
+    sequences) are not specialised on: Triton compiles a new variant for an integer argument equal to 1 or
+    divisible by 16, which would compile mid-run the first time such a count came. The decode GEMM at 17 /
+    24 rows (one tile, BLOCK_M 32) and then at 32 rows: no new compiled variant, the same result as cuBLAS."""
+    import torch.nn.functional as F
+
+    from fusedserve.models.layers.linear_triton import _decode_gemm_kernel, gemm_triton
+
+    def variants() -> int:
+        return sum(len(cache[0]) for cache in _decode_gemm_kernel.device_caches.values())
+
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) / 64
+    for m in (17, 24):
+        gemm_triton(torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16), w)
+    before = variants()
+    x = torch.randn(32, 4096, device="cuda", dtype=torch.bfloat16)
+    got = gemm_triton(x, w)
+    assert variants() == before
+    assert _rel(got, F.linear(x, w)) < 1e-2
+
+
+@needs_gpu
 def test_mla_decode_attention_and_fused_experts_equal_references() -> None:
     """DeepSeek-V3 shapes: decode attention over MLA's former expanded cache (K 192 padded to 256, V 128,
     one KV head per query head: still a shape the kernel takes; the latent cache MLA keeps now is

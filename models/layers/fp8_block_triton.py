@@ -47,7 +47,7 @@ def _group_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
     tl.store(s_ptr + row * stride_sm + g, s)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # counts that change call to call: one compile for all
 def _gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, N, K, k_blocks_per_split,
                  stride_am, stride_bn, stride_cs, stride_cm, stride_asm, stride_bsn,
                  GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

@@ -35,7 +35,7 @@ _DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU interpreter: do
 STAGES = 3
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # counts that change call to call: one compile for all
 def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, h_ptr, pairs_ptr, expert_ptr, K, INTER, top_k, num_pairs,
                     stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_hm,
                     GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -78,7 +78,7 @@ def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, h_ptr, pairs_ptr, expert_ptr, 
     tl.store(h_ptr + rows[:, None].to(tl.int64) * stride_hm + rn[None, :], h.to(h_ptr.dtype.element_ty))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # counts that change call to call: one compile for all
 def _down_kernel(h_ptr, hs_ptr, w_ptr, ws_ptr, out_ptr, pairs_ptr, expert_ptr, rw_ptr, K, N, num_pairs,
                  stride_hm, stride_hsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
                  GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

@@ -30,7 +30,7 @@ _DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU interpreter mis
 STAGES = 4
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # counts that change call to call: one compile for all
 def _gate_up_kernel(x_ptr, w_ptr, h_ptr, pairs_ptr, expert_ptr, K, INTER, top_k, num_pairs,
                     stride_xm, stride_we, stride_wn, stride_hm,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
@@ -66,7 +66,7 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, pairs_ptr, expert_ptr, K, INTER, top_k,
     tl.store(h_ptr + rows[:, None].to(tl.int64) * stride_hm + rn[None, :], h.to(h_ptr.dtype.element_ty))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # counts that change call to call: one compile for all
 def _down_kernel(h_ptr, w_ptr, out_ptr, pairs_ptr, expert_ptr, rw_ptr, K, num_pairs,
                  stride_hm, stride_we, stride_wn, stride_om,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):

@@ -42,7 +42,7 @@ GEMV_ROWS = 4
 _DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU interpreter mis-multiplies bf16 matrices
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # counts that change call to call: one compile for all
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, K, stride_xm, stride_wn, stride_ym, M_PAD: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                  PDL: tl.constexpr):
@@ -125,7 +125,7 @@ def gemv_tile(k: int) -> tuple[int, int, int]:
     return 4, min(1024, triton.next_power_of_2(k)), 4
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # counts that change call to call: one compile for all
 def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                         BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                         HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr):

@@ -54,7 +54,7 @@ LOG2E = 1.4426950408889634
 _DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])  # counts that change call to call: one compile for all
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, bt_ptr, qstart_ptr,
                     index_ptr, ctx_ptr, tail_ptr,
                     stride_qt, stride_qh, stride_kcs, stride_kch, stride_vcs, stride_vch,

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["lo", "depth"])  # counts that change call to call: one compile for all
 def _tree_expand_kernel(top_tok_ptr, top_lp_ptr, hid_ptr, fed_ptr, scores_ptr, tokens_ptr, parents_ptr,
                         depths_ptr, leaves_ptr, new_leaves_ptr, new_hid_ptr, new_mask_ptr,
                         C, H, W, lo, depth,
