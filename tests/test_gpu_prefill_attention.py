@@ -129,3 +129,27 @@ def test_chain_verify_step_replays_as_a_cuda_graph() -> None:
         assert eager.kv_cache is not None
         assert _rel(out, want) < 1e-3
         assert torch.equal(kv.k[0], eager.kv_cache.k[0]) and torch.equal(kv.v[0], eager.kv_cache.v[0])
+
+
+def test_prompts_of_other_lengths_and_batch_sizes_compile_nothing_new() -> None:
+    """The split count and the sequence search's steps follow a step's tokens and sequences; they are kernel
+    arguments, not compile-time constants, so a prompt of another length or a batch of more sequences (here
+    1 x 200 tokens, then 3 sequences of 40 / 600 / 90) compiles no new variant of the prefill kernel or of the
+    splits' combine, and still equals the torch path."""
+    from fusedserve.models.layers.attention_splits_triton import _combine_kernel
+    from fusedserve.models.layers.paged_attention_torch import paged_attention_torch
+    from fusedserve.models.layers.prefill_attention_triton import (
+        _prefill_kernel,
+        paged_prefill_attention_triton,
+    )
+
+    def variants() -> int:
+        return sum(len(c[0]) for k in (_prefill_kernel, _combine_kernel) for c in k.device_caches.values())
+
+    kv, _, batch, q, k, v = _step([200], [200], 32, 8, 128, 128, seed=2)
+    paged_prefill_attention_triton(q, k, v, 0, batch(kv), 128**-0.5)
+    before = variants()
+    kv, ref, batch, q, k, v = _step([40, 600, 90], [40, 600, 90], 32, 8, 128, 128, seed=3)
+    got = paged_prefill_attention_triton(q, k, v, 0, batch(kv), 128**-0.5)
+    assert variants() == before
+    assert _rel(got, paged_attention_torch(q, k, v, 0, batch(ref), 128**-0.5)) < 1e-2

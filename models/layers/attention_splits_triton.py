@@ -42,24 +42,28 @@ def split_partials(tokens: int, heads: int, splits: int, vdim_pad: int,
 
 
 def combine_splits(part_acc: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor, out: torch.Tensor) -> None:
-    """out[t, h, :V] = the row's splits combined (out: [T, heads, V], any float dtype)."""
+    """out[t, h, :V] = the row's splits combined (out: [T, heads, V], any float dtype). The split count is an
+    argument, not a compile-time constant: a new count (a prompt of another length) compiles nothing."""
     tokens, heads, splits, vdim_pad = part_acc.shape
-    _combine_kernel[(tokens, heads)](part_acc, part_m, part_l, out, out.stride(0), out.stride(1), SPLITS=splits,
-                                     VDIM=out.shape[2], VDIM_PAD=vdim_pad, num_warps=4, **pdl_launch())
+    _combine_kernel[(tokens, heads)](part_acc, part_m, part_l, out, out.stride(0), out.stride(1), splits,
+                                     SPLITS_PAD=triton.next_power_of_2(MAX_SPLITS), VDIM=out.shape[2],
+                                     VDIM_PAD=vdim_pad, num_warps=4, **pdl_launch())
 
 
-@triton.jit
-def _combine_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_ot, stride_oh,
-                    SPLITS: tl.constexpr, VDIM: tl.constexpr, VDIM_PAD: tl.constexpr, PDL: tl.constexpr):
+@triton.jit(do_not_specialize=["splits"])
+def _combine_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_ot, stride_oh, splits,
+                    SPLITS_PAD: tl.constexpr, VDIM: tl.constexpr, VDIM_PAD: tl.constexpr, PDL: tl.constexpr):
     pdl_open(PDL)
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    rows = (b * tl.num_programs(1) + head) * SPLITS + tl.arange(0, SPLITS)
-    m = tl.load(part_m_ptr + rows)
-    l_sum = tl.load(part_l_ptr + rows)
+    s = tl.arange(0, SPLITS_PAD)
+    smask = s < splits
+    rows = (b * tl.num_programs(1) + head) * splits + s
+    m = tl.load(part_m_ptr + rows, mask=smask, other=float("-inf"))
+    l_sum = tl.load(part_l_ptr + rows, mask=smask, other=0.0)
     top = tl.max(m, axis=0)
     w = tl.where(m > float("-inf"), tl.exp(m - top), 0.0)
     dv = tl.arange(0, VDIM_PAD)
-    acc = tl.load(part_acc_ptr + rows[:, None] * VDIM_PAD + dv[None, :])
+    acc = tl.load(part_acc_ptr + rows[:, None] * VDIM_PAD + dv[None, :], mask=smask[:, None], other=0.0)
     out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_sum * w, axis=0)
     tl.store(out_ptr + b * stride_ot + head * stride_oh + dv, out.to(out_ptr.dtype.element_ty), mask=dv < VDIM)

@@ -54,15 +54,15 @@ LOG2E = 1.4426950408889634
 _DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@triton.jit(do_not_specialize=["num_seqs"])  # counts that change call to call: one compile for all
+@triton.jit(do_not_specialize=["num_seqs", "search_steps", "splits"])  # counts that change call to call: one compile for all
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, bt_ptr, qstart_ptr,
                     index_ptr, ctx_ptr, tail_ptr,
                     stride_qt, stride_qh, stride_kcs, stride_kch, stride_vcs, stride_vch,
-                    stride_ot, stride_oh, stride_bt, qk_scale, num_seqs, TAIL: tl.constexpr,
+                    stride_ot, stride_oh, stride_bt, qk_scale, num_seqs, search_steps, splits, TAIL: tl.constexpr,
                     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_BLOCKS: tl.constexpr, BLOCK_Q: tl.constexpr,
                     ROWS: tl.constexpr, DA: tl.constexpr, DA_PAD: tl.constexpr, DB: tl.constexpr,
                     DB_PAD: tl.constexpr, VDIM: tl.constexpr, VDIM_PAD: tl.constexpr, V_IN_K: tl.constexpr,
-                    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SEARCH_STEPS: tl.constexpr, SPLITS: tl.constexpr,
+                    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                     HEADS: tl.constexpr, DOT_FP32: tl.constexpr):
     # K's columns are part A (0..DA) and part B (DA..DA+DB, none when DB = 0); V_IN_K: V is part A.
     # Sequence b owns the tiles from tile_start(b) = query_start[b] // BLOCK_Q + b on (at least
@@ -72,9 +72,9 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, part_m_ptr, pa
     h = tl.program_id(1) // HEAD_BLOCKS  # KV head
     hb = tl.program_id(1) % HEAD_BLOCKS  # block of its query heads
     split = tl.program_id(2)
-    seq_lo = 0
+    seq_lo = num_seqs * 0
     seq_hi = num_seqs - 1
-    for _ in tl.static_range(SEARCH_STEPS):
+    for _ in range(search_steps):
         mid = (seq_lo + seq_hi + 1) // 2
         ahead = tl.load(qstart_ptr + mid) // BLOCK_Q + mid > pid
         seq_lo = tl.where(ahead, seq_lo, mid)
@@ -99,8 +99,8 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, part_m_ptr, pa
     else:
         tail0 = 0
         hi = tl.where(first < q_end, tl.max(limit, axis=0) + 1, 0)  # 0: a tile past the new tokens
-    # Split-KV (SPLITS > 1): this program takes the split-th range of whole key tiles of 0..hi
-    split_tokens = tl.cdiv(tl.cdiv(hi, BLOCK_N), SPLITS) * BLOCK_N
+    # Split-KV (SPLIT: splits > 1): this program takes the split-th range of whole key tiles of 0..hi
+    split_tokens = tl.cdiv(tl.cdiv(hi, BLOCK_N), splits) * BLOCK_N
     lo = split * split_tokens
     hi = tl.minimum(hi, lo + split_tokens)
     da = tl.arange(0, DA_PAD)
@@ -168,12 +168,12 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, part_m_ptr, pa
         acc = acc * alpha[:, None] + pv
         m = m_new
     do = tl.arange(0, VDIM_PAD)
-    if SPLITS == 1:
+    if not SPLIT:
         out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]  # l_sum = 0: a tile past the new tokens (not stored)
         tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + do[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & (do < VDIM)[None, :])
     else:  # partials [T, HEADS, SPLITS, ...] with m in natural-log units; a split seeing none of a row: -inf, 0
-        row = (tok * HEADS + heads) * SPLITS + split
+        row = (tok * HEADS + heads) * splits + split
         tl.store(part_m_ptr + row, m * 0.6931471805599453, mask=rmask)
         tl.store(part_l_ptr + row, l_sum, mask=rmask)
         tl.store(part_acc_ptr + row[:, None] * VDIM_PAD + do[None, :], acc, mask=rmask[:, None])
@@ -249,10 +249,11 @@ def paged_prefill_attention_triton(
     _prefill_kernel[(tiles, kv_heads * head_blocks, splits)](
         q, kc, vc, out, part_acc, part_m, part_l, meta.block_tables, meta.query_start, meta.token_index, meta.context_lens, tail_bits,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), out.stride(0),
-        out.stride(1), meta.block_tables.stride(0), scale * LOG2E, num_seqs, 0 if tail is None else tail.shape[1],
+        out.stride(1), meta.block_tables.stride(0), scale * LOG2E, num_seqs, max(1, (num_seqs - 1).bit_length()), splits,
+        0 if tail is None else tail.shape[1],
         GROUP=group, BLOCK_H=block_h, HEAD_BLOCKS=head_blocks, BLOCK_Q=block_q, ROWS=rows, DA=da, DA_PAD=_pad(da),
         DB=dim - da, DB_PAD=_pad(dim - da), VDIM=vdim, VDIM_PAD=vdim_pad, V_IN_K=v_in_k, PAGE=cache.block_size,
-        BLOCK_N=block_n, SEARCH_STEPS=max(1, (num_seqs - 1).bit_length()), SPLITS=splits, HEADS=heads,
+        BLOCK_N=block_n, SPLIT=splits > 1, HEADS=heads,
         DOT_FP32=_DOT_FP32, num_warps=warps, num_stages=stages)
     if splits > 1:
         combine_splits(part_acc, part_m, part_l, out)
