@@ -49,6 +49,70 @@ _DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
+def _tile_slots(bt_row_ptr, n, end, PAGE: tl.constexpr):
+    """Cache slots of a tile's context indices ``n`` (their block-table lookup; indices from ``end`` on: slot
+    0..PAGE-1, never read)."""
+    return tl.load(bt_row_ptr + n // PAGE, mask=n < end, other=0).to(tl.int64) * PAGE + n % PAGE
+
+
+@triton.jit
+def _tile_kv(kc_ptr, vc_ptr, slots, ok, h, stride_kcs, stride_kch, stride_vcs, stride_vch, DA: tl.constexpr,
+             DA_PAD: tl.constexpr, DB: tl.constexpr, DB_PAD: tl.constexpr, VDIM: tl.constexpr,
+             VDIM_PAD: tl.constexpr, V_IN_K: tl.constexpr):
+    """A tile's cached K (parts A and B) and V at ``slots``, rows where ``ok`` (else 0); part B is part A
+    without one (DB = 0), V is part A where V is in K."""
+    da = tl.arange(0, DA_PAD)
+    kt = tl.load(kc_ptr + slots[:, None] * stride_kcs + h * stride_kch + da[None, :],
+                 mask=ok[:, None] & (da < DA)[None, :], other=0.0)
+    if DB > 0:
+        db = DA + tl.arange(0, DB_PAD)
+        kb = tl.load(kc_ptr + slots[:, None] * stride_kcs + h * stride_kch + db[None, :],
+                     mask=ok[:, None] & (db < DA + DB)[None, :], other=0.0)
+    else:
+        kb = kt
+    if V_IN_K:
+        vt = kt  # V = K's first VDIM (= DA) columns: the tile already loaded
+    else:
+        dv = tl.arange(0, VDIM_PAD)
+        vt = tl.load(vc_ptr + slots[:, None] * stride_vcs + h * stride_vch + dv[None, :],
+                     mask=ok[:, None] & (dv < VDIM)[None, :], other=0.0)
+    return kt, kb, vt
+
+
+@triton.jit
+def _attend_tile(q_a, q_b, kt, kb, vt, is_new, in_range, k_a_new, k_b_new, v_new, m, l_sum, acc, scale,
+                 DB: tl.constexpr, V_IN_K: tl.constexpr, DOT_FP32: tl.constexpr):
+    """One key tile into the online softmax: the new token's row (``is_new``) from k / v, keys outside the
+    split (not ``in_range``) masked. -> (m, l_sum, acc)"""
+    kt = tl.where(is_new[:, None], k_a_new[None, :].to(kt.dtype), kt)
+    if DOT_FP32:
+        s = tl.dot(q_a.to(tl.float32), tl.trans(kt.to(tl.float32)))
+    else:
+        s = tl.dot(q_a.to(kt.dtype), tl.trans(kt))
+    if DB > 0:
+        kb = tl.where(is_new[:, None], k_b_new[None, :].to(kb.dtype), kb)
+        if DOT_FP32:
+            s += tl.dot(q_b.to(tl.float32), tl.trans(kb.to(tl.float32)))
+        else:
+            s += tl.dot(q_b.to(kb.dtype), tl.trans(kb))
+    s = s * scale  # [H_PAD, BLOCK_N] fp32
+    s = tl.where(in_range[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_sum = l_sum * alpha + tl.sum(p, axis=1)
+    if V_IN_K:
+        vt = kt
+    else:
+        vt = tl.where(is_new[:, None], v_new[None, :].to(vt.dtype), vt)
+    if DOT_FP32:
+        pv = tl.dot(p, vt.to(tl.float32))
+    else:
+        pv = tl.dot(p.to(vt.dtype), vt)
+    return m_new, l_sum, acc * alpha[:, None] + pv
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
                    bt_ptr, ctx_ptr, slot_ptr, cnt_ptr,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -86,10 +150,15 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, p
         q_b = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + db[None, :],
                       mask=gmask[:, None] & dbmask[None, :], other=0.0)
         k_b_new = tl.load(k_ptr + b * stride_kt + h * stride_kh + db, mask=dbmask, other=0.0)
+    else:  # no part B: stand-ins the tile helpers take and never read
+        q_b = q_a
+        k_b_new = k_a_new
     if not V_IN_K:
         dv = tl.arange(0, VDIM_PAD)
         dvmask = dv < VDIM
         v_new = tl.load(v_ptr + b * stride_vt + h * stride_vh + dv, mask=dvmask, other=0.0)
+    else:
+        v_new = k_a_new
     if (split == 0) & (hb == 0):  # one writer per (sequence, KV head); nobody reads this slot in this launch
         slot = tl.load(slot_ptr + b).to(tl.int64)
         tl.store(kc_ptr + slot * stride_kcs + h * stride_kch + da, k_a_new.to(kc_ptr.dtype.element_ty), mask=damask)
@@ -103,120 +172,33 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, p
     m = tl.full((H_PAD,), float("-inf"), tl.float32)
     l_sum = tl.zeros((H_PAD,), tl.float32)
     acc = tl.zeros((H_PAD, VDIM_PAD), tl.float32)
+    ar = tl.arange(0, BLOCK_N)
+    stop = tl.minimum(end, last)  # cached keys of this split end here; the new token comes from k / v
+    slots_nxt = _tile_slots(bt_ptr + b * stride_bt, first + ar, end, PAGE)
     if PREFETCH:
         # The loads run ahead of the math by hand, in registers: a tile's K/V are loaded one tile before they
         # are used and its cache slots (the block-table lookup) two tiles before, so no load waits on a load.
-        ar = tl.arange(0, BLOCK_N)
-        stop = tl.minimum(end, last)  # cached keys of this split end here; the new token comes from k / v
-        n_cur = first + ar
-        slots_cur = tl.load(bt_ptr + b * stride_bt + n_cur // PAGE, mask=n_cur < end, other=0).to(tl.int64) * PAGE \
-            + n_cur % PAGE
-        n_nxt = n_cur + BLOCK_N
-        slots_nxt = tl.load(bt_ptr + b * stride_bt + n_nxt // PAGE, mask=n_nxt < end, other=0).to(tl.int64) * PAGE \
-            + n_nxt % PAGE
-        kt_cur = tl.load(kc_ptr + slots_cur[:, None] * stride_kcs + h * stride_kch + da[None, :],
-                         mask=(n_cur < stop)[:, None] & damask[None, :], other=0.0)
-        if DB > 0:
-            kb_cur = tl.load(kc_ptr + slots_cur[:, None] * stride_kcs + h * stride_kch + db[None, :],
-                             mask=(n_cur < stop)[:, None] & dbmask[None, :], other=0.0)
-        if not V_IN_K:
-            vt_cur = tl.load(vc_ptr + slots_cur[:, None] * stride_vcs + h * stride_vch + dv[None, :],
-                             mask=(n_cur < stop)[:, None] & dvmask[None, :], other=0.0)
+        kt_cur, kb_cur, vt_cur = _tile_kv(kc_ptr, vc_ptr, slots_nxt, first + ar < stop, h, stride_kcs, stride_kch,
+                                          stride_vcs, stride_vch, DA, DA_PAD, DB, DB_PAD, VDIM, VDIM_PAD, V_IN_K)
+        slots_nxt = _tile_slots(bt_ptr + b * stride_bt, first + BLOCK_N + ar, end, PAGE)
         for start in range(first, end, BLOCK_N):
             n = start + ar
-            n_nxt = n + BLOCK_N
-            n_far = n + 2 * BLOCK_N
-            kt_nxt = tl.load(kc_ptr + slots_nxt[:, None] * stride_kcs + h * stride_kch + da[None, :],
-                             mask=(n_nxt < stop)[:, None] & damask[None, :], other=0.0)
-            if DB > 0:
-                kb_nxt = tl.load(kc_ptr + slots_nxt[:, None] * stride_kcs + h * stride_kch + db[None, :],
-                                 mask=(n_nxt < stop)[:, None] & dbmask[None, :], other=0.0)
-            if not V_IN_K:
-                vt_nxt = tl.load(vc_ptr + slots_nxt[:, None] * stride_vcs + h * stride_vch + dv[None, :],
-                                 mask=(n_nxt < stop)[:, None] & dvmask[None, :], other=0.0)
-            slots_far = tl.load(bt_ptr + b * stride_bt + n_far // PAGE, mask=n_far < end,
-                                other=0).to(tl.int64) * PAGE + n_far % PAGE
-            in_range = n < end
-            is_new = n == last
-            kt = tl.where(is_new[:, None], k_a_new[None, :].to(kt_cur.dtype), kt_cur)
-            if DOT_FP32:
-                s = tl.dot(q_a.to(tl.float32), tl.trans(kt.to(tl.float32)))
-            else:
-                s = tl.dot(q_a.to(kt.dtype), tl.trans(kt))
-            if DB > 0:
-                kb = tl.where(is_new[:, None], k_b_new[None, :].to(kb_cur.dtype), kb_cur)
-                if DOT_FP32:
-                    s += tl.dot(q_b.to(tl.float32), tl.trans(kb.to(tl.float32)))
-                else:
-                    s += tl.dot(q_b.to(kb.dtype), tl.trans(kb))
-            s = s * scale
-            s = tl.where(in_range[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_sum = l_sum * alpha + tl.sum(p, axis=1)
-            if V_IN_K:
-                vt = kt
-            else:
-                vt = tl.where(is_new[:, None], v_new[None, :].to(vt_cur.dtype), vt_cur)
-            if DOT_FP32:
-                pv = tl.dot(p, vt.to(tl.float32))
-            else:
-                pv = tl.dot(p.to(vt.dtype), vt)
-            acc = acc * alpha[:, None] + pv
-            m = m_new
-            kt_cur = kt_nxt
-            if DB > 0:
-                kb_cur = kb_nxt
-            if not V_IN_K:
-                vt_cur = vt_nxt
-            slots_nxt = slots_far
+            kt_nxt, kb_nxt, vt_nxt = _tile_kv(kc_ptr, vc_ptr, slots_nxt, n + BLOCK_N < stop, h, stride_kcs,
+                                              stride_kch, stride_vcs, stride_vch, DA, DA_PAD, DB, DB_PAD, VDIM,
+                                              VDIM_PAD, V_IN_K)
+            slots_nxt = _tile_slots(bt_ptr + b * stride_bt, n + 2 * BLOCK_N, end, PAGE)
+            m, l_sum, acc = _attend_tile(q_a, q_b, kt_cur, kb_cur, vt_cur, n == last, n < end, k_a_new, k_b_new,
+                                         v_new, m, l_sum, acc, scale, DB, V_IN_K, DOT_FP32)
+            kt_cur, kb_cur, vt_cur = kt_nxt, kb_nxt, vt_nxt
     else:  # the block-table lookup one tile ahead, so Triton's pipelined K/V copies wait on no load
-        n_first = first + tl.arange(0, BLOCK_N)
-        slots_nxt = tl.load(bt_ptr + b * stride_bt + n_first // PAGE, mask=n_first < end,
-                            other=0).to(tl.int64) * PAGE + n_first % PAGE
         for start in range(first, end, BLOCK_N):
-            n = start + tl.arange(0, BLOCK_N)
-            in_range = n < end
-            cached = n < last
-            is_new = n == last
+            n = start + ar
             slots = slots_nxt
-            n_nxt = n + BLOCK_N
-            slots_nxt = tl.load(bt_ptr + b * stride_bt + n_nxt // PAGE, mask=n_nxt < end,
-                                other=0).to(tl.int64) * PAGE + n_nxt % PAGE
-            kt = tl.load(kc_ptr + slots[:, None] * stride_kcs + h * stride_kch + da[None, :],
-                         mask=cached[:, None] & damask[None, :], other=0.0)
-            kt = tl.where(is_new[:, None], k_a_new[None, :].to(kt.dtype), kt)
-            if DOT_FP32:
-                s = tl.dot(q_a.to(tl.float32), tl.trans(kt.to(tl.float32)))
-            else:
-                s = tl.dot(q_a.to(kt.dtype), tl.trans(kt))
-            if DB > 0:
-                kb = tl.load(kc_ptr + slots[:, None] * stride_kcs + h * stride_kch + db[None, :],
-                             mask=cached[:, None] & dbmask[None, :], other=0.0)
-                kb = tl.where(is_new[:, None], k_b_new[None, :].to(kb.dtype), kb)
-                if DOT_FP32:
-                    s += tl.dot(q_b.to(tl.float32), tl.trans(kb.to(tl.float32)))
-                else:
-                    s += tl.dot(q_b.to(kb.dtype), tl.trans(kb))
-            s = s * scale  # [H_PAD, BLOCK_N] fp32
-            s = tl.where(in_range[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_sum = l_sum * alpha + tl.sum(p, axis=1)
-            if V_IN_K:
-                vt = kt  # V = K's first VDIM (= DA) columns: the tile already loaded
-            else:
-                vt = tl.load(vc_ptr + slots[:, None] * stride_vcs + h * stride_vch + dv[None, :],
-                             mask=cached[:, None] & dvmask[None, :], other=0.0)
-                vt = tl.where(is_new[:, None], v_new[None, :].to(vt.dtype), vt)
-            if DOT_FP32:
-                pv = tl.dot(p, vt.to(tl.float32))
-            else:
-                pv = tl.dot(p.to(vt.dtype), vt)
-            acc = acc * alpha[:, None] + pv
-            m = m_new
+            slots_nxt = _tile_slots(bt_ptr + b * stride_bt, n + BLOCK_N, end, PAGE)
+            kt, kb, vt = _tile_kv(kc_ptr, vc_ptr, slots, n < stop, h, stride_kcs, stride_kch, stride_vcs,
+                                  stride_vch, DA, DA_PAD, DB, DB_PAD, VDIM, VDIM_PAD, V_IN_K)
+            m, l_sum, acc = _attend_tile(q_a, q_b, kt, kb, vt, n == last, n < end, k_a_new, k_b_new, v_new, m,
+                                         l_sum, acc, scale, DB, V_IN_K, DOT_FP32)
     do = tl.arange(0, VDIM_PAD)
     if SPLITS == 1:
         out = acc / l_sum[:, None]
