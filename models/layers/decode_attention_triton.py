@@ -9,7 +9,9 @@ heads, split) handles up to ``heads_per_program`` heads of the KV head's query g
 rows for ``tl.dot``; a large group, e.g. MLA's 128 heads over one latent KV head, is cut into
 blocks of 16 whose programs read the same K/V tiles) with an online softmax over the sequence's
 blocks; when there are few sequences, each context is split over several programs (split-KV:
-``num_splits``) whose partial softmax states a second small kernel combines. The new token
+``num_splits``) whose partial softmax states the last of them to finish combines. Each tile's block-table
+lookup runs a tile ahead of its K/V loads (which Triton pipelines); launches of few programs also load each
+tile's K/V into registers a tile before its math (``DecodeLaunch.prefetch``, ``decode_launch``). The new token
 (cache index context_len-1) is read from ``k``/``v`` directly and stored at its slot by one
 program (head block 0, split 0), so no program reads a slot written in this launch.
 Metadata is read on the device only (``ForwardBatch.paged_metadata()``): CUDA-graph safe.
