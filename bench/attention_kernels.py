@@ -8,14 +8,9 @@ decode kernel; the new-K/V store (two ``index_copy_`` vs one Triton launch); RMS
 and RoPE: the project's Triton kernels against FlashInfer's. Each op is captured 32 times in one graph
 (one per layer of a step) and the graph replayed; µs per call = median replay / 32.
 
-    python -P bench/attention_kernels.py --sweep --out $OUT/decode-launch-sweep.json
-
-``--sweep``: the Triton decode kernel alone, every cut of ``SWEEP_LAUNCHES`` (keys per tile, warps,
-stages) at every split count, over a block table as wide as the engine's captured batches (8192
-tokens: their splits follow that width, the work the real context) at batch 1..64 and contexts
-160 / 1024 / 4096, beside FlashInfer's tensor-core decode wrapper (every batch) and the launch ``decode_launch`` picks.
-Every case here replays one layer's cache, which at short contexts stays in L2 (batch 64 at 160 tokens: 42 MB of a
-50 MB L2): ``bench/decode_rows_probe.py`` measures decode attention over 32 layers' caches, as a step reads them.
+The decode kernel's cuts are swept by ``bench/decode_rows_probe.py``, over 32 layers' caches as a step reads
+them (the ``--sweep`` that was here replayed one layer's cache, warm in L2 at short contexts: its record,
+2026-12-02-decode-launch-sweep-h200.json, is kept for its FlashInfer column).
 """
 
 from __future__ import annotations
@@ -96,16 +91,18 @@ class DecodeCase:
     v: torch.Tensor
 
 
-def decode_case(batch: int, ctx: int) -> DecodeCase:
+def decode_case(batch: int, ctx: int, layers: int = 1) -> DecodeCase:
+    """(``layers``: caches of that many layers, each random, on the same pages.)"""
     from fusedserve.models.forward_batch import KVCache
 
     dev, bf = torch.device("cuda"), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(batch * 7 + ctx)
     pages = -(-ctx // BLOCK)
     nb = batch * pages + 1
-    kv = KVCache.allocate({0: (8, 128)}, nb, BLOCK, bf, dev)
-    kv.k[0].normal_(generator=g)
-    kv.v[0].normal_(generator=g)
+    kv = KVCache.allocate({i: (8, 128) for i in range(layers)}, nb, BLOCK, bf, dev)
+    for i in range(layers):
+        kv.k[i].normal_(generator=g)
+        kv.v[i].normal_(generator=g)
     perm = torch.randperm(nb - 1, device=dev, generator=g).view(batch, pages).to(torch.int32)
     tables = [tuple(r) for r in perm.tolist()]
     slots = torch.tensor([t[(ctx - 1) // BLOCK] * BLOCK + (ctx - 1) % BLOCK for t in tables], device=dev)
@@ -129,44 +126,6 @@ def attention(batch: int, ctx: int) -> dict[str, float]:
                       [ctx] * batch, c.slots, [list(t) for t in c.tables], c.kv, paged=meta)
     out["triton_decode"] = graph_us(partial(paged_decode_attention_triton, c.q, c.k, c.v, 0, fb, 128 ** -0.5))
     return out
-
-
-SWEEP_LAUNCHES = ((16, 2, 2), (16, 4, 2), (32, 4, 2), (32, 4, 3), (32, 8, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3))
-SWEEP_SPLITS = (1, 2, 4, 8, 16, 32, 64)
-GRAPH_WIDTH = 8192 // BLOCK  # pages per block table in a captured batch of the 8B-shaped engine
-
-
-def decode_sweep(batch: int, ctx: int) -> dict[str, Any]:
-    from fusedserve.models.forward_batch import ForwardBatch, PagedAttentionMetadata
-    from fusedserve.models.layers.decode_attention_triton import (
-        DecodeLaunch,
-        decode_attention_launch,
-        decode_launch,
-    )
-
-    dev = torch.device("cuda")
-    c = decode_case(batch, ctx)
-    kv, tables, slots, q, k, v = c.kv, c.tables, c.slots, c.q, c.k, c.v
-    wide = torch.zeros(batch, GRAPH_WIDTH, dtype=torch.int32, device=dev)
-    wide[:, :c.pages.shape[1]] = c.pages
-    meta = PagedAttentionMetadata.decode(wide, torch.full((batch,), ctx, dtype=torch.int32, device=dev))
-    fb = ForwardBatch(torch.zeros(batch, dtype=torch.long, device=dev), torch.zeros(batch, device=dev), [1] * batch,
-                      [ctx] * batch, slots, [list(t) for t in tables], kv, paged=meta)
-    kv_bytes = batch * ctx * 8 * 128 * 2 * 2
-    row: dict[str, Any] = {"batch": batch, "context": ctx, "kv_bytes_per_layer": kv_bytes, "launches": []}
-    row["flashinfer_tensor_cores_us"] = graph_us(partial(flashinfer_decode(kv, tables, ctx, slots, True), q, k, v))
-    chosen = decode_launch(batch * 8, GRAPH_WIDTH * BLOCK)
-    row["chosen"] = {**chosen.__dict__, "us": graph_us(partial(decode_attention_launch, q, k, v, 0, fb, 128 ** -0.5,
-                                                               chosen))}
-    for block_n, warps, stages in SWEEP_LAUNCHES:
-        for splits in SWEEP_SPLITS:
-            launch = DecodeLaunch(block_n, warps, stages, splits)
-            us = graph_us(partial(decode_attention_launch, q, k, v, 0, fb, 128 ** -0.5, launch))
-            row["launches"].append({**launch.__dict__, "us": us})
-    best = min(row["launches"], key=lambda r: r["us"])
-    row["best"] = best
-    row["best_TBps"] = kv_bytes / best["us"] / 1e6
-    return row
 
 
 def small_ops(rows: int) -> dict[str, float]:
@@ -205,20 +164,7 @@ def small_ops(rows: int) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
-    ap.add_argument("--sweep", action="store_true", help="only the Triton decode launch sweep")
     args = ap.parse_args()
-    if args.sweep:
-        record_s: dict[str, Any] = {**record_header(), "calls_per_graph": CALLS, "graph_block_table_tokens":
-                                    GRAPH_WIDTH * BLOCK, "block_size": BLOCK, "shape": "GQA 32/8, head_dim 128, bf16",
-                                    "rows": []}
-        for batch in (1, 4, 16, 32, 64):
-            for ctx in (160, 1024, 4096):
-                row = decode_sweep(batch, ctx)
-                record_s["rows"].append(row)
-                progress(f"batch {batch} ctx {ctx}: chosen {row['chosen']}, best {row['best']} "
-                         f"({row['best_TBps']:.2f} TB/s), FlashInfer {row.get('flashinfer_tensor_cores_us')}")
-        write_record(record_s, args.out or f"bench/results/{record_s['date']}-decode-launch-sweep-h200.json")
-        return
     record: dict[str, Any] = {**record_header(), "calls_per_graph": CALLS, "attention": [], "small_ops": []}
     for batch in (1, 16, 64):
         for ctx in (160, 1024):

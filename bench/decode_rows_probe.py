@@ -11,7 +11,7 @@ matmul and TB/s of weights, with each cut's relative error against fp32.
 
 Attention: the engine's decode kernel (``decode_attention_launch``) at batch 16 / 64, context ``--ctx``,
 32 calls per graph each on its own layer's cache (what a step reads: 42 MB a layer at batch 64 fits the
-H200's 50 MB L2, so the one-layer sweep of bench/attention_kernels.py read it warm), at the engine's cut and
+H200's 50 MB L2, so the earlier one-layer sweep, 2026-12-02-decode-launch-sweep-h200.json, read it warm), at the engine's cut and
 each ``ATTENTION_CUTS`` cut (keys per tile, warps, stages, splits, loads read ahead in registers), with each
 compiled variant's shared memory, registers and whether Triton pipelined its loads; and the engine's cut on
 one layer's cache (warm) for comparison. Runs: 2026-12-04-decode-rows-probe-gemm-h200.json (GEMMs),
@@ -102,7 +102,8 @@ def gemms(rows: int, reps: int, bw: float) -> dict[str, Any]:
 
 
 def attention(batch: int, ctx: int, reps: int) -> dict[str, Any]:
-    from fusedserve.models.forward_batch import ForwardBatch, KVCache, PagedAttentionMetadata
+    from bench.attention_kernels import decode_case
+    from fusedserve.models.forward_batch import ForwardBatch, PagedAttentionMetadata
     from fusedserve.models.layers import decode_attention_triton as dat
     from fusedserve.models.layers.decode_attention_triton import (
         DecodeLaunch,
@@ -110,25 +111,14 @@ def attention(batch: int, ctx: int, reps: int) -> dict[str, Any]:
         decode_launch,
     )
 
-    dev, bf = torch.device("cuda"), torch.bfloat16
-    g = torch.Generator(device=dev).manual_seed(batch * 7 + ctx)
-    pages = -(-ctx // BLOCK)
-    nb = batch * pages + 1
-    kv = KVCache.allocate({i: (8, 128) for i in range(LAYERS)}, nb, BLOCK, bf, dev)
-    for i in range(LAYERS):
-        kv.k[i].normal_(generator=g)
-        kv.v[i].normal_(generator=g)
-    perm = torch.randperm(nb - 1, device=dev, generator=g).view(batch, pages).to(torch.int32)
-    tables = perm.tolist()
-    slots = torch.tensor([t[(ctx - 1) // BLOCK] * BLOCK + (ctx - 1) % BLOCK for t in tables], device=dev)
+    dev = torch.device("cuda")
+    c = decode_case(batch, ctx, LAYERS)
+    q, k, v = c.q, c.k, c.v
     wide = torch.zeros(batch, WIDTH, dtype=torch.int32, device=dev)
-    wide[:, :pages] = perm
+    wide[:, :c.pages.shape[1]] = c.pages
     meta = PagedAttentionMetadata.decode(wide, torch.full((batch,), ctx, dtype=torch.int32, device=dev))
     fb = ForwardBatch(torch.zeros(batch, dtype=torch.long, device=dev), torch.zeros(batch, device=dev), [1] * batch,
-                      [ctx] * batch, slots, tables, kv, paged=meta)
-    q = torch.randn(batch, 32, 128, device=dev, dtype=bf, generator=g)
-    k = torch.randn(batch, 8, 128, device=dev, dtype=bf, generator=g)
-    v = torch.randn(batch, 8, 128, device=dev, dtype=bf, generator=g)
+                      [ctx] * batch, c.slots, [list(t) for t in c.tables], c.kv, paged=meta)
     kv_bytes = batch * ctx * 8 * 128 * 2 * 2
     scale = 128 ** -0.5
 
@@ -163,8 +153,6 @@ def attention(batch: int, ctx: int, reps: int) -> dict[str, Any]:
     row["best_cold"] = min(timed, key=lambda c: c["us"]) if timed else None
     progress(f"attention batch {batch} context {ctx}: engine cold {row['engine_cold']} warm {row['engine_warm_one_layer']} "
              f"best {row['best_cold']}")
-    del kv
-    torch.cuda.empty_cache()
     return row
 
 
@@ -205,6 +193,7 @@ def main() -> None:
         for ctx in [int(c) for c in args.ctx.split(",")]:
             for b in rows:
                 record["attention"].append(attention(b, ctx, args.reps))
+                torch.cuda.empty_cache()  # this case's caches (34 GB at batch 64, 4096 tokens) back to the GPU
                 write_record(record, args.out)
     if not args.no_gemm:
         record["gemm"] = {}

@@ -326,7 +326,7 @@ def paged_decode_attention_triton(
 def decode_attention_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch,
                             scale: float, launch: DecodeLaunch) -> torch.Tensor:
     """One decode step's attention cut as ``launch`` says (``paged_decode_attention_triton`` chooses it;
-    bench/attention_kernels.py tries others). Shapes as there."""
+    bench/decode_rows_probe.py tries others). Shapes as there."""
     meta = batch.paged_metadata()
     cache = batch.kv_cache
     assert cache is not None
