@@ -300,6 +300,36 @@ def probe_tiles(path: str) -> None:
     linear_triton.decode_gemm_tile = tile  # type: ignore[assignment]
 
 
+DROPPABLE = ("rope", "silu", "norm", "attention")
+
+
+def drop_kernels(kinds: str) -> list[str]:
+    """Leave the fast set's kernels of ``kinds`` out (before any engine is built: ``Kernels.triton()`` imports
+    them then): RoPE returns q and k as they are, SiLU-and-mul the gate half, the norms their input (and it as
+    the residual), attention q (and stores no K/V). The step's tokens are garbage; its time is what is left."""
+    chosen = [k for k in kinds.split(",") if k]
+    unknown = set(chosen) - set(DROPPABLE)
+    if unknown:
+        raise SystemExit(f"--drop takes {', '.join(DROPPABLE)}; not {', '.join(sorted(unknown))}")
+    if "rope" in chosen:
+        import fusedserve.models.layers.rope_triton as rope_module
+        rope_module.rope_triton = lambda positions, q, k, inv_freq: (q, k)  # type: ignore[assignment]
+    if "silu" in chosen:
+        import fusedserve.models.layers.silu_mul_triton as silu_module
+        silu_module.silu_and_mul_triton = lambda x: x[:, : x.shape[1] // 2]  # type: ignore[assignment]
+    if "norm" in chosen:
+        import fusedserve.models.layers.rms_norm_triton as norm_module
+        norm_module.rms_norm_triton = lambda x, weight, eps: x  # type: ignore[assignment]
+        norm_module.add_rms_norm_triton = lambda x, residual, weight, eps: (x, x)  # type: ignore[assignment]
+    if "attention" in chosen:
+        import fusedserve.models.layers.decode_attention_triton as attention_module
+        attention_module.paged_decode_attention_triton = (  # type: ignore[assignment]
+            lambda q, k, v, layer_id, batch, scale: q)
+        import fusedserve.models.layers.attention_flashinfer as flashinfer_module
+        flashinfer_module.paged_decode_attention_triton = attention_module.paged_decode_attention_triton  # type: ignore[attr-defined]
+    return chosen
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -335,6 +365,10 @@ def main() -> None:
     ap.add_argument("--gemm-tiles", default="",
                     help="a bench/pdl_gemv_probe.py record: the decode GEMM at each of its shapes' best tile (rows <= 16: "
                          "its 16-row sweep, more: its 64-row one) instead of decode_gemm_tile's (an A/B of the tiles)")
+    ap.add_argument("--drop", default="",
+                    help="comma list of rope,silu,norm,attention: the fast set's kernel of that kind left out of every "
+                         "step (wrong numbers; timing only: what the kind costs inside a captured step, the most that "
+                         "fusing it away can save)")
     args = ap.parse_args()
     global PROMPT_LEN
     PROMPT_LEN = args.prompt_len
@@ -354,6 +388,7 @@ def main() -> None:
     if args.no_split_k:
         import fusedserve.models.layers.linear_triton as linear_triton
         linear_triton.SPLIT_K_MAX = 1
+    dropped = drop_kernels(args.drop)
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     device = "cuda" if cuda else "cpu"
@@ -363,7 +398,7 @@ def main() -> None:
                               "prompt_len": PROMPT_LEN, "decode_matmuls": "cublas" if args.cublas_matmuls else "gemv+gemm",
                               "split_k": not args.no_split_k, "attention_combine": "kernel" if args.separate_combine else "last split", "argmax": "torch" if args.torch_argmax else "triton",
                               "gemm_tiles": args.gemm_tiles or "decode_gemm_tile",
-                              "pdl": pdl_enabled()}
+                              "pdl": pdl_enabled(), "dropped_kernels": dropped}
     bw = copy_bandwidth(dev, (4 << 30) if cuda and not args.tiny else (64 << 20))
     peak = matmul_peak(dev, 8192 if cuda and not args.tiny else 512)
     record["ceilings"] = {"copy_bandwidth_TBps": bw / 1e12, "matmul_bf16_TFLOPs": peak / 1e12,
