@@ -78,9 +78,10 @@ class Eagle3Draft(nn.Module):
         self.self_attn = SelfAttention(0, h, config.num_attention_heads, config.num_key_value_heads, head_dim,
                                        one, RotaryEmbedding(head_dim, theta, scaling, kernel=kernels.rope).to(device),
                                        input_size=2 * h, dtype=dtype, device=device,
-                                       attention_backend=attention_backend)
+                                       attention_backend=attention_backend, qkv_rope=kernels.qkv_rope)
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps, dtype, device)
-        self.mlp = GatedMLP(h, config.intermediate_size, one, dtype=dtype, device=device, act=kernels.silu_and_mul)
+        self.mlp = GatedMLP(h, config.intermediate_size, one, dtype=dtype, device=device, act=kernels.silu_and_mul,
+                            gate_up_act=kernels.gate_up_act)
         self.norm = RMSNorm(h, config.rms_norm_eps, dtype, device)
         self.lm_head = nn.Linear(h, self.draft_vocab, bias=False, dtype=dtype, device=device).requires_grad_(False)
         self.register_buffer("d2t", torch.zeros(self.draft_vocab, dtype=torch.long, device=device))

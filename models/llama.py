@@ -46,10 +46,10 @@ class LlamaDecoderLayer(nn.Module):
             layer_id, h, config.num_attention_heads, config.num_key_value_heads, head_dim_of(config),
             groups.attn_tp, rotary, qkv_bias=getattr(config, "attention_bias", False),
             o_bias=getattr(config, "attention_bias", False), dtype=dtype, device=device,
-            attention_backend=kernels.attention)
+            attention_backend=kernels.attention, qkv_rope=kernels.qkv_rope)
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps, dtype, device)
         self.mlp = GatedMLP(h, config.intermediate_size, groups.tp, getattr(config, "mlp_bias", False),
-                            dtype, device, act=kernels.silu_and_mul)
+                            dtype, device, act=kernels.silu_and_mul, gate_up_act=kernels.gate_up_act)
 
     @property
     def input_boundary(self) -> int:

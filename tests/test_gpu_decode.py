@@ -28,7 +28,7 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 def test_triton_kernels_equal_references() -> None:
     from fusedserve.models.forward_batch import ForwardBatch, KVCache
     from fusedserve.models.layers.decode_attention_triton import paged_decode_attention_triton
-    from fusedserve.models.layers.linear_triton import decode_linear
+    from fusedserve.models.layers.linear_triton import decode_gate_up_silu, decode_linear, decode_qkv_rope
     from fusedserve.models.layers.mlp import silu_and_mul
     from fusedserve.models.layers.paged_attention_torch import paged_attention_torch
     from fusedserve.models.layers.rms_norm_triton import add_rms_norm_triton, rms_norm_triton
@@ -58,6 +58,18 @@ def test_triton_kernels_equal_references() -> None:
             xin = torch.randn(n, in_f, device=dev, dtype=bf, generator=g)
             # the fast set's matmul: the GEMV at one row, the tensor-core decode GEMM at 5 and 64 (PDL where on)
             assert _rel(decode_linear(xin, w), torch.nn.functional.linear(xin, w)) < 1e-2, (n, out_f, in_f)
+        # the matmuls with the op after them in the epilogue (2..64 rows; the GEMV and the op's kernel at 1)
+        xin = torch.randn(n, 4096, device=dev, dtype=bf, generator=g)
+        w = torch.randn(2 * 14336, 4096, device=dev, dtype=bf, generator=g) * 0.02
+        want = silu_and_mul(torch.nn.functional.linear(xin.float(), w.float()))
+        assert _rel(decode_gate_up_silu(xin, w), want) < 1e-2, n
+        w = torch.randn(48 * 128, 4096, device=dev, dtype=bf, generator=g) * 0.02
+        bias = torch.randn(48 * 128, device=dev, dtype=bf, generator=g)
+        y = torch.nn.functional.linear(xin.float(), w.float(), bias.float())
+        q_want, k_want = rope_reference(pos, y[:, :4096].view(n, 32, 128), y[:, 4096:5120].view(n, 8, 128), inv)
+        q_got, k_got, v_got = decode_qkv_rope(xin, w, bias, pos, inv, 4096, 1024)
+        assert _rel(q_got, q_want.view(n, 4096)) < 1e-2 and _rel(k_got, k_want.view(n, 1024)) < 1e-2, n
+        assert _rel(v_got, y[:, 5120:]) < 1e-2, n
     # greedy sampling's argmax on the 8B vocabulary, bf16 logits as the LM head leaves them
     from fusedserve.models.layers.argmax_triton import argmax_triton
 

@@ -185,6 +185,52 @@ def test_interp_decode_gemm_equals_f_linear() -> None:
 
 
 @inner
+def test_interp_decode_gemm_epilogues_equal_the_ops_after_a_matmul() -> None:
+    """The decode GEMM finishing the next op on its fp32 sums: silu(gate) * up over [gate; up] rows, and q /
+    k's rotate-half RoPE over tiles of partner rows (v left as it is) equal F.linear then the references
+    (the fused ops round once, the references twice: bf16 distance), with and without split K and a bias;
+    one row, more than GEMM_ROWS rows or a head the tile does not hold go through the separate kernels."""
+    import torch.nn.functional as F
+
+    from fusedserve.models.layers.linear_triton import decode_gate_up_silu, decode_qkv_rope
+    from fusedserve.models.layers.mlp import silu_and_mul
+    from fusedserve.models.layers.rotary import rope_inv_freq, rope_reference
+
+    g = torch.Generator().manual_seed(11)
+    for m, inter, k, bias in ((2, 64, 256, False), (17, 128, 128, True), (64, 96, 256, False), (1, 64, 128, True),
+                              (65, 64, 128, False)):
+        w = torch.randn(2 * inter, k, generator=g).to(torch.bfloat16)
+        b = torch.randn(2 * inter, generator=g).to(torch.bfloat16) if bias else None
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+        want = silu_and_mul(F.linear(x.float(), w.float(), None if b is None else b.float())).to(torch.bfloat16)
+        _close(decode_gate_up_silu(x, w, b), want, 1e-2)
+    for m, head_dim, heads, kv_heads, k, bias in ((3, 64, 4, 2, 128, False), (16, 128, 2, 1, 256, True),
+                                                  (40, 64, 3, 1, 128, False), (1, 64, 2, 1, 128, False),
+                                                  (8, 32, 4, 2, 128, False)):
+        q_size, kv_size = heads * head_dim, kv_heads * head_dim
+        w = torch.randn(q_size + 2 * kv_size, k, generator=g).to(torch.bfloat16)
+        b = torch.randn(q_size + 2 * kv_size, generator=g).to(torch.bfloat16) if bias else None
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+        positions = torch.randint(0, 5000, (m,), generator=g)
+        inv_freq = rope_inv_freq(head_dim, 500000.0, None)
+        y = F.linear(x.float(), w.float(), None if b is None else b.float())
+        q, k_, v = y.split([q_size, kv_size, kv_size], dim=-1)
+        q_want, k_want = rope_reference(positions, q.view(m, heads, head_dim), k_.view(m, kv_heads, head_dim), inv_freq)
+        got = decode_qkv_rope(x, w, b, positions, inv_freq, q_size, kv_size)
+        for part, ref in zip(got, (q_want.reshape(m, q_size), k_want.reshape(m, kv_size), v), strict=True):
+            _close(part, ref.to(torch.bfloat16), 1e-2)
+    # split K (o_proj's shape class: few tiles) with the SwiGLU epilogue; counts back at 0
+    import fusedserve.models.layers.arrival_counters as arrival
+    import fusedserve.models.layers.linear_triton as lt
+
+    w = torch.randn(128, 512, generator=g).to(torch.bfloat16)
+    x = torch.randn(5, 512, generator=g).to(torch.bfloat16)
+    assert lt.decode_gemm_splits(128, 512, (64, 128, 6, 4), torch.device("cpu")) == 2
+    _close(decode_gate_up_silu(x, w), silu_and_mul(F.linear(x.float(), w.float())).to(torch.bfloat16), 1e-2)
+    assert int(arrival._COUNTERS[torch.device("cpu")].abs().sum()) == 0
+
+
+@inner
 def test_interp_argmax_equals_torch() -> None:
     """Greedy sampling's argmax (``argmax_triton``: row chunks, then the chunks' winners) picks torch's index:
     the first of equal maxima within a chunk and across chunks, a masked last chunk, bf16 and fp32 rows,
@@ -319,6 +365,44 @@ def test_interp_llama_decode_with_triton_kernels_equals_reference() -> None:
         step = ForwardBatch(torch.tensor([2]), torch.tensor([6]), [1], [7], torch.tensor([6]), [[0, 1]], kv)
         logits[name] = model(step).logits
     _close(logits["triton"], logits["reference"], 1e-4)
+
+
+@inner
+def test_interp_llama_bf16_decode_batch_with_fused_epilogues_is_close_to_reference() -> None:
+    """Two sequences decoding in bf16 with head dims and widths the decode GEMM's tiles take, so RoPE and
+    SiLU-and-mul run in the qkv / gate-up matmuls' epilogues (no rope or activation kernel launched): the
+    logits stay within bf16 distance of the reference set's, and the greedy tokens agree."""
+    from transformers import LlamaConfig
+
+    import fusedserve.models.layers.rope_triton as rope_module
+    import fusedserve.models.layers.silu_mul_triton as silu_module
+    from fusedserve.models.forward_batch import ForwardBatch, KVCache
+    from fusedserve.models.layers.kernels import Kernels
+    from fusedserve.models.parallel.collectives import Collectives
+    from fusedserve.models.parallel.groups import ParallelGroups
+    from fusedserve.models.random_init import random_model
+
+    config = LlamaConfig(vocab_size=100, hidden_size=256, intermediate_size=192, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, architectures=["LlamaForCausalLM"])
+    logits = {}
+    launched: list[str] = []
+    rope, silu = rope_module.rope_triton, silu_module.silu_and_mul_triton
+    for name in ("reference", "triton"):
+        model = random_model(config, ParallelGroups.single_rank(), Collectives("gloo"), seed=5,
+                             kernels=Kernels.named(name), dtype=torch.bfloat16)
+        kv = KVCache.allocate(model.kv_shapes(), 8, 4, torch.bfloat16)
+        model(ForwardBatch.prefill([[3, 1, 4, 1, 5, 9], [2, 7, 1, 8]], kv))
+        step = ForwardBatch(torch.tensor([2, 6]), torch.tensor([6, 4]), [1, 1], [7, 5], torch.tensor([6, 12]),
+                            [[0, 1], [2, 3]], kv)
+        try:
+            rope_module.rope_triton = lambda *a: (launched.append("rope"), rope(*a))[1]  # type: ignore[assignment]
+            silu_module.silu_and_mul_triton = lambda x: (launched.append("silu"), silu(x))[1]  # type: ignore[assignment]
+            logits[name] = model(step).logits.float()
+        finally:
+            rope_module.rope_triton, silu_module.silu_and_mul_triton = rope, silu
+    assert launched == []
+    _close(logits["triton"], logits["reference"], 3e-2)
+    assert torch.equal(logits["triton"].argmax(-1), logits["reference"].argmax(-1))
 
 
 @inner

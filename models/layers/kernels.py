@@ -8,9 +8,10 @@ name         attention                              norms, RoPE, SiLU-and-mul; r
 reference    ``paged_attention_reference``          the torch references; per-expert loop
 torch        ``paged_attention_torch`` (graphable)  the torch references; ``fused_experts_torch``
 triton       ``paged_decode_attention_triton``      Triton kernels (``*_triton.py``; GPU only);
-             (decode; several new tokens per        matmuls of <= 64 rows ``decode_linear``, else cuBLAS;
-             sequence: the flash kernel of          ``fused_experts_triton``
-             ``prefill_attention_triton.py``;       greedy sampling's argmax ``argmax_triton``;
+             (decode; several new tokens per        matmuls of <= 64 rows ``decode_linear``, else cuBLAS
+             sequence: the flash kernel of          (2..64 rows: RoPE / SiLU-and-mul in the qkv / gate-up
+             ``prefill_attention_triton.py``;       matmul's epilogue); ``fused_experts_triton``;
+                                                    greedy sampling's argmax ``argmax_triton``;
              trees: the torch one)
 flashinfer   ``flashinfer_attention``, planned      as ``triton``
              once per forward (``planner``)
@@ -40,9 +41,10 @@ from .attention_layout import PlannerFactory
 from .fp8_block import BlockFP8MatmulFn, block_fp8_linear_reference
 from .fused_moe import FusedExpertsFn, FusedFP8ExpertsFn, fused_experts_fp8_torch, fused_experts_torch
 from .linear import MatmulFn
-from .mlp import silu_and_mul
+from .mlp import GateUpActFn, silu_and_mul
 from .paged_attention_torch import paged_attention_torch
 from .rotary import RopeKernel
+from .self_attention import QKVRopeFn
 
 KERNEL_SETS = ("reference", "torch", "triton", "flashinfer")
 
@@ -55,6 +57,10 @@ class Kernels:
     rope: RopeKernel | None = None  # None = RotaryEmbedding's torch ops
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul
     matmul: MatmulFn | None = None  # None = F.linear (cuBLAS)
+    # A decode batch's matmul with the op after it in its epilogue (``linear_triton``): the qkv projection with
+    # RoPE, the gate/up projection with SiLU-and-mul; None = the matmul, then the op's own kernel.
+    qkv_rope: QKVRopeFn | None = None
+    gate_up_act: GateUpActFn | None = None
     # The greedy choice of each logits row ([n, vocab] -> [n] int64); None = torch.argmax.
     argmax: Callable[[torch.Tensor], torch.Tensor] | None = None
     # Routed MoE experts (``fused_moe.py``); None = RoutedExperts' per-expert loop (host sync).
@@ -83,7 +89,7 @@ class Kernels:
         from .fp8_block_gemm import block_fp8_linear_fast
         from .fused_moe_fp8_triton import fused_experts_fp8_triton
         from .fused_moe_triton import fused_experts_triton
-        from .linear_triton import decode_linear
+        from .linear_triton import decode_gate_up_silu, decode_linear, decode_qkv_rope
         from .rms_norm_triton import add_rms_norm_triton, rms_norm_triton
         from .rope_triton import rope_triton
         from .silu_mul_triton import silu_and_mul_triton
@@ -91,7 +97,8 @@ class Kernels:
         return Kernels(name="triton", attention=paged_decode_attention_triton,
                        norms=NormKernels(rms_norm=rms_norm_triton, add_rms_norm=add_rms_norm_triton),
                        rope=rope_triton, silu_and_mul=silu_and_mul_triton,
-                       matmul=decode_linear, argmax=argmax_triton, fused_moe=fused_experts_triton,
+                       matmul=decode_linear, qkv_rope=decode_qkv_rope, gate_up_act=decode_gate_up_silu,
+                       argmax=argmax_triton, fused_moe=fused_experts_triton,
                        block_fp8_matmul=block_fp8_linear_fast, fused_moe_fp8=fused_experts_fp8_triton,
                        graph_safe=True)
 
@@ -105,7 +112,8 @@ class Kernels:
 
         base = Kernels.triton()
         return Kernels(name="flashinfer", attention=flashinfer_attention, norms=base.norms, rope=base.rope,
-                       silu_and_mul=base.silu_and_mul, matmul=base.matmul, argmax=base.argmax,
+                       silu_and_mul=base.silu_and_mul, matmul=base.matmul, qkv_rope=base.qkv_rope,
+                       gate_up_act=base.gate_up_act, argmax=base.argmax,
                        fused_moe=base.fused_moe,
                        block_fp8_matmul=base.block_fp8_matmul, fused_moe_fp8=base.fused_moe_fp8, graph_safe=True,
                        planner=flashinfer_planner)

@@ -125,10 +125,86 @@ def gemv_tile(k: int) -> tuple[int, int, int]:
     return 4, min(1024, triton.next_power_of_2(k)), 4
 
 
+EPILOGUE_PLAIN, EPILOGUE_SILU, EPILOGUE_ROPE = 0, 1, 2
+
+
+@triton.jit
+def _tile_rows(pid, HALF: tl.constexpr, BLOCK_N: tl.constexpr, EPILOGUE: tl.constexpr, INTER, ROPE_WIDTH,
+               HEAD_DIM: tl.constexpr):
+    """The weight rows (= output features) of program ``pid``'s tile, as two halves of HALF: EPILOGUE_PLAIN
+    BLOCK_N consecutive rows; EPILOGUE_SILU gate rows pid*HALF.. and their up rows INTER further on;
+    EPILOGUE_ROPE, for tiles inside the first ROPE_WIDTH features (q and k heads of HEAD_DIM), rotate-half
+    partners d and d + HEAD_DIM/2 of one head, past them (v) BLOCK_N consecutive rows.
+    -> (rows, is_rope, the first row)"""
+    r = tl.arange(0, BLOCK_N)
+    if EPILOGUE == 1:
+        base = pid * HALF
+        offset = INTER
+        rope = False
+    elif EPILOGUE == 2:
+        per_head = HEAD_DIM // 2 // HALF
+        rope_tiles = ROPE_WIDTH // HEAD_DIM * per_head
+        rope = pid < rope_tiles
+        if rope:
+            base = pid // per_head * HEAD_DIM + pid % per_head * HALF
+            offset = HEAD_DIM // 2
+        else:
+            base = ROPE_WIDTH + (pid - rope_tiles) * BLOCK_N
+            offset = HALF
+    else:
+        base = pid * BLOCK_N
+        offset = HALF
+        rope = False
+    base = base.to(tl.int64)
+    return base + (r // HALF) * offset + r % HALF, rope, base
+
+
+@triton.jit
+def _halves(acc, HALF: tl.constexpr, BLOCK_M: tl.constexpr):
+    """[2*HALF, BLOCK_M] -> its first and second HALF rows."""
+    return tl.split(tl.permute(tl.reshape(acc, (2, HALF, BLOCK_M)), (1, 2, 0)))
+
+
+@triton.jit
+def _store_rows(y_ptr, values, cols, rm, rows, stride_ym):
+    """values [C, BLOCK_M] (fp32) into y's columns ``cols`` of the rows where ``rows``."""
+    tl.store(y_ptr + rm[None, :] * stride_ym + cols[:, None], values.to(y_ptr.dtype.element_ty), mask=rows)
+
+
+@triton.jit
+def _store_tile(total, rn, is_rope, first, rm, M, y_ptr, b_ptr, pos_ptr, inv_ptr, stride_ym, HALF: tl.constexpr,
+                BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Store a tile's fp32 sums [BLOCK_N, BLOCK_M] (bias added) as y^T: as they are; EPILOGUE_SILU: silu(gate)
+    * up into y's columns of the gate rows; EPILOGUE_ROPE (``is_rope``): each pair (d from ``first``, d +
+    HEAD_DIM/2) rotated by its row's position (positions in ``pos``, frequencies in ``inv``: fp32 math, as
+    ``rope_triton``), into the pair's columns."""
+    rows = rm[None, :] < M
+    if HAS_BIAS:
+        total += tl.load(b_ptr + rn).to(tl.float32)[:, None]
+    if EPILOGUE == 1:
+        gate, up = _halves(total, HALF, BLOCK_M)
+        _store_rows(y_ptr, gate / (1.0 + tl.exp(-gate)) * up, first + tl.arange(0, HALF), rm, rows, stride_ym)
+    elif EPILOGUE == 2:
+        if is_rope:
+            x1, x2 = _halves(total, HALF, BLOCK_M)
+            lo = tl.arange(0, HALF)
+            pos = tl.load(pos_ptr + rm, mask=rm < M, other=0).to(tl.float32)
+            freqs = tl.load(inv_ptr + first % HEAD_DIM + lo)[:, None] * pos[None, :]
+            c = tl.cos(freqs)
+            s = tl.sin(freqs)
+            _store_rows(y_ptr, x1 * c - x2 * s, first + lo, rm, rows, stride_ym)
+            _store_rows(y_ptr, x2 * c + x1 * s, first + HEAD_DIM // 2 + lo, rm, rows, stride_ym)
+        else:
+            _store_rows(y_ptr, total, rn, rm, rows, stride_ym)
+    else:
+        _store_rows(y_ptr, total, rn, rm, rows, stride_ym)
+
+
 @triton.jit(do_not_specialize=["M"])  # counts that change call to call: one compile for all
-def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                        BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                        HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr):
+def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, pos_ptr, inv_ptr, M, N, K, INTER, ROPE_WIDTH,
+                        stride_xm, stride_wn, stride_ym, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        DOT_FP32: tl.constexpr, EPILOGUE: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
     """A decode batch's matmul on tensor cores with the operands swapped: y^T [BLOCK_N, BLOCK_M] = W_tile x^T,
     so BLOCK_N rows of W fill the MMA's wide side and the batch's M <= BLOCK_M rows of x its narrow side; a
     program per BLOCK_N outputs, K in BLOCK_K steps (Triton pipelines the loads), fp32 sums. Under PDL it
@@ -138,14 +214,20 @@ def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, st
     its first K step's tile alone loaded before the wait, the loop pipelined after, 1 % slower at 16 rows and
     out of shared memory at 64: -peeled-).
 
+    The tile's rows need not be consecutive (``_tile_rows``): the epilogue can then finish the next small op
+    on the fp32 sums instead of a kernel after this one — SwiGLU's silu(gate) * up (EPILOGUE_SILU: a tile of
+    gate rows and their up rows, y is [M, INTER]) or q / k's RoPE (EPILOGUE_ROPE: a tile of rotate-half
+    partners; ``pos`` / ``inv``: the rows' positions and the rotary frequencies).
+
     SPLIT_K > 1 (few output tiles: more programs than tiles keep more of the GPU streaming weights): program
     (n, s) sums the s-th of SPLIT_K equal K ranges and stores its fp32 sums in ``ws`` [SPLIT_K, N, BLOCK_M];
     the tile's last program to finish (a per-tile arrival count in ``cnt``, which it resets to 0) adds the
     SPLIT_K partials in split order — the same bits whichever finishes last — and stores y."""
     pdl_release(PDL)
     pdl_wait(PDL)
+    HALF: tl.constexpr = BLOCK_N // 2
     k_range = K // SPLIT_K
-    rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn, is_rope, first = _tile_rows(tl.program_id(0), HALF, BLOCK_N, EPILOGUE, INTER, ROPE_WIDTH, HEAD_DIM)
     rm = tl.arange(0, BLOCK_M)
     rk = tl.program_id(1) * k_range + tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
@@ -162,9 +244,8 @@ def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, st
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn).to(tl.float32)[:, None]
-        tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], acc.to(y_ptr.dtype.element_ty), mask=rows)
+        _store_tile(acc, rn, is_rope, first, rm, M, y_ptr, b_ptr, pos_ptr, inv_ptr, stride_ym, HALF, BLOCK_M,
+                    HAS_BIAS, EPILOGUE, HEAD_DIM)
     else:
         part = ws_ptr + rn[:, None] * BLOCK_M + rm[None, :]
         tl.store(part + tl.program_id(1) * N * BLOCK_M, acc)
@@ -175,9 +256,8 @@ def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, st
             for split in tl.static_range(SPLIT_K):
                 total += tl.load(part + split * N * BLOCK_M, cache_modifier=".cg")
             tl.atomic_xchg(cnt_ptr + tl.program_id(0), 0, sem="relaxed", scope="gpu")
-            if HAS_BIAS:
-                total += tl.load(b_ptr + rn).to(tl.float32)[:, None]
-            tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], total.to(y_ptr.dtype.element_ty), mask=rows)
+            _store_tile(total, rn, is_rope, first, rm, M, y_ptr, b_ptr, pos_ptr, inv_ptr, stride_ym, HALF, BLOCK_M,
+                        HAS_BIAS, EPILOGUE, HEAD_DIM)
 
 
 GEMM_ROWS = 64
@@ -219,6 +299,36 @@ def decode_gemm_splits(n: int, k: int, tile: tuple[int, int, int, int], device: 
     return 1
 
 
+def _gemm_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               tile: tuple[int, int, int, int] | None) -> bool:
+    return not (tile is None or x.stride(-1) != 1 or weight.stride(-1) != 1 or x.dtype != weight.dtype
+                or x.dtype not in (torch.bfloat16, torch.float16)
+                or (bias is not None and (bias.dtype != x.dtype or bias.stride(-1) != 1)))
+
+
+def _launch_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
+                 tile: tuple[int, int, int, int], splits: int | None, epilogue: int = EPILOGUE_PLAIN,
+                 inter: int = 0, rope: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
+    """``_decode_gemm_kernel`` over all of weight's rows into y; ``rope``: (positions, inv_freq, rope width)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    block_n, block_k, stages, warps = tile
+    block_m = max(16, triton.next_power_of_2(m))
+    splits = splits or decode_gemm_splits(n, k, tile, x.device)
+    counters = arrival_counters(x.device, n // block_n) if splits > 1 else None
+    if counters is None:
+        splits, counters = 1, weight
+    ws = torch.empty((splits, n, block_m), dtype=torch.float32, device=x.device) if splits > 1 else weight
+    positions, inv_freq, rope_width = rope if rope is not None else (weight, weight, 0)
+    _decode_gemm_kernel[(n // block_n, splits)](
+        x, weight, bias if bias is not None else weight, y, ws, counters, positions, inv_freq, m, n, k, inter,
+        rope_width, x.stride(0), weight.stride(0), y.stride(0), BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_K=block_k,
+        SPLIT_K=splits, HAS_BIAS=bias is not None, DOT_FP32=_DOT_FP32, EPILOGUE=epilogue,
+        HEAD_DIM=2 * inv_freq.shape[0] if rope is not None else 2, num_stages=stages, num_warps=warps,
+        **pdl_launch())
+    return y
+
+
 def gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 tile: tuple[int, int, int, int] | None = None, splits: int | None = None) -> torch.Tensor:
     """x: [m, K] (m <= GEMM_ROWS); weight: [N, K] -> [m, N] with ``_decode_gemm_kernel`` at the tile
@@ -228,24 +338,58 @@ def gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     m, k = x.shape
     n = weight.shape[0]
     tile = tile or decode_gemm_tile(m, n, k)
-    if (tile is None or x.stride(-1) != 1 or weight.stride(-1) != 1 or x.dtype != weight.dtype
-            or x.dtype not in (torch.bfloat16, torch.float16)
-            or (bias is not None and (bias.dtype != x.dtype or bias.stride(-1) != 1))):
+    if not _gemm_fits(x, weight, bias, tile):
         return F.linear(x, weight, bias)
-    block_n, block_k, stages, warps = tile
-    block_m = max(16, triton.next_power_of_2(m))
-    splits = splits or decode_gemm_splits(n, k, tile, x.device)
-    counters = arrival_counters(x.device, n // block_n) if splits > 1 else None
-    if counters is None:
-        splits, counters = 1, weight
-    ws = torch.empty((splits, n, block_m), dtype=torch.float32, device=x.device) if splits > 1 else weight
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    _decode_gemm_kernel[(n // block_n, splits)](x, weight, bias if bias is not None else weight, y, ws, counters, m, n,
-                                                k, x.stride(0), weight.stride(0), y.stride(0), BLOCK_N=block_n,
-                                                BLOCK_M=block_m, BLOCK_K=block_k, SPLIT_K=splits,
-                                                HAS_BIAS=bias is not None, DOT_FP32=_DOT_FP32, num_stages=stages,
-                                                num_warps=warps, **pdl_launch())
-    return y
+    assert tile is not None
+    return _launch_gemm(x, weight, bias, torch.empty((m, n), dtype=x.dtype, device=x.device), tile, splits)
+
+
+def _fused_tile(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int, int, int] | None:
+    """The decode GEMM's tile where it takes x with an epilogue (2..GEMM_ROWS rows; one row is the GEMV's)."""
+    if x.dim() != 2 or not 2 <= x.shape[0] <= GEMM_ROWS:
+        return None
+    tile = decode_gemm_tile(x.shape[0], weight.shape[0], x.shape[1])
+    return tile if _gemm_fits(x, weight, bias, tile) else None
+
+
+def decode_gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """SwiGLU's first half, silu(x W_gate^T) * (x W_up^T), for weight = [gate; up] ([2I, K]) -> [m, I]: for
+    2..GEMM_ROWS rows one ``_decode_gemm_kernel`` whose epilogue applies the activation to its fp32 sums
+    (no [m, 2I] intermediate, no kernel after it); otherwise ``decode_linear`` then ``silu_and_mul_triton``.
+    Plain reference: ``mlp.silu_and_mul(F.linear(x, weight, bias))``."""
+    from .silu_mul_triton import silu_and_mul_triton
+
+    tile = _fused_tile(x, weight, bias)
+    if tile is None:
+        return silu_and_mul_triton(decode_linear(x, weight, bias))
+    inter = weight.shape[0] // 2
+    y = torch.empty((x.shape[0], inter), dtype=x.dtype, device=x.device)
+    return _launch_gemm(x, weight, bias, y, tile, None, EPILOGUE_SILU, inter=inter)
+
+
+def decode_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
+                    inv_freq: torch.Tensor, q_size: int, kv_size: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The q / k / v projection with q and k rotated (rotate-half RoPE over whole heads of 2 * len(inv_freq)
+    dims) -> q [m, q_size], k, v [m, kv_size]: for 2..GEMM_ROWS rows one ``_decode_gemm_kernel`` whose tiles
+    of q and k hold rotate-half partners, rotated in its epilogue (no kernel after it); otherwise
+    ``decode_linear`` then ``rope_triton``. Plain reference: ``F.linear`` then ``rotary.rope_reference``."""
+    from .rope_triton import rope_triton
+
+    head_dim = 2 * inv_freq.shape[0]
+    rope_width = q_size + kv_size
+    tile = _fused_tile(x, weight, bias)
+    if tile is not None and (head_dim % tile[0] or rope_width % head_dim or positions.shape[0] != x.shape[0]):
+        tile = None  # a tile must hold rotate-half partners of one head
+    if tile is None:
+        q, k, v = decode_linear(x, weight, bias).split([q_size, kv_size, kv_size], dim=-1)
+        n = x.shape[0]
+        q_rot, k_rot = rope_triton(positions, q.view(n, -1, head_dim), k.view(n, -1, head_dim), inv_freq)
+        return q_rot.view(n, q_size), k_rot.view(n, kv_size), v
+    y = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    _launch_gemm(x, weight, bias, y, tile, None, EPILOGUE_ROPE, rope=(positions, inv_freq, rope_width))
+    q, k, v = y.split([q_size, kv_size, kv_size], dim=-1)
+    return q, k, v
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
