@@ -52,12 +52,12 @@ BLOCK = 16
 WIDTH = 8192 // BLOCK  # pages per block table in the 8B engine's captured batches
 
 
-def gemms(rows: int, reps: int, bw: float) -> dict[str, Any]:
+def gemms(rows: int, reps: int, bw: float, shapes: tuple[tuple[str, int, int], ...] = SHAPES) -> dict[str, Any]:
     from fusedserve.models.layers.linear_triton import decode_gemm_splits, decode_gemm_tile, gemm_triton
 
     dev = torch.device("cuda")
     out: dict[str, Any] = {}
-    for name, n, k in SHAPES:
+    for name, n, k in shapes:
         ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * k ** -0.5 for _ in range(LAYERS)]
         x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
         ref = F.linear(x.float(), ws[0].float())
@@ -79,7 +79,7 @@ def gemms(rows: int, reps: int, bw: float) -> dict[str, Any]:
         row["engine_cut"] = [*tile, decode_gemm_splits(n, k, tile, dev)] if tile else None
         row["engine"] = time_it(lambda w: gemm_triton(x, w))
         cuts = []
-        for cut in GEMM_CUTS[name]:
+        for cut in GEMM_CUTS.get(name, ()):
             bn, bk, stages, warps, splits = cut
             if n % bn or k % (bk * splits):
                 continue
@@ -181,6 +181,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--no-gemm", action="store_true")
     ap.add_argument("--no-attention", action="store_true")
+    ap.add_argument("--shapes", default="",
+                    help="name:n:k,... GEMM shapes instead of the 8B ones (cuts only for the 8B names), e.g. the same K "
+                         "at output counts that fill the GPU's multiprocessors in whole waves: does a matmul's time "
+                         "follow its bytes or its waves")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -198,7 +202,8 @@ def main() -> None:
     if not args.no_gemm:
         record["gemm"] = {}
         for m in rows:
-            record["gemm"][str(m)] = gemms(m, args.reps, bw)
+            shapes = tuple((a, int(b), int(c)) for a, b, c in (x.split(":") for x in args.shapes.split(",") if x))
+            record["gemm"][str(m)] = gemms(m, args.reps, bw, shapes or SHAPES)
             write_record(record, args.out)
 
 
