@@ -103,6 +103,9 @@ def gemms(rows: int, reps: int, bw: float, shapes: tuple[tuple[str, int, int], .
             except Exception as e:
                 cuts.append({"cut": [*tile, f"stream-K x{programs}"], "error": f"{type(e).__name__}: {e}"[:200]})
         row["cuts"] = cuts
+        from fusedserve.models.layers import linear_triton
+        row["compiled"] = {"tiled": compiled_kernels(linear_triton._decode_gemm_kernel),
+                           "stream_k": compiled_kernels(linear_triton._decode_gemm_streamk_kernel)}
         timed = [c for c in cuts if "us" in c]
         row["best"] = min(timed, key=lambda c: c["us"]) if timed else None
         out[name] = row

@@ -290,37 +290,43 @@ def _decode_gemm_streamk_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, pos
     rk = tl.arange(0, BLOCK_K)
     rl = tl.arange(0, BLOCK_N)
     rows = rm[None, :] < M
-    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    for it in range(start, end):
+    it = start
+    while it < end:  # one part of a tile (at most KI K steps) per pass; Triton pipelines the inner loop
         tile = it // KI
-        k = it % KI
+        k0 = it % KI
+        k1 = tl.minimum(KI, k0 + (end - it))
         rn, is_rope, first = _tile_rows(tile, HALF, BLOCK_N, EPILOGUE, INTER, ROPE_WIDTH, HEAD_DIM)
-        w = tl.load(w_ptr + rn[:, None] * stride_wn + (k * BLOCK_K + rk)[None, :])
-        x = tl.load(x_ptr + rm[None, :] * stride_xm + (k * BLOCK_K + rk)[:, None], mask=rows, other=0.0)
-        if DOT_FP32:
-            acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc)
-        else:
-            acc = tl.dot(w, x, acc)
-        if (k == KI - 1) | (it == end - 1):  # this program's part of the tile ends here
-            if (tl.maximum(start, tile * KI) == tile * KI) & (k == KI - 1):  # the whole tile was ours
-                _store_tile(acc, rn, is_rope, first, rm, M, y_ptr, b_ptr, pos_ptr, inv_ptr, stride_ym, HALF,
-                            BLOCK_M, HAS_BIAS, EPILOGUE, HEAD_DIM)
+        w_ptrs = w_ptr + rn[:, None] * stride_wn + (k0 * BLOCK_K + rk)[None, :]
+        x_ptrs = x_ptr + rm[None, :] * stride_xm + (k0 * BLOCK_K + rk)[:, None]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        for _ in range(k0, k1):
+            w = tl.load(w_ptrs)
+            x = tl.load(x_ptrs, mask=rows, other=0.0)
+            if DOT_FP32:
+                acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc)
             else:
-                p_first = _owner(tile * KI, ITERS, EXTRA)
-                parts = _owner(tile * KI + KI - 1, ITERS, EXTRA) - p_first + 1
-                slot = ws_ptr + ((tile * MAX_PARTS).to(tl.int64) * BLOCK_N + rl[:, None]) * BLOCK_M + rm[None, :]
-                tl.store(slot + (pid - p_first) * BLOCK_N * BLOCK_M, acc)
-                tl.debug_barrier()  # every thread's part stored before the arrival is counted
-                arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-                if arrived == parts - 1:
-                    total = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-                    for j in tl.static_range(MAX_PARTS):
-                        if j < parts:
-                            total += tl.load(slot + j * BLOCK_N * BLOCK_M, cache_modifier=".cg")
-                    tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
-                    _store_tile(total, rn, is_rope, first, rm, M, y_ptr, b_ptr, pos_ptr, inv_ptr, stride_ym, HALF,
-                                BLOCK_M, HAS_BIAS, EPILOGUE, HEAD_DIM)
-            acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+                acc = tl.dot(w, x, acc)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        if (k0 == 0) & (k1 == KI):  # the whole tile was ours
+            _store_tile(acc, rn, is_rope, first, rm, M, y_ptr, b_ptr, pos_ptr, inv_ptr, stride_ym, HALF, BLOCK_M,
+                        HAS_BIAS, EPILOGUE, HEAD_DIM)
+        else:
+            p_first = _owner(tile * KI, ITERS, EXTRA)
+            parts = _owner(tile * KI + KI - 1, ITERS, EXTRA) - p_first + 1
+            slot = ws_ptr + ((tile * MAX_PARTS).to(tl.int64) * BLOCK_N + rl[:, None]) * BLOCK_M + rm[None, :]
+            tl.store(slot + (pid - p_first) * BLOCK_N * BLOCK_M, acc)
+            tl.debug_barrier()  # every thread's part stored before the arrival is counted
+            arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == parts - 1:
+                total = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+                for j in tl.static_range(MAX_PARTS):
+                    if j < parts:
+                        total += tl.load(slot + j * BLOCK_N * BLOCK_M, cache_modifier=".cg")
+                tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+                _store_tile(total, rn, is_rope, first, rm, M, y_ptr, b_ptr, pos_ptr, inv_ptr, stride_ym, HALF,
+                            BLOCK_M, HAS_BIAS, EPILOGUE, HEAD_DIM)
+        it += k1 - k0
 
 
 GEMM_ROWS = 64
