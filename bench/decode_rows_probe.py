@@ -44,7 +44,6 @@ GEMM_CUTS: dict[str, tuple[tuple[int, int, int, int, int], ...]] = {
     "down": ((64, 128, 6, 4, 2), (64, 128, 6, 4, 1), (64, 128, 3, 4, 4), (128, 128, 4, 4, 4), (128, 128, 4, 8, 4),
              (128, 64, 6, 4, 4), (256, 64, 4, 8, 8), (128, 64, 6, 4, 2)),
 }
-STREAMK_PROGRAMS = (1, 2)  # stream-K launches of this many programs per multiprocessor
 # (keys per tile, warps, stages, splits, read ahead in registers)
 ATTENTION_CUTS = tuple((bn, w, st, sp, ahead) for bn, w in ((32, 4), (64, 8), (16, 2)) for sp in (1, 2, 4, 8, 16, 32)
                        for ahead, st in ((True, 2), (False, 3)))
@@ -57,7 +56,6 @@ def gemms(rows: int, reps: int, bw: float, shapes: tuple[tuple[str, int, int], .
     from fusedserve.models.layers.linear_triton import decode_gemm_splits, decode_gemm_tile, gemm_triton
 
     dev = torch.device("cuda")
-    multiprocessors = torch.cuda.get_device_properties(dev).multi_processor_count
     out: dict[str, Any] = {}
     for name, n, k in shapes:
         ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * k ** -0.5 for _ in range(LAYERS)]
@@ -92,20 +90,7 @@ def gemms(rows: int, reps: int, bw: float, shapes: tuple[tuple[str, int, int], .
                              "rel_err": err})
             except Exception as e:  # a cut that does not compile or fit: said in the record
                 cuts.append({"cut": list(cut), "error": f"{type(e).__name__}: {e}"[:200]})
-        for programs in STREAMK_PROGRAMS:  # the engine's tile, its K steps shared evenly over the programs
-            if tile is None:
-                break
-            sk = multiprocessors * programs
-            try:
-                err = ((gemm_triton(x, ws[0], None, tile, programs=sk).float() - ref).norm() / ref.norm()).item()
-                cuts.append({"cut": [*tile, f"stream-K x{programs}"],
-                             **time_it(lambda w, p=sk: gemm_triton(x, w, None, tile, programs=p)), "rel_err": err})
-            except Exception as e:
-                cuts.append({"cut": [*tile, f"stream-K x{programs}"], "error": f"{type(e).__name__}: {e}"[:200]})
         row["cuts"] = cuts
-        from fusedserve.models.layers import linear_triton
-        row["compiled"] = {"tiled": compiled_kernels(linear_triton._decode_gemm_kernel),
-                           "stream_k": compiled_kernels(linear_triton._decode_gemm_streamk_kernel)}
         timed = [c for c in cuts if "us" in c]
         row["best"] = min(timed, key=lambda c: c["us"]) if timed else None
         out[name] = row

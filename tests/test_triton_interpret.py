@@ -231,53 +231,6 @@ def test_interp_decode_gemm_epilogues_equal_the_ops_after_a_matmul() -> None:
 
 
 @inner
-def test_interp_streamk_decode_gemm_equals_f_linear() -> None:
-    """Stream-K: the tiles' K steps shared out evenly over a set number of programs (tiles cut between two or
-    three programs, some programs taking one step more) equal F.linear, with a bias, and with the SwiGLU and
-    RoPE epilogues; the arrival counts are back at 0 after each launch."""
-    import torch.nn.functional as F
-
-    import fusedserve.models.layers.arrival_counters as arrival
-    from fusedserve.models.layers.linear_triton import (
-        EPILOGUE_ROPE,
-        EPILOGUE_SILU,
-        _launch_gemm,
-        gemm_triton,
-        streamk_plan,
-    )
-    from fusedserve.models.layers.mlp import silu_and_mul
-    from fusedserve.models.layers.rotary import rope_inv_freq, rope_reference
-
-    assert streamk_plan(6144, 4096, 64, 128, 132) == (23, 36, 3)  # qkv at 64 rows: 96 tiles x 32 steps
-    g = torch.Generator().manual_seed(3)
-    cpu = torch.device("cpu")
-    tile = (64, 128, 2, 4)
-    for m, n, k, programs in ((3, 256, 512, 3), (17, 256, 512, 5), (5, 192, 1024, 7), (2, 128, 256, 4)):
-        w = torch.randn(n, k, generator=g).to(torch.bfloat16)
-        b = torch.randn(n, generator=g).to(torch.bfloat16)
-        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-        _close(gemm_triton(x, w, b, tile, programs=programs), F.linear(x, w, b), 1e-2)
-        assert int(arrival._COUNTERS[cpu].abs().sum()) == 0
-        y = torch.empty((m, n // 2), dtype=torch.bfloat16)
-        _launch_gemm(x, w, None, y, tile, None, EPILOGUE_SILU, inter=n // 2, programs=programs)
-        _close(y, silu_and_mul(F.linear(x.float(), w.float())).to(torch.bfloat16), 1e-2)
-        assert int(arrival._COUNTERS[cpu].abs().sum()) == 0
-    heads, kv_heads, head_dim, m, k = 2, 1, 64, 6, 512
-    w = torch.randn((heads + 2 * kv_heads) * head_dim, k, generator=g).to(torch.bfloat16)
-    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-    positions = torch.randint(0, 3000, (m,), generator=g)
-    inv_freq = rope_inv_freq(head_dim, 10000.0, None)
-    y = torch.empty((m, w.shape[0]), dtype=torch.bfloat16)
-    _launch_gemm(x, w, None, y, tile, None, EPILOGUE_ROPE, rope=(positions, inv_freq, (heads + kv_heads) * head_dim),
-                 programs=5)
-    ref = F.linear(x.float(), w.float())
-    q_want, k_want = rope_reference(positions, ref[:, :128].view(m, 2, 64), ref[:, 128:192].view(m, 1, 64), inv_freq)
-    want = torch.cat([q_want.reshape(m, 128), k_want.reshape(m, 64), ref[:, 192:]], dim=1)
-    _close(y, want.to(torch.bfloat16), 1e-2)
-    assert int(arrival._COUNTERS[cpu].abs().sum()) == 0
-
-
-@inner
 def test_interp_argmax_equals_torch() -> None:
     """Greedy sampling's argmax (``argmax_triton``: row chunks, then the chunks' winners) picks torch's index:
     the first of equal maxima within a chunk and across chunks, a masked last chunk, bf16 and fp32 rows,

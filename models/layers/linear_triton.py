@@ -260,75 +260,6 @@ def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, pos_ptr, in
                         HAS_BIAS, EPILOGUE, HEAD_DIM)
 
 
-@triton.jit
-def _owner(it, ITERS, EXTRA):
-    """The stream-K program whose iteration range holds iteration ``it`` (programs < EXTRA take ITERS + 1)."""
-    return tl.where(it < EXTRA * (ITERS + 1), it // (ITERS + 1), EXTRA + (it - EXTRA * (ITERS + 1)) // ITERS)
-
-
-@triton.jit(do_not_specialize=["M", "ITERS", "EXTRA"])
-def _decode_gemm_streamk_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, pos_ptr, inv_ptr, M, K, INTER,
-                                ROPE_WIDTH, ITERS, EXTRA, stride_xm, stride_wn, stride_ym, BLOCK_N: tl.constexpr,
-                                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, MAX_PARTS: tl.constexpr,
-                                HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr, EPILOGUE: tl.constexpr,
-                                HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
-    """``_decode_gemm_kernel``'s tiles as one stream of (tile, K step) iterations shared out evenly over the
-    programs launched (stream-K: every multiprocessor streams the same number of weight bytes, whatever the
-    tile count): program p takes ITERS (+1 for p < EXTRA) consecutive iterations, tile-major. A tile wholly
-    inside one program's range is stored by it; a tile cut between programs has each program store its part's
-    fp32 sums in ``ws`` [tiles, MAX_PARTS, BLOCK_N, BLOCK_M] at its place among the tile's programs, and the
-    last to arrive (``cnt``, reset to 0 by it) adds the parts in that order — the same bits whichever arrives
-    last — and stores the tile (with the epilogue)."""
-    pdl_release(PDL)
-    pdl_wait(PDL)
-    HALF: tl.constexpr = BLOCK_N // 2
-    KI = K // BLOCK_K
-    pid = tl.program_id(0)
-    start = pid * ITERS + tl.minimum(pid, EXTRA)
-    end = start + ITERS + (pid < EXTRA).to(tl.int32)
-    rm = tl.arange(0, BLOCK_M)
-    rk = tl.arange(0, BLOCK_K)
-    rl = tl.arange(0, BLOCK_N)
-    rows = rm[None, :] < M
-    it = start
-    while it < end:  # one part of a tile (at most KI K steps) per pass; Triton pipelines the inner loop
-        tile = it // KI
-        k0 = it % KI
-        k1 = tl.minimum(KI, k0 + (end - it))
-        rn, is_rope, first = _tile_rows(tile, HALF, BLOCK_N, EPILOGUE, INTER, ROPE_WIDTH, HEAD_DIM)
-        w_ptrs = w_ptr + rn[:, None] * stride_wn + (k0 * BLOCK_K + rk)[None, :]
-        x_ptrs = x_ptr + rm[None, :] * stride_xm + (k0 * BLOCK_K + rk)[:, None]
-        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-        for _ in range(k0, k1):
-            w = tl.load(w_ptrs)
-            x = tl.load(x_ptrs, mask=rows, other=0.0)
-            if DOT_FP32:
-                acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc)
-            else:
-                acc = tl.dot(w, x, acc)
-            w_ptrs += BLOCK_K
-            x_ptrs += BLOCK_K
-        if (k0 == 0) & (k1 == KI):  # the whole tile was ours
-            _store_tile(acc, rn, is_rope, first, rm, M, y_ptr, b_ptr, pos_ptr, inv_ptr, stride_ym, HALF, BLOCK_M,
-                        HAS_BIAS, EPILOGUE, HEAD_DIM)
-        else:
-            p_first = _owner(tile * KI, ITERS, EXTRA)
-            parts = _owner(tile * KI + KI - 1, ITERS, EXTRA) - p_first + 1
-            slot = ws_ptr + ((tile * MAX_PARTS).to(tl.int64) * BLOCK_N + rl[:, None]) * BLOCK_M + rm[None, :]
-            tl.store(slot + (pid - p_first) * BLOCK_N * BLOCK_M, acc)
-            tl.debug_barrier()  # every thread's part stored before the arrival is counted
-            arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            if arrived == parts - 1:
-                total = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-                for j in tl.static_range(MAX_PARTS):
-                    if j < parts:
-                        total += tl.load(slot + j * BLOCK_N * BLOCK_M, cache_modifier=".cg")
-                tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
-                _store_tile(total, rn, is_rope, first, rm, M, y_ptr, b_ptr, pos_ptr, inv_ptr, stride_ym, HALF,
-                            BLOCK_M, HAS_BIAS, EPILOGUE, HEAD_DIM)
-        it += k1 - k0
-
-
 GEMM_ROWS = 64
 
 
@@ -368,26 +299,6 @@ def decode_gemm_splits(n: int, k: int, tile: tuple[int, int, int, int], device: 
     return 1
 
 
-# Stream-K (``_decode_gemm_streamk_kernel``) where the tiled kernel leaves multiprocessors idle; False: never.
-STREAMK = False
-# Fewest K steps a stream-K program takes (fewer: the parts' round trip outweighs the balance).
-STREAMK_MIN_ITERS = 8
-
-
-def decode_gemm_programs(n: int, k: int, tile: tuple[int, int, int, int], device: torch.device) -> int | None:
-    """Programs of a stream-K launch of the decode GEMM, or None for the tiled kernel: one per multiprocessor
-    where the tiles (K split as ``decode_gemm_splits`` says) do not come in whole waves of them and every
-    program still gets STREAMK_MIN_ITERS K steps."""
-    if not STREAMK:
-        return None
-    block_n, block_k = tile[0], tile[1]
-    sms = _multiprocessors(device)
-    tiles = n // block_n * decode_gemm_splits(n, k, tile, device)
-    if tiles % sms == 0 or n // block_n * (k // block_k) < sms * STREAMK_MIN_ITERS:
-        return None
-    return sms
-
-
 def _gemm_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                tile: tuple[int, int, int, int] | None) -> bool:
     return not (tile is None or x.stride(-1) != 1 or weight.stride(-1) != 1 or x.dtype != weight.dtype
@@ -397,17 +308,12 @@ def _gemm_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 def _launch_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
                  tile: tuple[int, int, int, int], splits: int | None, epilogue: int = EPILOGUE_PLAIN,
-                 inter: int = 0, rope: tuple[torch.Tensor, torch.Tensor, int] | None = None,
-                 programs: int | None = None) -> torch.Tensor:
-    """``_decode_gemm_kernel`` over all of weight's rows into y; ``rope``: (positions, inv_freq, rope width);
-    ``programs``: stream-K over that many programs (``_decode_gemm_streamk_kernel``) instead."""
+                 inter: int = 0, rope: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
+    """``_decode_gemm_kernel`` over all of weight's rows into y; ``rope``: (positions, inv_freq, rope width)."""
     m, k = x.shape
     n = weight.shape[0]
     block_n, block_k, stages, warps = tile
     block_m = max(16, triton.next_power_of_2(m))
-    programs = programs or decode_gemm_programs(n, k, tile, x.device)
-    if programs:
-        return _launch_streamk(x, weight, bias, y, tile, programs, epilogue, inter, rope)
     splits = splits or decode_gemm_splits(n, k, tile, x.device)
     counters = arrival_counters(x.device, n // block_n) if splits > 1 else None
     if counters is None:
@@ -423,53 +329,19 @@ def _launch_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return y
 
 
-def streamk_plan(n: int, k: int, block_n: int, block_k: int, programs: int) -> tuple[int, int, int]:
-    """(iterations per program, programs with one more, most programs sharing a tile) of a stream-K launch."""
-    ki = k // block_k
-    iters, extra = divmod(n // block_n * ki, programs)
-    if iters == 0:
-        raise ValueError(f"stream-K over {programs} programs needs at least that many iterations, not "
-                         f"{n // block_n * ki}")
-    return iters, extra, -(-(ki - 1) // iters) + 1
-
-
-def _launch_streamk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
-                    tile: tuple[int, int, int, int], programs: int, epilogue: int, inter: int,
-                    rope: tuple[torch.Tensor, torch.Tensor, int] | None) -> torch.Tensor:
-    m, k = x.shape
-    n = weight.shape[0]
-    block_n, block_k, stages, warps = tile
-    block_m = max(16, triton.next_power_of_2(m))
-    iters, extra, max_parts = streamk_plan(n, k, block_n, block_k, programs)
-    counters = arrival_counters(x.device, n // block_n)
-    if counters is None:  # first seen inside a capture: the plain cut
-        return _launch_gemm(x, weight, bias, y, tile, 1, epilogue, inter, rope)
-    ws = torch.empty((n // block_n, max_parts, block_n, block_m), dtype=torch.float32, device=x.device)
-    positions, inv_freq, rope_width = rope if rope is not None else (weight, weight, 0)
-    _decode_gemm_streamk_kernel[(programs,)](
-        x, weight, bias if bias is not None else weight, y, ws, counters, positions, inv_freq, m, k, inter,
-        rope_width, iters, extra, x.stride(0), weight.stride(0), y.stride(0), BLOCK_N=block_n, BLOCK_M=block_m,
-        BLOCK_K=block_k, MAX_PARTS=max_parts, HAS_BIAS=bias is not None, DOT_FP32=_DOT_FP32, EPILOGUE=epilogue,
-        HEAD_DIM=2 * inv_freq.shape[0] if rope is not None else 2, num_stages=stages, num_warps=warps,
-        **pdl_launch())
-    return y
-
-
 def gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                tile: tuple[int, int, int, int] | None = None, splits: int | None = None,
-                programs: int | None = None) -> torch.Tensor:
+                tile: tuple[int, int, int, int] | None = None, splits: int | None = None) -> torch.Tensor:
     """x: [m, K] (m <= GEMM_ROWS); weight: [N, K] -> [m, N] with ``_decode_gemm_kernel`` at the tile
     ``decode_gemm_tile`` gives, K split as ``decode_gemm_splits`` says (``tile`` / ``splits``: another cut,
-    for benchmarks; it must divide N and K; ``programs``: stream-K over that many programs); F.linear where no
-    tile fits or for strided rows / mixed or fp32 dtypes."""
+    for benchmarks; it must divide N and K); F.linear where no tile fits or for strided rows / mixed or fp32
+    dtypes."""
     m, k = x.shape
     n = weight.shape[0]
     tile = tile or decode_gemm_tile(m, n, k)
     if not _gemm_fits(x, weight, bias, tile):
         return F.linear(x, weight, bias)
     assert tile is not None
-    return _launch_gemm(x, weight, bias, torch.empty((m, n), dtype=x.dtype, device=x.device), tile, splits,
-                        programs=programs)
+    return _launch_gemm(x, weight, bias, torch.empty((m, n), dtype=x.dtype, device=x.device), tile, splits)
 
 
 def _fused_tile(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int, int, int] | None:
