@@ -353,6 +353,7 @@ def main() -> None:
                          "span includes its wait for the one before)")
     ap.add_argument("--cublas-matmuls", action="store_true",
                     help="the fast set's decode matmuls (<= 64 rows) through cuBLAS instead of its GEMV / decode GEMM "
+                         "(the qkv and gate/up ones too only with --separate-epilogues) "
                          "(an A/B of the kernels; FUSEDSERVE_PDL=0 in the environment is the A/B of programmatic "
                          "dependent launch)")
     ap.add_argument("--torch-argmax", action="store_true",

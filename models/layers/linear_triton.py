@@ -18,6 +18,13 @@ would leave half the GPU idle (o_proj and down_proj: 64 tiles of 64 on 132 SMs) 
 tile's last program adds the halves: 5.02 against 5.19 ms per batch-64 step, 4.55 against 4.58 at batch 16
 (2026-12-03-decode-rows-split-k-argmax-ab-h200.json). More rows (prefill, mixed batches) stay cuBLAS.
 
+The same kernel finishes the op after two matmuls in its epilogue, on the fp32 sums: ``decode_qkv_rope`` (the
+qkv projection's tiles hold rotate-half partners, RoPE applied) and ``decode_gate_up_silu`` (gate rows and their
+up rows, silu(gate) * up stored), the fast set's ``Kernels.qkv_rope`` / ``gate_up_act``: 64 kernels fewer a
+Llama-3-8B step, 0.5-1 % faster at 2..64 rows through the engine (2026-12-04-decode-gemm-epilogues-ab-h200.json).
+Stream-K (the tiles' K steps shared evenly over every multiprocessor, for qkv's 96 tiles on 132) was slower
+and is not here (2026-12-04-decode-gemm-streamk-h200.json).
+
 ``gemv_triton`` also takes 2..4 rows at any tile (a bench candidate: 1.5-3x slower than cuBLAS there on an
 H200, bench/results/2026-12-03-pdl-gemv-probe-rows-h200.json). An earlier [16-row, 16-output] tensor-core
 kernel, a split-K variant and a per-shape tuner that timed them against cuBLAS at engine construction were
