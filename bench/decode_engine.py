@@ -366,9 +366,6 @@ def main() -> None:
     ap.add_argument("--gemm-tiles", default="",
                     help="a bench/pdl_gemv_probe.py record: the decode GEMM at each of its shapes' best tile (rows <= 16: "
                          "its 16-row sweep, more: its 64-row one) instead of decode_gemm_tile's (an A/B of the tiles)")
-    ap.add_argument("--split-k-min", type=int, default=None,
-                    help="linear_triton.SPLIT_K_MIN for this run (0: split K wherever half the multiprocessors would idle, "
-                         "as before 2026-12-04; an A/B)")
     ap.add_argument("--separate-epilogues", action="store_true",
                     help="RoPE and SiLU-and-mul as their own kernels after the qkv / gate-up matmuls, not in the decode "
                          "GEMM's epilogue (an A/B of Kernels.qkv_rope / gate_up_act)")
@@ -395,9 +392,6 @@ def main() -> None:
     if args.no_split_k:
         import fusedserve.models.layers.linear_triton as linear_triton
         linear_triton.SPLIT_K_MAX = 1
-    if args.split_k_min is not None:
-        import fusedserve.models.layers.linear_triton as linear_triton
-        linear_triton.SPLIT_K_MIN = args.split_k_min
     if args.separate_epilogues:  # before any engine is built: Kernels.triton() imports them then
         import fusedserve.models.layers.linear_triton as linear_triton
         linear_triton.decode_qkv_rope = None  # type: ignore[assignment]
@@ -413,8 +407,7 @@ def main() -> None:
                               "split_k": not args.no_split_k, "attention_combine": "kernel" if args.separate_combine else "last split", "argmax": "torch" if args.torch_argmax else "triton",
                               "gemm_tiles": args.gemm_tiles or "decode_gemm_tile",
                               "pdl": pdl_enabled(), "dropped_kernels": dropped,
-                              "matmul_epilogues": "separate kernels" if args.separate_epilogues else "rope, silu",
-                              "split_k_min": args.split_k_min}
+                              "matmul_epilogues": "separate kernels" if args.separate_epilogues else "rope, silu"}
     bw = copy_bandwidth(dev, (4 << 30) if cuda and not args.tiny else (64 << 20))
     peak = matmul_peak(dev, 8192 if cuda and not args.tiny else 512)
     record["ceilings"] = {"copy_bandwidth_TBps": bw / 1e12, "matmul_bf16_TFLOPs": peak / 1e12,

@@ -288,10 +288,6 @@ def decode_gemm_tile(m: int, n: int, k: int) -> tuple[int, int, int, int] | None
 
 
 SPLIT_K_MAX = 2
-# K below which a matmul whose tiles fill more than a quarter of the multiprocessors is not split: Llama-3-8B's
-# o_proj (K = 4096, 64 tiles) at 64 rows took 11.6 us unsplit and 12.1 split (2026-12-04-decode-rows-probe-gemm-h200.json),
-# equal at 16 rows; down_proj (K = 14336) 34.6 against 32.8.
-SPLIT_K_MIN = 8192
 
 
 @functools.cache
@@ -301,14 +297,11 @@ def _multiprocessors(device: torch.device) -> int:
 
 def decode_gemm_splits(n: int, k: int, tile: tuple[int, int, int, int], device: torch.device) -> int:
     """K splits of the decode GEMM: 2 where the output tiles alone would leave at least half the GPU's
-    multiprocessors idle (Llama-3-8B's down_proj: 64 tiles of 64 outputs on 132), both halves of K are whole
-    tiles, and K is at least SPLIT_K_MIN or the tiles fill at most a quarter of the multiprocessors (a small
-    model's narrow matmuls); else 1 (Llama-3-8B's o_proj, K = 4096)."""
+    multiprocessors idle (Llama-3-8B's o_proj and down_proj: 64 tiles of 64 outputs on 132) and both
+    halves of K are whole tiles; else 1."""
     block_n, block_k = tile[0], tile[1]
     tiles = n // block_n
-    sms = _multiprocessors(device)
-    if (SPLIT_K_MAX >= 2 and 2 * tiles <= sms and k % (2 * block_k) == 0
-            and (k >= SPLIT_K_MIN or 4 * tiles <= sms)):
+    if SPLIT_K_MAX >= 2 and 2 * tiles <= _multiprocessors(device) and k % (2 * block_k) == 0:
         return 2
     return 1
 
