@@ -325,6 +325,56 @@ def test_a_block_returning_a_reduced_tensor_is_a_plan_violation(
         prefill_logits(model, llama_prompts)
 
 
+def test_matmul_epilogue_ops_replace_the_separate_ones_where_chosen(
+    llama_variants: dict[str, Path], llama_prompts: list[list[int]]
+) -> None:
+    """A kernel set's qkv-projection-with-RoPE and gate/up-with-SiLU ops (``Kernels.qkv_rope`` / ``gate_up_act``)
+    replace the matmul + RoPE and matmul + activation of every layer when given (here torch compositions of the
+    references: the same logits to the bit, prefill and decode); a rotation over part of a head keeps the
+    separate ops."""
+    import dataclasses
+
+    import torch.nn.functional as F
+
+    from fusedserve.models.layers.kernels import Kernels
+    from fusedserve.models.layers.mlp import silu_and_mul
+    from fusedserve.models.layers.rotary import RotaryEmbedding, rope_reference
+    from fusedserve.models.layers.self_attention import SelfAttention
+    from fusedserve.models.loader import load_model
+    from fusedserve.models.parallel.collectives import Collectives
+    from fusedserve.models.parallel.groups import Group, ParallelGroups
+
+    calls: list[str] = []
+
+    def qkv_rope(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, positions: torch.Tensor,
+                 inv_freq: torch.Tensor, q_size: int, kv_size: int) -> tuple[torch.Tensor, ...]:
+        calls.append("qkv_rope")
+        q, k, v = F.linear(x, w, b).split([q_size, kv_size, kv_size], dim=-1)
+        n, d = x.shape[0], 2 * inv_freq.shape[0]
+        q, k = rope_reference(positions, q.view(n, -1, d), k.view(n, -1, d), inv_freq)
+        return q.reshape(n, q_size), k.reshape(n, kv_size), v
+
+    def gate_up_act(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        calls.append("gate_up_act")
+        return silu_and_mul(F.linear(x, w, b))
+
+    fused = dataclasses.replace(Kernels.reference(), qkv_rope=qkv_rope, gate_up_act=gate_up_act)
+    for variant in ("bias", "llama3"):
+        logits = {}
+        for name, kernels in (("reference", Kernels.reference()), ("fused", fused)):
+            model = load_model(llama_variants[variant], ParallelGroups.single_rank(), Collectives("gloo"),
+                               kernels=kernels)
+            logits[name] = (prefill_logits(model, llama_prompts).logits,
+                            prefill_then_decode_logits(model, llama_prompts))
+        layers = len(model.layers)
+        assert calls.count("qkv_rope") == calls.count("gate_up_act") == 3 * layers  # prefill; prefill, decode
+        calls.clear()
+        for got, want in zip(logits["fused"], logits["reference"], strict=True):
+            assert torch.equal(got, want), variant
+    partial = SelfAttention(0, 64, 2, 1, 32, Group.single("tp"), RotaryEmbedding(16, 10000.0), qkv_rope=qkv_rope)
+    assert partial.qkv_rope is None and partial.project == partial._project
+
+
 def test_llama3_rope_frequencies_match_hf(llama_variants: dict[str, Path]) -> None:
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
