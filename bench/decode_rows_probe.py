@@ -14,8 +14,10 @@ Attention: the engine's decode kernel (``decode_attention_launch``) at batch 16 
 H200's 50 MB L2, so the earlier one-layer sweep, 2026-12-02-decode-launch-sweep-h200.json, read it warm), at the engine's cut and
 each ``ATTENTION_CUTS`` cut (keys per tile, warps, stages, splits, loads read ahead in registers), with each
 compiled variant's shared memory, registers and whether Triton pipelined its loads; and the engine's cut on
-one layer's cache (warm) for comparison. Runs: 2026-12-04-decode-rows-probe-gemm-h200.json (GEMMs),
-2026-12-04-decode-attention-cold-sweep-h200.json (attention, 3 contexts).
+one layer's cache (warm) for comparison. ``--shapes``: other GEMM shapes (e.g. output counts that fill the
+multiprocessors in whole waves). Runs: 2026-12-04-decode-rows-probe-gemm-h200.json (GEMMs),
+2026-12-04-decode-attention-cold-sweep-h200.json (attention, 3 contexts), 2026-12-04-decode-gemm-waves-h200.json
+(``--shapes``).
 """
 
 from __future__ import annotations
