@@ -372,7 +372,8 @@ def main() -> None:
     ap.add_argument("--drop", default="",
                     help="comma list of rope,silu,norm,attention: the fast set's kernel of that kind left out of every "
                          "step (wrong numbers; timing only: what the kind costs inside a captured step, the most that "
-                         "fusing it away can save)")
+                         "fusing it away can save; rope and silu only where they run as their own kernels: one row, or "
+                         "with --separate-epilogues)")
     args = ap.parse_args()
     global PROMPT_LEN
     PROMPT_LEN = args.prompt_len
