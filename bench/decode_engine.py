@@ -369,9 +369,6 @@ def main() -> None:
     ap.add_argument("--separate-epilogues", action="store_true",
                     help="RoPE and SiLU-and-mul as their own kernels after the qkv / gate-up matmuls, not in the decode "
                          "GEMM's epilogue (an A/B of Kernels.qkv_rope / gate_up_act)")
-    ap.add_argument("--separate-norms", action="store_true",
-                    help="the residual add + RMSNorm of every boundary as its own kernel, not folded into the matmuls "
-                         "around it (an A/B of linear_triton.FOLD_NORMS)")
     ap.add_argument("--drop", default="",
                     help="comma list of rope,silu,norm,attention: the fast set's kernel of that kind left out of every "
                          "step (wrong numbers; timing only: what the kind costs inside a captured step, the most that "
@@ -400,9 +397,6 @@ def main() -> None:
         import fusedserve.models.layers.linear_triton as linear_triton
         linear_triton.decode_qkv_rope = None  # type: ignore[assignment]
         linear_triton.decode_gate_up_silu = None  # type: ignore[assignment]
-    if args.separate_norms:  # before any engine is built: Kernels.triton() reads it then
-        import fusedserve.models.layers.linear_triton as linear_triton
-        linear_triton.FOLD_NORMS = False
     dropped = drop_kernels(args.drop)
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
@@ -414,8 +408,7 @@ def main() -> None:
                               "split_k": not args.no_split_k, "attention_combine": "kernel" if args.separate_combine else "last split", "argmax": "torch" if args.torch_argmax else "triton",
                               "gemm_tiles": args.gemm_tiles or "decode_gemm_tile",
                               "pdl": pdl_enabled(), "dropped_kernels": dropped,
-                              "matmul_epilogues": "separate kernels" if args.separate_epilogues else "rope, silu",
-                              "boundary_norms": "kernels" if args.separate_norms else "folded into the matmuls"}
+                              "matmul_epilogues": "separate kernels" if args.separate_epilogues else "rope, silu"}
     bw = copy_bandwidth(dev, (4 << 30) if cuda and not args.tiny else (64 << 20))
     peak = matmul_peak(dev, 8192 if cuda and not args.tiny else 512)
     record["ceilings"] = {"copy_bandwidth_TBps": bw / 1e12, "matmul_bf16_TFLOPs": peak / 1e12,

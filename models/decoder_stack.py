@@ -76,7 +76,6 @@ def decoder_forward(batch: ForwardBatch, comm: Communicator, embed: Any, layers:
     end = 0  # one past the last layer: "layer N" is the final norm
     for layer in layers:
         if early and layer.layer_id in wanted:  # benchmark-only: the pre-#28343 capture
-            x = Unreduced(x.partial, x.group)  # its matmul run once, here
             aux[layer.layer_id] = x.partial if residual is None else x.partial + residual
         h, residual = ctx.boundary(layer.input_boundary, x, residual, layer.input_norm)
         if layer.layer_id in wanted and not early:

@@ -21,7 +21,6 @@ from .layers.mamba_state import MambaStateShape
 from .layers.mlp import GatedMLP
 from .layers.norm import RMSNorm
 from .layers.rotary import RotaryEmbedding, rope_parameters
-from .layers.row_scaled import RowScaled
 from .layers.self_attention import SelfAttention
 from .layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from .parallel.collectives import Collectives
@@ -60,10 +59,9 @@ class LlamaDecoderLayer(nn.Module):
     def input_norm(self) -> RMSNorm:
         return self.input_layernorm
 
-    def forward(self, h: torch.Tensor | RowScaled, residual: torch.Tensor, batch: ForwardBatch,
+    def forward(self, h: torch.Tensor, residual: torch.Tensor, batch: ForwardBatch,
                 ctx: ForwardContext) -> tuple[Unreduced, torch.Tensor]:
-        # h: [n, hidden] normed input (the decoder stack ran boundary 2i; a RowScaled where it folded) -> the
-        # MLP's owed sum
+        # h: [n, hidden] normed input (the decoder stack ran boundary 2i) -> the MLP's owed sum
         h, residual = ctx.boundary(2 * self.layer_id + 1, self.self_attn(h, batch), residual,
                                    self.post_attention_layernorm)
         return self.mlp(h), residual
@@ -98,24 +96,16 @@ class LlamaForCausalLM(nn.Module):
         # dp_combine and aux_capture are benchmark-only (comm_plan.py, decoder_stack.py): no spec or CLI
         # reaches them.
         self.aux_capture = check_aux_capture(aux_capture)
-        plan = plan_communication(groups.config, self.blocks(config, self.folds_norms()),
-                                  collectives.fused is not None, dp_combine=dp_combine,
-                                  fold_rows=self.kernels.norms.fold_rows)
+        plan = plan_communication(groups.config, self.blocks(config), collectives.fused is not None,
+                                  dp_combine=dp_combine)
         self.comm = Communicator(plan, groups, collectives, norms=self.kernels.norms)
 
-    def folds_norms(self) -> bool:
-        """Whether every layer's blocks start with matmuls that apply a norm's row factors in their epilogue
-        (``Kernels.qkv_rope`` / ``gate_up_act`` in use), so a boundary may fold its add + norm into the
-        matmuls around it (``comm_plan.BoundaryKind.MATMUL_ADD_NORM``, where the kernels fold)."""
-        layers: list[LlamaDecoderLayer] = list(self.layers)  # type: ignore[arg-type]
-        return all(layer.self_attn.qkv_rope is not None and layer.mlp.gate_up_act is not None for layer in layers)
-
     @staticmethod
-    def blocks(config: Any, folds: bool = False) -> list[BlockSpec]:
+    def blocks(config: Any) -> list[BlockSpec]:
         out: list[BlockSpec] = []
         for i in range(config.num_hidden_layers):
-            out.append(BlockSpec(f"layers.{i}.attn", Layout.ATTN_TP_FULL, "attn_tp", folds))
-            out.append(BlockSpec(f"layers.{i}.mlp", Layout.FULL, "tp", folds))
+            out.append(BlockSpec(f"layers.{i}.attn", Layout.ATTN_TP_FULL, "attn_tp"))
+            out.append(BlockSpec(f"layers.{i}.mlp", Layout.FULL, "tp"))
         return out
 
     def kv_shapes(self) -> dict[int, tuple[int, int]]:

@@ -233,55 +233,6 @@ def test_interp_decode_gemm_epilogues_equal_the_ops_after_a_matmul() -> None:
 
 
 @inner
-def test_interp_folded_norm_equals_add_rms_norm_then_the_matmuls() -> None:
-    """A boundary's residual add + RMSNorm folded into the matmuls around it (``row_scaled.py``): the producer's
-    epilogue adds the residual and leaves the norm's row factors to the consumers (gate/up + SiLU, qkv +
-    RoPE), whose results equal add_rms_norm then the matmuls and ops to bf16 distance — K split on both
-    sides, with a bias; the sum stored as add_rms_norm stores it. One row and more than GEMM_ROWS rows go
-    through the norm kernel (a tensor, no RowScaled)."""
-    import torch.nn.functional as F
-
-    import fusedserve.models.layers.arrival_counters as arrival
-    import fusedserve.models.layers.linear_triton as lt
-    from fusedserve.models.layers.mlp import silu_and_mul
-    from fusedserve.models.layers.rotary import rope_inv_freq, rope_reference
-    from fusedserve.models.layers.row_scaled import RowScaled
-    from fusedserve.models.parallel.fusion.reference import add_rms_norm
-
-    g = torch.Generator().manual_seed(12)
-    hidden, inner_k, head_dim, eps = 256, 512, 64, 1e-5
-    w_o = (torch.randn(hidden, inner_k, generator=g) / 8).to(torch.bfloat16)
-    b_o = torch.randn(hidden, generator=g).to(torch.bfloat16)
-    w_gu = torch.randn(128, hidden, generator=g).to(torch.bfloat16)
-    w_qkv = torch.randn(4 * head_dim, hidden, generator=g).to(torch.bfloat16)  # 2 q heads, 1 k, 1 v
-    gamma = (1 + torch.randn(hidden, generator=g) / 4).to(torch.bfloat16)
-    inv_freq = rope_inv_freq(head_dim, 10000.0, None)
-    device = torch.device("cpu")
-    assert lt.decode_gemm_splits(hidden, inner_k, (64, 128, 6, 4), device) == 2  # producer: split K
-    assert lt.decode_gemm_splits(128, hidden, (64, 128, 6, 4), device) == 2  # consumers too
-    for m in (2, 5, 64, 1, 65):
-        x = torch.randn(m, inner_k, generator=g).to(torch.bfloat16)
-        residual = torch.randn(m, hidden, generator=g).to(torch.bfloat16)
-        normed, summed = lt.decode_matmul_add_norm(x, w_o, b_o, residual, gamma, eps)
-        want_normed, want_sum = add_rms_norm(F.linear(x.float(), w_o.float(), b_o.float()).to(torch.bfloat16),
-                                             residual, gamma, eps)
-        assert isinstance(normed, RowScaled) == (2 <= m <= lt.GEMM_ROWS), m
-        _close(summed, want_sum, 1e-2)
-        if isinstance(normed, RowScaled):
-            _close(normed.materialize(), want_normed, 1e-2)
-        ref = want_normed.float()
-        _close(lt.decode_gate_up_silu(normed, w_gu), silu_and_mul(F.linear(ref, w_gu.float())).to(torch.bfloat16),
-               2e-2)
-        positions = torch.randint(0, 3000, (m,), generator=g)
-        q, k, v = F.linear(ref, w_qkv.float()).split([2 * head_dim, head_dim, head_dim], dim=-1)
-        q_want, k_want = rope_reference(positions, q.view(m, 2, head_dim), k.view(m, 1, head_dim), inv_freq)
-        got = lt.decode_qkv_rope(normed, w_qkv, None, positions, inv_freq, 2 * head_dim, head_dim)
-        for part, want in zip(got, (q_want.reshape(m, -1), k_want.reshape(m, -1), v), strict=True):
-            _close(part, want.to(torch.bfloat16), 2e-2)
-    assert int(arrival._COUNTERS[device].abs().sum()) == 0
-
-
-@inner
 def test_interp_argmax_equals_torch() -> None:
     """Greedy sampling's argmax (``argmax_triton``: row chunks, then the chunks' winners) picks torch's index:
     the first of equal maxima within a chunk and across chunks, a masked last chunk, bf16 and fp32 rows,
@@ -421,13 +372,10 @@ def test_interp_llama_decode_with_triton_kernels_equals_reference() -> None:
 @inner
 def test_interp_llama_bf16_decode_batch_with_fused_epilogues_is_close_to_reference() -> None:
     """Two sequences decoding in bf16 with head dims and widths the decode GEMM's tiles take, so RoPE and
-    SiLU-and-mul run in the qkv / gate-up matmuls' epilogues (no rope or activation kernel launched) and the
-    residual add + RMSNorm between the blocks in the matmuls around them (a norm kernel only after the
-    embedding and at the final norm): the logits stay within bf16 distance of the reference set's, and the
-    greedy tokens agree."""
+    SiLU-and-mul run in the qkv / gate-up matmuls' epilogues (no rope or activation kernel launched): the
+    logits stay within bf16 distance of the reference set's, and the greedy tokens agree."""
     from transformers import LlamaConfig
 
-    import fusedserve.models.layers.rms_norm_triton as norm_module
     import fusedserve.models.layers.rope_triton as rope_module
     import fusedserve.models.layers.silu_mul_triton as silu_module
     from fusedserve.models.forward_batch import ForwardBatch, KVCache
@@ -440,7 +388,7 @@ def test_interp_llama_bf16_decode_batch_with_fused_epilogues_is_close_to_referen
                          num_attention_heads=4, num_key_value_heads=2, architectures=["LlamaForCausalLM"])
     logits = {}
     launched: list[str] = []
-    rope, silu, norm = rope_module.rope_triton, silu_module.silu_and_mul_triton, norm_module._launch
+    rope, silu = rope_module.rope_triton, silu_module.silu_and_mul_triton
     for name in ("reference", "triton"):
         model = random_model(config, ParallelGroups.single_rank(), Collectives("gloo"), seed=5,
                              kernels=Kernels.named(name), dtype=torch.bfloat16)
@@ -451,14 +399,10 @@ def test_interp_llama_bf16_decode_batch_with_fused_epilogues_is_close_to_referen
         try:
             rope_module.rope_triton = lambda *a: (launched.append("rope"), rope(*a))[1]  # type: ignore[assignment]
             silu_module.silu_and_mul_triton = lambda x: (launched.append("silu"), silu(x))[1]  # type: ignore[assignment]
-            norm_module._launch = lambda *a: (launched.append("norm"), norm(*a))[1]  # type: ignore[assignment]
             logits[name] = model(step).logits.float()
         finally:
-            rope_module.rope_triton, silu_module.silu_and_mul_triton, norm_module._launch = rope, silu, norm
-    # the three boundaries inside the model fold their add + norm into the matmuls; the first (after the
-    # embedding) and the final norm run the norm kernel
-    assert model.comm.plan.select(2).boundaries[1].kind.value == "matmul_add_norm"
-    assert launched == ["norm", "norm"]
+            rope_module.rope_triton, silu_module.silu_and_mul_triton = rope, silu
+    assert launched == []
     _close(logits["triton"], logits["reference"], 3e-2)
     assert torch.equal(logits["triton"].argmax(-1), logits["reference"].argmax(-1))
 

@@ -10,9 +10,7 @@ torch        ``paged_attention_torch`` (graphable)  the torch references; ``fuse
 triton       ``paged_decode_attention_triton``      Triton kernels (``*_triton.py``; GPU only);
              (decode; several new tokens per        matmuls of <= 64 rows ``decode_linear``, else cuBLAS
              sequence: the flash kernel of          (2..64 rows: RoPE / SiLU-and-mul in the qkv / gate-up
-             ``prefill_attention_triton.py``;       matmul's epilogue, and at tp=1 each layer's residual
-                                                    add + RMSNorm folded into the matmuls around it:
-                                                    ``row_scaled.py``); ``fused_experts_triton``;
+             ``prefill_attention_triton.py``;       matmul's epilogue); ``fused_experts_triton``;
                                                     greedy sampling's argmax ``argmax_triton``;
              trees: the torch one)
 flashinfer   ``flashinfer_attention``, planned      as ``triton``
@@ -86,26 +84,18 @@ class Kernels:
     def triton() -> Kernels:
         """GPU kernels; raises ImportError without Triton. Launched with programmatic dependent launch
         where the GPU has it (``pdl.py``)."""
-        from . import linear_triton
         from .argmax_triton import argmax_triton
         from .decode_attention_triton import paged_decode_attention_triton
         from .fp8_block_gemm import block_fp8_linear_fast
         from .fused_moe_fp8_triton import fused_experts_fp8_triton
         from .fused_moe_triton import fused_experts_triton
-        from .linear_triton import (
-            decode_gate_up_silu,
-            decode_linear,
-            decode_matmul_add_norm,
-            decode_qkv_rope,
-        )
+        from .linear_triton import decode_gate_up_silu, decode_linear, decode_qkv_rope
         from .rms_norm_triton import add_rms_norm_triton, rms_norm_triton
         from .rope_triton import rope_triton
         from .silu_mul_triton import silu_and_mul_triton
 
         return Kernels(name="triton", attention=paged_decode_attention_triton,
-                       norms=NormKernels(rms_norm=rms_norm_triton, add_rms_norm=add_rms_norm_triton,
-                                         matmul_add_norm=decode_matmul_add_norm,
-                                         fold_rows=(2, linear_triton.GEMM_ROWS) if linear_triton.FOLD_NORMS else None),
+                       norms=NormKernels(rms_norm=rms_norm_triton, add_rms_norm=add_rms_norm_triton),
                        rope=rope_triton, silu_and_mul=silu_and_mul_triton,
                        matmul=decode_linear, qkv_rope=decode_qkv_rope, gate_up_act=decode_gate_up_silu,
                        argmax=argmax_triton, fused_moe=fused_experts_triton,

@@ -17,7 +17,6 @@ is refused at construction with the reason (as sglang and vLLM refuse it).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -235,42 +234,10 @@ class RowParallelLinear(LinearBase):
         expect_dim(source, 1, cols * self.group.size)
         copy_checked(param, source.narrow(1, self.group.rank * cols, cols), source.name)
 
-    @property
-    def rank_bias(self) -> torch.Tensor | None:
-        """The bias this rank adds: the whole sum gets it once, from rank 0."""
-        return self.bias if self.group.rank == 0 else None
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [n, in/size] -> partial [n, out]
-        return self._mm(x, self.rank_bias)
-
-    def owed(self, x: torch.Tensor) -> RowMatmul:
-        """This matmul on x, not run yet: what a block owes when a boundary may fold the residual add and the
-        next norm into it (``layouts.OwedMatmul``)."""
-        return RowMatmul(x, self)
-
-
-@dataclass(frozen=True)
-class RowMatmul:
-    """``linear(x)``, not run yet (``layouts.OwedMatmul``). x: [n, in/size]"""
-
-    x: torch.Tensor
-    linear: RowParallelLinear
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.linear.weight
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return self.linear.rank_bias
-
-    @property
-    def block_fp8(self) -> bool:
-        return self.linear.weight_scale_inv is not None
-
-    def run(self) -> torch.Tensor:
-        return self.linear(self.x)
+        bias = self.bias if self.group.rank == 0 else None
+        return self._mm(x, bias)
 
 
 def default_weight_loader(param: torch.Tensor, source: WeightSource, shard_id: object = None) -> None:

@@ -44,7 +44,6 @@ import triton.language as tl
 
 from .arrival_counters import arrival_counters
 from .pdl import pdl_launch, pdl_release, pdl_wait
-from .row_scaled import RowScaled, as_rows
 
 GEMV_ROWS = 4
 _DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU interpreter mis-multiplies bf16 matrices
@@ -133,7 +132,7 @@ def gemv_tile(k: int) -> tuple[int, int, int]:
     return 4, min(1024, triton.next_power_of_2(k)), 4
 
 
-EPILOGUE_PLAIN, EPILOGUE_SILU, EPILOGUE_ROPE, EPILOGUE_ADD_NORM = 0, 1, 2, 3
+EPILOGUE_PLAIN, EPILOGUE_SILU, EPILOGUE_ROPE = 0, 1, 2
 
 
 @triton.jit
@@ -180,55 +179,16 @@ def _store_rows(y_ptr, values, cols, rm, rows, stride_ym):
 
 
 @triton.jit
-def _epilogue_inputs(ssq_ptr, r_ptr, rn, rm, rows, ssq_tiles, stride_ym, SSQ_PAD: tl.constexpr,
-                     BLOCK_M: tl.constexpr, EPILOGUE: tl.constexpr):
-    """What the epilogue reads that an earlier kernel wrote, loaded before the K loop so that its latency
-    hides behind the weights' stream: the producing matmul's per-tile sums of squares [SSQ_PAD, BLOCK_M]
-    (SSQ_PAD > 0: a power of 2 >= ssq_tiles, the rows past them 0; ``row_scaled.RowScaled``) and, for
-    EPILOGUE_ADD_NORM, the residual's tile [BLOCK_N, BLOCK_M] (else 0.0)."""
-    if SSQ_PAD > 0:
-        t = tl.arange(0, SSQ_PAD)
-        part = tl.load(ssq_ptr + t[:, None] * BLOCK_M + rm[None, :], mask=(t < ssq_tiles)[:, None], other=0.0)
-    else:
-        part = 0.0
-    if EPILOGUE == 3:
-        res = tl.load(r_ptr + rm[None, :] * stride_ym + rn[:, None], mask=rows, other=0.0)
-    else:
-        res = 0.0
-    return part, res
-
-
-@triton.jit
-def _store_add_norm(total, res, rn, tile, rm, rows, y_ptr, g_ptr, xg_ptr, ssq_ptr, stride_ym, BLOCK_M: tl.constexpr):
-    """EPILOGUE_ADD_NORM: s = the rounded sums + the residual tile ``res`` (rounded as ``add_rms_norm``) into y,
-    s * the norm weight ``g`` (rounded) into ``xg``, and the tile's sum of s^2 per row into ``ssq``'s row
-    ``tile``."""
-    at = rm[None, :] * stride_ym + rn[:, None]
-    s = (total.to(res.dtype).to(tl.float32) + res.to(tl.float32)).to(res.dtype)
-    tl.store(y_ptr + at, s, mask=rows)
-    sf = s.to(tl.float32)
-    tl.store(ssq_ptr + tile * BLOCK_M + rm, tl.sum(sf * sf, axis=0))
-    g = tl.load(g_ptr + rn).to(tl.float32)
-    tl.store(xg_ptr + at, (sf * g[:, None]).to(res.dtype), mask=rows)
-
-
-@triton.jit
 def _store_tile(total, rn, is_rope, first, rm, M, y_ptr, b_ptr, pos_ptr, inv_ptr, stride_ym, HALF: tl.constexpr,
-                BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                sumsq, res, g_ptr, xg_ptr, ssq_ptr, K, eps, BLOCK_N: tl.constexpr, SSQ_PAD: tl.constexpr):
-    """Store a tile's fp32 sums [BLOCK_N, BLOCK_M] (each row scaled by its RMSNorm factor first where the input
-    is a ``RowScaled``: SSQ_PAD > 0; bias added) as y^T: as they are; EPILOGUE_SILU: silu(gate) * up into y's
-    columns of the gate rows; EPILOGUE_ROPE (``is_rope``): each pair (d from ``first``, d + HEAD_DIM/2) rotated
-    by its row's position (positions in ``pos``, frequencies in ``inv``: fp32 math, as ``rope_triton``), into
-    the pair's columns; EPILOGUE_ADD_NORM: ``_store_add_norm``. ``sumsq`` / ``res``: ``_epilogue_inputs``."""
+                BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Store a tile's fp32 sums [BLOCK_N, BLOCK_M] (bias added) as y^T: as they are; EPILOGUE_SILU: silu(gate)
+    * up into y's columns of the gate rows; EPILOGUE_ROPE (``is_rope``): each pair (d from ``first``, d +
+    HEAD_DIM/2) rotated by its row's position (positions in ``pos``, frequencies in ``inv``: fp32 math, as
+    ``rope_triton``), into the pair's columns."""
     rows = rm[None, :] < M
-    if SSQ_PAD > 0:
-        total = total * tl.rsqrt(tl.sum(sumsq, axis=0) / K + eps)[None, :]
     if HAS_BIAS:
         total += tl.load(b_ptr + rn).to(tl.float32)[:, None]
-    if EPILOGUE == 3:
-        _store_add_norm(total, res, rn, first // BLOCK_N, rm, rows, y_ptr, g_ptr, xg_ptr, ssq_ptr, stride_ym, BLOCK_M)
-    elif EPILOGUE == 1:
+    if EPILOGUE == 1:
         gate, up = _halves(total, HALF, BLOCK_M)
         _store_rows(y_ptr, gate / (1.0 + tl.exp(-gate)) * up, first + tl.arange(0, HALF), rm, rows, stride_ym)
     elif EPILOGUE == 2:
@@ -248,11 +208,10 @@ def _store_tile(total, rn, is_rope, first, rm, M, y_ptr, b_ptr, pos_ptr, inv_ptr
 
 
 @triton.jit(do_not_specialize=["M"])  # counts that change call to call: one compile for all
-def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, pos_ptr, inv_ptr, r_ptr, g_ptr, xg_ptr, ssq_ptr,
-                        M, N, K, INTER, ROPE_WIDTH, eps, ssq_tiles, stride_xm, stride_wn, stride_ym, BLOCK_N: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        DOT_FP32: tl.constexpr, EPILOGUE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        SSQ_PAD: tl.constexpr, PDL: tl.constexpr):
+def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, pos_ptr, inv_ptr, M, N, K, INTER, ROPE_WIDTH,
+                        stride_xm, stride_wn, stride_ym, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        DOT_FP32: tl.constexpr, EPILOGUE: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
     """A decode batch's matmul on tensor cores with the operands swapped: y^T [BLOCK_N, BLOCK_M] = W_tile x^T,
     so BLOCK_N rows of W fill the MMA's wide side and the batch's M <= BLOCK_M rows of x its narrow side; a
     program per BLOCK_N outputs, K in BLOCK_K steps (Triton pipelines the loads), fp32 sums. Under PDL it
@@ -266,12 +225,6 @@ def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, pos_ptr, in
     on the fp32 sums instead of a kernel after this one — SwiGLU's silu(gate) * up (EPILOGUE_SILU: a tile of
     gate rows and their up rows, y is [M, INTER]) or q / k's RoPE (EPILOGUE_ROPE: a tile of rotate-half
     partners; ``pos`` / ``inv``: the rows' positions and the rotary frequencies).
-
-    A boundary's RMSNorm folded into the matmuls on either side of it (``row_scaled.py``): as the producer
-    (EPILOGUE_ADD_NORM) the epilogue adds the residual ``r``, stores the sum as y, the sum times the norm weight
-    ``g`` as ``xg`` and each row's sum of squares over the tile's columns in ``ssq`` [N / BLOCK_N, BLOCK_M];
-    as the consumer (SSQ_PAD > 0: x is such an ``xg``, ``ssq`` has ``ssq_tiles`` rows) it scales each row of its sums by rsqrt(the row's
-    sums of squares / K + eps) before the rest of its epilogue.
 
     SPLIT_K > 1 (few output tiles: more programs than tiles keep more of the GPU streaming weights): program
     (n, s) sums the s-th of SPLIT_K equal K ranges and stores its fp32 sums in ``ws`` [SPLIT_K, N, BLOCK_M];
@@ -287,7 +240,6 @@ def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, pos_ptr, in
     w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
     x_ptrs = x_ptr + rm[None, :] * stride_xm + rk[:, None]
     rows = rm[None, :] < M
-    sumsq, res = _epilogue_inputs(ssq_ptr, r_ptr, rn, rm, rows, ssq_tiles, stride_ym, SSQ_PAD, BLOCK_M, EPILOGUE)
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     for _ in range(0, k_range, BLOCK_K):
         w = tl.load(w_ptrs)
@@ -300,7 +252,7 @@ def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, pos_ptr, in
         x_ptrs += BLOCK_K
     if SPLIT_K == 1:
         _store_tile(acc, rn, is_rope, first, rm, M, y_ptr, b_ptr, pos_ptr, inv_ptr, stride_ym, HALF, BLOCK_M,
-                    HAS_BIAS, EPILOGUE, HEAD_DIM, sumsq, res, g_ptr, xg_ptr, ssq_ptr, K, eps, BLOCK_N, SSQ_PAD)
+                    HAS_BIAS, EPILOGUE, HEAD_DIM)
     else:
         part = ws_ptr + rn[:, None] * BLOCK_M + rm[None, :]
         tl.store(part + tl.program_id(1) * N * BLOCK_M, acc)
@@ -312,14 +264,10 @@ def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, pos_ptr, in
                 total += tl.load(part + split * N * BLOCK_M, cache_modifier=".cg")
             tl.atomic_xchg(cnt_ptr + tl.program_id(0), 0, sem="relaxed", scope="gpu")
             _store_tile(total, rn, is_rope, first, rm, M, y_ptr, b_ptr, pos_ptr, inv_ptr, stride_ym, HALF, BLOCK_M,
-                        HAS_BIAS, EPILOGUE, HEAD_DIM, sumsq, res, g_ptr, xg_ptr, ssq_ptr, K, eps, BLOCK_N, SSQ_PAD)
+                        HAS_BIAS, EPILOGUE, HEAD_DIM)
 
 
 GEMM_ROWS = 64
-# Fold each tp=1 boundary's residual add + RMSNorm into the matmuls around it (``decode_matmul_add_norm``, a
-# ``RowScaled`` to the next matmul) for 2..GEMM_ROWS rows. False: the norm kernel at every boundary
-# (bench/decode_engine.py --separate-norms, the A/B; read by ``Kernels.triton()``).
-FOLD_NORMS = True
 
 
 def decode_gemm_tile(m: int, n: int, k: int) -> tuple[int, int, int, int] | None:
@@ -365,36 +313,26 @@ def _gemm_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 or (bias is not None and (bias.dtype != x.dtype or bias.stride(-1) != 1)))
 
 
-def _launch_gemm(x: torch.Tensor | RowScaled, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
+def _launch_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
                  tile: tuple[int, int, int, int], splits: int | None, epilogue: int = EPILOGUE_PLAIN,
-                 inter: int = 0, rope: tuple[torch.Tensor, torch.Tensor, int] | None = None,
-                 add_norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """``_decode_gemm_kernel`` over all of weight's rows into y; x a ``RowScaled``: its rows scaled by their
-    norm factors in the epilogue; ``rope``: (positions, inv_freq, rope width); ``add_norm`` (EPILOGUE_ADD_NORM):
-    (residual, norm weight, xg, ssq)."""
-    rows, ssq_in, eps = (x.scaled, x.sumsq, x.eps) if isinstance(x, RowScaled) else (x, None, 0.0)
-    m, k = rows.shape
+                 inter: int = 0, rope: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
+    """``_decode_gemm_kernel`` over all of weight's rows into y; ``rope``: (positions, inv_freq, rope width)."""
+    m, k = x.shape
     n = weight.shape[0]
     block_n, block_k, stages, warps = tile
     block_m = max(16, triton.next_power_of_2(m))
-    splits = splits or decode_gemm_splits(n, k, tile, rows.device)
-    counters = arrival_counters(rows.device, n // block_n) if splits > 1 else None
+    splits = splits or decode_gemm_splits(n, k, tile, x.device)
+    counters = arrival_counters(x.device, n // block_n) if splits > 1 else None
     if counters is None:
         splits, counters = 1, weight
-    ws = torch.empty((splits, n, block_m), dtype=torch.float32, device=rows.device) if splits > 1 else weight
+    ws = torch.empty((splits, n, block_m), dtype=torch.float32, device=x.device) if splits > 1 else weight
     positions, inv_freq, rope_width = rope if rope is not None else (weight, weight, 0)
-    residual, norm_weight, xg, ssq = add_norm if add_norm is not None else (weight, weight, weight, weight)
-    if ssq_in is not None:
-        assert add_norm is None and ssq_in.shape[1] == block_m, "a RowScaled from a matmul of other rows"
-        ssq = ssq_in
     _decode_gemm_kernel[(n // block_n, splits)](
-        rows, weight, bias if bias is not None else weight, y, ws, counters, positions, inv_freq, residual,
-        norm_weight, xg, ssq, m, n, k, inter, rope_width, eps, ssq_in.shape[0] if ssq_in is not None else 0,
-        rows.stride(0), weight.stride(0), y.stride(0), BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_K=block_k,
+        x, weight, bias if bias is not None else weight, y, ws, counters, positions, inv_freq, m, n, k, inter,
+        rope_width, x.stride(0), weight.stride(0), y.stride(0), BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_K=block_k,
         SPLIT_K=splits, HAS_BIAS=bias is not None, DOT_FP32=_DOT_FP32, EPILOGUE=epilogue,
-        HEAD_DIM=2 * inv_freq.shape[0] if rope is not None else 2,
-        SSQ_PAD=triton.next_power_of_2(ssq_in.shape[0]) if ssq_in is not None else 0, num_stages=stages,
-        num_warps=warps, **pdl_launch())
+        HEAD_DIM=2 * inv_freq.shape[0] if rope is not None else 2, num_stages=stages, num_warps=warps,
+        **pdl_launch())
     return y
 
 
@@ -413,78 +351,52 @@ def gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return _launch_gemm(x, weight, bias, torch.empty((m, n), dtype=x.dtype, device=x.device), tile, splits)
 
 
-def _fused_tile(x: torch.Tensor | RowScaled, weight: torch.Tensor, bias: torch.Tensor | None
-                ) -> tuple[int, int, int, int] | None:
+def _fused_tile(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int, int, int] | None:
     """The decode GEMM's tile where it takes x with an epilogue (2..GEMM_ROWS rows; one row is the GEMV's)."""
-    rows = x.scaled if isinstance(x, RowScaled) else x
-    if rows.dim() != 2 or not 2 <= rows.shape[0] <= GEMM_ROWS:
+    if x.dim() != 2 or not 2 <= x.shape[0] <= GEMM_ROWS:
         return None
-    tile = decode_gemm_tile(rows.shape[0], weight.shape[0], rows.shape[1])
-    return tile if _gemm_fits(rows, weight, bias, tile) else None
+    tile = decode_gemm_tile(x.shape[0], weight.shape[0], x.shape[1])
+    return tile if _gemm_fits(x, weight, bias, tile) else None
 
 
-def decode_gate_up_silu(x: torch.Tensor | RowScaled, weight: torch.Tensor, bias: torch.Tensor | None = None
-                        ) -> torch.Tensor:
+def decode_gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """SwiGLU's first half, silu(x W_gate^T) * (x W_up^T), for weight = [gate; up] ([2I, K]) -> [m, I]: for
     2..GEMM_ROWS rows one ``_decode_gemm_kernel`` whose epilogue applies the activation to its fp32 sums
-    (no [m, 2I] intermediate, no kernel after it; x a ``RowScaled``: its norm factors applied there too);
-    otherwise ``decode_linear`` then ``silu_and_mul_triton``. Plain reference:
-    ``mlp.silu_and_mul(F.linear(x, weight, bias))``."""
+    (no [m, 2I] intermediate, no kernel after it); otherwise ``decode_linear`` then ``silu_and_mul_triton``.
+    Plain reference: ``mlp.silu_and_mul(F.linear(x, weight, bias))``."""
     from .silu_mul_triton import silu_and_mul_triton
 
     tile = _fused_tile(x, weight, bias)
     if tile is None:
-        return silu_and_mul_triton(decode_linear(as_rows(x), weight, bias))
+        return silu_and_mul_triton(decode_linear(x, weight, bias))
     inter = weight.shape[0] // 2
-    y = weight.new_empty((x.shape[0], inter))
+    y = torch.empty((x.shape[0], inter), dtype=x.dtype, device=x.device)
     return _launch_gemm(x, weight, bias, y, tile, None, EPILOGUE_SILU, inter=inter)
 
 
-def decode_qkv_rope(x: torch.Tensor | RowScaled, weight: torch.Tensor, bias: torch.Tensor | None,
-                    positions: torch.Tensor, inv_freq: torch.Tensor, q_size: int, kv_size: int
+def decode_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
+                    inv_freq: torch.Tensor, q_size: int, kv_size: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The q / k / v projection with q and k rotated (rotate-half RoPE over whole heads of 2 * len(inv_freq)
     dims) -> q [m, q_size], k, v [m, kv_size]: for 2..GEMM_ROWS rows one ``_decode_gemm_kernel`` whose tiles
-    of q and k hold rotate-half partners, rotated in its epilogue (no kernel after it; x a ``RowScaled``: its
-    norm factors applied there too); otherwise ``decode_linear`` then ``rope_triton``. Plain reference:
-    ``F.linear`` then ``rotary.rope_reference``."""
+    of q and k hold rotate-half partners, rotated in its epilogue (no kernel after it); otherwise
+    ``decode_linear`` then ``rope_triton``. Plain reference: ``F.linear`` then ``rotary.rope_reference``."""
     from .rope_triton import rope_triton
 
     head_dim = 2 * inv_freq.shape[0]
     rope_width = q_size + kv_size
-    n = x.shape[0]
     tile = _fused_tile(x, weight, bias)
-    if tile is not None and (head_dim % tile[0] or rope_width % head_dim or positions.shape[0] != n):
+    if tile is not None and (head_dim % tile[0] or rope_width % head_dim or positions.shape[0] != x.shape[0]):
         tile = None  # a tile must hold rotate-half partners of one head
     if tile is None:
-        q, k, v = decode_linear(as_rows(x), weight, bias).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = decode_linear(x, weight, bias).split([q_size, kv_size, kv_size], dim=-1)
+        n = x.shape[0]
         q_rot, k_rot = rope_triton(positions, q.view(n, -1, head_dim), k.view(n, -1, head_dim), inv_freq)
         return q_rot.view(n, q_size), k_rot.view(n, kv_size), v
-    y = weight.new_empty((n, weight.shape[0]))
+    y = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
     _launch_gemm(x, weight, bias, y, tile, None, EPILOGUE_ROPE, rope=(positions, inv_freq, rope_width))
     q, k, v = y.split([q_size, kv_size, kv_size], dim=-1)
     return q, k, v
-
-
-def decode_matmul_add_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                           residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
-                           ) -> tuple[torch.Tensor | RowScaled, torch.Tensor]:
-    """A block's last matmul, the residual add and the next RMSNorm (``comm_plan.BoundaryKind.MATMUL_ADD_NORM``)
-    -> (normed, s = x W^T (+ bias) + residual, fresh): for 2..GEMM_ROWS rows one ``_decode_gemm_kernel`` whose
-    epilogue adds the residual and leaves the norm to the next matmul (normed: a ``RowScaled``, no RMSNorm
-    kernel); otherwise ``decode_linear`` then ``add_rms_norm_triton`` (normed: a tensor). Plain reference:
-    ``fusion.reference.matmul_add_norm``."""
-    from .rms_norm_triton import add_rms_norm_triton
-
-    tile = _fused_tile(x, weight, bias)
-    if (tile is None or residual.shape != (x.shape[0], weight.shape[0]) or residual.dtype != x.dtype
-            or not residual.is_contiguous() or norm_weight.dtype != x.dtype):
-        return add_rms_norm_triton(decode_linear(x, weight, bias), residual, norm_weight, eps)
-    m, n = residual.shape
-    summed, scaled = torch.empty_like(residual), torch.empty_like(residual)
-    sumsq = torch.empty((n // tile[0], max(16, triton.next_power_of_2(m))), dtype=torch.float32, device=x.device)
-    _launch_gemm(x, weight, bias, summed, tile, None, EPILOGUE_ADD_NORM, add_norm=(residual, norm_weight, scaled, sumsq))
-    return RowScaled(scaled, sumsq, eps), summed
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -12,11 +12,10 @@ from ..parallel.groups import Group
 from ..parallel.layouts import Unreduced
 from .fp8_block import BlockFP8
 from .linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
-from .row_scaled import RowScaled, as_rows
 
-# (x [n, K] (or a RowScaled), weight [2I, K] = [gate; up], bias) -> silu(x gate^T) * (x up^T) [n, I]: a matmul
-# and the activation as one op (``linear_triton.decode_gate_up_silu``).
-GateUpActFn = Callable[[torch.Tensor | RowScaled, torch.Tensor, torch.Tensor | None], torch.Tensor]
+# (x [n, K], weight [2I, K] = [gate; up], bias) -> silu(x gate^T) * (x up^T) [n, I]: a matmul and the activation
+# as one op (``linear_triton.decode_gate_up_silu``).
+GateUpActFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -41,20 +40,19 @@ class GatedMLP(nn.Module):
                                                        dtype, device, fp8)
         self.down_proj = RowParallelLinear(intermediate, hidden, group, bias, dtype, device, fp8)
         self.gate_up_act = gate_up_act if fp8 is None else None
-        self.activated: Callable[[torch.Tensor | RowScaled], torch.Tensor] = (
+        self.activated: Callable[[torch.Tensor], torch.Tensor] = (
             self._fused if self.gate_up_act is not None else self._separate)
 
-    def _fused(self, x: torch.Tensor | RowScaled) -> torch.Tensor:
+    def _fused(self, x: torch.Tensor) -> torch.Tensor:
         assert self.gate_up_act is not None
         return self.gate_up_act(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
 
-    def _separate(self, x: torch.Tensor | RowScaled) -> torch.Tensor:
-        return self.act(self.gate_up_proj(as_rows(x)))
+    def _separate(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.gate_up_proj(x))
 
-    def forward(self, x: torch.Tensor | RowScaled) -> Unreduced:
-        # x: [n, hidden] (or rows normed up to a factor) -> owed [n, hidden]: the down projection, handed over
-        # unrun (a boundary may fold the residual add and the next norm into it)
-        return Unreduced(self.down_proj.owed(self.activated(x)), self.group.name)
+    def forward(self, x: torch.Tensor) -> Unreduced:
+        # x: [n, hidden] -> owed [n, hidden]
+        return Unreduced(self.down_proj(self.activated(x)), self.group.name)
 
 
 class Relu2MLP(nn.Module):

@@ -19,14 +19,11 @@ from .attention import AttentionBackend, paged_attention_reference
 from .attention_layout import AttentionDims
 from .linear import QKVParallelLinear, RowParallelLinear
 from .rotary import RotaryEmbedding
-from .row_scaled import RowScaled, as_rows
 
-# (x [n, K] (or a RowScaled), weight, bias, positions [n], inv_freq [d/2], q_size, kv_size) -> (q, k, v)
-# [n, size]: the qkv projection with q and k rotated, as one op (``linear_triton.decode_qkv_rope``); for
-# full-width RoPE only.
-QKVRopeFn = Callable[[torch.Tensor | RowScaled, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, int,
-                      int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-Projection = Callable[[torch.Tensor | RowScaled, ForwardBatch], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+# (x [n, K], weight, bias, positions [n], inv_freq [d/2], q_size, kv_size) -> (q, k, v) [n, size]: the qkv
+# projection with q and k rotated, as one op (``linear_triton.decode_qkv_rope``); for full-width RoPE only.
+QKVRopeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, int, int],
+                     tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 class SelfAttention(nn.Module):
@@ -47,7 +44,8 @@ class SelfAttention(nn.Module):
         self.scale = head_dim ** -0.5
         # The projection and RoPE as one op where one was given and the rotation covers whole heads.
         self.qkv_rope = qkv_rope if rotary is not None and rotary.rotary_dim == head_dim else None
-        self.project: Projection = self._project_fused if self.qkv_rope is not None else self._project
+        self.project: Callable[[torch.Tensor, ForwardBatch], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = (
+            self._project_fused if self.qkv_rope is not None else self._project)
 
     def attention_dims(self) -> AttentionDims:
         """Heads and dims on this rank (what an attention planner needs)."""
@@ -57,10 +55,9 @@ class SelfAttention(nn.Module):
         """(kv_heads, head_dim) this rank caches."""
         return self.qkv_proj.kv_heads, self.head_dim
 
-    def _project(self, h: torch.Tensor | RowScaled, batch: ForwardBatch
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _project(self, h: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = h.shape[0]
-        q, k, v = self.qkv_proj(as_rows(h))
+        q, k, v = self.qkv_proj(h)
         q = q.view(n, self.qkv_proj.q_heads, self.head_dim)
         k = k.view(n, self.qkv_proj.kv_heads, self.head_dim)
         v = v.view(n, self.qkv_proj.kv_heads, self.head_dim)
@@ -68,8 +65,7 @@ class SelfAttention(nn.Module):
             q, k = self.rotary(batch.positions, q, k)
         return q, k, v
 
-    def _project_fused(self, h: torch.Tensor | RowScaled, batch: ForwardBatch
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _project_fused(self, h: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         assert self.qkv_rope is not None and self.rotary is not None
         n, proj = h.shape[0], self.qkv_proj
         q, k, v = self.qkv_rope(h, proj.weight, proj.bias, batch.positions, self.rotary.inv_freq, proj.q_size,
@@ -77,10 +73,9 @@ class SelfAttention(nn.Module):
         return (q.view(n, proj.q_heads, self.head_dim), k.view(n, proj.kv_heads, self.head_dim),
                 v.view(n, proj.kv_heads, self.head_dim))
 
-    def forward(self, h: torch.Tensor | RowScaled, batch: ForwardBatch) -> Unreduced:
-        # h: [n, hidden] (or [n, input_size]; or rows normed up to a factor) -> owed [n, hidden]: the output
-        # projection, handed over unrun (a boundary may fold the residual add and the next norm into it)
+    def forward(self, h: torch.Tensor, batch: ForwardBatch) -> Unreduced:
+        # h: [n, hidden] (or [n, input_size]) -> owed [n, hidden]
         n = h.shape[0]
         q, k, v = self.project(h, batch)
         o = self.attention(q, k, v, self.layer_id, batch, self.scale)
-        return Unreduced(self.o_proj.owed(o.reshape(n, self.qkv_proj.q_size)), self.group.name)
+        return Unreduced(self.o_proj(o.reshape(n, self.qkv_proj.q_size)), self.group.name)

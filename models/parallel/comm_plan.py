@@ -52,9 +52,6 @@ class BoundaryKind(enum.Enum):
     ALL_REDUCE_ADD_NORM = "all_reduce_add_norm"
     # Complete the owed sum inside the fused all-reduce + add + RMSNorm.
     FUSED_AR_ADD_NORM = "fused_ar_add_norm"
-    # Nothing to complete (a size-1 group): the block's last matmul adds the residual in its epilogue and
-    # the norm is left to the next block's first matmuls (``layers/row_scaled.py``): no kernel of its own.
-    MATMUL_ADD_NORM = "matmul_add_norm"
     # DP attention, model input: the embedding's sum is completed into this rank's chunk
     # (reduce-scatter over attn_tp); residual := chunk; norm; gather to the next layout.
     DP_FIRST = "dp_first"
@@ -81,9 +78,6 @@ class BlockSpec:
     name: str  # e.g. "layers.3.mlp"
     layout: Layout  # where the block wants its tokens
     owes: str  # group its output owes a sum to, e.g. "attn_tp", "tp"
-    # The block hands over its last matmul unrun (``RowParallelLinear.owed``) and its first matmuls take
-    # rows normed up to a factor (``RowScaled``): a boundary between two such blocks may fold its norm.
-    folds: bool = False
 
 
 @dataclass(frozen=True)
@@ -129,8 +123,6 @@ class CommPlan:
     fused: ForwardPlan | None  # None when fusion can never apply
     sum_len: ForwardPlan | None = None  # DP attention, SUM_LEN padding
     dp_combine: str = "reduce_scatter"  # benchmark-only alternative: "all_reduce" (see DP_COMBINES)
-    folded: ForwardPlan | None = None  # MATMUL_ADD_NORM wherever it applies, for ``fold_rows`` tokens
-    fold_rows: tuple[int, int] = (0, -1)
 
     def select(self, num_tokens: int, padding: Padding | None = None) -> ForwardPlan:
         if self.config.dp_attention:
@@ -140,12 +132,10 @@ class CommPlan:
             return self.sum_len if padding is Padding.SUM_LEN else self.unfused
         if self.fused is not None and 0 < num_tokens <= FUSION_MAX_TOKENS:
             return self.fused
-        if self.folded is not None and self.fold_rows[0] <= num_tokens <= self.fold_rows[1]:
-            return self.folded
         return self.unfused
 
     def variants(self) -> list[ForwardPlan]:
-        return [p for p in (self.unfused, self.fused, self.sum_len, self.folded) if p is not None]
+        return [p for p in (self.unfused, self.fused, self.sum_len) if p is not None]
 
 
 def vocab_group(config: ParallelConfig) -> str:
@@ -159,7 +149,7 @@ def _group_size(config: ParallelConfig, name: str) -> int:
     return sizes[name]
 
 
-def _forward_plan(config: ParallelConfig, blocks: list[BlockSpec], fused: bool, fold: bool = False) -> ForwardPlan:
+def _forward_plan(config: ParallelConfig, blocks: list[BlockSpec], fused: bool) -> ForwardPlan:
     def size(name: str) -> int:
         return _group_size(config, name)
 
@@ -173,10 +163,7 @@ def _forward_plan(config: ParallelConfig, blocks: list[BlockSpec], fused: bool, 
         )
     ]
     for prev, nxt in zip(blocks, blocks[1:]):
-        if fold and prev.folds and nxt.folds and size(prev.owes) == 1:
-            boundaries.append(Boundary(f"{nxt.name}.in", BoundaryKind.MATMUL_ADD_NORM, prev.owes, ()))
-        else:
-            boundaries.append(_between(config, prev.owes, f"{nxt.name}.in", fused))
+        boundaries.append(_between(config, prev.owes, f"{nxt.name}.in", fused))
     # The final norm never takes the fused kernel (as in sglang: not the last layer).
     boundaries.append(_between(config, blocks[-1].owes, "final.in", fused=False))
     lm_head = (Step("all_gather", embed_group, "gather"),) if size(embed_group) > 1 else ()
@@ -227,11 +214,8 @@ def _between(config: ParallelConfig, owed: str, site: str, fused: bool) -> Bound
 
 
 def plan_communication(config: ParallelConfig, blocks: list[BlockSpec], fusion: bool, *,
-                       dp_combine: str = "reduce_scatter", fold_rows: tuple[int, int] | None = None) -> CommPlan:
-    """The plan for a model's blocks under (tp, dp, ep) with fusion available or not. ``fold_rows``: the
-    token counts at which the kernels fold a boundary's norm into the matmuls around it (``NormKernels``);
-    without DP attention, forwards of that many tokens then run MATMUL_ADD_NORM at every boundary between
-    two folding blocks that completes nothing (the ``folded`` variant).
+                       dp_combine: str = "reduce_scatter") -> CommPlan:
+    """The plan for a model's blocks under (tp, dp, ep) with fusion available or not.
 
     ``dp_combine`` is benchmark-only (bench/dp_ep_combine.py): "all_reduce" replaces, under DP
     attention, each reduce-scatter over tp by an all-reduce + this rank's chunk. Models never
@@ -251,14 +235,9 @@ def plan_communication(config: ParallelConfig, blocks: list[BlockSpec], fusion: 
             dp_combine=dp_combine,
         )
     can_fuse = fusion and config.tp > 1 and not config.dp_attention
-    folded = _forward_plan(config, blocks, fused=False, fold=True) if fold_rows is not None else None
-    if folded is not None and all(b.kind is not BoundaryKind.MATMUL_ADD_NORM for b in folded.boundaries):
-        folded = None
     return CommPlan(
         config=config,
         fusion=fusion,
         unfused=_forward_plan(config, blocks, fused=False),
         fused=_forward_plan(config, blocks, fused=True) if can_fuse else None,
-        folded=folded,
-        fold_rows=fold_rows or (0, -1),
     )

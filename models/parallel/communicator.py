@@ -12,7 +12,7 @@ no per-forward state: everything a forward needs travels in its context.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -52,7 +52,7 @@ class ForwardContext:
     valid_rows: torch.Tensor | None = None
 
     def boundary(self, index: int, incoming: Unreduced, residual: torch.Tensor | None,
-                 norm: NormWeights) -> tuple[Any, torch.Tensor]:
+                 norm: NormWeights) -> tuple[torch.Tensor, torch.Tensor]:
         """See ``Communicator.boundary``."""
         return self.comm.boundary(self, index, incoming, residual, norm)
 
@@ -120,14 +120,12 @@ class Communicator:
         incoming: Unreduced,
         residual: torch.Tensor | None,
         norm: NormWeights,
-    ) -> tuple[Any, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Complete ``incoming``, add the residual, norm. Returns (normed, residual).
 
         incoming.partial, residual: [num_tokens, hidden]. The returned residual is the complete
         residual stream at this boundary (the input of the next block, pre-norm), a fresh tensor
-        that nothing later writes into. ``normed`` is a tensor, or at a MATMUL_ADD_NORM boundary
-        possibly a ``layers.row_scaled.RowScaled`` (the rows normed up to a factor the next block's
-        matmuls apply), which only blocks planned as ``folds`` receive.
+        that nothing later writes into.
         """
         b = ctx.plan.boundaries[index]
         if not isinstance(incoming, Unreduced):
@@ -137,8 +135,6 @@ class Communicator:
             )
         if incoming.group != b.owed:
             raise PlanViolation(f"{b.site}: incoming sum is owed to {incoming.group!r}, plan says {b.owed!r}")
-        if b.kind is BoundaryKind.MATMUL_ADD_NORM:
-            return self._matmul_add_norm(b, incoming, residual, norm)
         run = _RUNNERS[b.kind]
         return run(self, ctx, b, incoming.partial, residual, norm)
 
@@ -149,18 +145,6 @@ class Communicator:
         return self.collectives.all_gather(logits, self._vocab_group, "lm_head", dim=-1)
 
     # --- one runner per boundary kind -------------------------------------------------
-
-    def _matmul_add_norm(self, b: Boundary, incoming: Unreduced, residual: torch.Tensor | None,
-                         norm: NormWeights) -> tuple[Any, torch.Tensor]:
-        """Nothing owed to complete: the block's last matmul with the residual add and the norm
-        (``NormKernels.matmul_add_norm``)."""
-        if residual is None:
-            raise PlanViolation(f"{b.site}: missing residual")
-        owed = incoming.owed
-        if isinstance(owed, torch.Tensor):
-            raise PlanViolation(f"{b.site}: the plan folds the add and norm into the block's last matmul, but the "
-                                f"block ran it (a block planned as folding hands it over: RowParallelLinear.owed)")
-        return self.norms.matmul_add_norm(owed.x, owed.weight, owed.bias, residual, norm.weight, norm.eps)
 
     def _first(
         self, ctx: ForwardContext, b: Boundary, h: torch.Tensor, residual: torch.Tensor | None,

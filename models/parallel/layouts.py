@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -26,23 +25,6 @@ class Layout(enum.Enum):
     FULL = "full"
 
 
-class OwedMatmul(Protocol):
-    """A block's last matmul, not run yet (``RowParallelLinear.owed``): ``x @ weight^T (+ bias)`` is this
-    rank's addend. A boundary that folds the residual add into that matmul's epilogue runs it itself
-    (``comm_plan.BoundaryKind.MATMUL_ADD_NORM``); every other boundary asks for ``run()``."""
-
-    @property
-    def x(self) -> torch.Tensor: ...
-
-    @property
-    def weight(self) -> torch.Tensor: ...
-
-    @property
-    def bias(self) -> torch.Tensor | None: ...
-
-    def run(self) -> torch.Tensor: ...
-
-
 @dataclass(frozen=True)
 class Unreduced:
     """A layer output that still owes a sum over ``group`` (a group name, e.g. "tp").
@@ -50,14 +32,7 @@ class Unreduced:
     Layers return this instead of reducing; the communicator completes it exactly once, at
     the boundary the plan names (an all-reduce, a reduce-scatter, or the next norm's fused
     all-reduce + add + RMSNorm). A plain tensor given where a sum is owed is an error.
-    ``owed``: this rank's addend [num_tokens, hidden], or the matmul that computes it (``OwedMatmul``),
-    which ``partial`` runs where a boundary does not take it whole.
     """
 
-    owed: torch.Tensor | OwedMatmul
+    partial: torch.Tensor  # [num_tokens, hidden], this rank's addend
     group: str
-
-    @property
-    def partial(self) -> torch.Tensor:
-        """This rank's addend, [num_tokens, hidden]."""
-        return self.owed if isinstance(self.owed, torch.Tensor) else self.owed.run()

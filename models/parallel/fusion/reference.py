@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ..groups import Group
 
@@ -35,31 +34,14 @@ def add_rms_norm(
     return rms_norm(summed, weight, eps), summed
 
 
-def matmul_add_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-                    norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """A block's last matmul, then ``add_rms_norm``: (rms_norm(x W^T + b + residual), x W^T + b + residual)."""
-    return add_rms_norm(F.linear(x, weight, bias), residual, norm_weight, eps)
-
-
-# (x, weight, bias, residual, norm weight, eps) -> (normed: a tensor or a ``layers.row_scaled.RowScaled``, sum)
-MatmulAddNormFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, float],
-                           tuple[Any, torch.Tensor]]
-
-
 @dataclass(frozen=True)
 class NormKernels:
     """The RMSNorm and add + RMSNorm a communicator runs where no all-reduce is fused in, chosen
-    once at construction (e.g. Triton kernels on a GPU); the defaults are the references above.
-    ``matmul_add_norm``: a block's last matmul with the residual add and the next norm, for boundaries
-    that fold them (``BoundaryKind.MATMUL_ADD_NORM``); ``fold_rows``: the token counts at which it leaves
-    the norm to the next matmul (a ``RowScaled``; ``linear_triton.decode_matmul_add_norm``), None where it
-    never does — then no plan folds."""
+    once at construction (e.g. Triton kernels on a GPU); the defaults are the references above."""
 
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = rms_norm
     add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float],
                            tuple[torch.Tensor, torch.Tensor]] = add_rms_norm
-    matmul_add_norm: MatmulAddNormFn = matmul_add_norm
-    fold_rows: tuple[int, int] | None = None
 
 
 class FusedAllReduceNorm(Protocol):
