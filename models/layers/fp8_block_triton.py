@@ -1,16 +1,21 @@
-"""Block-scaled FP8 linear in Triton (Hopper / Ada; CUDA-graph capturable): two launches.
+"""Block-scaled FP8 linear in Triton (Hopper / Ada; CUDA-graph capturable): one launch up to 64 rows, two above.
 
 Plain references: ``fp8_block.block_fp8_linear_w8a8_reference`` (same maths) and
 ``block_fp8_linear_reference`` (the dequantized model). For y = x @ W^T with W [N, K] in e4m3 and
 its scales [ceil(N/bn), ceil(K/bk)]:
 
-1. ``_group_quant_kernel``, a program per (row, group of bk columns): s = max(|x|, 1e-10 x 448) / 448,
-   q = x / s in e4m3 -> q [M, K], s [M, ceil(K/bk)] (sglang's per-token-group quantization);
+1. per-token-group quantization, s = max(|x|, 1e-10 x 448) / 448, q = x / s in e4m3 (sglang's): above
+   ``QUANT_IN_GEMM_ROWS`` rows once by ``_group_quant_kernel`` (a program per row and ~1024 of its columns)
+   -> q [M, K], s [M, ceil(K/bk)]; up to it inside the GEMM, each program quantizing its own rows' tile
+   at each K step (the same ops and values; no kernel and no q in memory: decode batches are 20 launches
+   fewer a DeepSeek-V3 slice step of 4 layers);
 2. ``_gemm_kernel``, a program per (BLOCK_M rows, BLOCK_N columns) and K split, grouped along M for
    L2 reuse: K in steps of bk (one activation scale per row and one weight scale per column in each
    step), acc += dot(q, W^T tile) * s[:, None] * scale_inv[n // bn][None, :], in fp32; bias added,
    stored in x's dtype. Decode-sized products with few column tiles (kv_a_proj_with_mqa: 576 columns
-   = 9 tiles for 132 SMs) split K over up to 8 programs per tile; their fp32 partials are summed after.
+   = 9 tiles for 132 SMs) split K over up to 8 programs per tile; the tile's last program to finish
+   adds their fp32 partials in split order (``arrival_counters``; before: torch's sum, add and cast, three
+   kernels after the GEMM).
 
 Tiles by rows: M <= 16 (decode) BLOCK_M 16 x BLOCK_N 64, up to 64 rows 32/64 x 64, larger 64/128
 x 128 (sglang's untuned defaults are of this kind). The weight scale of a column is looked up per
@@ -28,30 +33,37 @@ import torch
 import triton
 import triton.language as tl
 
+from .arrival_counters import arrival_counters
 from .fp8_block import ACT_SCALE_MIN, FP8_DTYPE, FP8_MAX, BlockFP8, block_fp8_linear_w8a8_reference
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU interpreter: dots in fp32 (exact for e4m3 values)
 
 
 @triton.jit
-def _group_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, fp8_max, eps,
-                        GROUP: tl.constexpr):
+def _group_quant_kernel(x_ptr, q_ptr, s_ptr, K, groups, stride_xm, stride_qm, stride_sm, fp8_max, eps,
+                        GROUP: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1)
-    cols = g * GROUP + tl.arange(0, GROUP)
-    mask = cols < K
+    g = tl.program_id(1) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
+    cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    mask = (cols < K) & (g < groups)[:, None]
     x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
-    s = tl.maximum(tl.max(tl.abs(x), axis=0) / fp8_max, eps)
-    q = tl.clamp(x / s, -fp8_max, fp8_max)
+    s = tl.maximum(tl.max(tl.abs(x), axis=1) / fp8_max, eps)
+    q = tl.clamp(x / s[:, None], -fp8_max, fp8_max)
     tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row * stride_sm + g, s)
+    tl.store(s_ptr + row * stride_sm + g, s, mask=g < groups)
 
 
 @triton.jit(do_not_specialize=["M"])  # counts that change call to call: one compile for all
-def _gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, N, K, k_blocks_per_split,
-                 stride_am, stride_bn, stride_cs, stride_cm, stride_asm, stride_bsn,
+def _gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, out_ptr, cnt_ptr, M, N, K, k_blocks_per_split,
+                 stride_am, stride_bn, stride_cs, stride_cm, stride_asm, stride_bsn, stride_om, fp8_max, eps,
                  GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr):
+                 GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr, QUANT_A: tl.constexpr,
+                 SPLITS: tl.constexpr):
+    """QUANT_A: ``a`` is x itself (x's dtype), each [BLOCK_M, BLOCK_K] tile quantized per row here as
+    ``_group_quant_kernel`` does (the same ops: the same e4m3 values and scales), else the quantized q and
+    its scales ``as``. SPLITS > 1: program (tile, s) stores its fp32 partial in ``c`` [SPLITS, M, N]; the
+    tile's last program to finish (an arrival count per tile in ``cnt``, reset by it) adds them in split order,
+    adds the bias and stores ``out``; SPLITS = 1: c is the output."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -75,10 +87,15 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, N, K, k_block
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for kb in range(kb_first, kb_last):
         k_ok = rk + kb * BLOCK_K < K
-        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        a_s = tl.load(as_ptrs + kb, mask=m_ok, other=0.0)
         b_s = tl.load(bs_ptrs + kb, mask=n_ok, other=0.0)
+        if QUANT_A:
+            x = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            a_s = tl.maximum(tl.max(tl.abs(x), axis=1) / fp8_max, eps)
+            a = tl.clamp(x / a_s[:, None], -fp8_max, fp8_max).to(b.dtype)
+        else:
+            a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            a_s = tl.load(as_ptrs + kb, mask=m_ok, other=0.0)
         if DOT_FP32:
             part = tl.dot(a.to(tl.float32), b.to(tl.float32))
         else:
@@ -86,10 +103,29 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, N, K, k_block
         acc += part * a_s[:, None] * b_s[None, :]
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    c_ptrs = c_ptr + split.to(tl.int64) * stride_cs + rm[:, None].to(tl.int64) * stride_cm + rn[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    ok = m_ok[:, None] & n_ok[None, :]
+    if SPLITS == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(c_ptr + rm[:, None].to(tl.int64) * stride_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty), mask=ok)
+    else:
+        parts = c_ptr + rm[:, None].to(tl.int64) * stride_cm + rn[None, :]
+        tl.store(parts + split.to(tl.int64) * stride_cs, acc, mask=ok)
+        tl.debug_barrier()  # every thread's partial stored before the arrival is counted
+        arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLITS - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for s in tl.static_range(SPLITS):
+                total += tl.load(parts + s * stride_cs, mask=ok, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :], total.to(out_ptr.dtype.element_ty),
+                     mask=ok)
+
+
+# Rows up to which the GEMM quantizes x itself (QUANT_A) and K may split (decode batches, verifies).
+QUANT_IN_GEMM_ROWS = 64
 
 
 def supported(fmt: BlockFP8) -> bool:
@@ -106,8 +142,10 @@ def group_quant_triton(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
     q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
     s = torch.empty(m, groups, dtype=torch.float32, device=x.device)
     if m:
-        _group_quant_kernel[(m, groups)](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), FP8_MAX, ACT_SCALE_MIN,
-                                         GROUP=group, num_warps=1 if group <= 128 else 4)
+        per = min(triton.next_power_of_2(groups), max(1, 1024 // group))  # ~1024 values a program
+        _group_quant_kernel[(m, triton.cdiv(groups, per))](x, q, s, k, groups, x.stride(0), q.stride(0), s.stride(0),
+                                                           FP8_MAX, ACT_SCALE_MIN, GROUP=group, GROUPS_PER_PROGRAM=per,
+                                                           num_warps=4)
     return q, s
 
 
@@ -147,23 +185,25 @@ def block_fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, scale_inv: to
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    q, s = group_quant_triton(x, fmt.block_k)
     bm, bn, warps, stages = _tiles(m)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     k_blocks = triton.cdiv(k, fmt.block_k)
-    split = k_splits(tiles, k_blocks, _sm_count(x.device)) if m <= 64 else 1
+    split = k_splits(tiles, k_blocks, _sm_count(x.device)) if m <= QUANT_IN_GEMM_ROWS else 1
     per_split = triton.cdiv(k_blocks, split)
     split = triton.cdiv(k_blocks, per_split)  # no empty split
+    counters = arrival_counters(x.device, tiles) if split > 1 else None
+    if counters is None:
+        split, per_split = 1, k_blocks
+    # Decode-sized x is quantized inside the GEMM (each program its own rows: no kernel, no q in memory);
+    # more rows once, by _group_quant_kernel, not again by every column tile.
+    quant_a = m <= QUANT_IN_GEMM_ROWS
+    q, qs = (x, x) if quant_a else group_quant_triton(x, fmt.block_k)
     dest = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     scale_inv = scale_inv.contiguous()
     _gemm_kernel[(tiles, split)](
-        q, weight, dest, s, scale_inv, bias if bias is not None and split == 1 else out, m, n, k, per_split,
-        q.stride(0), weight.stride(0), dest.stride(0) if split > 1 else 0, dest.stride(-2), s.stride(0),
-        scale_inv.stride(0), GROUP_N=fmt.block_n, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=fmt.block_k, GROUP_M=8,
-        HAS_BIAS=bias is not None and split == 1, DOT_FP32=_INTERPRET, num_warps=warps, num_stages=stages)
-    if split == 1:
-        return out
-    total = dest.sum(0)
-    if bias is not None:
-        total += bias.float()
-    return total.to(x.dtype)
+        q, weight, dest, qs, scale_inv, bias if bias is not None else out, out, counters if counters is not None else qs,
+        m, n, k, per_split, q.stride(0), weight.stride(0), dest.stride(0) if split > 1 else 0, dest.stride(-2),
+        qs.stride(0), scale_inv.stride(0), out.stride(0), FP8_MAX, ACT_SCALE_MIN, GROUP_N=fmt.block_n, BLOCK_M=bm,
+        BLOCK_N=bn, BLOCK_K=fmt.block_k, GROUP_M=8, HAS_BIAS=bias is not None, DOT_FP32=_INTERPRET, QUANT_A=quant_a,
+        SPLITS=split, num_warps=warps, num_stages=stages)
+    return out
