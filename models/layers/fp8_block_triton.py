@@ -1,14 +1,14 @@
-"""Block-scaled FP8 linear in Triton (Hopper / Ada; CUDA-graph capturable): one launch up to 64 rows, two above.
+"""Block-scaled FP8 linear in Triton (Hopper / Ada; CUDA-graph capturable): one or two launches.
 
 Plain references: ``fp8_block.block_fp8_linear_w8a8_reference`` (same maths) and
 ``block_fp8_linear_reference`` (the dequantized model). For y = x @ W^T with W [N, K] in e4m3 and
 its scales [ceil(N/bn), ceil(K/bk)]:
 
-1. per-token-group quantization, s = max(|x|, 1e-10 x 448) / 448, q = x / s in e4m3 (sglang's): above
-   ``QUANT_IN_GEMM_ROWS`` rows once by ``_group_quant_kernel`` (a program per row and ~1024 of its columns)
-   -> q [M, K], s [M, ceil(K/bk)]; up to it inside the GEMM, each program quantizing its own rows' tile
-   at each K step (the same ops and values; no kernel and no q in memory: decode batches are 20 launches
-   fewer a DeepSeek-V3 slice step of 4 layers);
+1. per-token-group quantization, s = max(|x|, 1e-10 x 448) / 448, q = x / s in e4m3 (sglang's): once by
+   ``_group_quant_kernel`` (a program per row and ~1024 of its columns) -> q [M, K], s [M, ceil(K/bk)];
+   for up to ``QUANT_IN_GEMM_ROWS`` rows over at most ``QUANT_IN_GEMM_TILES`` output tiles inside the GEMM,
+   each program quantizing its own rows' tile at each K step (the same ops and values; no kernel and no q
+   in memory);
 2. ``_gemm_kernel``, a program per (BLOCK_M rows, BLOCK_N columns) and K split, grouped along M for
    L2 reuse: K in steps of bk (one activation scale per row and one weight scale per column in each
    step), acc += dot(q, W^T tile) * s[:, None] * scale_inv[n // bn][None, :], in fp32; bias added,
@@ -124,8 +124,13 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, out_ptr, cnt_ptr
                      mask=ok)
 
 
-# Rows up to which the GEMM quantizes x itself (QUANT_A) and K may split (decode batches, verifies).
+# Rows up to which K may split and the GEMM may quantize x itself (QUANT_A: decode batches, verifies) — the
+# latter only for at most QUANT_IN_GEMM_TILES output tiles, since every tile quantizes its rows again: on an
+# H200 at 1..16 rows quantizing inside cost q_b_proj (384 tiles) 16.6 against 12.2 us and o_proj (112)
+# 86 against 60, while the split-K projections (q_a 24 tiles, kv_a 9) went 13.0 -> 11.4 and 11.9 -> 9.9 us with
+# it and the combine in the kernel (2026-12-04-fp8-quant-in-gemm-h200.json).
 QUANT_IN_GEMM_ROWS = 64
+QUANT_IN_GEMM_TILES = 32
 
 
 def supported(fmt: BlockFP8) -> bool:
@@ -194,9 +199,9 @@ def block_fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, scale_inv: to
     counters = arrival_counters(x.device, tiles) if split > 1 else None
     if counters is None:
         split, per_split = 1, k_blocks
-    # Decode-sized x is quantized inside the GEMM (each program its own rows: no kernel, no q in memory);
-    # more rows once, by _group_quant_kernel, not again by every column tile.
-    quant_a = m <= QUANT_IN_GEMM_ROWS
+    # Decode-sized x over few column tiles is quantized inside the GEMM (each program its own rows: no kernel,
+    # no q in memory); else once, by _group_quant_kernel, not again by every column tile.
+    quant_a = m <= QUANT_IN_GEMM_ROWS and tiles <= QUANT_IN_GEMM_TILES
     q, qs = (x, x) if quant_a else group_quant_triton(x, fmt.block_k)
     dest = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     scale_inv = scale_inv.contiguous()
