@@ -821,13 +821,13 @@ def test_interp_fused_experts_equal_the_torch_blocks(n: int, k: int, experts: in
                                                (2, 72, 1000, (128, 128), torch.float32),
                                                (70, 72, 96, (32, 32), torch.bfloat16)],
                          ids=["partial-blocks-fp32", "bn-ne-bk-bf16", "kv_a-shape-bf16", "split-k-fp32",
-                              "quantized-first-bf16"])
+                              "rows-70-bf16"])
 def test_interp_block_fp8_linear_equals_the_w8a8_reference(m: int, n: int, k: int, block: tuple[int, int],
                                                            dtype: torch.dtype) -> None:
     """Per-token-group quantization and the block-scaled GEMM (partial last blocks, bn != bk, DeepSeek's
-    576-row kv_a_proj_with_mqa at 128x128; up to 64 rows x quantized inside the GEMM, K split with the last
-    program adding the partials; above, quantized first) equal the torch w8a8 reference; that one is within
-    the stated activation-quantization error of the dequantized reference."""
+    576-row kv_a_proj_with_mqa at 128x128, K split with the last program adding the partials, 70 rows) equal
+    the torch w8a8 reference; that one is within the stated activation-quantization error of the dequantized
+    reference."""
     from fusedserve.models.layers.fp8_block import (
         BlockFP8,
         block_fp8_linear_reference,

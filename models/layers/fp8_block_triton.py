@@ -1,21 +1,22 @@
-"""Block-scaled FP8 linear in Triton (Hopper / Ada; CUDA-graph capturable): one or two launches.
+"""Block-scaled FP8 linear in Triton (Hopper / Ada; CUDA-graph capturable): two launches.
 
 Plain references: ``fp8_block.block_fp8_linear_w8a8_reference`` (same maths) and
 ``block_fp8_linear_reference`` (the dequantized model). For y = x @ W^T with W [N, K] in e4m3 and
 its scales [ceil(N/bn), ceil(K/bk)]:
 
-1. per-token-group quantization, s = max(|x|, 1e-10 x 448) / 448, q = x / s in e4m3 (sglang's): once by
-   ``_group_quant_kernel`` (a program per row and ~1024 of its columns) -> q [M, K], s [M, ceil(K/bk)];
-   for up to ``QUANT_IN_GEMM_ROWS`` rows over at most ``QUANT_IN_GEMM_TILES`` output tiles inside the GEMM,
-   each program quantizing its own rows' tile at each K step (the same ops and values; no kernel and no q
-   in memory);
+1. ``_group_quant_kernel``, a program per row and ~1024 of its columns (before: per group of bk): s =
+   max(|x|, 1e-10 x 448) / 448, q = x / s in e4m3 -> q [M, K], s [M, ceil(K/bk)] (sglang's per-token-group
+   quantization). Quantizing inside the GEMM instead (each output tile its own rows at each K step) was
+   slower on the H200 wherever it was tried — q_b_proj (384 column tiles) 16.6 against 12.2 us at one row,
+   o_proj 86 against 60, the DeepSeek-V3 slice's decode 0.5-1 % slower even when kept to GEMMs of at most
+   32 tiles (2026-12-04-fp8-split-combine-h200.json) — and is not here;
 2. ``_gemm_kernel``, a program per (BLOCK_M rows, BLOCK_N columns) and K split, grouped along M for
    L2 reuse: K in steps of bk (one activation scale per row and one weight scale per column in each
    step), acc += dot(q, W^T tile) * s[:, None] * scale_inv[n // bn][None, :], in fp32; bias added,
    stored in x's dtype. Decode-sized products with few column tiles (kv_a_proj_with_mqa: 576 columns
    = 9 tiles for 132 SMs) split K over up to 8 programs per tile; the tile's last program to finish
-   adds their fp32 partials in split order (``arrival_counters``; before: torch's sum, add and cast, three
-   kernels after the GEMM).
+   adds their fp32 partials in split order with the bias (``arrival_counters``; before: torch's sum, add and
+   cast, kernels after the GEMM: q_a_proj 13.0 -> ~10 us, kv_a_proj_with_mqa 11.9 -> ~9 at one row).
 
 Tiles by rows: M <= 16 (decode) BLOCK_M 16 x BLOCK_N 64, up to 64 rows 32/64 x 64, larger 64/128
 x 128 (sglang's untuned defaults are of this kind). The weight scale of a column is looked up per
@@ -55,15 +56,12 @@ def _group_quant_kernel(x_ptr, q_ptr, s_ptr, K, groups, stride_xm, stride_qm, st
 
 @triton.jit(do_not_specialize=["M"])  # counts that change call to call: one compile for all
 def _gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, out_ptr, cnt_ptr, M, N, K, k_blocks_per_split,
-                 stride_am, stride_bn, stride_cs, stride_cm, stride_asm, stride_bsn, stride_om, fp8_max, eps,
+                 stride_am, stride_bn, stride_cs, stride_cm, stride_asm, stride_bsn, stride_om,
                  GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr, QUANT_A: tl.constexpr,
-                 SPLITS: tl.constexpr):
-    """QUANT_A: ``a`` is x itself (x's dtype), each [BLOCK_M, BLOCK_K] tile quantized per row here as
-    ``_group_quant_kernel`` does (the same ops: the same e4m3 values and scales), else the quantized q and
-    its scales ``as``. SPLITS > 1: program (tile, s) stores its fp32 partial in ``c`` [SPLITS, M, N]; the
-    tile's last program to finish (an arrival count per tile in ``cnt``, reset by it) adds them in split order,
-    adds the bias and stores ``out``; SPLITS = 1: c is the output."""
+                 GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr, SPLITS: tl.constexpr):
+    """SPLITS > 1: program (tile, s) stores its fp32 partial in ``c`` [SPLITS, M, N]; the tile's last program
+    to finish (an arrival count per tile in ``cnt``, reset by it) adds them in split order, adds the bias and
+    stores ``out``; SPLITS = 1: c is the output."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -87,15 +85,10 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, out_ptr, cnt_ptr
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for kb in range(kb_first, kb_last):
         k_ok = rk + kb * BLOCK_K < K
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        a_s = tl.load(as_ptrs + kb, mask=m_ok, other=0.0)
         b_s = tl.load(bs_ptrs + kb, mask=n_ok, other=0.0)
-        if QUANT_A:
-            x = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            a_s = tl.maximum(tl.max(tl.abs(x), axis=1) / fp8_max, eps)
-            a = tl.clamp(x / a_s[:, None], -fp8_max, fp8_max).to(b.dtype)
-        else:
-            a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            a_s = tl.load(as_ptrs + kb, mask=m_ok, other=0.0)
         if DOT_FP32:
             part = tl.dot(a.to(tl.float32), b.to(tl.float32))
         else:
@@ -124,13 +117,8 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, out_ptr, cnt_ptr
                      mask=ok)
 
 
-# Rows up to which K may split and the GEMM may quantize x itself (QUANT_A: decode batches, verifies) — the
-# latter only for at most QUANT_IN_GEMM_TILES output tiles, since every tile quantizes its rows again: on an
-# H200 at 1..16 rows quantizing inside cost q_b_proj (384 tiles) 16.6 against 12.2 us and o_proj (112)
-# 86 against 60, while the split-K projections (q_a 24 tiles, kv_a 9) went 13.0 -> 11.4 and 11.9 -> 9.9 us with
-# it and the combine in the kernel (2026-12-04-fp8-quant-in-gemm-h200.json).
-QUANT_IN_GEMM_ROWS = 64
-QUANT_IN_GEMM_TILES = 32
+# Rows up to which K may split (decode batches, verifies).
+SPLIT_ROWS = 64
 
 
 def supported(fmt: BlockFP8) -> bool:
@@ -193,22 +181,19 @@ def block_fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, scale_inv: to
     bm, bn, warps, stages = _tiles(m)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     k_blocks = triton.cdiv(k, fmt.block_k)
-    split = k_splits(tiles, k_blocks, _sm_count(x.device)) if m <= QUANT_IN_GEMM_ROWS else 1
+    split = k_splits(tiles, k_blocks, _sm_count(x.device)) if m <= SPLIT_ROWS else 1
     per_split = triton.cdiv(k_blocks, split)
     split = triton.cdiv(k_blocks, per_split)  # no empty split
     counters = arrival_counters(x.device, tiles) if split > 1 else None
     if counters is None:
         split, per_split = 1, k_blocks
-    # Decode-sized x over few column tiles is quantized inside the GEMM (each program its own rows: no kernel,
-    # no q in memory); else once, by _group_quant_kernel, not again by every column tile.
-    quant_a = m <= QUANT_IN_GEMM_ROWS and tiles <= QUANT_IN_GEMM_TILES
-    q, qs = (x, x) if quant_a else group_quant_triton(x, fmt.block_k)
+    q, qs = group_quant_triton(x, fmt.block_k)
     dest = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     scale_inv = scale_inv.contiguous()
     _gemm_kernel[(tiles, split)](
         q, weight, dest, qs, scale_inv, bias if bias is not None else out, out, counters if counters is not None else qs,
         m, n, k, per_split, q.stride(0), weight.stride(0), dest.stride(0) if split > 1 else 0, dest.stride(-2),
-        qs.stride(0), scale_inv.stride(0), out.stride(0), FP8_MAX, ACT_SCALE_MIN, GROUP_N=fmt.block_n, BLOCK_M=bm,
-        BLOCK_N=bn, BLOCK_K=fmt.block_k, GROUP_M=8, HAS_BIAS=bias is not None, DOT_FP32=_INTERPRET, QUANT_A=quant_a,
-        SPLITS=split, num_warps=warps, num_stages=stages)
+        qs.stride(0), scale_inv.stride(0), out.stride(0), GROUP_N=fmt.block_n, BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_K=fmt.block_k, GROUP_M=8, HAS_BIAS=bias is not None, DOT_FP32=_INTERPRET, SPLITS=split,
+        num_warps=warps, num_stages=stages)
     return out
