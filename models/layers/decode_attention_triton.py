@@ -241,13 +241,16 @@ class DecodeLaunch:
     each sequence's context (static for a captured batch; the tiles of the real context are shared out among
     them at run time), and how its loop reads ahead: ``prefetch`` — each tile's K/V loaded into registers
     one tile before its math (as many registers again: for launches of few programs) — or Triton's
-    pipelined shared-memory copies, with each tile's block-table lookup one tile ahead either way."""
+    pipelined shared-memory copies, with each tile's block-table lookup one tile ahead either way.
+    ``combine_in_kernel``: split partials combined by each tile's last split program (``FUSED_COMBINE``), else
+    by ``_combine_kernel`` after the launch."""
 
     block_n: int
     warps: int
     stages: int
     splits: int
     prefetch: bool = False
+    combine_in_kernel: bool = True
 
 
 # Programs (sequences x KV heads x head blocks, before splits) up to which a decode launch reads ahead in
@@ -271,9 +274,12 @@ def decode_launch(programs: int, max_context: int, wide: bool = False) -> Decode
     (2026-12-04-decode-attention-ab-h200.json); a captured batch has one cut for every context.
 
     ``wide``: head dims above 128 (MLA's latent cache, [32 keys, 512 + 64] tiles): 2 stages, never read ahead
-    (it would double registers the wide tiles already fill; not swept)."""
+    (it would double registers the wide tiles already fill; not swept), and the splits combined by
+    ``_combine_kernel``: a head block's last split program combining [splits, 16 heads, 512] partials alone
+    made the DeepSeek-V3 slice's batch-1 attention 74.7 us a step against 53.9 with the separate combine
+    (4 layers; 2026-12-03-fp8-slice-gemm-h200.json, 2026-12-04-fp8-slice-split-combine-h200.json)."""
     if wide:
-        return DecodeLaunch(32, 4, 2, num_splits(programs, max_context, 32))
+        return DecodeLaunch(32, 4, 2, num_splits(programs, max_context, 32), combine_in_kernel=False)
     if programs <= FEW_PROGRAMS:
         return DecodeLaunch(32, 4, 2, num_splits(programs, max_context, 32, PREFETCH_PROGRAMS), prefetch=True)
     return DecodeLaunch(32, 4, 3, num_splits(programs, max_context, 32))
@@ -346,7 +352,7 @@ def decode_attention_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
     counters = None
     if splits > 1:
         part_acc, part_m, part_l = split_partials(n, heads, splits, vdim_pad, q.device)
-        if FUSED_COMBINE:
+        if FUSED_COMBINE and launch.combine_in_kernel:
             counters = arrival_counters(q.device, n * kv_heads * head_blocks)
     else:
         part_acc = part_m = part_l = out  # unused
