@@ -276,8 +276,8 @@ def decode_launch(programs: int, max_context: int, wide: bool = False) -> Decode
     ``wide``: head dims above 128 (MLA's latent cache, [32 keys, 512 + 64] tiles): 2 stages, never read ahead
     (it would double registers the wide tiles already fill; not swept), and the splits combined by
     ``_combine_kernel``: a head block's last split program combining [splits, 16 heads, 512] partials alone
-    made the DeepSeek-V3 slice's batch-1 attention 74.7 us a step against 53.9 with the separate combine
-    (4 layers; 2026-12-03-fp8-slice-gemm-h200.json, 2026-12-04-fp8-slice-split-combine-h200.json)."""
+    was slower — the DeepSeek-V3 slice's batch-1 attention 76 against 64-67 us a step (4 layers), its decode
+    1-1.5 % slower at batch 1-4 in the same lease (2026-12-04-mla-combine-ab-h200.json)."""
     if wide:
         return DecodeLaunch(32, 4, 2, num_splits(programs, max_context, 32), combine_in_kernel=False)
     if programs <= FEW_PROGRAMS:
