@@ -187,36 +187,11 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     return result
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the Triton-interpreter run in the background when its test is selected (tests/interpreter_run.py):
-    it overlaps the tests before it on the second core."""
-    from tests import interpreter_run
-
-    if any(item.nodeid.endswith(interpreter_run.OUTER_TEST) for item in session.items) and interpreter_run.wanted():
-        session.config.stash[interpreter_run.RUN] = interpreter_run.start()
-
-
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    """A background interpreter run whose test never collected it (the session stopped early) is stopped."""
-    from tests import interpreter_run
-
-    run = session.config.stash.get(interpreter_run.RUN, None)
-    if run is not None:
-        run.stop()
-        run.log.unlink(missing_ok=True)
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The modules whose tests join the session's Ray run last, one after the other (in their usual order):
     the Ray stays up from the first of them to the end, idle during none of the other modules, and no
-    other Ray (test_ray_auth's, `make run`'s embedded one) is started beside it. Just before them: the test
-    that collects the background interpreter run (``pytest_collection_finish``)."""
+    other Ray (test_ray_auth's, `make run`'s embedded one) is started beside it."""
     joins = {item.module.__name__ for item in items
              if isinstance(item, pytest.Function) and "ray_address" in item.fixturenames}
-    rest = [i for i in items if getattr(i, "module", None) is None or i.module.__name__ not in joins]
-    # The background interpreter run's test last before them, so the run overlaps every test it can.
-    from tests import interpreter_run
-
-    waits = [i for i in rest if i.nodeid.endswith(interpreter_run.OUTER_TEST)]
-    items[:] = ([i for i in rest if i not in waits] + waits
+    items[:] = ([i for i in items if getattr(i, "module", None) is None or i.module.__name__ not in joins]
                 + [i for i in items if getattr(i, "module", None) is not None and i.module.__name__ in joins])

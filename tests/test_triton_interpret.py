@@ -8,6 +8,8 @@ tests/test_gpu_decode.py. The outer test re-runs this file in a subprocess with 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -59,16 +61,13 @@ if INTERPRETING:  # Triton's interpreter turns a loaded scalar into int() of a 1
 
 
 @pytest.mark.skipif(INTERPRETING or torch.cuda.is_available(), reason="outer runner; GPUs run the real kernels")
-def test_kernels_under_the_triton_interpreter(request: pytest.FixtureRequest) -> None:
-    """This file's inner tests under the interpreter, in a subprocess that conftest started when the suite was
-    collected (``tests/interpreter_run.py``), or here when it did not."""
-    from tests import interpreter_run
-
-    run = request.config.stash.get(interpreter_run.RUN, None) or interpreter_run.start()
-    rc, out = run.result()
-    assert rc != -9, f"the interpreter run took more than {interpreter_run.TIMEOUT_S:.0f} s:\n{out[-4000:]}"
-    assert rc == 0, out[-6000:]
-    assert " passed" in out.strip().splitlines()[-1], out[-2000:]
+def test_kernels_under_the_triton_interpreter() -> None:
+    # The interpreted kernels take ~2.5-3 min on 2 idle cores and ~4 min on a busy CI machine (2026-12-04: 249 s
+    # against the earlier 300 s bound): the bound leaves twice the idle time, under pytest's 600 s per test.
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interp"],
+                          check=False, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
