@@ -23,9 +23,9 @@ timed as ``bench/deepseek_slice.py`` does (5 steps back to back, median of 10), 
 attention: the projections and the absorbed ``w_uk`` / ``w_uv``, bf16 in both builds, not ``kv_b_proj``)
 and the same with the K/V the step reads (every sequence's 129 cached tokens, all layers: the latent
 MLA cache, 576 values = 1152 bytes per token per layer in bf16),
-a kernel profile at batch 1 and 64; prefill of one 512- and one 2048-token prompt (eager; device time of
-``executor.run`` with the first token's logits); the logits of a batch-4 decode step and of every row of
-the 512-token prompt.
+a kernel profile at batch 1 and 64 (``--profile-batches``); prefill of one 512- and one 2048-token prompt
+(eager; device time of ``executor.run`` with the first token's logits); the logits of a batch-4 decode
+step and of every row of the 512-token prompt.
 
 Plus a GEMM table: each of DeepSeek-V3's attention and shared-expert projections at M = 1 .. 4096,
 graphed: bf16 cuBLAS, the FP8 Triton kernel, torch's cuBLASLt blockwise ``scaled_mm`` (where it takes the
@@ -392,9 +392,9 @@ def slice_run(path: str, quantization: str, opts: dict[str, Any], bw: float,
     out["decode"] = decode
     if device.type == "cuda":
         out["profile"] = {}
-        for bs in (1, 64):
+        for bs in opts["profile_batches"]:
             p = profile(partial(ex.run, decode_step(tokens_of(bs, vocab, 1000 + bs), CONTEXT + 1, SEQ_BLOCKS)),
-                        device, kinds=FP8_KINDS)
+                        device, kinds=FP8_KINDS, top=opts["profile_top"])
             out["profile"][str(bs)] = p
             progress(f"{quantization} profile batch {bs}: {p['kernel_us_per_step']:.0f} us of kernels; by kind "
                      f"{json.dumps({k: round(v) for k, v in p['by_kind_us'].items()})}")
@@ -519,6 +519,8 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny config on CPU (torch kernel set): checks the script")
     ap.add_argument("--flashinfer", action="store_true", help="also time FlashInfer's fp8_blockscale_gemm_sm90")
     ap.add_argument("--skip-gemms", action="store_true")
+    ap.add_argument("--profile-batches", type=int, nargs="+", default=[1, 64], help="decode batches to profile")
+    ap.add_argument("--profile-top", type=int, default=20, help="kernels listed per profile")
     ap.add_argument("--prefill", type=int, nargs="+", default=list(PREFILL), help="prompt lengths (the first: logits check)")
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
@@ -558,7 +560,8 @@ def main() -> None:
         record["copy_bandwidth_TBps"] = bw / 1e12
         progress(f"copy bandwidth {bw / 1e12:.3f} TB/s")
         opts = {"device": device, "tiny": args.tiny, "vocab": shape["vocab_size"],
-                "kernels": "triton" if cuda else "torch", "prefill": tuple(args.prefill)}
+                "kernels": "triton" if cuda else "torch", "prefill": tuple(args.prefill),
+                "profile_batches": tuple(args.profile_batches), "profile_top": args.profile_top}
         runs: dict[str, dict[str, Any]] = {}
         for quantization in ("fp8", "none"):  # the new path first: its problems show before the long bf16 build
             runs[quantization] = slice_run(str(path), quantization, opts, bw,

@@ -64,14 +64,16 @@ class DeepseekV3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(h, eps, dtype, device)
         self.self_attn = named(f"layers.{layer_id}.self_attn", lambda: MLAttention(
             layer_id, MLADims.from_hf(config), groups.attn_tp, rotary, scale, dtype, device,
-            attention_backend=kernels.attention, fp8=fp8))
+            attention_backend=kernels.attention, fp8=fp8, assemble=kernels.mla_assemble,
+            norm_kernel=kernels.norms.rms_norm))
         self.post_attention_layernorm = RMSNorm(h, eps, dtype, device)
         self.mlp: MoE | GatedMLP
         if is_moe_layer(config, layer_id):
             self.mlp = named(f"layers.{layer_id}.mlp", lambda: MoE(
                 h, config.moe_intermediate_size, RouterConfig.from_hf(config), groups,
                 shared_intermediate=config.moe_intermediate_size * (config.n_shared_experts or 0), dtype=dtype,
-                device=device, fused_experts=kernels.fused_moe, fp8=fp8, fused_experts_fp8=kernels.fused_moe_fp8))
+                device=device, fused_experts=kernels.fused_moe, fp8=fp8, fused_experts_fp8=kernels.fused_moe_fp8,
+                select_experts=kernels.select_experts, shared_act=kernels.silu_and_mul))
         else:
             self.mlp = named(f"layers.{layer_id}.mlp", lambda: GatedMLP(
                 h, config.intermediate_size, groups.tp, dtype=dtype, device=device, act=kernels.silu_and_mul, fp8=fp8))

@@ -926,3 +926,81 @@ def test_interp_topk_logprobs(vocab: int, k: int) -> None:
     assert torch.equal(indices[[0, 1, 2, 4]], want.indices[[0, 1, 2, 4]])
     assert indices[3, 0] == 7 and (k == 1 or indices[3, 1] == 11)
     torch.testing.assert_close(values, want.values, rtol=0, atol=2e-5)
+
+
+ROUTER_CASES = {  # DeepSeek-V3 / Kimi-K2, a padded sigmoid grouping, DeepSeek-V2's two softmax methods, ungrouped
+    "v3": (256, 8, "sigmoid", "noaux_tc", 8, 4, True, 2.5),
+    "sigmoid-3-groups-k6": (24, 6, "sigmoid", "noaux_tc", 3, 2, True, 1.0),
+    "v2-group-limited": (20, 3, "softmax", "group_limited_greedy", 4, 2, False, 1.0),
+    "v2-greedy": (10, 2, "softmax", "greedy", 1, 1, True, 1.5),
+    "sigmoid-one-group": (16, 4, "sigmoid", "noaux_tc", 1, 1, False, 1.0),
+}
+
+
+@inner
+@pytest.mark.parametrize("case", sorted(ROUTER_CASES))
+def test_interp_router_choice_equals_select_experts(case: str) -> None:
+    """One program per token chooses the experts ``select_experts`` chooses, with its weights (the order of a
+    token's k experts is free in both)."""
+    from fusedserve.models.layers.router import RouterConfig, select_experts
+    from fusedserve.models.layers.router_triton import select_experts_triton
+
+    cfg = RouterConfig(*ROUTER_CASES[case])
+    g = torch.Generator().manual_seed(len(case))
+    logits = torch.randn(9, cfg.num_experts, generator=g) * 2
+    bias = torch.randn(cfg.num_experts, generator=g) * 0.3 if cfg.has_correction_bias else None
+    want_w, want_ids = select_experts(logits, cfg, bias)
+    got_w, got_ids = select_experts_triton(logits, cfg, bias)
+    want_ids, want_at = want_ids.sort(-1)
+    got_ids, got_at = got_ids.sort(-1)
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_w.gather(1, got_at), want_w.gather(1, want_at))
+
+
+@inner
+@pytest.mark.parametrize("n,k,experts,block_m", [(1, 8, 256, 16), (64, 8, 256, 16), (5, 3, 4, 2), (7, 2, 3, 4),
+                                                 (40, 8, 32, 16), (256, 8, 256, 16)])
+def test_interp_moe_align_in_one_launch_equals_moe_align(n: int, k: int, experts: int, block_m: int) -> None:
+    """The same blocks as the torch grouping (``moe_blocks.same_blocks``; ids outside [0, experts): another
+    rank's)."""
+    from fusedserve.models.layers.fused_moe import moe_align
+    from fusedserve.models.layers.moe_align_triton import moe_align_triton
+
+    g = torch.Generator().manual_seed(n * k)
+    ids = torch.randint(-1, experts + 2, (n, k), generator=g)
+    from moe_blocks import same_blocks
+
+    want, got = moe_align(ids, experts, block_m), moe_align_triton(ids, experts, block_m)
+    assert (got.num_pairs, got.block_m) == (want.num_pairs, want.block_m)
+    assert same_blocks(got, want)
+
+
+@inner
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("interleave", [True, False], ids=["interleaved-yarn", "rotate-half"])
+def test_interp_mla_assemble_equals_the_reference(dtype: torch.dtype, interleave: bool) -> None:
+    """MLA's query and key rows in one launch: the absorbed queries copied, RoPE (DeepSeek-V3's interleaved
+    pairs with YaRN's attention factor, or rotate-half), the latent's RMSNorm — as ``mla_assemble`` computes
+    them, from strided views (bf16: to the last bit but for cos / sin; the interpreter's are numpy's)."""
+    from fusedserve.models.layers.mla import mla_assemble
+    from fusedserve.models.layers.mla_assemble_triton import mla_assemble_triton
+    from fusedserve.models.layers.mla_rotary import MLARotary
+    from fusedserve.models.layers.norm import RMSNorm
+
+    g = torch.Generator().manual_seed(int(interleave))
+    yarn = {"rope_type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32.0,
+            "beta_slow": 1.0, "original_max_position_embeddings": 4096}
+    n, heads, rank, rope, nope = 5, 20, 64, 16, 8  # 20 heads: a partial second block of 16
+    rotary = MLARotary(rope, 10000.0, yarn if interleave else None, 163840, interleave)
+    norm = RMSNorm(rank, 1e-6, dtype)
+    norm.weight.data = torch.randn(rank, generator=g).to(dtype)
+    q = torch.randn(n, heads, nope + rope, generator=g).to(dtype)  # q_b_proj's output: [nope | rope] per head
+    kv = torch.randn(n, rank + rope, generator=g).to(dtype)  # kv_a_proj_with_mqa's: [latent | rope]
+    q_abs = torch.randn(heads, n, rank, generator=g).to(dtype).transpose(0, 1)  # as the bmm leaves it
+    args = (q_abs, q[..., nope:], kv[:, :rank], kv[:, rank:], torch.tensor([0, 5, 100, 4097, 150000]), rotary, norm)
+    (want_q, want_k), (got_q, got_k) = mla_assemble(*args), mla_assemble_triton(*args)
+    assert got_q.shape == want_q.shape and got_k.shape == want_k.shape
+    assert torch.equal(got_q[..., :rank], want_q[..., :rank])
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    _close(got_q[..., rank:], want_q[..., rank:], tol)
+    _close(got_k, want_k, tol)

@@ -2,8 +2,9 @@
 
 The FP8 twin of ``fused_moe_triton.py``; plain references: ``fused_moe.fused_experts_fp8_torch``
 (every expert dequantized, then the torch block computation) and the per-expert loop of
-``RoutedExperts.forward``. ``fused_moe.moe_align`` groups this rank's (token, slot) pairs by expert
-into blocks of 16 rows on the device; then, as sglang's FP8 fused MoE does (w8a8, 1 x bk groups):
+``RoutedExperts.forward``. ``moe_align_triton.moe_align_fast`` (one launch; ``fused_moe.moe_align``
+for prefill) groups this rank's (token, slot) pairs by expert into blocks of 16 rows on the device;
+then, as sglang's FP8 fused MoE does (w8a8, 1 x bk groups):
 
 1. x quantized per token and bk columns (``fp8_block_triton.group_quant_triton``);
 2. ``_gate_up_kernel``, a program per (block, BLOCK_N intermediate columns): the block's token rows
@@ -13,7 +14,7 @@ into blocks of 16 rows on the device; then, as sglang's FP8 fused MoE does (w8a8
 3. that quantized per row and bk columns;
 4. ``_down_kernel``, a program per (block, BLOCK_N output features): times the expert's down rows
    (e4m3, rescaled the same way), scaled by each pair's routing weight, stored at the pair's row of an
-   fp32 [n * k, in] buffer, summed over k afterwards.
+   fp32 [n * k, in] buffer, summed over k afterwards (``moe_sum_triton.sum_slots``).
 
 Unused blocks (``block_expert`` -1) return at once: a step streams only the experts it routes to.
 Shapes the tiles do not divide, or formats ``fp8_block_triton.supported`` refuses, go to the torch twin.
@@ -29,7 +30,9 @@ import triton.language as tl
 
 from .fp8_block import FP8_DTYPE, BlockFP8
 from .fp8_block_triton import group_quant_triton, supported
-from .fused_moe import BLOCK_M, fused_experts_fp8_torch, moe_align
+from .fused_moe import BLOCK_M, fused_experts_fp8_torch
+from .moe_align_triton import moe_align_fast
+from .moe_sum_triton import sum_slots
 
 _DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU interpreter: dots in fp32 (exact for e4m3 values)
 STAGES = 3
@@ -135,10 +138,10 @@ def fused_experts_fp8_triton(x: torch.Tensor, local_ids: torch.Tensor, weights: 
             or gate_up.dtype != FP8_DTYPE or down.dtype != FP8_DTYPE or not gate_up.is_contiguous()
             or not down.is_contiguous() or x.stride(-1) != 1):
         return fused_experts_fp8_torch(x, local_ids, weights, gate_up, gate_up_scale, down, down_scale, fmt)
-    out = torch.zeros(n * k, hidden, dtype=torch.float32, device=x.device)
     if n == 0:
-        return out.view(n, k, hidden).sum(1).to(x.dtype)
-    blk = moe_align(local_ids, num_experts, BLOCK_M)
+        return torch.zeros(0, hidden, dtype=x.dtype, device=x.device)
+    out = torch.empty(n * k, hidden, dtype=torch.float32, device=x.device)  # rows of other ranks' pairs: unwritten
+    blk = moe_align_fast(local_ids, num_experts, BLOCK_M)
     xq, xs = group_quant_triton(x, bk)
     gate_up_scale, down_scale = gate_up_scale.contiguous(), down_scale.contiguous()
     h = torch.empty(blk.max_blocks * BLOCK_M, inter, dtype=x.dtype, device=x.device)
@@ -157,4 +160,4 @@ def fused_experts_fp8_triton(x: torch.Tensor, local_ids: torch.Tensor, weights: 
         out.stride(0),
         GROUP_N=fmt.block_n, BLOCK_M=BLOCK_M, BLOCK_N=bn_down, BLOCK_K=bk, DOT_FP32=_DOT_FP32, num_warps=4,
         num_stages=STAGES)
-    return out.view(n, k, hidden).sum(1).to(x.dtype)
+    return sum_slots(out, local_ids, num_experts, x.dtype)

@@ -1,14 +1,16 @@
 """Routed gated (SwiGLU) experts as two Triton launches over expert blocks (GPU; CUDA-graph capturable).
 
 Plain reference: ``fused_moe.fused_experts_torch`` (same blocks, torch ops) and the per-expert
-loop of ``RoutedExperts.forward``. ``fused_moe.moe_align`` groups this rank's (token, slot)
-pairs by expert into blocks of 16 rows on the device; then
+loop of ``RoutedExperts.forward``. ``moe_align_triton.moe_align_fast`` (one launch;
+``fused_moe.moe_align`` for prefill) groups this rank's (token, slot) pairs by expert into
+blocks of 16 rows on the device; then
 
 1. ``_gate_up_kernel``, a program per (block, BLOCK_N columns of the intermediate): the
    block's token rows times its expert's gate and up rows, ``silu(gate) * up`` -> [rows, I];
 2. ``_down_kernel``, a program per (block, BLOCK_N output features): that times the expert's
    down rows, scaled by each pair's routing weight, stored at the pair's row of an fp32
-   [n * k, in] buffer (pairs of other ranks stay 0), summed over k afterwards.
+   [n * k, in] buffer (pairs of other ranks are not written), summed over k afterwards by
+   ``moe_sum_triton.sum_slots``.
 
 A program whose block is unused (``block_expert`` -1) returns at once, so each step streams
 only the experts the batch routes to (once per block of 16 rows: decode batches have one
@@ -24,7 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused_moe import BLOCK_M, fused_experts_torch, moe_align
+from .fused_moe import BLOCK_M, fused_experts_torch
+from .moe_align_triton import moe_align_fast
+from .moe_sum_triton import sum_slots
 
 _DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU interpreter mis-multiplies bf16 matrices
 STAGES = 4
@@ -115,10 +119,10 @@ def fused_experts_triton(x: torch.Tensor, local_ids: torch.Tensor, weights: torc
             or gate_up.dtype != x.dtype or down.dtype != x.dtype or not gate_up.is_contiguous()
             or not down.is_contiguous() or x.stride(-1) != 1):
         return fused_experts_torch(x, local_ids, weights, gate_up, down)
-    out = torch.zeros(n * k, hidden, dtype=torch.float32, device=x.device)
     if n == 0:
-        return out.view(n, k, hidden).sum(1).to(x.dtype)
-    blk = moe_align(local_ids, num_experts, BLOCK_M)
+        return torch.zeros(0, hidden, dtype=x.dtype, device=x.device)
+    out = torch.empty(n * k, hidden, dtype=torch.float32, device=x.device)  # rows of other ranks' pairs: unwritten
+    blk = moe_align_fast(local_ids, num_experts, BLOCK_M)
     h = torch.empty(blk.max_blocks * BLOCK_M, inter, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(blk.max_blocks, inter // bn_up)](
         x, gate_up, h, blk.sorted_pairs, blk.block_expert, hidden, inter, k, blk.num_pairs,
@@ -129,4 +133,4 @@ def fused_experts_triton(x: torch.Tensor, local_ids: torch.Tensor, weights: torc
         h, down, out, blk.sorted_pairs, blk.block_expert, rw, inter, blk.num_pairs,
         h.stride(0), down.stride(0), down.stride(1), out.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=bn_down, BLOCK_K=bk_down, DOT_FP32=_DOT_FP32, num_warps=4, num_stages=STAGES)
-    return out.view(n, k, hidden).sum(1).to(x.dtype)
+    return sum_slots(out, local_ids, num_experts, x.dtype)

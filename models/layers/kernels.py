@@ -11,7 +11,10 @@ triton       ``paged_decode_attention_triton``      Triton kernels (``*_triton.p
              (decode; several new tokens per        matmuls of <= 64 rows ``decode_linear``, else cuBLAS
              sequence: the flash kernel of          (2..64 rows: RoPE / SiLU-and-mul in the qkv / gate-up
              ``prefill_attention_triton.py``;       matmul's epilogue); ``fused_experts_triton``;
-                                                    greedy sampling's argmax ``argmax_triton``;
+                                                    greedy sampling's argmax ``argmax_triton``; the
+                                                    MoE router's choice ``router_triton`` and MLA's
+                                                    query / key rows ``mla_assemble_triton`` (one launch
+                                                    each);
              trees: the torch one)
 flashinfer   ``flashinfer_attention``, planned      as ``triton``
              once per forward (``planner``)
@@ -41,9 +44,11 @@ from .attention_layout import PlannerFactory
 from .fp8_block import BlockFP8MatmulFn, block_fp8_linear_reference
 from .fused_moe import FusedExpertsFn, FusedFP8ExpertsFn, fused_experts_fp8_torch, fused_experts_torch
 from .linear import MatmulFn
+from .mla import MLAAssembleFn, mla_assemble
 from .mlp import GateUpActFn, silu_and_mul
 from .paged_attention_torch import paged_attention_torch
 from .rotary import RopeKernel
+from .router import SelectExpertsFn, select_experts
 from .self_attention import QKVRopeFn
 
 KERNEL_SETS = ("reference", "torch", "triton", "flashinfer")
@@ -68,6 +73,10 @@ class Kernels:
     # Block-FP8 layers: the linear kernel, and the routed experts' (None = the per-expert loop, dequantizing).
     block_fp8_matmul: BlockFP8MatmulFn = block_fp8_linear_reference
     fused_moe_fp8: FusedFP8ExpertsFn | None = None
+    # The MoE router's expert choice from its logits (``router.py``; triton: one launch, ``router_triton.py``).
+    select_experts: SelectExpertsFn = select_experts
+    # MLA's query / key rows: RoPE, the latent norm, the concatenations (``mla.py``; triton: one launch).
+    mla_assemble: MLAAssembleFn = mla_assemble
     graph_safe: bool = False
     planner: PlannerFactory | None = None
 
@@ -90,8 +99,10 @@ class Kernels:
         from .fused_moe_fp8_triton import fused_experts_fp8_triton
         from .fused_moe_triton import fused_experts_triton
         from .linear_triton import decode_gate_up_silu, decode_linear, decode_qkv_rope
+        from .mla_assemble_triton import mla_assemble_triton
         from .rms_norm_triton import add_rms_norm_triton, rms_norm_triton
         from .rope_triton import rope_triton
+        from .router_triton import select_experts_triton
         from .silu_mul_triton import silu_and_mul_triton
 
         return Kernels(name="triton", attention=paged_decode_attention_triton,
@@ -100,7 +111,7 @@ class Kernels:
                        matmul=decode_linear, qkv_rope=decode_qkv_rope, gate_up_act=decode_gate_up_silu,
                        argmax=argmax_triton, fused_moe=fused_experts_triton,
                        block_fp8_matmul=block_fp8_linear_fast, fused_moe_fp8=fused_experts_fp8_triton,
-                       graph_safe=True)
+                       select_experts=select_experts_triton, mla_assemble=mla_assemble_triton, graph_safe=True)
 
     @staticmethod
     def flashinfer() -> Kernels:
@@ -115,7 +126,8 @@ class Kernels:
                        silu_and_mul=base.silu_and_mul, matmul=base.matmul, qkv_rope=base.qkv_rope,
                        gate_up_act=base.gate_up_act, argmax=base.argmax,
                        fused_moe=base.fused_moe,
-                       block_fp8_matmul=base.block_fp8_matmul, fused_moe_fp8=base.fused_moe_fp8, graph_safe=True,
+                       block_fp8_matmul=base.block_fp8_matmul, fused_moe_fp8=base.fused_moe_fp8,
+                       select_experts=base.select_experts, mla_assemble=base.mla_assemble, graph_safe=True,
                        planner=flashinfer_planner)
 
     @staticmethod

@@ -31,12 +31,14 @@ leaves a sum owed to the attention-TP group. ``kv_b_proj`` holds the checkpoint'
 multiplied by: ``derive_from_weights`` (run by the loader and by random init once the weights are in)
 copies its halves into ``w_uk`` / ``w_uv`` in the compute dtype, dequantized from block FP8 when the
 layer keeps FP8 weights (what sglang does). ``attention_backend`` (chosen at construction, see
-``kernels.py``) attends over the cache. With ``fp8`` every projection keeps block-FP8 weights
+``kernels.py``) attends over the cache; ``assemble`` builds its query and key rows (RoPE, the latent norm,
+the concatenations; ``mla_assemble`` or one Triton launch) and ``norm_kernel`` runs the latent norms. With ``fp8`` every projection keeps block-FP8 weights
 (``linear.py``); the latent norms stay as they are.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +54,23 @@ from .linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from .mla_rotary import MLARotary
 from .norm import RMSNorm
 from .weight_source import WeightShapeError, named
+
+
+def mla_assemble(q_abs: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
+                 positions: torch.Tensor, rotary: MLARotary, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """The absorbed attention's query and key rows, plain reference: q = [q_abs | rope(q_rope)],
+    k = [norm(latent) | rope(k_rope)].
+
+    q_abs: [n, heads, rank]; q_rope: [n, heads, rope]; latent: [n, rank]; k_rope: [n, rope]; positions: [n]
+    -> q [n, heads, rank + rope], k [n, 1, rank + rope]. ``mla_assemble_triton.py``: the same in one launch.
+    """
+    (n, rank), rope = latent.shape, k_rope.shape[-1]
+    q_rope, k_rope = rotary(positions, q_rope, k_rope.view(n, 1, rope))
+    return torch.cat((q_abs, q_rope), dim=-1), torch.cat((norm(latent).view(n, 1, rank), k_rope), dim=-1)
+
+
+MLAAssembleFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, MLARotary, RMSNorm],
+                         tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -89,9 +108,12 @@ class MLADims:
 class MLAttention(nn.Module):
     def __init__(self, layer_id: int, dims: MLADims, group: Group, rotary: MLARotary, scale: float,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                 attention_backend: AttentionBackend = paged_attention_reference, fp8: BlockFP8 | None = None) -> None:
+                 attention_backend: AttentionBackend = paged_attention_reference, fp8: BlockFP8 | None = None,
+                 assemble: MLAAssembleFn = mla_assemble,
+                 norm_kernel: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None) -> None:
         super().__init__()
         self.attention = attention_backend
+        self.assemble = assemble
         if dims.num_heads % group.size:
             raise WeightShapeError(f"num_attention_heads={dims.num_heads} does not split over {group.size} ranks")
         self.layer_id = layer_id
@@ -112,12 +134,12 @@ class MLAttention(nn.Module):
         else:
             rank = d.q_lora_rank
             self.q_a_proj = ReplicatedLinear(h, rank, d.bias, dtype, device, fp8)
-            self.q_a_layernorm = RMSNorm(rank, d.latent_eps, dtype, device)
+            self.q_a_layernorm = RMSNorm(rank, d.latent_eps, dtype, device, norm_kernel)
             self.q_b_proj = named("q_b_proj", lambda: ColumnParallelLinear(rank, q_out, group, dtype=dtype,
                                                                            device=device, fp8=fp8))
         self.kv_a_proj_with_mqa = ReplicatedLinear(h, d.kv_lora_rank + d.qk_rope_head_dim, d.bias, dtype, device,
                                                    fp8)
-        self.kv_a_layernorm = RMSNorm(d.kv_lora_rank, d.latent_eps, dtype, device)
+        self.kv_a_layernorm = RMSNorm(d.kv_lora_rank, d.latent_eps, dtype, device, norm_kernel)
         self.kv_b_proj = named("kv_b_proj", lambda: ColumnParallelLinear(
             d.kv_lora_rank, d.num_heads * (d.qk_nope_head_dim + d.v_head_dim), group, dtype=dtype, device=device,
             fp8=fp8))
@@ -164,10 +186,9 @@ class MLAttention(nn.Module):
         d, n, rank = self.dims, x.shape[0], self.dims.kv_lora_rank
         q_nope, q_rope = self._queries(x).split([d.qk_nope_head_dim, d.qk_rope_head_dim], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([rank, d.qk_rope_head_dim], dim=-1)
-        q_rope, k_rope = self.rotary(batch.positions, q_rope, k_rope.view(n, 1, d.qk_rope_head_dim))
         q_abs = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [n, heads, rank]
-        q = torch.cat((q_abs, q_rope), dim=-1)  # [n, heads, rank + rope]
-        k = torch.cat((self.kv_a_layernorm(latent).view(n, 1, rank), k_rope), dim=-1)  # [n, 1, rank + rope]
+        # q [n, heads, rank + rope], k [n, 1, rank + rope]
+        q, k = self.assemble(q_abs, q_rope, latent, k_rope, batch.positions, self.rotary, self.kv_a_layernorm)
         o = self.attention(q, k, k[..., :rank], self.layer_id, batch, self.scale)  # [n, heads, rank]
         o = torch.bmm(o.transpose(0, 1), self.w_uv.transpose(1, 2)).transpose(0, 1)  # [n, heads, v]
         return Unreduced(self.o_proj(o.reshape(n, self.heads * d.v_head_dim)), self.group.name)

@@ -19,6 +19,9 @@ Constructor choices (one class for DeepSeek-V2/V3, Kimi-K2 and Nemotron-H):
 - ``shared_intermediate``: total intermediate size of the shared experts (DeepSeek:
   ``moe_intermediate_size * n_shared_experts``; Nemotron-H: ``moe_shared_expert_intermediate_size``);
   0 = none.
+- ``shared_act``: the gated shared experts' SiLU-and-mul kernel (None = the torch reference).
+- ``select_experts``: the router's expert choice from its logits (``router.py``; on a GPU
+  ``router_triton.py``, one launch).
 - ``fused_experts``: the routed experts' block computation (``fused_moe.py``, CUDA-graph
   capturable; gated SiLU experts only); None = their per-expert loop.
 - ``fp8``: block-FP8 routed and shared experts (``fp8_block.py``; DeepSeek-V3 / Kimi-K2 releases),
@@ -37,6 +40,8 @@ Checkpoint names of the routed experts are mapped by ``RoutedExperts.checkpoint_
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -48,7 +53,7 @@ from .fp8_block import BlockFP8
 from .fused_moe import FusedExpertsFn, FusedFP8ExpertsFn
 from .linear import ReplicatedLinear
 from .mlp import GatedMLP, Relu2MLP
-from .router import RouterConfig, TopKRouter
+from .router import RouterConfig, SelectExpertsFn, TopKRouter, select_experts
 
 
 class MoE(nn.Module):
@@ -57,10 +62,12 @@ class MoE(nn.Module):
                  latent_size: int | None = None, latent_bias: bool = False, shared_bias: bool = False,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                  fused_experts: FusedExpertsFn | None = None, fp8: BlockFP8 | None = None,
-                 fused_experts_fp8: FusedFP8ExpertsFn | None = None) -> None:
+                 fused_experts_fp8: FusedFP8ExpertsFn | None = None,
+                 select_experts: SelectExpertsFn = select_experts,
+                 shared_act: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         super().__init__()
         self.tp = groups.tp
-        self.gate = TopKRouter(hidden, router, device)
+        self.gate = TopKRouter(hidden, router, device, select_experts)
         expert_dim = latent_size or hidden
         self.fc1_latent_proj: ReplicatedLinear | None = None
         self.fc2_latent_proj: ReplicatedLinear | None = None
@@ -74,7 +81,7 @@ class MoE(nn.Module):
         if shared_intermediate:
             if (gated, activation) == (True, "silu"):
                 self.shared_experts = GatedMLP(hidden, shared_intermediate, groups.tp, shared_bias, dtype, device,
-                                               fp8=fp8)
+                                               act=shared_act, fp8=fp8)
             elif (gated, activation) == (False, "relu2") and fp8 is None:
                 self.shared_experts = Relu2MLP(hidden, shared_intermediate, groups.tp, shared_bias, dtype, device)
             else:

@@ -21,6 +21,7 @@ The router is replicated on every rank and computes in fp32 whatever the model d
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,13 +126,21 @@ def select_experts(
     return weights * cfg.routed_scaling_factor, ids
 
 
+# (logits [n, E] fp32, config, correction bias [E] or None) -> (weights [n, k] fp32, ids [n, k] int64):
+# ``select_experts`` or a kernel that equals it (``router_triton.py``).
+SelectExpertsFn = Callable[[torch.Tensor, RouterConfig, "torch.Tensor | None"], tuple[torch.Tensor, torch.Tensor]]
+
+
 class TopKRouter(nn.Module):
     """The replicated gate: ``weight`` [E, hidden] and, for noaux_tc, ``e_score_correction_bias``
-    [E]; both fp32 (HF keeps them in fp32 too)."""
+    [E]; both fp32 (HF keeps them in fp32 too). ``select``: how the experts are chosen from the
+    logits (chosen once, at construction: ``Kernels.select_experts``)."""
 
-    def __init__(self, hidden: int, cfg: RouterConfig, device: torch.device | str | None = None) -> None:
+    def __init__(self, hidden: int, cfg: RouterConfig, device: torch.device | str | None = None,
+                 select: SelectExpertsFn = select_experts) -> None:
         super().__init__()
         self.cfg = cfg
+        self.select = select
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden, dtype=torch.float32, device=device),
                                    requires_grad=False)
         self.e_score_correction_bias: nn.Parameter | None = None
@@ -145,4 +154,4 @@ class TopKRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [n, hidden] -> weights [n, k] fp32, ids [n, k]
         logits = F.linear(x.float(), self.weight)
-        return select_experts(logits, self.cfg, self.e_score_correction_bias)
+        return self.select(logits, self.cfg, self.e_score_correction_bias)
