@@ -18,7 +18,7 @@ its scales [ceil(N/bn), ceil(K/bk)]:
    adds their fp32 partials in split order with the bias (``arrival_counters``; before: torch's sum, add and
    cast, kernels after the GEMM: q_a_proj 13.0 -> ~10 us, kv_a_proj_with_mqa 11.9 -> ~9 at one row).
 
-Tiles by rows: M <= 16 (decode) BLOCK_M 16 x BLOCK_N 64, up to 64 rows 32/64 x 64, larger 64/128
+Tiles by rows: M <= 16 (decode) BLOCK_M 16 x BLOCK_N 32 / 64 / 128 by the shape (``_tiles``), up to 64 rows 32/64 x 64, larger 64/128
 x 128 (sglang's untuned defaults are of this kind). The weight scale of a column is looked up per
 column, so BLOCK_N need not divide bn. bk must be a power of two >= 32 (the K of an e4m3 tl.dot on
 Hopper: 16 compiles in the CPU interpreter and fails on the H200, "K >= 32"); other
@@ -148,22 +148,30 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-def k_splits(tiles: int, k_blocks: int, sms: int) -> int:
-    """K splits per output tile: enough programs for the SMs, each at least two K blocks, at most 8."""
-    return max(1, min(8, k_blocks // 2, sms // max(tiles, 1)))
+def k_splits(tiles: int, k_blocks: int, sms: int, most: int = 8) -> int:
+    """K splits per output tile: enough programs for the SMs, each at least two K blocks, at most ``most``."""
+    return max(1, min(most, k_blocks // 2, sms // max(tiles, 1)))
 
 
-def _tiles(m: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) by rows."""
+def _tiles(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, most K splits) by rows and shape. Decode rows (<= 16), from
+    bench/fp8_gemm_tiles_probe.py on an H200 (2026-12-04-fp8-gemm-tiles-h200.json; each a call with the
+    quantization): long rows of many columns take 128-column tiles of 8 warps split up to 16 ways (q_a_proj
+    10.9 -> 9.4 us, the shared experts' gate/up 17.8 -> 14.8 us at one row); up to 8192 columns, 32-column
+    tiles up to 16 ways (kv_a_proj_with_mqa 7.8 -> 7.4, the shared down 11.2 -> 10.2); wider (q_b_proj) 64."""
     if m <= 16:
-        return 16, 64, 4, 4
+        if k >= 4096 and n >= 1024:
+            return 16, 128, 8, 4, 16
+        if n <= 8192:
+            return 16, 32, 4, 4, 16
+        return 16, 64, 4, 4, 8
     if m <= 32:
-        return 32, 64, 4, 4
+        return 32, 64, 4, 4, 8
     if m <= 64:
-        return 64, 64, 4, 3
+        return 64, 64, 4, 3, 8
     if m <= 256:
-        return 64, 128, 4, 3
-    return 128, 128, 8, 3
+        return 64, 128, 4, 3, 8
+    return 128, 128, 8, 3, 8
 
 
 def block_fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
@@ -178,10 +186,10 @@ def block_fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, scale_inv: to
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    bm, bn, warps, stages = _tiles(m)
+    bm, bn, warps, stages, most = _tiles(m, n, k)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     k_blocks = triton.cdiv(k, fmt.block_k)
-    split = k_splits(tiles, k_blocks, _sm_count(x.device)) if m <= SPLIT_ROWS else 1
+    split = k_splits(tiles, k_blocks, _sm_count(x.device), most) if m <= SPLIT_ROWS else 1
     per_split = triton.cdiv(k_blocks, split)
     split = triton.cdiv(k_blocks, per_split)  # no empty split
     counters = arrival_counters(x.device, tiles) if split > 1 else None

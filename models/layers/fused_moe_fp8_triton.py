@@ -23,6 +23,7 @@ Shapes the tiles do not divide, or formats ``fp8_block_triton.supported`` refuse
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -35,7 +36,23 @@ from .moe_align_triton import moe_align_fast
 from .moe_sum_triton import sum_slots
 
 _DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU interpreter: dots in fp32 (exact for e4m3 values)
-STAGES = 3
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Launch shape of the two kernels: columns per program, warps, pipeline stages."""
+
+    up_n: int = 64
+    up_warps: int = 4
+    up_stages: int = 3
+    down_n: int = 64
+    down_warps: int = 4
+    down_stages: int = 3
+
+
+def tiles_for(tokens: int) -> Tiles:
+    """The launch shape by the number of tokens (bench/moe_fp8_tiles_probe.py measures the choices)."""
+    return Tiles()
 
 
 @triton.jit(do_not_specialize=["num_pairs"])  # counts that change call to call: one compile for all
@@ -132,7 +149,8 @@ def fused_experts_fp8_triton(x: torch.Tensor, local_ids: torch.Tensor, weights: 
     num_experts, two_i, hidden = gate_up.shape
     inter = two_i // 2
     bk = fmt.block_k
-    bn_up = _tile(inter, (64, 32, 16))
+    t = tiles_for(n)
+    bn_up = _tile(inter, tuple(c for c in (128, 64, 32, 16) if c <= t.up_n))
     if (bn_up is None or not supported(fmt) or hidden % bk or inter % bk or inter % fmt.block_n
             or x.dtype not in (torch.bfloat16, torch.float16, torch.float32)
             or gate_up.dtype != FP8_DTYPE or down.dtype != FP8_DTYPE or not gate_up.is_contiguous()
@@ -149,15 +167,15 @@ def fused_experts_fp8_triton(x: torch.Tensor, local_ids: torch.Tensor, weights: 
         xq, xs, gate_up, gate_up_scale, h, blk.sorted_pairs, blk.block_expert, hidden, inter, k, blk.num_pairs,
         xq.stride(0), xs.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0),
         gate_up_scale.stride(1), h.stride(0),
-        GROUP_N=fmt.block_n, BLOCK_M=BLOCK_M, BLOCK_N=bn_up, BLOCK_K=bk, DOT_FP32=_DOT_FP32, num_warps=4,
-        num_stages=STAGES)
+        GROUP_N=fmt.block_n, BLOCK_M=BLOCK_M, BLOCK_N=bn_up, BLOCK_K=bk, DOT_FP32=_DOT_FP32, num_warps=t.up_warps,
+        num_stages=t.up_stages)
     hq, hs = group_quant_triton(h, bk)
     rw = weights.reshape(-1).float().contiguous()
-    bn_down = 64
+    bn_down = t.down_n
     _down_kernel[(blk.max_blocks, triton.cdiv(hidden, bn_down))](
         hq, hs, down, down_scale, out, blk.sorted_pairs, blk.block_expert, rw, inter, hidden, blk.num_pairs,
         hq.stride(0), hs.stride(0), down.stride(0), down.stride(1), down_scale.stride(0), down_scale.stride(1),
         out.stride(0),
-        GROUP_N=fmt.block_n, BLOCK_M=BLOCK_M, BLOCK_N=bn_down, BLOCK_K=bk, DOT_FP32=_DOT_FP32, num_warps=4,
-        num_stages=STAGES)
+        GROUP_N=fmt.block_n, BLOCK_M=BLOCK_M, BLOCK_N=bn_down, BLOCK_K=bk, DOT_FP32=_DOT_FP32,
+        num_warps=t.down_warps, num_stages=t.down_stages)
     return sum_slots(out, local_ids, num_experts, x.dtype)
