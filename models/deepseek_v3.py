@@ -31,7 +31,7 @@ from .layers.fp8_block import BlockFP8
 from .layers.kernels import Kernels
 from .layers.linear import use_fp8_matmul
 from .layers.mamba_state import MambaStateShape
-from .layers.mla import MLADims, MLAttention
+from .layers.mla import MERGED_QKV_A, MLADims, MLAttention
 from .layers.mla_rotary import MLARotary, mla_softmax_scale
 from .layers.mlp import GatedMLP
 from .layers.moe import MoE, expert_stacked_params
@@ -126,6 +126,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.tie_to(self.embed_tokens)
         moe = next((layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)), None)
+        if any(layer.self_attn.fused_qkv_a_proj_with_mqa is not None for layer in self.decoder_layers()):
+            self.dense_stacked_params = type(self).dense_stacked_params + MERGED_QKV_A
         # Instance attribute: the routed-expert shard ids depend on this rank's EP slice.
         self.stacked_params = self.dense_stacked_params + tuple(
             expert_stacked_params(moe.experts) if moe is not None else ())

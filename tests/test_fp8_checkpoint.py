@@ -194,7 +194,8 @@ def test_shards_that_cut_a_block_are_refused_with_the_reason(checkpoints: dict[s
         return DeepseekV3ForCausalLM(config, _fake_groups(tp, 1, ep, 0), Collectives("gloo"), device="meta", fp8=fmt)
 
     model = build(2, 1)  # 48-row q_b shards, experts' 16-row intermediate slices: whole blocks
-    assert model.layers[0].self_attn.kv_a_proj_with_mqa.weight_scale_inv.shape == (3, 4)
+    # kv_a_proj_with_mqa's 40 rows end in a partial block after q_a_proj's 48 in their merged matmul: 3 + 3 scale rows
+    assert model.layers[0].self_attn.fused_qkv_a_proj_with_mqa.weight_scale_inv.shape == (6, 4)
     assert model.layers[1].mlp.experts.down_proj_scale_inv.shape == (8, 4, 1)
     with pytest.raises(WeightShapeError, match=r"layers\.0\.self_attn: q_b_proj: output rows 96: a shard of 24 per "
                                                r"rank over 4 ranks is not a multiple of the FP8 block's 16"):

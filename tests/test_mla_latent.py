@@ -49,8 +49,9 @@ def mla(backend: AttentionBackend, fp8: BlockFP8 | None = None, seed: int = 0) -
 def expanded(attn: MLAttention, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """HF's form over a whole sequence. x: [L, hidden]; mask: [L, L] (row may attend column) -> [L, hidden]"""
     d, n, heads = attn.dims, x.shape[0], attn.heads
-    q_nope, q_rope = attn._queries(x).split([d.qk_nope_head_dim, d.qk_rope_head_dim], dim=-1)
-    latent, k_rope = attn.kv_a_proj_with_mqa(x).split([d.kv_lora_rank, d.qk_rope_head_dim], dim=-1)
+    q, kv_a = attn._projections(x)
+    q_nope, q_rope = q.split([d.qk_nope_head_dim, d.qk_rope_head_dim], dim=-1)
+    latent, k_rope = kv_a.split([d.kv_lora_rank, d.qk_rope_head_dim], dim=-1)
     q_rope, k_rope = attn.rotary(positions, q_rope, k_rope.view(n, 1, d.qk_rope_head_dim))
     kv = attn.kv_b_proj(attn.kv_a_layernorm(latent)).view(n, heads, d.qk_nope_head_dim + d.v_head_dim)
     k_nope, v = kv.split([d.qk_nope_head_dim, d.v_head_dim], dim=-1)

@@ -103,6 +103,30 @@ class ReplicatedLinear(LinearBase):
         return self._mm(x, self.bias)
 
 
+class MergedReplicatedLinear(ReplicatedLinear):
+    """Several replicated outputs of the same input in one matmul (e.g. MLA's q_a_proj and
+    kv_a_proj_with_mqa); shard_id = index. In block FP8 every part but the last must be whole blocks
+    (the parts' scale rows are concatenated; the last part may end in a partial block, as alone)."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 fp8: BlockFP8 | None = None) -> None:
+        self.out_sizes = list(out_sizes)
+        if fp8 is not None:
+            for size in out_sizes[:-1]:
+                fp8_block_aligned(size, fp8.block_n, f"merged output part of {size} rows", fp8)
+        super().__init__(in_features, sum(out_sizes), bias, dtype, device, fp8)
+
+    def weight_loader(self, param: nn.Parameter, source: WeightSource, shard_id: object = None) -> None:
+        if not isinstance(shard_id, int):
+            raise TypeError("MergedReplicatedLinear loads one part at a time (shard_id = index)")
+        unit = self.fp8.block_n if (self.fp8 is not None and param is self.weight_scale_inv) else 1
+        sizes = [-(-s // unit) for s in self.out_sizes]
+        rows, offset = sizes[shard_id], sum(sizes[:shard_id])
+        expect_dim(source, 0, rows)
+        copy_checked(param.narrow(0, offset, rows), source.full(), source.name)
+
+
 class ColumnParallelLinear(LinearBase):
     """Output features split over the group: rank r holds rows [r*out/size, (r+1)*out/size)."""
 

@@ -25,7 +25,9 @@ chunked prefill over a cached prefix, decode, chain and tree verify) runs this o
 prefill does more attention FLOPs than the expanded form would (K 576 / V 512 per head against
 192 / 128), the price of one cache layout and one mechanism.
 
-The latent projections (q_a, kv_a and their norms) are replicated; q_b / q_proj and kv_b are
+The latent projections (q_a, kv_a and their norms) are replicated, q_a and kv_a as one matmul of x
+(``fused_qkv_a_proj_with_mqa``, loaded from the checkpoint's two tensors; in block FP8 when q_lora_rank is
+whole blocks); q_b / q_proj and kv_b are
 column-parallel over heads (W_UK / W_UV are this rank's heads' slices), o_proj is row-parallel and
 leaves a sum owed to the attention-TP group. ``kv_b_proj`` holds the checkpoint's weight and is not
 multiplied by: ``derive_from_weights`` (run by the loader and by random init once the weights are in)
@@ -50,7 +52,7 @@ from ..parallel.groups import Group
 from ..parallel.layouts import Unreduced
 from .attention import AttentionBackend, paged_attention_reference
 from .fp8_block import BlockFP8, dequantize_weight
-from .linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from .linear import ColumnParallelLinear, MergedReplicatedLinear, ReplicatedLinear, RowParallelLinear
 from .mla_rotary import MLARotary
 from .norm import RMSNorm
 from .weight_source import WeightShapeError, named
@@ -68,6 +70,12 @@ def mla_assemble(q_abs: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor
     q_rope, k_rope = rotary(positions, q_rope, k_rope.view(n, 1, rope))
     return torch.cat((q_abs, q_rope), dim=-1), torch.cat((norm(latent).view(n, 1, rank), k_rope), dim=-1)
 
+
+# q_a_proj and kv_a_proj_with_mqa's checkpoint tensors -> the merged matmul's parts (``stacked_params`` rows)
+MERGED_QKV_A: tuple[tuple[str, str, object], ...] = (
+    (".fused_qkv_a_proj_with_mqa.", ".q_a_proj.", 0),
+    (".fused_qkv_a_proj_with_mqa.", ".kv_a_proj_with_mqa.", 1),
+)
 
 MLAAssembleFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, MLARotary, RMSNorm],
                          tuple[torch.Tensor, torch.Tensor]]
@@ -124,21 +132,27 @@ class MLAttention(nn.Module):
         self.scale = scale
         d, h = dims, dims.hidden
         q_out = d.num_heads * d.qk_head_dim
+        kv_out = d.kv_lora_rank + d.qk_rope_head_dim
         self.q_proj: ColumnParallelLinear | None = None
         self.q_a_proj: ReplicatedLinear | None = None
         self.q_a_layernorm: RMSNorm | None = None
         self.q_b_proj: ColumnParallelLinear | None = None
+        self.kv_a_proj_with_mqa: ReplicatedLinear | None = None
+        self.fused_qkv_a_proj_with_mqa: MergedReplicatedLinear | None = None
         if d.q_lora_rank is None:
             self.q_proj = named("q_proj", lambda: ColumnParallelLinear(h, q_out, group, dtype=dtype, device=device,
                                                                        fp8=fp8))
         else:
             rank = d.q_lora_rank
-            self.q_a_proj = ReplicatedLinear(h, rank, d.bias, dtype, device, fp8)
+            if fp8 is None or rank % fp8.block_n == 0:  # q_a and kv_a as one matmul of x (as sglang does)
+                self.fused_qkv_a_proj_with_mqa = MergedReplicatedLinear(h, [rank, kv_out], d.bias, dtype, device, fp8)
+            else:
+                self.q_a_proj = ReplicatedLinear(h, rank, d.bias, dtype, device, fp8)
             self.q_a_layernorm = RMSNorm(rank, d.latent_eps, dtype, device, norm_kernel)
             self.q_b_proj = named("q_b_proj", lambda: ColumnParallelLinear(rank, q_out, group, dtype=dtype,
                                                                            device=device, fp8=fp8))
-        self.kv_a_proj_with_mqa = ReplicatedLinear(h, d.kv_lora_rank + d.qk_rope_head_dim, d.bias, dtype, device,
-                                                   fp8)
+        if self.fused_qkv_a_proj_with_mqa is None:
+            self.kv_a_proj_with_mqa = ReplicatedLinear(h, kv_out, d.bias, dtype, device, fp8)
         self.kv_a_layernorm = RMSNorm(d.kv_lora_rank, d.latent_eps, dtype, device, norm_kernel)
         self.kv_b_proj = named("kv_b_proj", lambda: ColumnParallelLinear(
             d.kv_lora_rank, d.num_heads * (d.qk_nope_head_dim + d.v_head_dim), group, dtype=dtype, device=device,
@@ -172,20 +186,30 @@ class MLAttention(nn.Module):
         d = self.dims
         return KVShape(1, d.kv_lora_rank + d.qk_rope_head_dim, d.kv_lora_rank, v_in_k=True)
 
-    def _queries(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [n, hidden] -> [n, heads, qk_head_dim]
-        if self.q_proj is not None:
-            q = self.q_proj(x)
+    def _projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # x: [n, hidden] -> q [n, heads, qk_head_dim], kv_a's output [n, kv_lora_rank + rope]
+        d = self.dims
+        if self.fused_qkv_a_proj_with_mqa is not None:
+            assert d.q_lora_rank is not None and self.q_a_layernorm is not None and self.q_b_proj is not None
+            q_latent, kv = self.fused_qkv_a_proj_with_mqa(x).split(
+                [d.q_lora_rank, d.kv_lora_rank + d.qk_rope_head_dim], dim=-1)
+            q = self.q_b_proj(self.q_a_layernorm(q_latent))
         else:
-            assert self.q_a_proj is not None and self.q_a_layernorm is not None and self.q_b_proj is not None
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        return q.view(x.shape[0], self.heads, self.dims.qk_head_dim)
+            assert self.kv_a_proj_with_mqa is not None
+            kv = self.kv_a_proj_with_mqa(x)
+            if self.q_proj is not None:
+                q = self.q_proj(x)
+            else:
+                assert self.q_a_proj is not None and self.q_a_layernorm is not None and self.q_b_proj is not None
+                q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return q.view(x.shape[0], self.heads, d.qk_head_dim), kv
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> Unreduced:
         # x: [n, hidden] -> owed [n, hidden] to the attention-TP group
         d, n, rank = self.dims, x.shape[0], self.dims.kv_lora_rank
-        q_nope, q_rope = self._queries(x).split([d.qk_nope_head_dim, d.qk_rope_head_dim], dim=-1)
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split([rank, d.qk_rope_head_dim], dim=-1)
+        q, kv = self._projections(x)
+        q_nope, q_rope = q.split([d.qk_nope_head_dim, d.qk_rope_head_dim], dim=-1)
+        latent, k_rope = kv.split([rank, d.qk_rope_head_dim], dim=-1)
         q_abs = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [n, heads, rank]
         # q [n, heads, rank + rope], k [n, 1, rank + rope]
         q, k = self.assemble(q_abs, q_rope, latent, k_rope, batch.positions, self.rotary, self.kv_a_layernorm)
