@@ -27,15 +27,15 @@ prefill does more attention FLOPs than the expanded form would (K 576 / V 512 pe
 
 The latent projections (q_a, kv_a and their norms) are replicated, q_a and kv_a as one matmul of x
 (``fused_qkv_a_proj_with_mqa``, loaded from the checkpoint's two tensors; in block FP8 when q_lora_rank is
-whole blocks); q_b / q_proj and kv_b are
-column-parallel over heads (W_UK / W_UV are this rank's heads' slices), o_proj is row-parallel and
-leaves a sum owed to the attention-TP group. ``kv_b_proj`` holds the checkpoint's weight and is not
-multiplied by: ``derive_from_weights`` (run by the loader and by random init once the weights are in)
-copies its halves into ``w_uk`` / ``w_uv`` in the compute dtype, dequantized from block FP8 when the
-layer keeps FP8 weights (what sglang does). ``attention_backend`` (chosen at construction, see
-``kernels.py``) attends over the cache; ``assemble`` builds its query and key rows (RoPE, the latent norm,
-the concatenations; ``mla_assemble`` or one Triton launch) and ``norm_kernel`` runs the latent norms. With ``fp8`` every projection keeps block-FP8 weights
-(``linear.py``); the latent norms stay as they are.
+whole blocks); q_b / q_proj and kv_b are column-parallel over heads (W_UK / W_UV are this rank's heads'
+slices), o_proj is row-parallel and leaves a sum owed to the attention-TP group. ``kv_b_proj`` holds the
+checkpoint's weight and is not multiplied by: ``derive_from_weights`` (run by the loader and by random
+init once the weights are in) copies its halves into ``w_uk`` / ``w_uv`` in the compute dtype, dequantized
+from block FP8 when the layer keeps FP8 weights (what sglang does). Chosen at construction (see
+``kernels.py``): ``attention_backend`` attends over the cache; ``assemble`` builds its query and key rows
+(RoPE, the latent norm, the concatenations: ``mla_assemble`` or one Triton launch); ``norm_kernel`` runs
+the latent norms. With ``fp8`` every projection keeps block-FP8 weights (``linear.py``); the latent norms
+stay as they are.
 """
 
 from __future__ import annotations
