@@ -251,7 +251,8 @@ class RoutedExperts(nn.Module):
         if self.fused is not None or self.fused_fp8 is not None:
             local_ids = ids  # every expert here (ep 1): the global ids are the local ones, -1 stays -1
             if self.num_local != self.num_experts:
-                local_ids = torch.where((ids >= self.first) & (ids < self.first + self.num_local), ids - self.first, -1)
+                mine = (ids >= self.first) & (ids < self.first + self.num_local)
+                local_ids = torch.where(mine, ids - self.first, -1)
             if self.fused_fp8 is not None:
                 assert self.fp8 is not None
                 return self.fused_fp8(x, local_ids, weights, self.gate_up_proj, self.gate_up_proj_scale_inv,
