@@ -18,8 +18,8 @@ its scales [ceil(N/bn), ceil(K/bk)]:
    adds their fp32 partials in split order with the bias (``arrival_counters``; before: torch's sum, add and
    cast, kernels after the GEMM: q_a_proj 13.0 -> ~10 us, kv_a_proj_with_mqa 11.9 -> ~9 at one row).
 
-Tiles by rows: M <= 16 (decode) BLOCK_M 16 x BLOCK_N 32 / 64 / 128 by the shape (``_tiles``), up to 64 rows 32/64 x 64, larger 64/128
-x 128 (sglang's untuned defaults are of this kind). The weight scale of a column is looked up per
+Tiles by rows: M <= 16 (decode) BLOCK_M 16 x BLOCK_N 32 / 64 / 128 by the shape (``_tiles``), up to 64
+rows 32/64 x 64, larger 64/128 x 128 (sglang's untuned defaults are of this kind). The weight scale of a column is looked up per
 column, so BLOCK_N need not divide bn. bk must be a power of two >= 32 (the K of an e4m3 tl.dot on
 Hopper: 16 compiles in the CPU interpreter and fails on the H200, "K >= 32"); other
 formats, non-2-D inputs or non-contiguous weights go to the w8a8 torch reference.

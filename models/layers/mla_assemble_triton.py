@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .mla import mla_assemble
 from .mla_rotary import MLARotary
 from .norm import RMSNorm
 
@@ -78,7 +79,6 @@ def mla_assemble_triton(q_abs: torch.Tensor, q_rope: torch.Tensor, latent: torch
     half = rope // 2
     if (rank & (rank - 1) or half & (half - 1) or rotary.inv_freq.shape[0] != half
             or any(t.stride(-1) != 1 for t in (q_abs, q_rope, latent, k_rope))):
-        from .mla import mla_assemble
         return mla_assemble(q_abs, q_rope, latent, k_rope, positions, rotary, norm)
     q = torch.empty(n, heads, rank + rope, dtype=q_abs.dtype, device=q_abs.device)
     k = torch.empty(n, 1, rank + rope, dtype=q_abs.dtype, device=q_abs.device)
