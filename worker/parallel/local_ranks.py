@@ -1,6 +1,8 @@
 """Run one function on N local ranks (processes) with torch.distributed initialised.
 
-gloo on CPU, NCCL on CUDA (one GPU per rank); rendezvous over TCP on 127.0.0.1. A rank that
+gloo on CPU, NCCL on CUDA (one GPU per rank); rendezvous through a file store in the run's temp directory:
+no port to pick (one picked, released and bound again by rank 0 later could be taken in between by any other
+process's socket) and no store server listening on every interface, as torch's TCP store's does. A rank that
 raises ends the whole run (the other ranks are terminated) and the error comes back to the
 caller with the rank's traceback. Results travel by value through files in a temp directory.
 
@@ -26,7 +28,6 @@ from __future__ import annotations
 import faulthandler
 import os
 import pickle
-import socket
 import sys
 import tempfile
 import traceback
@@ -48,12 +49,6 @@ class RankFailed(RuntimeError):
     pass
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _caller_state() -> dict[str, Any]:
     """What a spawned rank inherited from its caller: environment, working directory, import path."""
     return {"env": dict(os.environ), "cwd": os.getcwd(), "sys_path": list(sys.path)}
@@ -66,7 +61,7 @@ def _take_caller_state(state: dict[str, Any]) -> None:
     sys.path[:] = state["sys_path"]
 
 
-def _entry(rank: int, world: int, port: int, backend: str, state: dict[str, Any], payload: bytes,
+def _entry(rank: int, world: int, backend: str, state: dict[str, Any], payload: bytes,
            out_dir: str, timeout_s: float) -> None:
     faulthandler.enable(all_threads=True)
     error = Path(out_dir) / f"rank{rank}.err"
@@ -77,8 +72,8 @@ def _entry(rank: int, world: int, port: int, backend: str, state: dict[str, Any]
         torch.set_num_threads(1)
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
+        store = dist.FileStore(str(Path(out_dir) / "rendezvous"), world)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
         try:
             out = fn(rank, world, backend, *args)
             torch.save(out, Path(out_dir) / f"rank{rank}.pt")
@@ -111,7 +106,7 @@ def run_on_ranks(fn: Callable[..., Any], world: int, *args: Any, backend: str | 
     mp.set_forkserver_preload(FORKSERVER_PRELOAD)
     with tempfile.TemporaryDirectory(prefix="fusedserve-ranks-") as out_dir:
         try:
-            mp.start_processes(_entry, args=(world, free_port(), backend, _caller_state(), payload, out_dir,
+            mp.start_processes(_entry, args=(world, backend, _caller_state(), payload, out_dir,
                                              timeout_s), nprocs=world, join=True, start_method="forkserver")
         except mp.ProcessRaisedException as e:
             raise RankFailed(_root_cause(Path(out_dir)) or str(e).strip().splitlines()[-1]) from e
