@@ -111,18 +111,31 @@ def fetch_model(key: str, out: str | Path | None = None, gguf: str | Path | None
         if digest != model.sha256:
             raise FetchError(f"{source}: sha256 {digest} is not {model.package} {model.version}'s {model.sha256} "
                              "(a truncated download, or parts joined in the wrong order?)")
-        staging = target.parent / f".{target.name}.partial"
-        shutil.rmtree(staging, ignore_errors=True)
-        convert_gguf(source, staging, model, say)
+        # a staging folder of this call's own: two fetches at once (test workers) each convert into theirs
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+        try:
+            convert_gguf(source, staging, model, say)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         (staging / MARKER).write_text(json.dumps({
             "model": key, "package": f"{model.package}=={model.version}", "gguf": Path(model.member).name,
             "gguf_sha256": model.sha256, "license": model.license,
             "how": "transformers from_pretrained(gguf_file=...) dequantized to float32, GGUF quantizer marker "
                    "dropped, save_pretrained (safetensors)"}, indent=2) + "\n")
         make_world_readable(staging)
+        if is_complete(target, model) and not force:  # another fetch's copy landed meanwhile, maybe in use
+            shutil.rmtree(staging, ignore_errors=True)
+            return target
         if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
+            shutil.rmtree(target, ignore_errors=True)
+        try:
+            staging.rename(target)
+        except OSError:
+            shutil.rmtree(staging, ignore_errors=True)
+            if not is_complete(target, model):  # not another fetch's complete copy that landed first
+                raise
     return target
 
 
@@ -165,7 +178,7 @@ def convert_gguf(gguf: Path, out: Path, model: PackagedModel, say: Callable[[str
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     drop_gguf_marker(hf)
     hf.config.architectures = [model.architecture]
-    out.mkdir(parents=True)
+    out.mkdir(parents=True, exist_ok=True)
     hf.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
     if not getattr(tokenizer, "chat_template", None):
