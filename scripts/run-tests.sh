@@ -7,7 +7,9 @@ set -u
 cd "$(dirname "$0")/.."
 # Debian's Prometheus for the real-Prometheus tests, fetched here: inside the namespace apt has no network.
 bash scripts/ensure-prometheus.sh
-PYTEST=(.venv/bin/python -m pytest -q --durations=25 "$@")
+# Two workers (pytest-xdist): the Ray / operator modules one after another on one of them, every other module on
+# whichever is free (tests/conftest.py's SerialFirst). Alone the suite kept ~1.1 of the 2 cores busy.
+PYTEST=(.venv/bin/python -m pytest -q --durations=25 -n "${FUSEDSERVE_TEST_WORKERS:-2}" "$@")
 export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
 # Tests on the real SmolLM2 use its converted checkpoint, made once per machine into the cache
 # (~/.cache/fusedserve): a download, so here, before the private network namespace.

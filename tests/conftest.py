@@ -184,14 +184,83 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
         if not any(uses_example_servers(i) for i in later):
             failed = _SHARED[0].stop()
             assert failed == {}, f"a shared example server did not exit 0: {failed}"
+    if "ray_address" in getattr(item, "fixturenames", ()):
+        items = item.session.items
+        if not any("ray_address" in getattr(i, "fixturenames", ()) for i in items[items.index(item) + 1:]):
+            # the last test on the session's Ray: under xdist (SERIAL_MODULES first) its worker goes on
+            # with other modules, with an idle Ray beside them until the session ended
+            from tests import serve_process
+
+            serve_process.stop_ray()
     return result
 
 
+# The modules that start or join a Ray, or run the emulated cluster's operator loop, with timeouts of their own:
+# one unit of work under pytest-xdist (scripts/run-tests.sh runs `-n 2`), run first by one worker, module after
+# module, while the other worker takes the rest module by module. Collection fails when a module that starts
+# Ray (marked ``ray``/``e2e`` or joining ``ray_address``) is missing here: beside another worker's Ray it would
+# compete for the fake GPUs and the CPUs that its timeouts assume.
+SERIAL_MODULES = frozenset({
+    "tests/test_make_run.py", "tests/test_operator_cluster_e2e.py", "tests/test_operator_e2e.py",
+    "tests/test_prometheus_e2e.py", "tests/test_ray_auth.py", "tests/test_ray_runtime.py",
+    "tests/test_smollm2_serving.py",
+})
+# Only a scheduling hint: the longest other modules (2026-12-04, 2 cores) start first, so no worker is left
+# with one of them at the end while the other idles.
+LONG_MODULES = ("tests/test_triton_interpret.py", "tests/test_real_benches.py", "tests/test_openai_params.py",
+                "tests/test_prefix_caching.py", "tests/test_verify_cli.py")
+
+
+def _module(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def _starts_ray(item: pytest.Item) -> bool:
+    return ("ray_address" in getattr(item, "fixturenames", ())
+            or item.get_closest_marker("ray") is not None or item.get_closest_marker("e2e") is not None)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The modules whose tests join the session's Ray run last, one after the other (in their usual order):
-    the Ray stays up from the first of them to the end, idle during none of the other modules, and no
-    other Ray (test_ray_auth's, `make run`'s embedded one) is started beside it."""
+    """Alone (no xdist): the modules whose tests join the session's Ray run last, one after the other (in
+    their usual order): the Ray stays up from the first of them to the end, idle during none of the other
+    modules, and no other Ray (test_ray_auth's, `make run`'s embedded one) is started beside it.
+
+    Under xdist (a worker: ``config.workerinput``) every worker orders the same way: SERIAL_MODULES first
+    (one unit, ``SerialFirst`` below), then LONG_MODULES, then the rest in their usual order."""
+    unlisted = sorted({_module(i.nodeid) for i in items if _starts_ray(i)} - SERIAL_MODULES)
+    if unlisted:
+        raise pytest.UsageError(f"{unlisted} start Ray: add them to SERIAL_MODULES in tests/conftest.py")
+    if hasattr(config, "workerinput"):
+        def rank(item: pytest.Item) -> int:
+            module = _module(item.nodeid)
+            if module in SERIAL_MODULES:
+                return 0
+            return 1 + LONG_MODULES.index(module) if module in LONG_MODULES else 1 + len(LONG_MODULES)
+        items.sort(key=rank)  # stable: the usual order within each rank
+        return
     joins = {item.module.__name__ for item in items
              if isinstance(item, pytest.Function) and "ray_address" in item.fixturenames}
     items[:] = ([i for i in items if getattr(i, "module", None) is None or i.module.__name__ not in joins]
                 + [i for i in items if getattr(i, "module", None) is not None and i.module.__name__ in joins])
+
+
+try:
+    from xdist.scheduler import LoadScopeScheduling
+except ImportError:  # pytest-xdist is a dev dependency; without it the suite runs in one process
+    pass
+else:
+    class SerialFirst(LoadScopeScheduling):
+        """xdist's per-module scheduling, with SERIAL_MODULES as one unit and the units in the workers'
+        collection order (above), not reordered by size."""
+
+        def __init__(self, config: pytest.Config, log: Any = None) -> None:
+            super().__init__(config, log)
+            self.config.option.loadscopereorder = False  # read by schedule(): keep the collection order
+
+        def _split_scope(self, nodeid: str) -> str:
+            module = _module(nodeid)
+            return "serial" if module in SERIAL_MODULES else module
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+        return SerialFirst(config, log)

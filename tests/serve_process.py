@@ -44,6 +44,13 @@ def _ray() -> Iterator[str]:
     ray.init(num_cpus=2, num_gpus=0, resources={"fake_gpu": FAKE_GPUS}, include_dashboard=False,
              namespace=NAMESPACE, log_to_driver=False)
     yield ray.get_runtime_context().gcs_address
+    stop_ray()
+
+
+def stop_ray() -> None:
+    """The session's Ray stopped (again: a no-op)."""
+    import ray
+
     ray.shutdown()
 
 

@@ -74,7 +74,7 @@ INVALID = [
 ]
 
 
-@pytest.mark.parametrize(("path", "value", "field", "reason"), INVALID, ids=[f"{p}={v}" for p, v, *_ in INVALID])
+@pytest.mark.parametrize(("path", "value", "field", "reason"), INVALID, ids=[f"{p}={'<deleted>' if v is _DELETE else v}" for p, v, *_ in INVALID])
 def test_invalid_manifest_names_the_field(path: str, value: Any, field: str, reason: str) -> None:
     with pytest.raises(SpecError) as info:
         parse_manifest(_with(path, value))

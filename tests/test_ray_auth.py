@@ -173,9 +173,33 @@ def test_embedded_ray_refuses_a_client_without_the_token(embedded: tuple[Server,
     assert server.complete() is not None  # the server itself goes on serving
 
 
+def _process_tree(root: int) -> set[int]:
+    """``root`` and every process below it, from /proc (Ray's daemons are the server's children, its workers
+    the raylet's)."""
+    children: dict[int, list[int]] = {}
+    for proc_stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = proc_stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        children.setdefault(int(fields[1]), []).append(int(proc_stat.parent.name))
+    tree, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        tree.add(pid)
+        todo.extend(children.get(pid, ()))
+    return tree
+
+
 def test_embedded_ray_has_no_dashboard_and_listens_on_loopback_only(embedded: tuple[Server, str, Path]) -> None:
+    server, address, _ = embedded
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", 8265), timeout=2).close()
-    listening = subprocess.run(["ss", "-Hltn"], capture_output=True, text=True, check=False).stdout
-    addresses = {line.split()[3].rsplit(":", 1)[0] for line in listening.splitlines() if line.strip()}
-    assert addresses <= {"127.0.0.1", "[::ffff:127.0.0.1]"}, listening
+    # The sockets of this server's processes only: under xdist another worker's tests listen beside it.
+    tree = _process_tree(server.proc.pid)
+    listening = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True, check=False).stdout
+    ours = [line for line in listening.splitlines() if {int(p) for p in re.findall(r"pid=(\d+)", line)} & tree]
+    ports = {line.split()[3].rsplit(":", 1)[1] for line in ours}
+    assert address.rsplit(":", 1)[1] in ports and str(server.port) in ports, (address, server.port, listening)
+    addresses = {line.split()[3].rsplit(":", 1)[0] for line in ours}
+    assert addresses <= {"127.0.0.1", "[::ffff:127.0.0.1]"}, "\n".join(ours)
