@@ -24,7 +24,7 @@ class EngineConfigError(ValueError):
 @dataclass(frozen=True)
 class EngineConfig:
     block_size: int = 16
-    num_blocks: int | None = None  # None = kv_memory_fraction of the free memory
+    num_blocks: int | None = None  # None: kv_memory_fraction of the free memory (on CPU at most CPU_KV_BLOCKS)
     kv_memory_fraction: float = 0.5
     max_num_seqs: int = 64
     max_batch_tokens: int = 2048

@@ -45,7 +45,7 @@ from ..engine.config import EngineConfig
 from ..engine.engine import Engine
 from ..executor.executor import StepExecutor
 from ..executor.kernel_set import KernelChoice, kernel_choice, libraries
-from ..executor.kv_cache import KVCacheSizeError, available_memory, blocks_for
+from ..executor.kv_cache import CPU_KV_BLOCKS, KVCacheSizeError, available_memory, blocks_for
 from ..spec_decode.draft_model import draft_aux_layers
 from .dp_rounds import DPEngine, DPRounds
 from .step_channel import LeaderExecutor, StepChannel, follow
@@ -110,6 +110,8 @@ def build_rank(model_dir: str | Path, config: EngineConfig, groups: ParallelGrou
     if num_blocks is None:
         num_blocks = blocks_for(model.kv_shapes(), state_shapes, config.block_size, dtype, config.max_num_seqs,
                                 config.kv_memory_fraction, available_memory(device))
+        if device.type == "cpu":
+            num_blocks = min(num_blocks, CPU_KV_BLOCKS)
     num_blocks = agree_min(num_blocks, groups.tp)  # block tables are shared by every rank
     if num_blocks < 1:
         raise KVCacheSizeError(f"the KV cache holds no block of {config.block_size} tokens")

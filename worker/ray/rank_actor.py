@@ -35,7 +35,6 @@ from ..spec import RuntimeConfig
 
 log = logging.getLogger(__name__)
 
-CPU_KV_BLOCKS = 512  # KV blocks of a CPU rank (a share of host memory would be far too much)
 RENDEZVOUS_TIMEOUT = timedelta(seconds=120)
 
 
@@ -70,7 +69,7 @@ def engine_config(rc: RuntimeConfig, device: str) -> Any:
     cuda = device.startswith("cuda")
     s = rc.speculative
     return EngineConfig(
-        block_size=rc.block_size, num_blocks=None if cuda else CPU_KV_BLOCKS, kv_memory_fraction=rc.kv_cache_fraction,
+        block_size=rc.block_size, kv_memory_fraction=rc.kv_cache_fraction,
         max_num_seqs=rc.max_sequences, max_batch_tokens=rc.max_batch_tokens, max_model_len=rc.max_model_len,
         dtype=rc.dtype_on(cuda), quantization=rc.quantization, device=device, load_format=rc.load_format,
         skip_tokenizer=rc.skip_tokenizer, enable_prefix_caching=rc.prefix_caching,
