@@ -221,27 +221,27 @@ def _starts_ray(item: pytest.Item) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Alone (no xdist): the modules whose tests join the session's Ray run last, one after the other (in
-    their usual order): the Ray stays up from the first of them to the end, idle during none of the other
-    modules, and no other Ray (test_ray_auth's, `make run`'s embedded one) is started beside it.
+    """The modules whose tests join the session's Ray run after the others, one after the other (in their usual
+    order): the Ray stays up from the first of them to the last, idle during none of the other modules, and no
+    other Ray (test_ray_auth's, `make run`'s embedded one) is started beside it.
 
-    Under xdist (a worker: ``config.workerinput``) every worker orders the same way: SERIAL_MODULES first
-    (one unit, ``SerialFirst`` below), then LONG_MODULES, then the rest in their usual order."""
+    Under xdist (a worker: ``config.workerinput``) every worker orders the same way: SERIAL_MODULES first (one
+    unit, ``SerialFirst`` below; those joining the session's Ray last among them), then LONG_MODULES, then the
+    rest in their usual order."""
     unlisted = sorted({_module(i.nodeid) for i in items if _starts_ray(i)} - SERIAL_MODULES)
     if unlisted:
         raise pytest.UsageError(f"{unlisted} start Ray: add them to SERIAL_MODULES in tests/conftest.py")
-    if hasattr(config, "workerinput"):
-        def rank(item: pytest.Item) -> int:
-            module = _module(item.nodeid)
-            if module in SERIAL_MODULES:
-                return 0
-            return 1 + LONG_MODULES.index(module) if module in LONG_MODULES else 1 + len(LONG_MODULES)
-        items.sort(key=rank)  # stable: the usual order within each rank
-        return
-    joins = {item.module.__name__ for item in items
-             if isinstance(item, pytest.Function) and "ray_address" in item.fixturenames}
-    items[:] = ([i for i in items if getattr(i, "module", None) is None or i.module.__name__ not in joins]
-                + [i for i in items if getattr(i, "module", None) is not None and i.module.__name__ in joins])
+    joins = {_module(i.nodeid) for i in items if "ray_address" in getattr(i, "fixturenames", ())}
+
+    def rank(item: pytest.Item) -> int:
+        module = _module(item.nodeid)
+        if not hasattr(config, "workerinput"):
+            return 1 if module in joins else 0
+        if module in SERIAL_MODULES:
+            return 1 if module in joins else 0
+        return 2 + LONG_MODULES.index(module) if module in LONG_MODULES else 2 + len(LONG_MODULES)
+
+    items.sort(key=rank)  # stable: the usual order within each rank
 
 
 try:
