@@ -140,16 +140,25 @@ def embedded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server,
             assert not token_file.exists() and not token_file.parent.exists(), "the run's token outlived it"
 
 
+def _children() -> dict[int, list[int]]:
+    """Every process's children, from /proc."""
+    children: dict[int, list[int]] = {}
+    for proc_stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = proc_stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        children.setdefault(int(fields[1]), []).append(int(proc_stat.parent.name))
+    return children
+
+
 def _token_file_of_children(pid: int) -> Path:
     """The run's token file, as its Ray processes (children of the CLI) got it in their environment."""
     key = f"{auth_token.TOKEN_PATH_ENV}=".encode()
-    for proc in Path("/proc").iterdir():
+    for child in _children().get(pid, ()):
         try:
-            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ppid != pid:
-                continue
-            environ = (proc / "environ").read_bytes().split(b"\0")
-        except (OSError, ValueError, IndexError):
+            environ = (Path("/proc") / str(child) / "environ").read_bytes().split(b"\0")
+        except OSError:
             continue
         assert not any(e.startswith(b"RAY_AUTH_TOKEN=") for e in environ), "the token itself is in an environment"
         for entry in environ:
@@ -174,15 +183,8 @@ def test_embedded_ray_refuses_a_client_without_the_token(embedded: tuple[Server,
 
 
 def _process_tree(root: int) -> set[int]:
-    """``root`` and every process below it, from /proc (Ray's daemons are the server's children, its workers
-    the raylet's)."""
-    children: dict[int, list[int]] = {}
-    for proc_stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = proc_stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # ended meanwhile
-            continue
-        children.setdefault(int(fields[1]), []).append(int(proc_stat.parent.name))
+    """``root`` and every process below it (Ray's daemons are the server's children, its workers the raylet's)."""
+    children = _children()
     tree, todo = set(), [root]
     while todo:
         pid = todo.pop()
