@@ -184,9 +184,11 @@ def test_executed_collectives_equal_the_plan_on_every_rank(
         assert r["planned"] == planned, f"rank {rank} planned differently"
         assert r["fused_variant"] is (fusion == "reference" and world > 1)
         assert [rec[:3] for rec in r["records"]] == planned, f"tp={world} rank {rank}"
-        # The path says what ran: gloo for plain collectives, the CPU reference for fused ones.
+        # The path says what ran: the host's shared memory for sums, gloo for the other collectives, the CPU
+        # reference for fused ones.
         assert {rec[3] for rec in r["records"] if rec[1] == "fused_ar_add_rmsnorm"} <= {"reference_fused"}
-        assert {rec[3] for rec in r["records"] if rec[1] != "fused_ar_add_rmsnorm"} <= {"gloo"}
+        assert {rec[3] for rec in r["records"] if rec[1] == "all_reduce"} <= {"shm"}
+        assert {rec[3] for rec in r["records"] if rec[1] not in ("all_reduce", "fused_ar_add_rmsnorm")} <= {"gloo"}
 
 
 def test_capture_reads_the_complete_residual_stream(
@@ -230,7 +232,7 @@ def test_reference_fusion_defers_the_mlp_all_reduce_into_the_next_layer(
 ) -> None:
     world, results = parity
     fused_records = [
-        ("layers.0.attn.in", "all_reduce", "tp", "gloo"),  # the embedding's sum (no residual yet)
+        ("layers.0.attn.in", "all_reduce", "tp", "shm"),  # the embedding's sum (no residual yet)
         ("layers.0.mlp.in", "fused_ar_add_rmsnorm", "attn_tp", "reference_fused"),
         ("layers.1.attn.in", "fused_ar_add_rmsnorm", "tp", "reference_fused"),  # layer 0's MLP sum
         ("layers.1.mlp.in", "fused_ar_add_rmsnorm", "attn_tp", "reference_fused"),
@@ -238,12 +240,12 @@ def test_reference_fusion_defers_the_mlp_all_reduce_into_the_next_layer(
         ("layers.2.mlp.in", "fused_ar_add_rmsnorm", "attn_tp", "reference_fused"),
         ("layers.3.attn.in", "fused_ar_add_rmsnorm", "tp", "reference_fused"),
         ("layers.3.mlp.in", "fused_ar_add_rmsnorm", "attn_tp", "reference_fused"),
-        ("final.in", "all_reduce", "tp", "gloo"),  # the last MLP's sum: the final norm never fuses
+        ("final.in", "all_reduce", "tp", "shm"),  # the last MLP's sum: the final norm never fuses
         ("lm_head", "all_gather", "tp", "gloo"),
     ]
     unfused_records = [
-        (site, "all_reduce" if op == "fused_ar_add_rmsnorm" else op, group, "gloo")
-        for site, op, group, _ in fused_records
+        (site, "all_reduce", group, "shm") if op == "fused_ar_add_rmsnorm" else (site, op, group, path)
+        for site, op, group, path in fused_records
     ]
     if world == 1:  # no collectives at all: nothing to defer
         fused_records = unfused_records = []

@@ -26,7 +26,8 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class Collectives:
-    """The collectives one rank runs. ``device_path`` is "nccl" or "gloo".
+    """The collectives one rank runs. ``device_path`` is "nccl" or "gloo" (a CPU group's all-reduce runs "shm"
+    where its ranks share a host: ``Group.all_reduce_``).
 
     Every call is counted in the ledger; its time is sampled by ``clock`` (collective_clock.py).
     """
@@ -55,8 +56,9 @@ class Collectives:
         """Sum over the group, in place on ``x`` (the caller owns it). x: [*]"""
         if group.is_trivial:
             return x
-        self.ledger.record(site, "all_reduce", group.name, self.device_path, _nbytes(x))
-        self._timed(("all_reduce", group.name, self.device_path), lambda: dist.all_reduce(x, group=group.device_group))
+        path = group.all_reduce_path(self.device_path)
+        self.ledger.record(site, "all_reduce", group.name, path, _nbytes(x))
+        self._timed(("all_reduce", group.name, path), lambda: group.all_reduce_(x))
         return x
 
     def all_gather(self, x: torch.Tensor, group: Group, site: str, dim: int = 0) -> torch.Tensor:

@@ -16,7 +16,7 @@ expert over ``moe_tp = tp // ep`` ranks. Example, tp=4, dp=2, ep=2:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 GROUP_NAMES = ("tp", "attn_tp", "dp", "moe_ep", "moe_tp")
@@ -99,7 +99,8 @@ class Group:
     """One communicating group as seen from one rank.
 
     ``device_group`` carries tensors (NCCL on CUDA, gloo on CPU); ``cpu_group`` carries
-    small host-side metadata (always gloo). Both are None for a size-1 group.
+    small host-side metadata (always gloo). Both are None for a size-1 group. ``host_all_reduce``: the sum
+    through shared memory of a CPU group whose ranks share a host (``host_all_reduce.py``), None elsewhere.
     """
 
     name: str
@@ -107,6 +108,7 @@ class Group:
     ranks: tuple[int, ...]
     device_group: Any = None
     cpu_group: Any = None
+    host_all_reduce: Any = None
 
     @property
     def size(self) -> int:
@@ -115,6 +117,19 @@ class Group:
     @property
     def is_trivial(self) -> bool:
         return self.size == 1
+
+    def all_reduce_path(self, device_path: str) -> str:
+        """Where ``all_reduce_`` runs: "shm", or the device group's ``device_path`` ("nccl" / "gloo")."""
+        return self.host_all_reduce.path if self.host_all_reduce is not None else device_path
+
+    def all_reduce_(self, x: Any) -> Any:
+        """x summed over the group's ranks, in place (shared memory where the group has it)."""
+        if self.host_all_reduce is not None:
+            return self.host_all_reduce(x)
+        import torch.distributed as dist
+
+        dist.all_reduce(x, group=self.device_group)
+        return x
 
     @staticmethod
     def single(name: str) -> Group:
@@ -161,9 +176,12 @@ def build_groups(config: ParallelConfig, rank: int, device_backend: str) -> Para
     """Create every process group of the grid. Requires an initialised default group.
 
     Every rank calls this with the same config: ``torch.distributed.new_group`` is
-    collective over the default group, so the groups are created in one fixed order.
+    collective over the default group, so the groups are created in one fixed order. On gloo, each group of
+    several ranks then sets up its shared-memory all-reduce (its members only, in the same order).
     """
     import torch.distributed as dist
+
+    from .host_all_reduce import HostAllReduce
 
     if dist.get_world_size() != config.world:
         raise ParallelConfigError(
@@ -185,4 +203,9 @@ def build_groups(config: ParallelConfig, rank: int, device_backend: str) -> Para
                     device_group=device_group,
                     cpu_group=cpu_group,
                 )
+    if device_backend == "gloo":
+        for name in GROUP_NAMES:
+            g = mine[name]
+            if not g.is_trivial:
+                mine[name] = replace(g, host_all_reduce=HostAllReduce.connect(g.rank, g.size, g.cpu_group, name))
     return ParallelGroups(config=config, coords=rank_coordinates(config, rank), **mine)

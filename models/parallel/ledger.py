@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from .collective_clock import BOUNDS
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "fused_ar_add_rmsnorm")
-PATHS = ("nccl", "gloo", "flashinfer_fused", "reference_fused")
+PATHS = ("nccl", "gloo", "shm", "flashinfer_fused", "reference_fused")
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.distributed as dist
 
 from ..groups import Group
 
@@ -64,5 +63,5 @@ class ReferenceFusedAllReduceNorm:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # x, residual: [num_tokens, hidden]
         if not group.is_trivial:
-            dist.all_reduce(x, group=group.device_group)
+            group.all_reduce_(x)
         return add_rms_norm(x, residual, weight, eps)
