@@ -1,4 +1,5 @@
-"""What one small collective costs CPU ranks on one host (gloo over loopback), against a bare socket round trip.
+"""What one small collective costs CPU ranks on one host: gloo over loopback, the shared-memory all-reduce the CPU
+groups now sum with (``models/parallel/host_all_reduce.py``), and a bare socket round trip.
 
     python bench/collective_latency.py [--worlds 2,3] [--numel 576] [--iters 300] [--repeats 3] [--out FILE]
 
@@ -6,7 +7,8 @@ On CPU every tensor-parallel layer all-reduces its output (a decode step of Smol
 one row of 576 floats), so the collective's latency, not its bytes, sets the step time of multi-rank CPU serving
 and of the multi-rank CPU tests. Ranks are started by ``run_on_ranks`` as ``fusedserve verify`` starts them; each
 op runs ``--iters`` times after 20 warm-up calls, and a world's figure is the median over ``--repeats`` runs of
-the slowest rank's mean (µs per call). ``socket_round_trip_us``: one byte there and back between two processes
+the slowest rank's mean (µs per call). ``shm_all_reduce``: the same sum through ``HostAllReduce`` (what
+``Collectives.all_reduce`` runs on a CPU group whose ranks share a host). ``socket_round_trip_us``: one byte there and back between two processes
 over a socket pair (what the transport itself costs on this host).
 """
 
@@ -32,11 +34,16 @@ sys.path.append(str(ROOT))
 
 from bench.common import record_header, write_record
 
-OPS = ("all_reduce", "broadcast", "barrier", "send_recv")
+OPS = ("all_reduce", "shm_all_reduce", "broadcast", "barrier", "send_recv")
 
 
 def _rank_main(rank: int, world: int, backend: str, numel: int, iters: int) -> dict[str, float]:
+    from fusedserve.models.parallel.host_all_reduce import HostAllReduce
+
     x = torch.ones(1, numel)
+    host = HostAllReduce.connect(rank, world, dist.group.WORLD, "bench")
+    if host is None:
+        raise RuntimeError("no shared-memory all-reduce on this host")
 
     def send_recv() -> None:  # rank 0 and rank 1 ping-pong; the others wait
         if rank == 0:
@@ -46,7 +53,7 @@ def _rank_main(rank: int, world: int, backend: str, numel: int, iters: int) -> d
             dist.recv(x, 0)
             dist.send(x, 0)
 
-    ops = {"all_reduce": lambda: dist.all_reduce(x), "broadcast": lambda: dist.broadcast(x, 0),
+    ops = {"all_reduce": lambda: dist.all_reduce(x), "shm_all_reduce": lambda: host(x), "broadcast": lambda: dist.broadcast(x, 0),
            "barrier": dist.barrier, "send_recv": send_recv}
     out = {}
     for name in OPS:
@@ -98,7 +105,7 @@ def main() -> None:
     trips = [socket_round_trip_us() for _ in range(args.repeats)]
     print(f"socket round trip: {statistics.median(trips):.1f} µs")
     record = {**record_header(), "what": __doc__.split("\n\n")[0], "cpus": os.cpu_count(), "numel": args.numel,
-              "iters": args.iters, "repeats": args.repeats, "gloo": results,
+              "iters": args.iters, "repeats": args.repeats, "by_world": results,
               "socket_round_trip_us": {"median": round(statistics.median(trips), 1),
                                        "runs": [round(t, 1) for t in trips]}}
     print(f"wrote {write_record(record, args.out)}")
