@@ -35,7 +35,7 @@ API_KEY_ENV = "FUSEDSERVE_API_KEY"  # the head's HTTP server checks Authorizatio
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 CPU_RANK_RESOURCE = "fake_gpu"  # worker.placement.LOCAL_GPU_RESOURCE: CPU ranks (gloo) when gpusPerRank is 0
 WORKER_GROUP = "gpu"
-SHM_SIZE = "16Gi"  # NCCL's shared-memory transport between ranks of one pod
+SHM_SIZE = "16Gi"  # NCCL's shared-memory transport between ranks of one pod; CPU ranks' all-reduce segments
 RAY_START = "ulimit -n 65536; $KUBERAY_GEN_RAY_START_CMD"
 
 
