@@ -8,8 +8,8 @@ one row of 576 floats), so the collective's latency, not its bytes, sets the ste
 and of the multi-rank CPU tests. Ranks are started by ``run_on_ranks`` as ``fusedserve verify`` starts them; each
 op runs ``--iters`` times after 20 warm-up calls, and a world's figure is the median over ``--repeats`` runs of
 the slowest rank's mean (µs per call). ``shm_all_reduce``: the same sum through ``HostAllReduce`` (what
-``Collectives.all_reduce`` runs on a CPU group whose ranks share a host). ``socket_round_trip_us``: one byte there and back between two processes
-over a socket pair (what the transport itself costs on this host).
+``Collectives.all_reduce`` runs on a CPU group whose ranks share a host). ``socket_round_trip_us``: one byte
+there and back between two processes over a socket pair (what the transport itself costs on this host).
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ def _rank_main(rank: int, world: int, backend: str, numel: int, iters: int) -> d
             dist.recv(x, 0)
             dist.send(x, 0)
 
-    ops = {"all_reduce": lambda: dist.all_reduce(x), "shm_all_reduce": lambda: host(x), "broadcast": lambda: dist.broadcast(x, 0),
-           "barrier": dist.barrier, "send_recv": send_recv}
+    ops = {"all_reduce": lambda: dist.all_reduce(x), "shm_all_reduce": lambda: host(x),
+           "broadcast": lambda: dist.broadcast(x, 0), "barrier": dist.barrier, "send_recv": send_recv}
     out = {}
     for name in OPS:
         for _ in range(20):

@@ -128,12 +128,12 @@ class HostAllReduce:
     # -- set-up -----------------------------------------------------------------------------------------------
     @staticmethod
     def connect(rank: int, world: int, cpu_group: Any, name: str = "group",
-                timeout_s: float = 1800.0, slot_bytes: int = SLOT_BYTES) -> HostAllReduce | None:
+                timeout_s: float = 1800.0) -> HostAllReduce | None:
         """Collective over ``cpu_group`` (gloo; every rank of the group calls it): the group's shared segment,
         or None on every rank if one of them cannot use it."""
         import torch.distributed as dist
 
-        layout = _Layout(world, slot_bytes)
+        layout = _Layout(world, SLOT_BYTES)
         usable = _SYS_FUTEX is not None and os.path.isdir(SHM_DIR)
         created = f"{SHM_DIR}/fusedserve-{secrets.token_hex(12)}"
         path: list[str | None] = [created if rank == 0 and usable else None]
@@ -197,7 +197,7 @@ class HostAllReduce:
         """x summed over the group's ranks, in place. x: [*], on the CPU."""
         flat = x.reshape(-1) if x.is_contiguous() else x.contiguous().reshape(-1)
         raw = flat.view(torch.uint8)
-        step = self.layout.slot_bytes // x.element_size() * x.element_size()
+        step = self.layout.slot_bytes  # SLOT_BYTES, a power of two: whole elements of any dtype
         for lo in range(0, raw.numel(), step):
             self._chunk(raw[lo:lo + step], flat.dtype)
         if flat.data_ptr() != x.data_ptr():
