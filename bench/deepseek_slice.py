@@ -132,8 +132,9 @@ def tokens_of(bs: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (bs,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def nbytes(module: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
+def nbytes(module: torch.nn.Module | None) -> int:
+    """Parameter bytes (0 for None: e.g. shared experts folded into the routed ones)."""
+    return 0 if module is None else sum(p.numel() * p.element_size() for p in module.parameters())
 
 
 def attention_bytes(attn: Any) -> int:
@@ -272,7 +273,7 @@ def rank_main(rank: int, world: int, backend: str, opts: dict[str, Any]) -> dict
     fixed = sum(per_layer.values()) * len(model.layers) + nbytes(model.norm) + nbytes(model.lm_head)
     kv = built.executor.kv_cache
     kv_token_bytes = kv.bytes_per_token()  # the latent cache: K alone (V is its first 512 columns)
-    first, num_local = experts.first, experts.num_local
+    first, num_local, num_experts = experts.first, experts.num_local, experts.num_experts
     out.update(fusion=built.fusion.value, kernels=built.kernels.kernels, weight_bytes=nbytes(model),
                local_experts=num_local, first_local_expert=first, expert_bytes=expert_bytes,
                bytes_per_layer_without_experts=per_layer, lm_head_bytes=nbytes(model.lm_head),
@@ -291,7 +292,8 @@ def rank_main(rank: int, world: int, backend: str, opts: dict[str, Any]) -> dict
     for bs in BATCH_SIZES:
         step = decode_step(tokens_of(bs, vocab, bs), CONTEXT + 1, SEQ_BLOCKS)
         ids, _ = routed_ids(built.model, partial(built.executor.run, step))
-        local = [(i >= first) & (i < first + num_local) for i in ids]
+        # this rank's routed experts, and a shared expert folded into them (id num_experts: moe.py)
+        local = [((i >= first) & (i < first + num_local)) | (i >= num_experts) for i in ids]
         distinct = [int(torch.unique(i[m]).numel()) for i, m in zip(ids, local)]
         weight_bytes_read = fixed + sum(distinct) * expert_bytes
         kv_read = bs * (CONTEXT + 1) * kv_token_bytes

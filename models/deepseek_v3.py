@@ -179,6 +179,12 @@ class DeepseekV3ForCausalLM(nn.Module):
                                        f"{self.config.first_k_dense_replace} in config.json)")
             target = moe.experts.checkpoint_target(expert)
             return None if target is None else (f"{expert.module}.{target[0]}", target[1])
+        if ".mlp.shared_experts." in name:  # folded into the routed experts (moe.py) where the kernels allow
+            block, rest = name.split(".mlp.", 1)
+            moe = self.get_submodule(f"{block}.mlp")
+            folded = moe.shared_checkpoint_target(rest) if isinstance(moe, MoE) else None
+            if folded is not None:
+                return f"{block}.mlp.{folded[0]}", folded[1]
         return stacked_name(name, self.dense_stacked_params)
 
     @torch.no_grad()

@@ -61,15 +61,18 @@ VARIANTS: dict[str, dict[str, Any]] = {
                                  "mscale_all_dim": 0.7, "original_max_position_embeddings": 64},
              "save_original_format": False},
 }
-# (variant, tp, dp, ep, fusion) per world size; one spawn each.
-CASES: dict[int, list[tuple[str, int, int, int, str]]] = {
+# (variant, tp, dp, ep, fusion[, kernel set]) per world size; one spawn each. The "torch" kernel set runs the
+# fused MoE, into which a single shared expert folds without ep (moe.py): its tp slices are the experts' too.
+CASES: dict[int, list[tuple[Any, ...]]] = {
     2: [("base", 2, 1, 1, "off"), ("base", 2, 1, 1, "reference"), ("base", 2, 1, 2, "off"),
-        ("base", 2, 1, 2, "reference"), ("kimi", 2, 1, 2, "reference"), ("lite", 2, 1, 2, "off")],
+        ("base", 2, 1, 2, "reference"), ("kimi", 2, 1, 2, "reference"), ("lite", 2, 1, 2, "off"),
+        ("base", 2, 1, 1, "reference", "torch")],
     4: [("base", 4, 1, 1, "off"), ("base", 4, 1, 1, "reference"), ("base", 4, 1, 4, "off"),
         ("base", 4, 1, 4, "reference"), ("base", 4, 1, 2, "reference"), ("lite", 4, 1, 4, "reference"),
         # DP attention (one DP group has no tokens in some forwards of the schedule)
         ("base", 4, 2, 1, "off"), ("base", 4, 4, 4, "off"), ("base", 4, 4, 4, "reference"),
-        ("base", 4, 2, 2, "off"), ("base", 4, 2, 2, "reference"), ("lite", 4, 2, 2, "off")],
+        ("base", 4, 2, 2, "off"), ("base", 4, 2, 2, "reference"), ("lite", 4, 2, 2, "off"),
+        ("base", 4, 2, 1, "off", "torch")],
 }
 
 
@@ -164,20 +167,22 @@ def run_schedule(model: Any, dp: int, dp_rank: int) -> tuple[dict[int, torch.Ten
 
 
 def _rank_main(rank: int, world: int, backend: str, model_dirs: dict[str, str],
-               cases: list[tuple[str, int, int, int, str]]) -> list[dict[str, Any]]:
+               cases: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
+    from fusedserve.models.layers.kernels import Kernels
     from fusedserve.models.loader import load_model
     from fusedserve.models.parallel.collectives import Collectives
     from fusedserve.models.parallel.fusion.selection import FusionMode, fused_kernel
     from fusedserve.models.parallel.groups import build_groups
 
     results = []
-    for variant, tp, dp, ep, fusion in cases:
+    for variant, tp, dp, ep, fusion, *kernel_set in cases:
         groups = build_groups(ParallelConfig(tp, dp, ep), rank, backend)
         collectives = Collectives(backend, fused=fused_kernel(FusionMode(fusion), groups, 0, torch.float32))
-        model = load_model(model_dirs[variant], groups, collectives)
+        model = load_model(model_dirs[variant], groups, collectives, kernels=Kernels.named(*kernel_set or ["reference"]))
         logits, mismatches = run_schedule(model, dp, groups.coords.dp_rank)
         lead = groups.coords.attn_tp_rank == 0  # one rank per DP group reports logits
-        results.append({"logits": logits if lead else {}, "mismatches": mismatches})
+        folded = [isinstance(layer.mlp, MoE) and layer.mlp.shared_experts is None for layer in model.layers]
+        results.append({"logits": logits if lead else {}, "mismatches": mismatches, "folded": folded})
     return results
 
 
@@ -215,15 +220,65 @@ def test_ranks_equal_hf_and_run_the_plan(world: int, checkpoints: dict[str, Path
 
     dirs = {name: str(path) for name, path in checkpoints.items()}
     per_rank = run_on_ranks(_rank_main, world, dirs, CASES[world], backend="gloo")
-    for c, (variant, tp, dp, ep, fusion) in enumerate(CASES[world]):
-        what = f"{variant} tp={tp} dp={dp} ep={ep} fusion={fusion}"
+    for c, (variant, tp, dp, ep, fusion, *kernel_set) in enumerate(CASES[world]):
+        what = f"{variant} tp={tp} dp={dp} ep={ep} fusion={fusion} kernels={kernel_set or ['reference']}"
         mismatches = [f"rank {r}: {m}" for r, res in enumerate(per_rank) for m in res[c]["mismatches"]]
         assert not mismatches, f"{what}: " + "; ".join(mismatches)
+        # the shared expert folds exactly where the fused MoE runs without ep (base: one shared expert)
+        assert all(any(res[c]["folded"]) == (kernel_set == ["torch"] and ep == 1) for res in per_rank), what
         logits: dict[int, torch.Tensor] = {}
         for res in per_rank:
             logits.update(res[c]["logits"])
         assert sorted(logits) == list(range(len(SEQS)))
         _check(logits, hf_logits[variant], what)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_tp1_fused_moe_folds_one_shared_expert_and_equals_hf(variant: str, checkpoints: dict[str, Path],
+                                                             hf_logits: dict[str, list[torch.Tensor]]) -> None:
+    """The torch kernel set (the fused MoE's capturable twin): a single shared expert (base, kimi) is one more
+    expert of the fused computation, loaded from the checkpoint's shared_experts tensors; two (lite) stay apart."""
+    from fusedserve.models.layers.kernels import Kernels
+    from fusedserve.models.loader import load_model
+    from fusedserve.models.parallel.collectives import Collectives
+
+    model = load_model(checkpoints[variant], ParallelGroups.single_rank(), Collectives("gloo"),
+                       kernels=Kernels.torch_native())
+    moes = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
+    folded = variant != "lite"
+    assert moes and all((m.shared_experts is None) == folded for m in moes)
+    e = model.config.n_routed_experts
+    assert all(m.experts.gate_up_proj.shape[0] == e + folded and m.gate.cfg.slots == m.gate.cfg.top_k + folded
+               for m in moes)
+    if folded:
+        assert model.checkpoint_name_to_param("model.layers.1.mlp.shared_experts.up_proj.weight") == (
+            "layers.1.mlp.experts.gate_up_proj", ("up_proj", e))
+        assert model.checkpoint_name_to_param("model.layers.1.mlp.shared_experts.down_proj.weight") == (
+            "layers.1.mlp.experts.down_proj", ("down_proj", e))
+    logits, mismatches = run_schedule(model, dp=1, dp_rank=0)
+    assert not mismatches
+    _check(logits, hf_logits[variant], f"tp1 {variant} torch kernels")
+
+
+def test_a_folded_shared_expert_missing_from_the_checkpoint_is_named(checkpoints: dict[str, Path],
+                                                                      tmp_path: Path) -> None:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from fusedserve.models.layers.kernels import Kernels
+    from fusedserve.models.loader import CheckpointError, load_model
+    from fusedserve.models.parallel.collectives import Collectives
+
+    src = checkpoints["base"]
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, tmp_path / f.name)
+            continue
+        tensors = {k: v for k, v in load_file(f).items() if "layers.2.mlp.shared_experts.gate_proj" not in k}
+        save_file(tensors, tmp_path / f.name, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"layers\.2\.mlp\.shared_experts\.gate_proj\.weight"):
+        load_model(tmp_path, ParallelGroups.single_rank(), Collectives("gloo"), kernels=Kernels.torch_native())
 
 
 def test_the_correction_bias_is_not_hidden(checkpoints: dict[str, Path],

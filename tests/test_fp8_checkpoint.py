@@ -291,12 +291,18 @@ def _check(opts: VerifyOptions, results: list[dict[str, Any]], prompts: list[lis
     assert want in results[0]["quantization"], results[0]["quantization"]
 
 
-def _tp1(opts: VerifyOptions, prompts: list[list[int]]) -> dict[str, Any]:
-    """verify's rank, on one rank in this process."""
+def _tp1(opts: VerifyOptions, prompts: list[list[int]], kernels: str | None = None) -> dict[str, Any]:
+    """verify's rank, on one rank in this process (``kernels``: another kernel set than verify's)."""
+    from dataclasses import replace
+
     from fusedserve.verify import _engine_config, _prefill_step
     from fusedserve.worker.parallel.rank import build_rank
 
-    built = build_rank(opts.model, _engine_config(opts, prompts, torch.device("cpu")))
+    config = _engine_config(opts, prompts, torch.device("cpu"))
+    built = build_rank(opts.model, replace(config, kernels=kernels) if kernels else config)
+    if kernels == "torch":  # the fused FP8 MoE: the single shared expert is its last expert, with its scales
+        moe = built.model.layers[-1].mlp
+        assert moe.shared_experts is None and moe.experts.gate_up_proj_scale_inv.shape[0] == moe.experts.num_experts + 1
     out = built.executor.run(_prefill_step(prompts))
     ledger = built.model.comm.ledger
     return {"dp_rank": 0, "logits": out.logits.float(), "planned": ledger.forward_plan(),
@@ -311,6 +317,15 @@ def test_tp1_fp8_and_dequantized_equal_the_oracle(checkpoints: dict[str, Path],
         for quant in ("fp8", "none"):
             opts = VerifyOptions(str(path), quantization=quant)
             _check(opts, [_tp1(opts, prompts)], prompts, oracle_logits[name])
+
+
+def test_tp1_fused_fp8_moe_with_the_shared_expert_folded_equals_the_oracle(
+        checkpoints: dict[str, Path], oracle_logits: dict[str, torch.Tensor]) -> None:
+    for name in ("b8", "fused"):  # per-expert and fused expert tensors; one shared expert each
+        path = checkpoints[name]
+        prompts = _prompts(path)
+        opts = VerifyOptions(str(path), quantization="fp8")
+        _check(opts, [_tp1(opts, prompts, kernels="torch")], prompts, oracle_logits[name])
 
 
 def _ranks_main(rank: int, world: int, backend: str, cases: list[tuple[VerifyOptions, list[list[int]]]]

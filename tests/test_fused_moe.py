@@ -82,11 +82,22 @@ def test_deepseek_v3_graph_safe_torch_kernels_equal_the_reference() -> None:
 
     config = DeepseekV3Config(**{**DEEPSEEK_V3_DEFAULTS, "architectures": ["DeepseekV3ForCausalLM"]})
     logits = {}
+    ref: dict[str, torch.Tensor] = {}
     for name in ("reference", "torch"):
         model = random_model(config, ParallelGroups.single_rank(), Collectives("gloo"), seed=3,
                              kernels=Kernels.named(name))
         if name == "torch":
             assert model.layers[1].mlp.experts.fused is fused_experts_torch
+            assert model.layers[1].mlp.shared_experts is None  # folded: expert E of the fused computation
+            with torch.no_grad():  # the reference's weights, its shared expert as the last expert
+                for pname, p in model.named_parameters():
+                    if pname in ref and ref[pname].shape == p.shape:
+                        p.copy_(ref[pname])
+                    else:
+                        p[:-1].copy_(ref[pname])
+                        p[-1].copy_(ref[pname.replace(".experts.", ".shared_experts.") + ".weight"])
+        else:
+            ref = dict(model.named_parameters())
         with torch.no_grad():  # spread the router so choices are clear-cut
             for layer in model.layers[1:]:
                 layer.mlp.gate.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(layer.layer_id))

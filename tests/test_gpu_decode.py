@@ -198,19 +198,21 @@ def test_router_choice_and_moe_align_in_one_launch_equal_references() -> None:
     from fusedserve.models.layers.router_triton import select_experts_triton
 
     g = torch.Generator(device="cuda").manual_seed(1)
-    cfg = RouterConfig(256, 8, "sigmoid", "noaux_tc", n_group=8, topk_group=4, routed_scaling_factor=2.5)
     bias = torch.randn(256, device="cuda", generator=g) * 0.1
-    for n in (1, 16, 64, MAX_PAIRS // 8):
-        logits = torch.randn(n, 256, device="cuda", generator=g) * 2
-        want_w, want_ids = select_experts(logits, cfg, bias)
-        got_w, got_ids = select_experts_triton(logits, cfg, bias)
-        want_ids, want_at = want_ids.sort(-1)
-        got_ids, got_at = got_ids.sort(-1)
-        assert torch.equal(got_ids, want_ids), n
-        torch.testing.assert_close(got_w.gather(1, got_at), want_w.gather(1, want_at))
-        for experts, offset in ((256, 0), (32, 96)):  # all experts here; one ep rank's 32 of them
-            local = torch.where((got_ids >= offset) & (got_ids < offset + experts), got_ids - offset, -1)
-            assert same_blocks(moe_align_triton(local, experts, 16), moe_align(local, experts, 16)), (n, experts)
+    for shared in (0, 1):  # 1: the shared expert folded in (moe.py), id 256 in a ninth slot
+        cfg = RouterConfig(256, 8, "sigmoid", "noaux_tc", n_group=8, topk_group=4, routed_scaling_factor=2.5,
+                           shared_experts=shared)
+        for n in (1, 16, 64, MAX_PAIRS // 9):
+            logits = torch.randn(n, 256, device="cuda", generator=g) * 2
+            want_w, want_ids = select_experts(logits, cfg, bias)
+            got_w, got_ids = select_experts_triton(logits, cfg, bias)
+            want_ids, want_at = want_ids.sort(-1)
+            got_ids, got_at = got_ids.sort(-1)
+            assert torch.equal(got_ids, want_ids) and got_ids.shape[1] == 8 + shared, n
+            torch.testing.assert_close(got_w.gather(1, got_at), want_w.gather(1, want_at))
+            for experts, offset in ((256 + shared, 0), (32, 96)):  # all experts here; one ep rank's 32 of them
+                local = torch.where((got_ids >= offset) & (got_ids < offset + experts), got_ids - offset, -1)
+                assert same_blocks(moe_align_triton(local, experts, 16), moe_align(local, experts, 16)), (n, experts)
 
 def _tp2_rank(rank: int, world: int, backend: str, model_dir: str) -> dict[str, Any] | None:
     """A tp=2 engine on two GPUs: CUDA graphs captured on both ranks (the leader announces them), NCCL and

@@ -127,6 +127,21 @@ def test_correction_bias_changes_choice_not_weights() -> None:
     assert not torch.equal(ids.sort(-1).values, unbiased_ids.sort(-1).values)
 
 
+def test_a_folded_shared_expert_takes_the_last_slot_with_weight_one() -> None:
+    """``shared_experts``: every token also routes to expert E (the shared one, ``moe.py``), unscaled; the
+    routed choice and its weights stay what they were."""
+    from dataclasses import replace
+
+    cfg = ROUTERS["v3_grouped"]
+    logits = torch.randn(6, cfg.num_experts, generator=torch.Generator().manual_seed(4))
+    bias = torch.randn(cfg.num_experts, generator=torch.Generator().manual_seed(5)) * 0.2
+    w, ids = select_experts(logits, cfg, bias)
+    w1, ids1 = select_experts(logits, replace(cfg, shared_experts=1), bias)
+    assert ids1.shape == (6, cfg.top_k + 1) and replace(cfg, shared_experts=1).slots == cfg.top_k + 1
+    assert torch.equal(ids1[:, :-1], ids) and torch.equal(w1[:, :-1], w)
+    assert (ids1[:, -1] == cfg.num_experts).all() and (w1[:, -1] == 1).all()
+
+
 def test_router_config_validation() -> None:
     with pytest.raises(ValueError, match="does not go with"):
         RouterConfig(8, 2, "softmax", "noaux_tc")

@@ -941,6 +941,9 @@ ROUTER_CASES = {  # DeepSeek-V3 / Kimi-K2, a padded sigmoid grouping, DeepSeek-V
     "v2-group-limited": (20, 3, "softmax", "group_limited_greedy", 4, 2, False, 1.0),
     "v2-greedy": (10, 2, "softmax", "greedy", 1, 1, True, 1.5),
     "sigmoid-one-group": (16, 4, "sigmoid", "noaux_tc", 1, 1, False, 1.0),
+    # the shared expert folded into the routed ones (moe.py): one more slot, id num_experts, weight 1
+    "v3-shared": (256, 8, "sigmoid", "noaux_tc", 8, 4, True, 2.5, 1),
+    "sigmoid-3-groups-k6-shared": (24, 6, "sigmoid", "noaux_tc", 3, 2, True, 1.0, 1),
 }
 
 
@@ -960,8 +963,10 @@ def test_interp_router_choice_equals_select_experts(case: str) -> None:
     got_w, got_ids = select_experts_triton(logits, cfg, bias)
     want_ids, want_at = want_ids.sort(-1)
     got_ids, got_at = got_ids.sort(-1)
-    assert torch.equal(got_ids, want_ids)
+    assert torch.equal(got_ids, want_ids) and got_ids.shape == (9, cfg.top_k + cfg.shared_experts)
     torch.testing.assert_close(got_w.gather(1, got_at), want_w.gather(1, want_at))
+    if cfg.shared_experts:
+        assert (got_ids[:, -1] == cfg.num_experts).all() and (got_w.gather(1, got_at)[:, -1] == 1).all()
 
 
 @inner

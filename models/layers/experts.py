@@ -30,6 +30,12 @@ and ``gate_up_proj_scale_inv`` [E_local, 2*I_local/bn, ceil(in/bk)] / ``down_pro
 are concatenated, down's columns split over moe_tp): sglang's and vLLM's rule, refused otherwise.
 Compute: ``fused_fp8`` (``fused_moe_fp8_triton.py`` on a GPU), else the loop with each expert
 dequantized.
+
+Folded shared experts (``shared`` > 0, chosen by ``moe.py``; ep 1 only): the layer's shared experts stored
+as experts ``num_experts`` .. after the routed ones (global ids, and local slots, past the routed experts),
+loaded from the checkpoint's ``<prefix>.shared_experts.{gate_proj,up_proj,down_proj}.weight`` (and scales),
+their intermediate split over moe_tp like a routed expert's. The router gives every token their ids with
+weight 1, so one fused launch computes routed and shared experts (sglang's shared-experts fusion).
 """
 
 from __future__ import annotations
@@ -100,13 +106,17 @@ class RoutedExperts(nn.Module):
     def __init__(self, num_experts: int, in_dim: int, intermediate: int, ep: Group, moe_tp: Group,
                  gated: bool = True, activation: str = "silu", dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None, fused: FusedExpertsFn | None = None,
-                 fp8: BlockFP8 | None = None, fused_fp8: FusedFP8ExpertsFn | None = None) -> None:
+                 fp8: BlockFP8 | None = None, fused_fp8: FusedFP8ExpertsFn | None = None, shared: int = 0) -> None:
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"expert activation must be one of {sorted(ACTIVATIONS)}, not {activation!r}")
+        if shared not in (0, 1) or (shared and ep.size > 1):
+            raise ValueError(f"{shared} shared experts cannot fold into the routed ones (one, without expert "
+                             f"parallelism: ep {ep.size})")
         self.num_experts = num_experts
         self.num_local = _split(num_experts, ep.size, "n_routed_experts")
         self.first = ep.rank * self.num_local  # global id of the first local expert
+        self.shared = shared  # 1: the folded shared expert, id (and local slot) num_experts
         self.moe_tp = moe_tp
         self.intermediate = intermediate
         self.inter_local = _split(intermediate, moe_tp.size, "moe_intermediate_size")
@@ -124,7 +134,8 @@ class RoutedExperts(nn.Module):
         wdtype = FP8_DTYPE if fp8 is not None else dtype
 
         def param(*shape: int, dt: torch.dtype = wdtype) -> nn.Parameter:
-            return nn.Parameter(torch.empty(self.num_local, *shape, dtype=dt, device=device), requires_grad=False)
+            return nn.Parameter(torch.empty(self.num_local + shared, *shape, dtype=dt, device=device),
+                                requires_grad=False)
 
         if gated:
             self.gate_up_proj = param(up_rows, in_dim)
@@ -151,11 +162,16 @@ class RoutedExperts(nn.Module):
     def is_local(self, expert: int) -> bool:
         return self.first <= expert < self.first + self.num_local
 
+    @property
+    def shared_ids(self) -> range:
+        """The global (= local: ep 1) id of the folded shared expert, if any."""
+        return range(self.num_experts, self.num_experts + self.shared)
+
     # --- loading ----------------------------------------------------------------------
 
     def shard_ids(self) -> dict[str, list[tuple[str, int]]]:
         """Parameter name -> the shard ids a complete per-expert load delivers."""
-        local = range(self.first, self.first + self.num_local)
+        local = [*range(self.first, self.first + self.num_local), *self.shared_ids]
         ups = ["gate_proj", "up_proj"] if self.gated else ["up_proj"]
         ids = {
             self.up_name: [(part, e) for e in local for part in ups],
@@ -186,6 +202,18 @@ class RoutedExperts(nn.Module):
             raise WeightShapeError(f"{name.module}.{name.expert}.gate_proj: non-gated experts have no gate")
         param = "down_proj" if name.part == "down_proj" else self.up_name
         return param + suffix, (name.part, name.expert)
+
+    def shared_checkpoint_target(self, part: str, scale: bool) -> tuple[str, object]:
+        """(our parameter, shard id) of a folded shared expert's ``part`` (gate_proj / up_proj / down_proj):
+        ``shared_experts.up_proj.weight`` -> ("gate_up_proj", ("up_proj", num_experts))."""
+        if part not in ("gate_proj", "up_proj", "down_proj"):
+            raise WeightShapeError(f"shared_experts.{part}: not a part of a gated expert")
+        param = "down_proj" if part == "down_proj" else self.up_name
+        return param + (SCALE if scale else ""), (part, self.num_experts)
+
+    def checkpoint_name(self, part: str, expert: int) -> str:
+        """The checkpoint's name of an expert's part, relative to the MoE block (messages, ``stacked_params``)."""
+        return f"shared_experts.{part}" if expert in self.shared_ids else f"experts.{expert}.{part}"
 
     def weight_loader(self, param: nn.Parameter, source: WeightSource, shard_id: object = None
                       ) -> list[object] | None:
@@ -229,17 +257,18 @@ class RoutedExperts(nn.Module):
         ids: dict[str, list[object]] = {k: list(v) for k, v in self.shard_ids().items()}
         name = next(k for k, p in self.named_parameters(recurse=False) if p is param)
         d = self._dims(param, "down_proj" if name.startswith("down_proj") else "up_proj")
+        routed = [sid for sid in ids[name] if sid[1] not in self.shared_ids]  # type: ignore[index]
         if name.startswith("down_proj"):
             expect_dim(source, 1, d.in_dim)
             expect_dim(source, 2, d.inter)
-            copy_checked(param, mine[:, :, d.start : d.start + d.inter_local], source.name)
-            return ids[name]
+            copy_checked(param[:n], mine[:, :, d.start : d.start + d.inter_local], source.name)
+            return routed
         parts = 2 if self.gated else 1
         expect_dim(source, 1, parts * d.inter)
         expect_dim(source, 2, d.in_dim)
         slices = [mine[:, p * d.inter + d.start : p * d.inter + d.start + d.inter_local] for p in range(parts)]
-        copy_checked(param, torch.cat(slices, dim=1), source.name)
-        return ids[name]
+        copy_checked(param[:n], torch.cat(slices, dim=1), source.name)
+        return routed
 
     # --- compute ----------------------------------------------------------------------
 
@@ -260,12 +289,12 @@ class RoutedExperts(nn.Module):
             assert self.fused is not None
             return self.fused(x, local_ids, weights, self.gate_up_proj, self.down_proj)
         local = ids - self.first
-        mine = (local >= 0) & (local < self.num_local)
+        mine = (local >= 0) & (local < self.num_local + self.shared)
         token, slot = mine.nonzero(as_tuple=True)
         expert = local[token, slot]
         order = torch.argsort(expert, stable=True)
         token, slot, expert = token[order], slot[order], expert[order]
-        counts = torch.bincount(expert, minlength=self.num_local).tolist()
+        counts = torch.bincount(expert, minlength=self.num_local + self.shared).tolist()
         out = torch.zeros(x.shape[0], self.in_dim, dtype=torch.float32, device=x.device)
         start = 0
         for j, count in enumerate(counts):

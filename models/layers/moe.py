@@ -32,6 +32,15 @@ Constructor choices (one class for DeepSeek-V2/V3, Kimi-K2 and Nemotron-H):
   bias in any HF model). fc2 is linear, so applying it to this rank's partial (bias
   added on tp rank 0 only) keeps the output a partial sum owed to tp.
 
+Shared experts folded into the routed ones (sglang's shared-experts fusion), chosen at construction where
+the fused block computation runs them (``fused_experts`` / ``fused_experts_fp8`` given), there is one
+gated SiLU shared expert of the routed experts' size without bias, and no expert parallelism (moe_tp is tp:
+the shared expert's tp slice is a routed expert's moe_tp slice): the router appends its id with weight 1
+(``RouterConfig.shared_experts``) and ``RoutedExperts`` holds its weights after the routed ones, so one launch
+per projection computes both (DeepSeek-V3's shared expert at batch 8 had been two GEMMs, two activation
+quantizations and a SiLU-and-mul launch of its own). ``shared_experts`` is then None; the checkpoint's
+``shared_experts.*`` tensors load into the experts (``shared_checkpoint_target``).
+
 Parameter names follow HF (``gate``, ``experts``, ``shared_experts``, ``fc1_latent_proj``,
 ``fc2_latent_proj``), with the shared experts' gate/up merged as in ``GatedMLP``.
 Checkpoint names of the routed experts are mapped by ``RoutedExperts.checkpoint_target``
@@ -41,6 +50,7 @@ Checkpoint names of the routed experts are mapped by ``RoutedExperts.checkpoint_
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +77,13 @@ class MoE(nn.Module):
                  shared_act: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         super().__init__()
         self.tp = groups.tp
+        fused = fused_experts_fp8 if fp8 is not None else fused_experts
+        fold = int(fused is not None and shared_intermediate == expert_intermediate and (gated, activation) == (
+            True, "silu") and not latent_size and not shared_bias and groups.moe_ep.size == 1
+            and groups.moe_tp.ranks == groups.tp.ranks)
+        if fold:
+            router = replace(router, shared_experts=1)
+            shared_intermediate = 0
         self.gate = TopKRouter(hidden, router, device, select_experts)
         expert_dim = latent_size or hidden
         self.fc1_latent_proj: ReplicatedLinear | None = None
@@ -76,7 +93,7 @@ class MoE(nn.Module):
             self.fc2_latent_proj = ReplicatedLinear(latent_size, hidden, latent_bias, dtype, device)
         self.experts = RoutedExperts(router.num_experts, expert_dim, expert_intermediate, groups.moe_ep,
                                      groups.moe_tp, gated, activation, dtype, device, fused=fused_experts, fp8=fp8,
-                                     fused_fp8=fused_experts_fp8)
+                                     fused_fp8=fused_experts_fp8, shared=fold)
         self.shared_experts: GatedMLP | Relu2MLP | None = None
         if shared_intermediate:
             if (gated, activation) == (True, "silu"):
@@ -108,10 +125,22 @@ class MoE(nn.Module):
         return Unreduced(partial, self.tp.name)
 
 
+    def shared_checkpoint_target(self, name: str) -> tuple[str, object] | None:
+        """(our parameter relative to this block, shard id) of a checkpoint tensor ``shared_experts.<part>.weight``
+        (or its ``_scale_inv``) where the shared expert is folded into the routed ones; None where it is not
+        (the ``shared_experts`` module loads it) or for another name."""
+        parts = name.split(".")
+        if not self.experts.shared or len(parts) != 3 or parts[0] != "shared_experts" or \
+                parts[2] not in ("weight", "weight" + SCALE):
+            return None
+        param, shard = self.experts.shared_checkpoint_target(parts[1], parts[2].endswith(SCALE))
+        return f"experts.{param}", shard
+
+
 def expert_stacked_params(experts: RoutedExperts) -> list[tuple[str, str, object]]:
-    """``stacked_params`` rows (ours, theirs, shard id) for a model's routed-expert parameters,
-    so the loader expects every local expert's tensors (the same ids in every MoE layer), e.g.
+    """``stacked_params`` rows (ours, theirs, shard id) for a model's routed-expert parameters (and a folded
+    shared expert's), so the loader expects every local expert's tensors (the same ids in every MoE layer), e.g.
     (".experts.gate_up_proj", ".experts.5.up_proj.weight", ("up_proj", 5))."""
-    return [(f".experts.{param}", f".experts.{expert}.{part}.weight" + (SCALE if param.endswith(SCALE) else ""),
-             (part, expert))
+    return [(f".experts.{param}", f".{experts.checkpoint_name(part, expert)}.weight"
+             + (SCALE if param.endswith(SCALE) else ""), (part, expert))
             for param, ids in experts.shard_ids().items() for part, expert in ids]

@@ -16,6 +16,11 @@ Then, for both: weights are normalised to sum 1 if ``norm_topk_prob`` and multip
 group scores [1.3, 0.4, 1.1, 0.9] keep groups 0 and 2; the two best biased scores among
 experts {0, 1, 4, 5} are chosen.
 
+``shared_experts`` > 0 (``moe.py`` folds the shared experts into the fused routed ones): each token also
+gets ids ``num_experts`` .. ``num_experts + shared_experts - 1`` in its last slots, weight 1 (the shared
+experts' output is added unscaled, as in HF): top-2 of 4 plus one shared -> ids [[1, 3, 4]], weights
+[[0.6, 0.4, 1.0]] (times the scaling factor on the routed two only).
+
 The router is replicated on every rank and computes in fp32 whatever the model dtype.
 """
 
@@ -45,6 +50,12 @@ class RouterConfig:
     topk_group: int = 1
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
+    shared_experts: int = 0  # always-on experts appended (ids num_experts.., weight 1): folded shared experts
+
+    @property
+    def slots(self) -> int:
+        """Ids per token: the routed top-k, then the folded shared experts."""
+        return self.top_k + self.shared_experts
 
     def __post_init__(self) -> None:
         if self.scoring not in SCORINGS:
@@ -61,6 +72,8 @@ class RouterConfig:
         if self.grouped and self.topk_group * (self.num_experts // self.n_group) < self.top_k:
             raise ValueError(f"{self.topk_group} groups of {self.num_experts // self.n_group} experts "
                              f"cannot hold top_k={self.top_k}")
+        if self.shared_experts < 0:
+            raise ValueError(f"shared_experts={self.shared_experts} must be >= 0")
         if self.scoring == "sigmoid" and self.num_experts // self.n_group < 2:
             raise ValueError("sigmoid routing scores a group by its two best experts: need >= 2 per group")
 
@@ -106,7 +119,8 @@ def _group_mask(choice: torch.Tensor, cfg: RouterConfig) -> torch.Tensor:
 def select_experts(
     logits: torch.Tensor, cfg: RouterConfig, correction_bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [n, k] fp32, expert ids [n, k] int64) from router logits [n, E] (fp32)."""
+    """(weights [n, slots] fp32, expert ids [n, slots] int64) from router logits [n, E] (fp32); slots = top_k
+    + the folded shared experts."""
     logits = logits.float()
     if cfg.scoring == "softmax":
         scores = logits.softmax(dim=-1)
@@ -123,10 +137,20 @@ def select_experts(
     weights = scores.gather(1, ids)
     if cfg.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * cfg.routed_scaling_factor, ids
+    return with_shared(weights * cfg.routed_scaling_factor, ids, cfg)
 
 
-# (logits [n, E] fp32, config, correction bias [E] or None) -> (weights [n, k] fp32, ids [n, k] int64):
+def with_shared(weights: torch.Tensor, ids: torch.Tensor, cfg: RouterConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routed (weights, ids) [n, top_k] with the folded shared experts' slots appended (weight 1)."""
+    if not cfg.shared_experts:
+        return weights, ids
+    n = ids.shape[0]
+    shared = torch.arange(cfg.num_experts, cfg.num_experts + cfg.shared_experts, device=ids.device)
+    return (torch.cat([weights, weights.new_ones(n, cfg.shared_experts)], 1),
+            torch.cat([ids, shared.to(ids.dtype).expand(n, -1)], 1))
+
+
+# (logits [n, E] fp32, config, correction bias [E] or None) -> (weights [n, slots] fp32, ids [n, slots] int64):
 # ``select_experts`` or a kernel that equals it (``router_triton.py``).
 SelectExpertsFn = Callable[[torch.Tensor, RouterConfig, "torch.Tensor | None"], tuple[torch.Tensor, torch.Tensor]]
 
@@ -152,6 +176,6 @@ class TopKRouter(nn.Module):
         copy_checked(param, source.full(), source.name)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # x: [n, hidden] -> weights [n, k] fp32, ids [n, k]
+        # x: [n, hidden] -> weights [n, slots] fp32, ids [n, slots]
         logits = F.linear(x.float(), self.weight)
         return self.select(logits, self.cfg, self.e_score_correction_bias)

@@ -10,7 +10,8 @@ and does all of it in registers:
    the ``topk_group`` best groups are kept, one argmax at a time; the others' choices become -inf
    (sigmoid) or 0 (softmax, as HF's DeepSeek-V2);
 3. ``top_k`` times: the best choice wins, its unbiased score is its weight, and it leaves the race;
-4. weights normalised to sum 1 (``norm_topk_prob``), times ``routed_scaling_factor``.
+4. weights normalised to sum 1 (``norm_topk_prob``), times ``routed_scaling_factor``;
+5. the folded shared experts' slots after them (``RouterConfig.shared_experts``: ids E.., weight 1).
 
 The experts come out best first (``torch.topk(sorted=False)`` leaves the order open; no consumer
 reads it). Ties between exactly equal choices go to the lower expert id. Group sizes and group
@@ -29,7 +30,8 @@ from .router import RouterConfig, select_experts
 @triton.jit
 def _select_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_l, scale,
                    GROUPS: tl.constexpr, PER_GROUP: tl.constexpr, G_PAD: tl.constexpr, J_PAD: tl.constexpr,
-                   TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, SIGMOID: tl.constexpr,
+                   TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr, K_PAD: tl.constexpr,
+                   SIGMOID: tl.constexpr,
                    HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr, NORM: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, G_PAD)[:, None]
@@ -78,8 +80,11 @@ def _select_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_l, scale,
         flat_choice = tl.where(hit, float("-inf"), flat_choice)
     if NORM:
         weights = weights / (tl.sum(weights, 0) + 1e-20)
-    tl.store(weights_ptr + row * TOP_K + slot, weights * scale, mask=slot < TOP_K)
-    tl.store(ids_ptr + row * TOP_K + slot, ids, mask=slot < TOP_K)
+    shared = slot >= TOP_K  # the folded shared experts: ids GROUPS * PER_GROUP + (slot - TOP_K), weight 1
+    weights = tl.where(shared, 1.0, weights * scale)
+    ids = tl.where(shared, GROUPS * PER_GROUP + slot - TOP_K, ids)
+    tl.store(weights_ptr + row * SLOTS + slot, weights, mask=slot < SLOTS)
+    tl.store(ids_ptr + row * SLOTS + slot, ids, mask=slot < SLOTS)
 
 
 def _pow2(n: int) -> int:
@@ -88,23 +93,23 @@ def _pow2(n: int) -> int:
 
 def select_experts_triton(logits: torch.Tensor, cfg: RouterConfig,
                           correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """As ``router.select_experts``: (weights [n, k] fp32, expert ids [n, k] int64) from logits [n, E]
+    """As ``router.select_experts``: (weights [n, slots] fp32, expert ids [n, slots] int64) from logits [n, E]
     (more than 4096 experts: the reference)."""
     n, num_experts = logits.shape
-    top_k = cfg.top_k
+    top_k, slots = cfg.top_k, cfg.slots
     groups = cfg.n_group if cfg.grouped else 1
     if num_experts > 4096:
         return select_experts(logits, cfg, correction_bias)
     logits = logits.float().contiguous()
-    weights = torch.empty(n, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(n, top_k, dtype=torch.int64, device=logits.device)
+    weights = torch.empty(n, slots, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(n, slots, dtype=torch.int64, device=logits.device)
     if n == 0:
         return weights, ids
     per_group = num_experts // groups
     bias = correction_bias.float().contiguous() if correction_bias is not None else logits
     _select_kernel[(n,)](logits, bias, weights, ids, logits.stride(0), float(cfg.routed_scaling_factor),
                          GROUPS=groups, PER_GROUP=per_group, G_PAD=_pow2(groups), J_PAD=_pow2(per_group),
-                         TOPK_GROUP=cfg.topk_group, TOP_K=top_k, K_PAD=_pow2(top_k), SIGMOID=cfg.scoring == "sigmoid",
+                         TOPK_GROUP=cfg.topk_group, TOP_K=top_k, SLOTS=slots, K_PAD=_pow2(slots), SIGMOID=cfg.scoring == "sigmoid",
                          HAS_BIAS=correction_bias is not None, GROUPED=cfg.grouped and groups > 1,
                          NORM=cfg.norm_topk_prob, num_warps=1 if num_experts <= 512 else 4)
     return weights, ids
