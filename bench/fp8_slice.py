@@ -17,6 +17,8 @@ Both builds are made by ``build_rank`` (Triton kernel set, CUDA graphs) and driv
   quantization (``fp8_block_triton.py``) and the FP8 fused MoE (``fused_moe_fp8_triton.py``);
 - bf16: ``quantization: none``: the same checkpoint dequantized to bf16 at load (the dummy weights are
   the FP8 build's, dequantized: ``random_init``), cuBLAS bf16 GEMMs and the bf16 fused MoE.
+In both the shared expert is the fused MoE's 257th expert (``moe.py``: one GPU, no ep), so it counts in the
+roofline as one more distinct expert of the step, not in the fixed bytes.
 Per build: decode steps at batch 1..64 (128 cached tokens each, one new) captured as CUDA graphs and
 timed as ``bench/deepseek_slice.py`` does (5 steps back to back, median of 10), their weight roofline
 (the weights one step must read, with the distinct experts the batch routes to, over the copy bandwidth;

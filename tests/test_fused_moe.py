@@ -68,6 +68,7 @@ def test_fused_experts_torch_equals_the_per_expert_loop(ep_rank: int) -> None:
 
 
 def test_deepseek_v3_graph_safe_torch_kernels_equal_the_reference() -> None:
+    from moe_blocks import copy_weights_folding_shared
     from transformers import DeepseekV3Config
 
     from fusedserve.models.forward_batch import ForwardBatch, KVCache
@@ -82,22 +83,16 @@ def test_deepseek_v3_graph_safe_torch_kernels_equal_the_reference() -> None:
 
     config = DeepseekV3Config(**{**DEEPSEEK_V3_DEFAULTS, "architectures": ["DeepseekV3ForCausalLM"]})
     logits = {}
-    ref: dict[str, torch.Tensor] = {}
+    ref: torch.nn.Module | None = None
     for name in ("reference", "torch"):
         model = random_model(config, ParallelGroups.single_rank(), Collectives("gloo"), seed=3,
                              kernels=Kernels.named(name))
         if name == "torch":
             assert model.layers[1].mlp.experts.fused is fused_experts_torch
             assert model.layers[1].mlp.shared_experts is None  # folded: expert E of the fused computation
-            with torch.no_grad():  # the reference's weights, its shared expert as the last expert
-                for pname, p in model.named_parameters():
-                    if pname in ref and ref[pname].shape == p.shape:
-                        p.copy_(ref[pname])
-                    else:
-                        p[:-1].copy_(ref[pname])
-                        p[-1].copy_(ref[pname.replace(".experts.", ".shared_experts.") + ".weight"])
+            assert copy_weights_folding_shared(model, ref) == 2 * (config.num_hidden_layers - 1)
         else:
-            ref = dict(model.named_parameters())
+            ref = model
         with torch.no_grad():  # spread the router so choices are clear-cut
             for layer in model.layers[1:]:
                 layer.mlp.gate.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(layer.layer_id))

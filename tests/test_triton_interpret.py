@@ -636,6 +636,7 @@ def test_interp_prefill_and_chunked_prefill_with_triton_kernels_equal_reference(
     """A whole tiny model (Llama: GQA 2; DeepSeek-V3: absorbed MLA over the latent cache, its 4 heads on one
     KV head of K 40 = latent 32 + rope 8, V = the latent) prefills two prompts, then extends one by a chunk
     over its cached prefix beside a decode row: Triton kernel set vs the references (fp32)."""
+    from moe_blocks import copy_weights_folding_shared
     from transformers import DeepseekV3Config, LlamaConfig
 
     from fusedserve.models.forward_batch import ForwardBatch, KVCache
@@ -652,9 +653,14 @@ def test_interp_prefill_and_chunked_prefill_with_triton_kernels_equal_reference(
         config = DeepseekV3Config(**{**DEEPSEEK_V3_DEFAULTS, "vocab_size": 100, "num_hidden_layers": 2,
                                      "v_head_dim": 16, "architectures": ["DeepseekV3ForCausalLM"]})
     logits = {}
+    ref = None
     for name in ("reference", "triton"):
         model = random_model(config, ParallelGroups.single_rank(), Collectives("gloo"), seed=5,
                              kernels=Kernels.named(name))
+        if ref is None:
+            ref = model
+        elif arch != "llama":  # the reference's weights; the triton set folds the shared expert into the MoE
+            assert copy_weights_folding_shared(model, ref) == 2
         kv = KVCache.allocate(model.kv_shapes(), 8, 4, torch.float32)
         first = model(ForwardBatch.prefill([[3, 1, 4, 1, 5, 9], [2, 7, 1]], kv)).logits  # blocks [0, 1], [2]
         # Sequence 0 extends 6 -> 11 tokens (blocks 0, 1, 3), sequence 1 decodes its 4th token.
@@ -709,6 +715,7 @@ def _latent_step(query_lens: list[int], context_lens: list[int], heads: int, ran
 def test_interp_deepseek_v3_decode_with_triton_kernels_equals_reference() -> None:
     """A whole tiny DeepSeek-V3 (absorbed MLA, 16 heads on one latent KV head): two prompts prefilled, then
     two batched decode steps through the Triton decode kernel: Triton kernel set vs the references (fp32)."""
+    from moe_blocks import copy_weights_folding_shared
     from transformers import DeepseekV3Config
 
     from fusedserve.models.forward_batch import ForwardBatch, KVCache
@@ -722,9 +729,14 @@ def test_interp_deepseek_v3_decode_with_triton_kernels_equals_reference() -> Non
                                  "num_attention_heads": 16, "num_key_value_heads": 16,
                                  "architectures": ["DeepseekV3ForCausalLM"]})
     logits = {}
+    ref = None
     for name in ("reference", "triton"):
         model = random_model(config, ParallelGroups.single_rank(), Collectives("gloo"), seed=6,
                              kernels=Kernels.named(name))
+        if ref is None:
+            ref = model
+        else:  # the reference's weights; the triton set folds the shared expert into the MoE
+            assert copy_weights_folding_shared(model, ref) == 2
         kv = KVCache.allocate(model.kv_shapes(), 8, 4, torch.float32)
         out = [model(ForwardBatch.prefill([[3, 1, 4, 1, 5, 9], [2, 7, 1]], kv)).logits]  # blocks [0, 1], [2]
         for i, tokens in enumerate(([2, 6], [8, 8])):  # contexts 7 / 4, then 8 / 5 (block 3 for sequence 1)
