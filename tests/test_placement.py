@@ -42,6 +42,16 @@ def test_group_larger_than_a_node_is_refused_with_the_reason() -> None:
         plan_group("default", "none", 0, ranks=0, cluster=ClusterShape("GPU", 8))
 
 
+def test_a_cluster_without_the_ranks_resource_is_refused_with_how_to_start_it() -> None:
+    """`fusedserve run --ray-address` of a cluster started by a plain `ray start`: no GPUs, no fake_gpu (was a
+    ZeroDivisionError in node_slices)."""
+    for cluster, what in ((ClusterShape.local(0), f"the '{LOCAL_GPU_RESOURCE}' resource"), (ClusterShape("GPU", 0), "GPUs")):
+        with pytest.raises(PlacementError, match=f"no node of the Ray cluster has {what}.*ray start --resources"):
+            plan_group("default", "cpu", 0, ranks=1, cluster=cluster)
+    with pytest.raises(PlacementError, match="hold no rank"):
+        node_slices(1, 0)
+
+
 def test_node_slices_are_whole_nodes() -> None:
     assert node_slices(4, 8) == ((0, 1, 2, 3),)
     assert node_slices(16, 8, attn_tp=4) == (tuple(range(8)), tuple(range(8, 16)))  # DP groups inside nodes

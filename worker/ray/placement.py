@@ -98,6 +98,8 @@ def node_slices(ranks: int, gpus_per_node: int, attn_tp: int | None = None) -> t
     slice. A larger one must be whole nodes, and each attention-TP group (``attn_tp`` consecutive
     ranks; default: the whole group) must stay inside a node: the fused all-reduce's workspace is
     intra-node IPC. DP/EP collectives may cross nodes."""
+    if gpus_per_node < 1:
+        raise PlacementError(f"nodes of {gpus_per_node} GPUs hold no rank")
     if ranks <= gpus_per_node:
         return (tuple(range(ranks)),)
     if ranks % gpus_per_node:
@@ -121,6 +123,12 @@ def plan_group(namespace: str, deployment: str, index: int, ranks: int, cluster:
     """The placement group of engine group ``index``: one bundle per rank, one node."""
     if ranks < 1:
         raise PlacementError(f"an engine group needs at least one rank, got {ranks}")
+    if cluster.gpus_per_node < 1:  # e.g. `--ray-address` of a cluster started with plain `ray start`
+        raise PlacementError(
+            "no node of the Ray cluster has " + ("GPUs" if cluster.gpus else
+                                                 f"the {cluster.accelerator!r} resource that CPU ranks take")
+            + f": start GPU nodes with `ray start --num-gpus N`, CPU nodes with `ray start --resources "
+            f"'{{\"{LOCAL_GPU_RESOURCE}\": N}}'` (N: the ranks a node holds)")
     slices = node_slices(ranks, cluster.gpus_per_node, attn_tp)
     if len(slices) > 1:
         raise PlacementError(
