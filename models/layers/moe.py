@@ -124,7 +124,6 @@ class MoE(nn.Module):
             partial = partial.masked_fill(~valid[:, None], 0.0)
         return Unreduced(partial, self.tp.name)
 
-
     def shared_checkpoint_target(self, name: str) -> tuple[str, object] | None:
         """(our parameter relative to this block, shard id) of a checkpoint tensor ``shared_experts.<part>.weight``
         (or its ``_scale_inv``) where the shared expert is folded into the routed ones; None where it is not
