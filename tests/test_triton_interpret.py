@@ -491,12 +491,20 @@ def test_interp_prefill_attention_stores_kv_and_equals_reference(layout: str, dt
 
 
 @inner
-def test_interp_prefill_attention_on_a_graph_padded_verify_layout_equals_torch() -> None:
-    """StepGraphs' padded layout: every sequence 4 rows, real rows last; the leading padding rows share
-    the first real row's causal limit and write the pad slot; a padding sequence sees one slot of block 0."""
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-splits", "write-then-combine"])
+@pytest.mark.parametrize("front", ["pad", "copies"])
+@pytest.mark.parametrize("width", [3, 40], ids=["unsplit", "split"])
+def test_interp_prefill_attention_on_a_graph_padded_verify_layout_equals_torch(width: int, front: str,
+                                                                               fused: bool) -> None:
+    """StepGraphs' padded layout: every sequence 4 rows, real rows last; the leading rows share the first
+    real row's causal limit and write the pad slot (``front`` "pad") or are copies of the first real row,
+    its K/V to its slot (a first pass's dropped rows); a padding sequence's rows (dropped: only finite) see
+    one slot of block 0, or with the kernel reading new keys from k / v its last row's key. Block
+    tables 3 wide (one launch) or 40 (160 tokens: 2 splits, where the kernel stores the new K/V itself and
+    reads them from k / v unless ``FUSED_SPLITS`` is off)."""
     from fusedserve.models.forward_batch import ForwardBatch, KVCache, PagedAttentionMetadata
+    from fusedserve.models.layers import prefill_attention_triton
     from fusedserve.models.layers.paged_attention_torch import paged_attention_torch
-    from fusedserve.models.layers.prefill_attention_triton import paged_prefill_attention_triton
 
     g = torch.Generator().manual_seed(11)
     block, num_blocks, b, n, pad_slot = 4, 12, 3, 4, 47
@@ -504,26 +512,38 @@ def test_interp_prefill_attention_on_a_graph_padded_verify_layout_equals_torch()
     kv.k[0].copy_(torch.randn(kv.k[0].shape, generator=g))
     kv.v[0].copy_(torch.randn(kv.v[0].shape, generator=g))
     # sequence 0: 4 real rows, context 9 in blocks [5, 2, 7]; 1: 2 real rows, context 6 in [3, 9]; 2: padding
+    tables = torch.zeros(b, width, dtype=torch.int32)
+    tables[0, :3] = torch.tensor([5, 2, 7])
+    tables[1, :2] = torch.tensor([3, 9])
     meta = PagedAttentionMetadata(
-        block_tables=torch.tensor([[5, 2, 7], [3, 9, 0], [0, 0, 0]], dtype=torch.int32),
-        context_lens=torch.tensor([9, 6, 1], dtype=torch.int32),
+        block_tables=tables, context_lens=torch.tensor([9, 6, 1], dtype=torch.int32),
         token_seq=torch.arange(b).repeat_interleave(n),
         token_index=torch.tensor([5, 6, 7, 8, 4, 4, 4, 5, 0, 0, 0, 0]),
         query_start=torch.arange(b + 1, dtype=torch.int32) * n, max_query_len=n)
-    slots = torch.tensor([9, 10, 11, 28, pad_slot, pad_slot, 36, 37] + [pad_slot] * 4)  # block * 4 + offset
+    front_slot = pad_slot if front == "pad" else 36
+    slots = torch.tensor([9, 10, 11, 28, front_slot, front_slot, 36, 37] + [pad_slot] * 4)  # block * 4 + offset
     q = torch.randn(b * n, 8, 16, generator=g).to(torch.bfloat16)
     k = torch.randn(b * n, 2, 16, generator=g).to(torch.bfloat16)
     v = torch.randn(b * n, 2, 16, generator=g).to(torch.bfloat16)
+    if front == "copies":
+        q[4:6], k[4:6], v[4:6] = q[6], k[6], v[6]
 
     def batch(cache: KVCache) -> ForwardBatch:
         zeros = torch.zeros(b * n, dtype=torch.long)
         return ForwardBatch(zeros, zeros, [n] * b, [n] * b, slots, [[0]] * b, cache, paged=meta)
 
     ref_kv = KVCache({0: kv.k[0].clone()}, {0: kv.v[0].clone()}, block, num_blocks)
-    got = paged_prefill_attention_triton(q, k, v, 0, batch(kv), 0.25)
+    before = prefill_attention_triton.FUSED_SPLITS
+    prefill_attention_triton.FUSED_SPLITS = fused
+    try:
+        got = prefill_attention_triton.paged_prefill_attention_triton(q, k, v, 0, batch(kv), 0.25)
+    finally:
+        prefill_attention_triton.FUSED_SPLITS = before
     want = paged_attention_torch(q, k, v, 0, batch(ref_kv), 0.25)
-    _close(got, want, 1e-2)
+    assert torch.isfinite(got).all()
+    _close(got[: 2 * n], want[: 2 * n], 1e-2)  # the padding sequence's rows are dropped
     assert torch.equal(kv.k[0][:pad_slot], ref_kv.k[0][:pad_slot])  # the pad slot: whichever row wrote last
+    assert torch.equal(kv.v[0][:pad_slot], ref_kv.v[0][:pad_slot])
 
 
 @inner

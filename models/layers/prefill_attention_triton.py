@@ -5,7 +5,7 @@ decoding and mixed batches (decode rows beside prefill rows). Plain reference:
 ``paged_attention_torch.paged_attention_torch`` (same signature and result; it gathers the whole
 padded context for every token, this kernel reads only what each token may see).
 
-The new K/V are stored first (``kv_write_triton``), then one program per (query tile, KV head, block
+The new K/V are stored first (``kv_write_triton``; split launches: below), then one program per (query tile, KV head, block
 of its query heads) attends: its rows are ``BLOCK_Q`` consecutive new tokens of one sequence times
 ``BLOCK_H`` heads of the KV head's query group (GQA: the whole group, ``ROWS = BLOCK_Q * group``
 padded to a power of two, at least 16 for ``tl.dot``; a group larger than a tile's rows, e.g. MLA's
@@ -21,8 +21,14 @@ follows the real context, not the table's ``max_blocks * block_size``. The layou
 CUDA-graph capturable. A step with few query tiles (a speculative verify or tree draft step: a few dozen
 rows) would leave most of the GPU idle while each program walks a whole context, so each tile's key range
 is cut into ``splits`` programs (split-KV, ``attention_splits_triton``: as many as fill the GPU, static
-for a captured batch) whose partial softmax states a second small kernel combines; a long prompt has
-programs enough and runs unsplit.
+for a captured batch) whose partial softmax states the last of a tile's split programs to finish combines
+(``arrival_counters``); a long prompt has programs enough and runs unsplit. A split launch also stores the
+new K/V itself (one program per query tile and KV head) and reads the new tokens' keys and values from
+``k`` / ``v`` rather than the cache, so no program reads a slot written in the launch: a verify's attention
+is one launch a layer, as a decode step's (``FUSED_SPLITS``). A sequence's new tokens are its last cache
+indices from its first row's causal limit on, its last row holding the last one (``PagedAttentionMetadata``'s
+layouts: ``from_lists``, and ``StepGraphs``' padding rows before the real ones, which share the first
+real row's limit).
 
 Head dims need not be powers of two and K's may differ from V's: each is padded (to at least 16)
 and masked, no lane past a dim loaded. MLA's latent cache (``KVCache.v_in_k``: K = [latent 512 |
@@ -44,27 +50,56 @@ import triton
 import triton.language as tl
 
 from ..forward_batch import ForwardBatch
-from .attention_splits_triton import combine_splits, num_splits, split_partials
+from .arrival_counters import arrival_counters
+from .attention_splits_triton import MAX_SPLITS, combine_splits, num_splits, split_partials
 from .kv_write_triton import write_kv_triton
 from .paged_attention_torch import paged_attention_torch
+from .pdl import pdl_launch, pdl_open
 
 LOG2E = 1.4426950408889634
+# A split launch (a verify or draft step of a few rows) stores the new K/V itself, reads the new tokens' keys
+# from k / v, and its last split program per tile combines the splits: one launch a layer where there were
+# three (``write_kv_triton``, this kernel, ``_combine_kernel``), as the decode kernel does. False: those three
+# (the A/B: bench/graph_launch_probe.py --set models.layers.prefill_attention_triton.FUSED_SPLITS=False).
+FUSED_SPLITS = True
 # Triton's CPU interpreter (TRITON_INTERPRET=1, used by the CPU tests) multiplies bf16 matrices
 # wrongly; there the dots run on fp32 copies. Decided once, as Triton decides to interpret.
 _DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@triton.jit
+def _load_rows(ptr, rows, stride_row, col0, ok, WIDTH: tl.constexpr, PAD: tl.constexpr, DTYPE: tl.constexpr):
+    """[len(rows), PAD] of ``ptr``'s rows (columns col0..col0+WIDTH, the rest 0; rows where not ``ok``: 0),
+    as ``DTYPE``."""
+    c = tl.arange(0, PAD)
+    vals = tl.load(ptr + rows[:, None] * stride_row + col0 + c[None, :], mask=ok[:, None] & (c < WIDTH)[None, :],
+                   other=0.0)
+    return vals.to(DTYPE)
+
+
+@triton.jit
+def _store_rows(ptr, rows, stride_row, col0, vals, ok, WIDTH: tl.constexpr, PAD: tl.constexpr):
+    c = tl.arange(0, PAD)
+    tl.store(ptr + rows[:, None] * stride_row + col0 + c[None, :], vals, mask=ok[:, None] & (c < WIDTH)[None, :])
+
+
 @triton.jit(do_not_specialize=["num_seqs", "search_steps", "splits"])  # counts that change call to call: one compile for all
-def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, bt_ptr, qstart_ptr,
-                    index_ptr, ctx_ptr, tail_ptr,
-                    stride_qt, stride_qh, stride_kcs, stride_kch, stride_vcs, stride_vch,
-                    stride_ot, stride_oh, stride_bt, qk_scale, num_seqs, search_steps, splits, TAIL: tl.constexpr,
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, bt_ptr,
+                    qstart_ptr, index_ptr, ctx_ptr, tail_ptr, slot_ptr, cnt_ptr,
+                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_kcs, stride_kch,
+                    stride_vcs, stride_vch, stride_ot, stride_oh, stride_bt, qk_scale, num_seqs, search_steps,
+                    splits, TAIL: tl.constexpr,
                     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_BLOCKS: tl.constexpr, BLOCK_Q: tl.constexpr,
-                    ROWS: tl.constexpr, DA: tl.constexpr, DA_PAD: tl.constexpr, DB: tl.constexpr,
-                    DB_PAD: tl.constexpr, VDIM: tl.constexpr, VDIM_PAD: tl.constexpr, V_IN_K: tl.constexpr,
-                    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                    HEADS: tl.constexpr, DOT_FP32: tl.constexpr):
+                    BLOCK_Q_PAD: tl.constexpr, ROWS: tl.constexpr, DA: tl.constexpr, DA_PAD: tl.constexpr,
+                    DB: tl.constexpr, DB_PAD: tl.constexpr, VDIM: tl.constexpr, VDIM_PAD: tl.constexpr,
+                    V_IN_K: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+                    NEW_KV: tl.constexpr, COMBINE: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                    HEADS: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr):
+    pdl_open(PDL)
     # K's columns are part A (0..DA) and part B (DA..DA+DB, none when DB = 0); V_IN_K: V is part A.
+    # NEW_KV: this launch stores the new K/V (no write before it) and reads the new tokens' keys from k / v,
+    # the cached ones from the cache: a sequence's new tokens are its last cache indices, from the first
+    # row's causal limit on (padding rows before the real ones share it), the last row holding the last.
     # Sequence b owns the tiles from tile_start(b) = query_start[b] // BLOCK_Q + b on (at least
     # ceil(query_len / BLOCK_Q) of them): this tile's sequence is the last b with tile_start(b) <= pid,
     # found by a binary search over the B sequences. The last tiles (longest contexts) start first.
@@ -93,8 +128,9 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, part_m_ptr, pa
     # (finite, unused). A tree (TAIL > 0): every index before the context's last TAIL, and of those the ones
     # its row of the tail mask ([T, TAIL]) names; padding rows see the tail's first index.
     limit = tl.load(index_ptr + tok, mask=rmask, other=0)
+    ctx_b = tl.load(ctx_ptr + b)
     if TAIL > 0:
-        tail0 = tl.load(ctx_ptr + b) - TAIL  # the sequence's first tail index
+        tail0 = ctx_b - TAIL  # the sequence's first tail index
         hi = tl.where(first < q_end, tail0 + TAIL, 0)
     else:
         tail0 = 0
@@ -105,6 +141,24 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, part_m_ptr, pa
     hi = tl.minimum(hi, lo + split_tokens)
     da = tl.arange(0, DA_PAD)
     damask = da < DA
+    if NEW_KV:
+        new0 = tl.load(index_ptr + q_start, mask=q_start < q_end, other=0)  # the sequence's first new index
+        if (split == 0) & (hb == 0):  # one writer per (new token, KV head); no program reads its slot here
+            wt = first + tl.arange(0, BLOCK_Q_PAD)
+            wok = (tl.arange(0, BLOCK_Q_PAD) < BLOCK_Q) & (wt < q_end)
+            wt = wt.to(tl.int64)
+            wslot = tl.load(slot_ptr + wt, mask=wok, other=0).to(tl.int64)
+            kcs = kc_ptr + h * stride_kch
+            k_new = _load_rows(k_ptr + h * stride_kh, wt, stride_kt, 0, wok, DA, DA_PAD, kc_ptr.dtype.element_ty)
+            _store_rows(kcs, wslot, stride_kcs, 0, k_new, wok, DA, DA_PAD)
+            if DB > 0:
+                kb_new = _load_rows(k_ptr + h * stride_kh, wt, stride_kt, DA, wok, DB, DB_PAD,
+                                    kc_ptr.dtype.element_ty)
+                _store_rows(kcs, wslot, stride_kcs, DA, kb_new, wok, DB, DB_PAD)
+            if not V_IN_K:
+                v_new = _load_rows(v_ptr + h * stride_vh, wt, stride_vt, 0, wok, VDIM, VDIM_PAD,
+                                   vc_ptr.dtype.element_ty)
+                _store_rows(vc_ptr + h * stride_vch, wslot, stride_vcs, 0, v_new, wok, VDIM, VDIM_PAD)
     q_a = tl.load(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + da[None, :],
                   mask=rmask[:, None] & damask[None, :], other=0.0)
     if DOT_FP32:
@@ -125,17 +179,30 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, part_m_ptr, pa
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         nmask = n < hi
-        block = tl.load(bt_ptr + b * stride_bt + n // PAGE, mask=nmask, other=0).to(tl.int64)
+        if NEW_KV:
+            is_new = n >= new0
+            cached = nmask & ~is_new
+        else:
+            cached = nmask
+        block = tl.load(bt_ptr + b * stride_bt + n // PAGE, mask=cached, other=0).to(tl.int64)
         slots = block * PAGE + n % PAGE
         kt = tl.load(kc_ptr + slots[:, None] * stride_kcs + h * stride_kch + da[None, :],
-                     mask=nmask[:, None] & damask[None, :], other=0.0)
+                     mask=cached[:, None] & damask[None, :], other=0.0)
+        if NEW_KV:
+            rows_new = (q_end - ctx_b + n).to(tl.int64)  # the row of new index n: the last row holds ctx - 1
+            fresh = nmask & is_new
+            kt = tl.where(fresh[:, None], _load_rows(k_ptr + h * stride_kh, rows_new, stride_kt, 0, fresh, DA,
+                                                     DA_PAD, kc_ptr.dtype.element_ty), kt)
         if DOT_FP32:
             s = tl.dot(q_a, tl.trans(kt.to(tl.float32)))
         else:
             s = tl.dot(q_a, tl.trans(kt))
         if DB > 0:
             kb = tl.load(kc_ptr + slots[:, None] * stride_kcs + h * stride_kch + db[None, :],
-                         mask=nmask[:, None] & dbmask[None, :], other=0.0)
+                         mask=cached[:, None] & dbmask[None, :], other=0.0)
+            if NEW_KV:
+                kb = tl.where(fresh[:, None], _load_rows(k_ptr + h * stride_kh, rows_new, stride_kt, DA, fresh, DB,
+                                                         DB_PAD, kc_ptr.dtype.element_ty), kb)
             if DOT_FP32:
                 s += tl.dot(q_b, tl.trans(kb.to(tl.float32)))
             else:
@@ -160,7 +227,10 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, part_m_ptr, pa
             vt = kt  # V = K's first VDIM (= DA) columns: the tile already loaded
         else:
             vt = tl.load(vc_ptr + slots[:, None] * stride_vcs + h * stride_vch + dv[None, :],
-                         mask=nmask[:, None] & dvmask[None, :], other=0.0)
+                         mask=cached[:, None] & dvmask[None, :], other=0.0)
+            if NEW_KV:
+                vt = tl.where(fresh[:, None], _load_rows(v_ptr + h * stride_vh, rows_new, stride_vt, 0, fresh, VDIM,
+                                                         VDIM_PAD, vc_ptr.dtype.element_ty), vt)
         if DOT_FP32:
             pv = tl.dot(p, vt.to(tl.float32))
         else:
@@ -177,6 +247,31 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, part_m_ptr, pa
         tl.store(part_m_ptr + row, m * 0.6931471805599453, mask=rmask)
         tl.store(part_l_ptr + row, l_sum, mask=rmask)
         tl.store(part_acc_ptr + row[:, None] * VDIM_PAD + do[None, :], acc, mask=rmask[:, None])
+        if COMBINE:  # the last split of this (query tile, KV head, head block) to finish combines them all
+            tl.debug_barrier()
+            tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+            arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == splits - 1:
+                first_row = (tok * HEADS + heads) * splits
+                s_idx = tl.arange(0, SPLITS_PAD)
+                smask = rmask[:, None] & (s_idx < splits)[None, :]
+                pm = tl.load(part_m_ptr + first_row[:, None] + s_idx[None, :], mask=smask, other=float("-inf"),
+                             cache_modifier=".cg")
+                pl = tl.load(part_l_ptr + first_row[:, None] + s_idx[None, :], mask=smask, other=0.0,
+                             cache_modifier=".cg")
+                top = tl.max(pm, axis=1)
+                w = tl.where(pm > float("-inf"), tl.exp(pm - top[:, None]), 0.0)  # [ROWS, SPLITS_PAD]
+                total = tl.zeros((ROWS, VDIM_PAD), tl.float32)
+                for sp in range(0, splits):
+                    w_sp = tl.sum(tl.where(s_idx[None, :] == sp, w, 0.0), axis=1)
+                    part = tl.load(part_acc_ptr + (first_row + sp)[:, None] * VDIM_PAD + do[None, :],
+                                   mask=rmask[:, None], other=0.0, cache_modifier=".cg")
+                    total += part * w_sp[:, None]
+                denom = tl.sum(pl * w, axis=1)
+                out = total / tl.where(denom > 0, denom, 1.0)[:, None]
+                tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + do[None, :],
+                         out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & (do < VDIM)[None, :])
+                tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 def tile_config(group: int, dim_pad: int, max_query_len: int, vdim_pad: int = 0) -> tuple[int, int, int, int, int]:
@@ -230,7 +325,6 @@ def paged_prefill_attention_triton(
     if not n:
         return out
     v_in_k = layer_id in cache.v_in_k
-    write_kv_triton(kc, None if v_in_k else vc, batch.slot_mapping, k, v)
     da = vdim if v_in_k else dim  # K part A (V's columns when V is in K), part B the rest
     vdim_pad = _pad(vdim)
     rows, block_h, block_n, warps, stages = tile_config(group, _pad(dim), meta.max_query_len,
@@ -240,6 +334,12 @@ def paged_prefill_attention_triton(
     num_seqs = meta.block_tables.shape[0]
     tiles = n // block_q + num_seqs  # every sequence's tiles, a few empty (tile_start)
     splits = num_splits(tiles * kv_heads * head_blocks, meta.block_tables.shape[1] * cache.block_size, block_n)
+    fused = FUSED_SPLITS and splits > 1
+    if fused and (k.stride(-1) != 1 or v.stride(-1) != 1):  # rows of k / v read in place
+        k, v = k.contiguous(), v.contiguous()
+    counters = arrival_counters(q.device, tiles * kv_heads * head_blocks) if fused else None
+    if not fused:
+        write_kv_triton(kc, None if v_in_k else vc, batch.slot_mapping, k, v)
     if splits > 1:
         part_acc, part_m, part_l = split_partials(n, heads, splits, vdim_pad, q.device)
     else:
@@ -247,15 +347,18 @@ def paged_prefill_attention_triton(
     tail = meta.tail_mask
     tail_bits = meta.token_index if tail is None else tail.contiguous().view(torch.int8)  # unread when causal
     _prefill_kernel[(tiles, kv_heads * head_blocks, splits)](
-        q, kc, vc, out, part_acc, part_m, part_l, meta.block_tables, meta.query_start, meta.token_index, meta.context_lens, tail_bits,
-        q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), out.stride(0),
-        out.stride(1), meta.block_tables.stride(0), scale * LOG2E, num_seqs, max(1, (num_seqs - 1).bit_length()), splits,
-        0 if tail is None else tail.shape[1],
-        GROUP=group, BLOCK_H=block_h, HEAD_BLOCKS=head_blocks, BLOCK_Q=block_q, ROWS=rows, DA=da, DA_PAD=_pad(da),
+        q, k, v, kc, vc, out, part_acc, part_m, part_l, meta.block_tables, meta.query_start, meta.token_index,
+        meta.context_lens, tail_bits, batch.slot_mapping, counters if counters is not None else meta.context_lens,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), kc.stride(0), kc.stride(1),
+        vc.stride(0), vc.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0), scale * LOG2E,
+        num_seqs, max(1, (num_seqs - 1).bit_length()), splits, 0 if tail is None else tail.shape[1],
+        GROUP=group, BLOCK_H=block_h, HEAD_BLOCKS=head_blocks, BLOCK_Q=block_q,
+        BLOCK_Q_PAD=triton.next_power_of_2(block_q), ROWS=rows, DA=da, DA_PAD=_pad(da),
         DB=dim - da, DB_PAD=_pad(dim - da), VDIM=vdim, VDIM_PAD=vdim_pad, V_IN_K=v_in_k, PAGE=cache.block_size,
-        BLOCK_N=block_n, SPLIT=splits > 1, HEADS=heads,
-        DOT_FP32=_DOT_FP32, num_warps=warps, num_stages=stages)
-    if splits > 1:
+        BLOCK_N=block_n, SPLIT=splits > 1, NEW_KV=fused, COMBINE=counters is not None,
+        SPLITS_PAD=triton.next_power_of_2(MAX_SPLITS), HEADS=heads, DOT_FP32=_DOT_FP32, num_warps=warps,
+        num_stages=stages, **pdl_launch())
+    if splits > 1 and counters is None:
         combine_splits(part_acc, part_m, part_l, out)
     return out
 
