@@ -27,6 +27,7 @@ from fusedserve.models.layers import (  # noqa: E402
     decode_attention_triton,
     kv_write_triton,
     linear_triton,
+    prefill_attention_triton,
     rms_norm_triton,
     rope_triton,
     silu_mul_triton,
@@ -85,6 +86,17 @@ KERNELS: dict[str, tuple[Any, dict[str, Any], dict[str, str]]] = {
                          {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 128, "SPLIT_K": 1, "HAS_BIAS": False,
                           "DOT_FP32": False, "EPILOGUE": linear_triton.EPILOGUE_SILU, "HEAD_DIM": 2},
                          {}),
+    # a chain verify's split launch (new K/V stored and read from k / v, splits combined in the kernel), and a
+    # prompt's unsplit one (the K/V stored before it): GQA 9 / 3, head dim 64 (SmolLM2)
+    **{name: (prefill_attention_triton._prefill_kernel,
+              {"TAIL": 0, "GROUP": 3, "BLOCK_H": 3, "HEAD_BLOCKS": 1, "BLOCK_Q": 10, "BLOCK_Q_PAD": 16, "ROWS": 32,
+               "DA": 64, "DA_PAD": 64, "DB": 0, "DB_PAD": 16, "VDIM": 64, "VDIM_PAD": 64, "V_IN_K": False, "PAGE": 16,
+               "BLOCK_N": 64, "SPLIT": split, "NEW_KV": split, "COMBINE": split, "SPLITS_PAD": 32, "HEADS": 9,
+               "DOT_FP32": False},
+              {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "bt_ptr": "*i32",
+               "qstart_ptr": "*i32", "index_ptr": "*i64", "ctx_ptr": "*i32", "tail_ptr": "*i64", "slot_ptr": "*i64",
+               "cnt_ptr": "*i32", "qk_scale": "fp32"})
+       for name, split in (("prefill_attention_split", True), ("prefill_attention", False))},
     "gemv": (linear_triton._gemv_kernel,
              {"M_PAD": 1, "BLOCK_N": 4, "BLOCK_K": 2048, "EVEN_K": True, "HAS_BIAS": False}, {}),
 }
