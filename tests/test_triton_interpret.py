@@ -491,9 +491,11 @@ def test_interp_prefill_attention_stores_kv_and_equals_reference(layout: str, dt
 
 
 @inner
-@pytest.mark.parametrize("fused", [True, False], ids=["fused-splits", "write-then-combine"])
-@pytest.mark.parametrize("front", ["pad", "copies"])
-@pytest.mark.parametrize("width", [3, 40], ids=["unsplit", "split"])
+@pytest.mark.parametrize(("width", "front", "fused"), [
+    (3, "pad", True), (3, "copies", True),  # one launch (unsplit: the fused path does not apply)
+    (40, "pad", True), (40, "copies", True), (40, "pad", False), (40, "copies", False),  # 2 splits
+], ids=["unsplit-pad", "unsplit-copies", "split-pad-fused", "split-copies-fused", "split-pad-write-then-combine",
+        "split-copies-write-then-combine"])
 def test_interp_prefill_attention_on_a_graph_padded_verify_layout_equals_torch(width: int, front: str,
                                                                                fused: bool) -> None:
     """StepGraphs' padded layout: every sequence 4 rows, real rows last; the leading rows share the first
