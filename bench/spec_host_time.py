@@ -1,6 +1,7 @@
 """Host time of a speculative step outside its forwards, on CPU: what Python and op dispatch cost a round.
 
     python bench/spec_host_time.py [--temperatures 0,1] [--steps 5] [--tokens 200] [--out FILE]
+    python bench/spec_host_time.py --replays [--steps 7] [--out FILE]
 
 The engine runs the tiny pair (examples/checkpoints/tiny-code + tiny-code-eagle3) with ``cuda_graphs=True``,
 which on CPU runs every captured shape's forward eagerly on its static buffers (``step_graphs.py``); the
@@ -9,11 +10,20 @@ would wait on between its graph replays: building steps, packing metadata, sampl
 bookkeeping. Reported per verify round (and per token without speculation), with the number of forwards a
 round replays. A CPU proxy, not the GPU's host: the ops outside the forwards run on tiny tensors here and
 launch kernels there, so compare configurations with each other, not with GPU timings.
+
+Whole rounds minus their forwards read +-10 % between runs on a shared 2-core machine, too coarse for a change
+of tens of microseconds. ``--replays`` times one piece alone instead, the host path of the two replays a round
+makes on the GPU: the verify's ``StepExecutor.run`` (chain + 1 rows at position 40) and the draft's
+``run_first_chain`` (the first pass with rows dropped on the device, then the chain), each captured shape's
+replay a no-op returning its static outputs (as ``graph.replay()`` costs the host one call): packing the
+layout, the metadata copy, the device inputs' index copies, the ledger, the output views. Median of 5 x 3000
+calls (spread ~2 %).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -85,6 +95,53 @@ def measure(temperature: float, steps: int, tokens: int, repeats: int) -> dict[s
             "tokens_per_round": round(sum(r["tokens"] for r in runs) / sum(r["rounds"] for r in runs), 3)}
 
 
+class _NoReplay:
+    """A captured graph whose replay does nothing (its static outputs stay as they are)."""
+
+    def replay(self) -> None:
+        pass
+
+
+def replays(steps: int, calls: int = 3000, repeats: int = 5) -> dict[str, Any]:
+    import statistics
+
+    import torch
+
+    from fusedserve.worker.executor.step import SeqRows, Step
+
+    engine = Engine(TARGET, EngineConfig(num_blocks=64, max_num_seqs=1, cuda_graphs=True,
+                                         speculative=SpeculativeConfig(DRAFT, num_steps=steps)))
+    assert engine.speculator is not None
+    target, draft = engine.executor, engine.speculator.draft
+    for graphs in (target.graphs, draft.graphs):
+        assert graphs is not None
+        for shape, entry in graphs.captured.items():
+            graphs.pad_inputs(shape)
+            with torch.inference_mode():
+                entry.outputs = graphs._forward(shape, entry.views, entry.attention)
+            entry.graph = _NoReplay()
+    table = tuple(range(10))
+    verify = Step((SeqRows(table, tuple(range(steps + 1)), tuple(range(40, 41 + steps)), 41 + steps, steps + 1),))
+    bases = Step((SeqRows(table, (0,) * (steps + 1), tuple(range(41, 42 + steps)), 42 + steps),))
+    ids = torch.arange(steps + 1)
+    aux = torch.zeros(steps + 1, 3 * int(json.loads((TARGET / "config.json").read_text())["hidden_size"]))
+    drop = torch.tensor([steps // 2])
+
+    def median_us(fn: Any) -> float:
+        per = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            per.append((time.perf_counter() - t) / calls * 1e6)
+        return round(statistics.median(per), 1)
+
+    return {"steps": steps, "calls": calls, "repeats": repeats,
+            "verify_run_us": median_us(lambda: target.run(verify, input_ids=ids)),
+            "draft_run_first_chain_us": median_us(
+                lambda: draft.run_first_chain(bases, aux, steps - 1, None, drop=drop, input_ids=ids))}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--temperatures", default="0,1")
@@ -92,7 +149,16 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--replays", action="store_true", help="time the two replays' host path alone (no-op replays)")
     args = ap.parse_args()
+    if args.replays:
+        row = replays(args.steps)
+        print(f"chain-{args.steps}: verify StepExecutor.run {row['verify_run_us']} us, draft run_first_chain "
+              f"{row['draft_run_first_chain_us']} us (host path, no-op replays)", flush=True)
+        if args.out:
+            write_record({**record_header(), "what": "host path of a round's two replays (no-op replays), CPU",
+                          "numbers": row}, args.out)
+        return
     rows = []
     for temperature in (float(t) for t in args.temperatures.split(",")):
         for steps in (0, args.steps):

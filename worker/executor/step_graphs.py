@@ -116,6 +116,25 @@ class _Views:
     one_row_start: torch.Tensor | None  # [batch + 1] constant (int32)
 
 
+@dataclass(frozen=True)
+class _HostLayout:
+    """A shape's numpy views of the pinned host buffer (laid out as ``_Views`` lays out ``_meta``), and the
+    host tensor's and ``_meta``'s slices the step's copy goes between."""
+
+    buf: np.ndarray
+    ids: np.ndarray
+    pos: np.ndarray
+    slots: np.ndarray
+    index: np.ndarray
+    dest: np.ndarray
+    ctx: np.ndarray
+    tables: np.ndarray
+    masks: np.ndarray | None
+    dp_real: np.ndarray | None
+    host: torch.Tensor
+    meta: torch.Tensor
+
+
 @dataclass
 class _Captured:
     views: _Views
@@ -176,6 +195,7 @@ class StepGraphs:
                                       device=device) if drawn else None)
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.captured: dict[StepShape, _Captured] = {}
+        self._layouts: dict[StepShape, _HostLayout] = {}
         self.runs = 0  # steps run through here (replays, or the padded forward off CUDA)
         self.batch_sizes: dict[ShapeKey, list[int]] = {}
         with torch.inference_mode(), _no_collection():
@@ -339,7 +359,7 @@ class StepGraphs:
     def _capture(self, shape: StepShape) -> _Captured:
         views = self._views(shape)
         packed = self._packed(shape, [], [0] * self.dp)
-        self._meta[: packed.shape[0]].copy_(packed)  # synchronous
+        packed.meta.copy_(packed.host)  # synchronous
         attention = None if self.attention is None else self.attention.graph_plan()
         if not self.use_graphs:
             with self.ledger.capture() as forward:
@@ -365,26 +385,37 @@ class StepGraphs:
         slot, every index stays in range): what a bench needs before replaying a graph on its own (the
         buffers hold whatever the last step of another shape packed)."""
         packed = self._packed(shape, [], [0] * self.dp)
-        self._meta[: packed.shape[0]].copy_(packed)
+        packed.meta.copy_(packed.host)
         if self._copied is not None:
             self._copied.record()
 
+    def _host_layout(self, shape: StepShape) -> _HostLayout:
+        """``shape``'s parts of the pinned host buffer and of ``_meta``, made once per shape."""
+        layout = self._layouts.get(shape)
+        if layout is None:
+            t, b, m, tail = shape.rows, shape.batch, self.max_blocks, shape.tail
+            size = self._layout_size(shape)
+            buf = self._host[:size]
+            at = 5 * t + b + b * m
+            ids, pos, slots, index, dest = (buf[i * t:(i + 1) * t] for i in range(5))
+            layout = _HostLayout(buf, ids, pos, slots, index, dest, buf[5 * t:5 * t + b], buf[5 * t + b:at].reshape(b, m),
+                                 buf[at:at + t * tail].reshape(t, tail) if tail else None,
+                                 buf[size - self.dp:size] if self.dp else None, self._host_t[:size], self._meta[:size])
+            self._layouts[shape] = layout
+        return layout
+
     def _packed(self, shape: StepShape, seqs: Sequence[PackedSeq], dp_real: Sequence[int],
-                host_masks: bool = True) -> torch.Tensor:
-        """The shape's int64 layout on the host (one pinned buffer, numpy slices: a step's host cost
-        follows its real rows, not the captured width): real sequences first, then padding.
+                host_masks: bool = True) -> _HostLayout:
+        """The shape's int64 layout on the host (one pinned buffer, numpy views made once per shape: a step's
+        host cost follows its real rows, not the captured width): real sequences first, then padding.
         ``host_masks``: pack the sequences' tail masks (not when the device's replace them)."""
-        q, m, tail, b = shape.tokens, self.max_blocks, shape.tail, shape.batch
-        t = shape.rows
-        size = self._layout_size(shape)
+        q = shape.tokens
         if self._copied is not None:
             self._copied.synchronize()
-        buf = self._host[:size]
-        buf[:] = 0
-        ids, pos, slots, index, dest = (buf[i * t:(i + 1) * t] for i in range(5))
-        ctx = buf[5 * t:5 * t + b]
-        tables = buf[5 * t + b:5 * t + b + b * m].reshape(b, m)
-        masks = buf[5 * t + b + b * m:5 * t + b + b * m + t * tail].reshape(t, tail) if tail else None
+        lay = self._host_layout(shape)
+        lay.buf[:] = 0
+        ids, pos, slots, index, dest, ctx, tables, masks = (lay.ids, lay.pos, lay.slots, lay.index, lay.dest, lay.ctx,
+                                                            lay.tables, lay.masks)
         slots[:] = self.pad_slot
         ctx[:] = 1
         if masks is not None:
@@ -404,10 +435,10 @@ class StepGraphs:
             ctx[i] = s.context_len
             tables[i, :len(s.block_table)] = s.block_table
             if masks is not None and s.tail_mask is not None and host_masks:
-                masks[lo:hi] = np.asarray(s.tail_mask, dtype=np.int64).reshape(k, tail)
-        if self.dp:
-            buf[size - self.dp:size] = dp_real
-        return self._host_t[:size]
+                masks[lo:hi] = np.asarray(s.tail_mask, dtype=np.int64).reshape(k, shape.tail)
+        if lay.dp_real is not None:
+            lay.dp_real[:] = dp_real
+        return lay
 
     def run(self, shape: StepShape, seqs: Sequence[PackedSeq], hidden: torch.Tensor | None = None,
             dp_real: Sequence[int] = (), input_ids: torch.Tensor | None = None,
@@ -435,27 +466,27 @@ class StepGraphs:
         if len(dp_real) != self.dp:
             raise ValueError(f"{len(dp_real)} DP token counts for {self.dp} DP groups")
         packed = self._packed(shape, seqs, dp_real, host_masks=tail_rows is None)
-        self._meta[: packed.shape[0]].copy_(packed, non_blocking=True)
+        packed.meta.copy_(packed.host, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
         num_real = sum(len(s.token_ids) for s in seqs)
         dest = v.dest[:num_real]
         if input_ids is not None:
-            v.ids.index_copy_(0, dest, input_ids.to(v.ids.dtype))
+            v.ids.index_copy_(0, dest, _as(input_ids, v.ids))
         if positions is not None:
-            v.positions.index_copy_(0, dest, positions.to(v.positions.dtype))
+            v.positions.index_copy_(0, dest, _as(positions, v.positions))
         if tail_rows is not None:
             if tail_rows.shape != (num_real, shape.tail):
                 raise ValueError(f"tail rows {tuple(tail_rows.shape)} for {num_real} rows of {shape}")
-            v.tail.index_copy_(0, dest, tail_rows.to(v.tail.dtype))
+            v.tail.index_copy_(0, dest, _as(tail_rows, v.tail))
         if v.hidden is not None:
             if hidden is None:
                 raise ValueError(f"{shape} takes a hidden input")
-            v.hidden.index_copy_(0, dest, hidden.to(v.hidden.dtype))
+            v.hidden.index_copy_(0, dest, _as(hidden, v.hidden))
         if v.scores is not None:
             if scores is None or input_ids is None:
                 raise ValueError(f"{shape} takes its first leaves' tokens and scores")
-            v.scores.index_copy_(0, dest, scores.to(v.scores.dtype))
+            v.scores.index_copy_(0, dest, _as(scores, v.scores))
         if (v.temperatures is None) != (temperatures is None or uniforms is None):
             raise ValueError(f"{shape}: a sampled chain, and only one, takes temperatures and uniform numbers")
         if v.temperatures is not None and v.uniforms is not None:
@@ -485,6 +516,11 @@ class StepGraphs:
             else:  # one row per sequence
                 out.append(t[:n])
         return out
+
+
+def _as(values: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """``values`` in ``buffer``'s dtype (itself when it is: no dispatch on the host's per-step path)."""
+    return values if values.dtype == buffer.dtype else values.to(buffer.dtype)
 
 
 def _drafts(shape: StepShape) -> int:
