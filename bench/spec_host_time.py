@@ -1,7 +1,7 @@
 """Host time of a speculative step outside its forwards, on CPU: what Python and op dispatch cost a round.
 
     python bench/spec_host_time.py [--temperatures 0,1] [--steps 5] [--tokens 200] [--out FILE]
-    python bench/spec_host_time.py --replays [--steps 7] [--out FILE]
+    python bench/spec_host_time.py --replays [--steps 7] [--calls 3000] [--out FILE]
 
 The engine runs the tiny pair (examples/checkpoints/tiny-code + tiny-code-eagle3) with ``cuda_graphs=True``,
 which on CPU runs every captured shape's forward eagerly on its static buffers (``step_graphs.py``); the
@@ -150,9 +150,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None)
     ap.add_argument("--replays", action="store_true", help="time the two replays' host path alone (no-op replays)")
+    ap.add_argument("--calls", type=int, default=3000, help="--replays: calls per timed repeat")
     args = ap.parse_args()
     if args.replays:
-        row = replays(args.steps)
+        row = replays(args.steps, args.calls)
         print(f"chain-{args.steps}: verify StepExecutor.run {row['verify_run_us']} us, draft run_first_chain "
               f"{row['draft_run_first_chain_us']} us (host path, no-op replays)", flush=True)
         if args.out:

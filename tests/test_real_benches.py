@@ -137,6 +137,14 @@ def test_spec_host_time_runs_and_counts_forwards(tmp_path: Path) -> None:
     assert all(r["host_ms_per_round_median"] > 0 for r in rows)
 
 
+def test_spec_host_time_times_the_replays_host_path(tmp_path: Path) -> None:
+    out = tmp_path / "replays.json"
+    proc = _bench("spec_host_time.py", "--replays", "--steps", "3", "--calls", "20", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads(out.read_text())["numbers"]
+    assert row["steps"] == 3 and row["verify_run_us"] > 0 and row["draft_run_first_chain_us"] > 0
+
+
 def test_output_handoff_runs_and_delivers_once_or_every_step(tmp_path: Path) -> None:
     out = tmp_path / "handoff.json"
     proc = _bench("output_handoff.py", "--tokens", "12", "--reps", "1", "--busy-us", "0", "--out", str(out))
