@@ -214,3 +214,29 @@ def test_serving_limits_come_from_the_spec_and_roll_no_group() -> None:
                          ("bodyTimeoutSeconds", 0)):
         with pytest.raises(SpecError, match=f"spec.serving.{field}"):
             parse_manifest(_with(f"spec.serving.{field}", value))
+
+
+@pytest.mark.parametrize("address", [None, "10.0.0.1:6379"], ids=["embedded", "joined"])
+def test_fusedserve_run_keeps_its_embedded_ray_on_loopback(address: str | None,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray swaps a 127.0.0.1 node address for one it probes and listens on every interface unless its multi-node
+    switch is off (read when ``ray`` is imported): `fusedserve run` turns it off for its embedded Ray, before
+    Ray loads, and leaves a cluster it joins as the environment has it. (The suite's private network namespace
+    has loopback alone, so the Ray tests cannot see the difference; by hand on a host with an interface, Ray's
+    servers listened on * without it.)"""
+    from fusedserve.worker.ray import launcher
+
+    seen: dict[str, str | None] = {}
+
+    def serve(*args: object) -> int:
+        seen["switch"] = launcher.os.environ.get(launcher.RAY_CLUSTER_ENV)
+        return 0
+
+    monkeypatch.delenv(launcher.RAY_CLUSTER_ENV, raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # no token file made for this test
+    monkeypatch.setattr(launcher, "_serve", serve)
+    monkeypatch.setattr(launcher.startup_gc, "pause", lambda: None)
+    monkeypatch.setattr(launcher.startup_gc, "resume", lambda: None)
+    assert launcher.run(str(ROOT / "examples/01-tiny-code.yaml"), ray_address=address) == 0
+    assert seen["switch"] == (None if address else "0")

@@ -7,7 +7,8 @@ network could submit jobs, i.e. run code).
   container's environment and the token Secret's value admits a client that has the token and refuses one
   without it, or with another.
 - The embedded Ray of `fusedserve run` (no ``--ray-address``, no ``RAY_AUTH_MODE`` in its environment): a
-  fresh token of the run in a file only its user reads, removed at exit; no dashboard, 127.0.0.1 only; a
+  fresh token of the run in a file only its user reads, removed at exit; no dashboard, 127.0.0.1 only (its
+  ranks' rendezvous too: a file, removed at exit); a
   call without the token or with a wrong one is refused (``AuthenticationError: InvalidAuthToken``), the
   same call with the run's token file is answered; ``ray.init`` without a token is refused.
 
@@ -125,8 +126,10 @@ def test_ray_as_the_operator_starts_it_refuses_a_client_without_the_token(tmp_pa
 
 @pytest.fixture(scope="module")
 def embedded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, str, Path]]:
+    """examples/02 (two ranks: a rendezvous too) on the embedded Ray, its temporary files in a folder of its own."""
     home = tmp_path_factory.mktemp("home")
-    server = Server(REPO / "examples/01-tiny-code.yaml", None, timeout=240, env=_base_env(home))
+    temp = tmp_path_factory.mktemp("tmp")
+    server = Server(REPO / "examples/02-tiny-code-tp2.yaml", None, timeout=240, env=_base_env(home) | {"TMPDIR": str(temp)})
     token_file: Path | None = None
     try:
         banner = "".join(server.output)
@@ -138,6 +141,7 @@ def embedded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server,
         assert server.stop() == 0, "".join(server.output[-30:])
         if token_file is not None:
             assert not token_file.exists() and not token_file.parent.exists(), "the run's token outlived it"
+        assert not list(temp.glob("fusedserve-rendezvous-*")), "the ranks' rendezvous file outlived the run"
 
 
 def _children() -> dict[int, list[int]]:
@@ -194,6 +198,8 @@ def _process_tree(root: int) -> set[int]:
 
 
 def test_embedded_ray_has_no_dashboard_and_listens_on_loopback_only(embedded: tuple[Server, str, Path]) -> None:
+    """Ray's servers, the HTTP API and the two ranks (they rendezvous in a file: torch's TCP store would listen on
+    every interface) — on 127.0.0.1 alone."""
     server, address, _ = embedded
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", 8265), timeout=2).close()

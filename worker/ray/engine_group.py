@@ -3,7 +3,10 @@
 ``EngineGroup.create`` reserves the named, detached placement group, waits for it (an infeasible
 or long-pending group fails with the reason: ``GroupUnschedulable``), starts one detached, named
 ``RankActor`` per rank in its bundle, rendezvouses them at rank 0's address and waits until every
-rank is loaded (``GroupStartFailed`` otherwise, with the placement group removed again).
+rank is loaded (``GroupStartFailed`` otherwise, with the placement group removed again). Where rank 0's node
+address is loopback (the embedded Ray of ``fusedserve run``: every rank on this host) they rendezvous in a
+file instead (``dist.FileStore``, in a directory only this user reads, removed at teardown): torch's TCP store
+listens on every interface whatever address it is given.
 ``EngineGroup.adopt`` finds a group a previous controller left running. ``check`` pings every rank;
 ``teardown`` kills the actors and removes the placement group.
 """
@@ -11,12 +14,15 @@ rank is loaded (``GroupStartFailed`` otherwise, with the placement group removed
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..spec import RuntimeConfig
 from .placement import (
+    LOOPBACK_HOSTS,
     RAY_NAMESPACE,
     ClusterShape,
     PlacementPlan,
@@ -70,6 +76,7 @@ class EngineGroup:
     phase: str = "Pending"  # Pending, Starting, Ready, Failed, Terminating
     created_at: float = 0.0
     adopted: bool = False
+    rendezvous_dir: str | None = None  # the file store's directory (ranks on a loopback node), removed at teardown
 
     @property
     def name(self) -> str:
@@ -140,10 +147,21 @@ class EngineGroup:
             ).remote(rc, self.index, rank, cluster.gpus))
         self.leaders = [self.actors[r] for r in leader_ranks(rc)]
         try:
-            master = ray.get(self.actors[0].address.remote(), timeout=START_TIMEOUT_S) if rc.ranks > 1 else None
+            master = None
+            if rc.ranks > 1:
+                master = self._rendezvous(ray.get(self.actors[0].address.remote(), timeout=START_TIMEOUT_S))
             self.ranks = ray.get([a.start.remote(master) for a in self.actors], timeout=START_TIMEOUT_S)
         except Exception as e:
             raise GroupStartFailed(f"engine group {self.name} failed to start: {_first_rank_error(self, short(e))}") from e
+
+    def _rendezvous(self, address: tuple[str, int]) -> str:
+        """The ranks' ``init_method`` from rank 0's node address and free port: a file store on a loopback node
+        (made here: the controller runs there too), else TCP."""
+        host, port = address
+        if host not in LOOPBACK_HOSTS:
+            return f"tcp://{host}:{port}"
+        self.rendezvous_dir = tempfile.mkdtemp(prefix="fusedserve-rendezvous-")  # mode 0700
+        return f"file://{self.rendezvous_dir}/store"
 
     @classmethod
     def adopt(cls, rc: RuntimeConfig, index: int, pg: Any, cluster: ClusterShape) -> EngineGroup:
@@ -201,6 +219,9 @@ class EngineGroup:
             except (ValueError, ray.exceptions.RayError) as e:
                 log.debug("remove %s: %s", self.name, e)
         self.pg = None
+        if self.rendezvous_dir is not None:
+            shutil.rmtree(self.rendezvous_dir, ignore_errors=True)
+            self.rendezvous_dir = None
 
 
 def _scheduling_state(pg: Any) -> str:

@@ -12,12 +12,13 @@ drainGracePeriodSeconds`` to finish and are then ended with a JSON error or an S
 and ``[DONE]``; a second signal ends the grace period early. Then the HTTP server, rank actors,
 placement groups and Ray stop (``ServingSpec.termination_grace_period_seconds`` covers both).
 
-The embedded Ray listens on 127.0.0.1 only (its node address), without a dashboard, and with
+The embedded Ray listens on 127.0.0.1 only (its node address, with Ray's multi-node switch off: else Ray
+swaps 127.0.0.1 for an address it probes and listens on every interface), without a dashboard, and with
 Ray's token authentication (``auth_token.py``, as on Kubernetes: a fresh token per run in a file
 only its user can read, removed at exit) unless ``RAY_AUTH_MODE`` says otherwise; joining a
 cluster uses whatever ``RAY_AUTH_MODE`` / ``RAY_AUTH_TOKEN_PATH`` the environment holds. `make run`
 (scripts/run-main.sh) runs the CLI inside a private network namespace with only loopback when it
-is root (TESTING.md): Ray probes an outside address to learn its own IP.
+is root (TESTING.md), as the tests run.
 
 The API key (``--api-key`` or ``$FUSEDSERVE_API_KEY``) guards ``/v1/*`` and ``/status``
 (``serving/access.py``); without one, ``/status`` shows rank PIDs, node addresses and failure
@@ -44,7 +45,7 @@ from typing import Any
 from .. import startup_gc
 from ..spec import Manifest, RuntimeConfig, SpecError, load_manifest
 from . import auth_token
-from .placement import LOCAL_GPU_RESOURCE, RAY_NAMESPACE, ClusterShape
+from .placement import LOCAL_GPU_RESOURCE, LOOPBACK_HOSTS, RAY_NAMESPACE, ClusterShape
 
 # Nothing above imports torch or ray: a bad manifest is refused before they load (check_checkpoint_split
 # imports torch for a valid one; _serve imports ray).
@@ -55,7 +56,6 @@ SMOKE_PROMPT = "def fibonacci(n):"
 RAY_CONNECT_TIMEOUT_S = 300.0
 WATCH_INTERVAL_S = 2.0
 SMOKE_CHAT = "import os"
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 NO_GROUPS_MARK = "no engine groups (replicas: 0)"
 
 
@@ -112,6 +112,18 @@ def check_checkpoint_split(rc: RuntimeConfig) -> None:
         raise SpecError(f"spec.parallelism: {e}") from e
 
 
+# Ray's switch for multi-node clusters (read once, when ``ray`` is imported): on, a node asked for 127.0.0.1
+# takes the address Ray probes for as its own instead (``ray._private.services.resolve_ip_for_localhost``) and
+# its servers listen there and on every interface; off, they listen on 127.0.0.1 alone.
+RAY_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def embedded_ray_loopback() -> None:
+    """The embedded Ray (one node, this process's) on loopback only: multi-node clusters off in the environment
+    Ray and its processes read, unless it says otherwise. Call it before ``ray`` is imported."""
+    os.environ.setdefault(RAY_CLUSTER_ENV, "0")
+
+
 def embedded_ray_auth() -> Path | None:
     """Token authentication for the embedded Ray unless ``RAY_AUTH_MODE`` is set, the way the operator's
     pods have it (``auth_token.py``): a fresh token of this run in a file only this user can read, named
@@ -152,10 +164,19 @@ def connect_ray(rc: RuntimeConfig, address: str | None) -> ClusterShape:
                               "_node_ip_address": "127.0.0.1"}
     if gpus:
         ray.init(num_gpus=gpus, **common)
+        _warn_unless_loopback(ray.get_runtime_context().gcs_address)
         return ClusterShape("GPU", gpus)
     fake = (rc.replicas + 1) * rc.ranks
     ray.init(num_cpus=max(2, os.cpu_count() or 2), num_gpus=0, resources={LOCAL_GPU_RESOURCE: fake}, **common)
+    _warn_unless_loopback(ray.get_runtime_context().gcs_address)
     return ClusterShape(LOCAL_GPU_RESOURCE, fake)
+
+
+def _warn_unless_loopback(gcs_address: str) -> None:
+    host = gcs_address.rsplit(":", 1)[0].strip("[]")
+    if host not in LOOPBACK_HOSTS:
+        print(f"fusedserve: warning: the embedded Ray listens on {host}, not on loopback alone (ray was imported "
+              f"before {RAY_CLUSTER_ENV}=0 could be set: `fusedserve run` sets it itself)", flush=True)
 
 
 def _shape_of(nodes: list[dict[str, Any]]) -> ClusterShape:
@@ -175,6 +196,8 @@ def run(manifest_path: str, smoke: bool = False, port: int | None = None, ray_ad
         startup_gc.resume()
         raise
     address = ray_address or os.environ.get("RAY_ADDRESS")
+    if not address:
+        embedded_ray_loopback()
     token_dir = None if address else embedded_ray_auth()
     try:
         return _serve(rc, manifest_path, smoke, port, address, host, watch, api_key)

@@ -25,6 +25,8 @@ LOCAL_CPU_PER_RANK = 0.25  # a CPU rank mostly waits on gloo; 4 ranks fit a 1-CP
 GPU_CPU_PER_RANK = 1.0
 NAME_PREFIX = "fusedserve"
 RAY_NAMESPACE = "fusedserve"  # of the named, detached rank actors
+# Addresses of this host alone (the embedded Ray's node address, the default HTTP listen address).
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 class PlacementError(ValueError):

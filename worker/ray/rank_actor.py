@@ -108,7 +108,8 @@ class RankActor:
     # --- start ------------------------------------------------------------------------------------
 
     def address(self) -> tuple[str, int]:
-        """Where the group rendezvouses (asked of rank 0): this node's address and a free port."""
+        """Where the group may rendezvous (asked of rank 0): this node's address and a free port (the controller
+        makes the ``init_method``: ``EngineGroup._rendezvous``)."""
         import ray
 
         ip = ray.util.get_node_ip_address()
@@ -116,7 +117,7 @@ class RankActor:
             s.bind((ip, 0))
             return ip, int(s.getsockname()[1])
 
-    async def start(self, master: tuple[str, int] | None) -> dict[str, Any]:
+    async def start(self, master: str | None) -> dict[str, Any]:
         """Join the group, load the shard, take up the role; returns ``info()``."""
         try:
             with startup_gc.paused():  # torch, transformers and the model: long-lived objects (startup_gc.py)
@@ -128,7 +129,7 @@ class RankActor:
         self.ready = True
         return await self.info()
 
-    def _start(self, master: tuple[str, int] | None) -> None:
+    def _start(self, master: str | None) -> None:
         import torch
         import torch.distributed as dist
 
@@ -145,9 +146,9 @@ class RankActor:
             torch.cuda.set_device(device)
         if rc.ranks > 1:
             if master is None:
-                raise RankStartError("a group of several ranks needs rank 0's rendezvous address")
-            dist.init_process_group(backend, init_method=f"tcp://{master[0]}:{master[1]}", rank=self.rank,
-                                    world_size=rc.ranks, timeout=RENDEZVOUS_TIMEOUT)
+                raise RankStartError("a group of several ranks needs its rendezvous (init_method)")
+            dist.init_process_group(backend, init_method=master, rank=self.rank, world_size=rc.ranks,
+                                    timeout=RENDEZVOUS_TIMEOUT)
             groups = build_groups(parallel_config(rc), self.rank, backend)
         else:
             groups = ParallelGroups.single_rank()
