@@ -128,20 +128,26 @@ def test_ray_as_the_operator_starts_it_refuses_a_client_without_the_token(tmp_pa
 def embedded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, str, Path]]:
     """examples/02 (two ranks: a rendezvous too) on the embedded Ray, its temporary files in a folder of its own."""
     home = tmp_path_factory.mktemp("home")
-    temp = tmp_path_factory.mktemp("tmp")
-    server = Server(REPO / "examples/02-tiny-code-tp2.yaml", None, timeout=240, env=_base_env(home) | {"TMPDIR": str(temp)})
-    token_file: Path | None = None
+    # short: Ray puts its sockets under $TMPDIR and their paths must fit 107 bytes (an xdist worker's tmp_path
+    # does not leave room)
+    temp = Path(tempfile.mkdtemp(prefix="re-", dir="/tmp"))
     try:
-        banner = "".join(server.output)
-        match = re.search(r"Ray: embedded at (127\.0\.0\.1:\d+), no dashboard, token authentication", banner)
-        assert match, banner
-        token_file = _token_file_of_children(server.proc.pid)
-        yield server, match.group(1), token_file
+        server = Server(REPO / "examples/02-tiny-code-tp2.yaml", None, timeout=240,
+                        env=_base_env(home) | {"TMPDIR": str(temp)})
+        token_file: Path | None = None
+        try:
+            banner = "".join(server.output)
+            match = re.search(r"Ray: embedded at (127\.0\.0\.1:\d+), no dashboard, token authentication", banner)
+            assert match, banner
+            token_file = _token_file_of_children(server.proc.pid)
+            yield server, match.group(1), token_file
+        finally:
+            assert server.stop() == 0, "".join(server.output[-30:])
+            if token_file is not None:
+                assert not token_file.exists() and not token_file.parent.exists(), "the run's token outlived it"
+            assert not list(temp.glob("fusedserve-rendezvous-*")), "the ranks' rendezvous file outlived the run"
     finally:
-        assert server.stop() == 0, "".join(server.output[-30:])
-        if token_file is not None:
-            assert not token_file.exists() and not token_file.parent.exists(), "the run's token outlived it"
-        assert not list(temp.glob("fusedserve-rendezvous-*")), "the ranks' rendezvous file outlived the run"
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def _children() -> dict[int, list[int]]:

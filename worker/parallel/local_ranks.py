@@ -4,7 +4,9 @@ gloo on CPU, NCCL on CUDA (one GPU per rank); rendezvous through a file store in
 no port to pick (one picked, released and bound again by rank 0 later could be taken in between by any other
 process's socket) and no store server listening on every interface, as torch's TCP store's does. A rank that
 raises ends the whole run (the other ranks are terminated) and the error comes back to the
-caller with the rank's traceback. Results travel by value through files in a temp directory.
+caller with the rank's traceback. Results travel by value through files in a temp directory. No rank runs
+the function before every rank's connections are up (a barrier on the store): gloo's connect can return on
+one rank while a peer is still connecting, and a rank that returned at once and left cut that peer off.
 
 A rank process ends with ``os._exit`` once its result or error is written: it never runs
 interpreter finalization, during which Python 3.11 ends a daemon thread that wants the GIL with
@@ -74,6 +76,11 @@ def _entry(rank: int, world: int, backend: str, state: dict[str, Any], payload: 
             torch.cuda.set_device(rank)
         store = dist.FileStore(str(Path(out_dir) / "rendezvous"), world)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+        # Every rank's connections are up before any rank runs (and may leave): gloo's connect can return on one
+        # rank while its peer still reads the handshake, and a rank that finished and exited then closed the
+        # socket under it ("Connection closed by peer" in connectFullMesh).
+        store.set(f"connected/{rank}", "1")
+        store.wait([f"connected/{r}" for r in range(world)], timedelta(seconds=timeout_s))
         try:
             out = fn(rank, world, backend, *args)
             torch.save(out, Path(out_dir) / f"rank{rank}.pt")
