@@ -2,6 +2,7 @@
 
     python bench/spec_host_time.py [--temperatures 0,1] [--steps 5] [--tokens 200] [--out FILE]
     python bench/spec_host_time.py --replays [--steps 7] [--calls 3000] [--out FILE]
+    python bench/spec_host_time.py --noop-rounds [--steps 7] [--tokens 200] [--repeats 3] [--out FILE]
 
 The engine runs the tiny pair (examples/checkpoints/tiny-code + tiny-code-eagle3) with ``cuda_graphs=True``,
 which on CPU runs every captured shape's forward eagerly on its static buffers (``step_graphs.py``); the
@@ -17,7 +18,9 @@ makes on the GPU: the verify's ``StepExecutor.run`` (chain + 1 rows at position 
 ``run_first_chain`` (the first pass with rows dropped on the device, then the chain), each captured shape's
 replay a no-op returning its static outputs (as ``graph.replay()`` costs the host one call): packing the
 layout, the metadata copy, the device inputs' index copies, the ledger, the output views. Median of 5 x 3000
-calls (spread ~2 %).
+calls (spread ~2 %). ``--noop-rounds`` runs whole engine rounds with every replay a no-op: the round's wall
+time is then all host time (schedule, packing, acceptance ops, bookkeeping, commit), per speculative round and
+per plain step, without the model's CPU compute to blur it (the tokens are meaningless: static logits).
 """
 
 from __future__ import annotations
@@ -102,6 +105,46 @@ class _NoReplay:
         pass
 
 
+def _noop_replays(engine: Engine) -> None:
+    """Every captured shape of the engine's target (and draft) replays as a no-op returning the static outputs
+    of one padded forward."""
+    import torch
+
+    executors = [engine.executor] + ([engine.speculator.draft] if engine.speculator is not None else [])
+    for executor in executors:
+        graphs = executor.graphs
+        assert graphs is not None
+        for shape, entry in graphs.captured.items():
+            graphs.pad_inputs(shape)
+            with torch.inference_mode():
+                entry.outputs = graphs._forward(shape, entry.views, entry.attention)
+            entry.graph = _NoReplay()
+
+
+def noop_rounds(steps: int, tokens: int, repeats: int) -> dict[str, Any]:
+    """Whole engine steps with every replay a no-op: a round's wall time is its host time (the prompt's eager
+    prefill aside), with no model compute between to blur it. The tokens are meaningless (static logits)."""
+    spec = SpeculativeConfig(DRAFT, num_steps=steps) if steps else None
+    engine = Engine(TARGET, EngineConfig(num_blocks=64, max_num_seqs=1, cuda_graphs=True, speculative=spec))
+    _noop_replays(engine)
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    engine.generate(["def fib(n):\n    "], params)  # warm-up
+    per = []
+    rounds = 0
+    for r in range(repeats):
+        before = engine.stats().spec
+        t = time.perf_counter()
+        [out] = engine.generate([f"import os\nx = {r}\n"], params)
+        wall = time.perf_counter() - t
+        after = engine.stats().spec
+        rounds = after.drafts - before.drafts if after and before else len(out.token_ids)
+        per.append(1e6 * wall / rounds)
+    per.sort()
+    return {"steps": steps, "tokens": tokens, "repeats": repeats, "rounds": rounds,
+            "us_per_round_median": round(per[len(per) // 2], 1), "us_per_round_spread": [round(per[0], 1),
+                                                                                     round(per[-1], 1)]}
+
+
 def replays(steps: int, calls: int = 3000, repeats: int = 5) -> dict[str, Any]:
     import statistics
 
@@ -113,13 +156,7 @@ def replays(steps: int, calls: int = 3000, repeats: int = 5) -> dict[str, Any]:
                                          speculative=SpeculativeConfig(DRAFT, num_steps=steps)))
     assert engine.speculator is not None
     target, draft = engine.executor, engine.speculator.draft
-    for graphs in (target.graphs, draft.graphs):
-        assert graphs is not None
-        for shape, entry in graphs.captured.items():
-            graphs.pad_inputs(shape)
-            with torch.inference_mode():
-                entry.outputs = graphs._forward(shape, entry.views, entry.attention)
-            entry.graph = _NoReplay()
+    _noop_replays(engine)
     table = tuple(range(10))
     verify = Step((SeqRows(table, tuple(range(steps + 1)), tuple(range(40, 41 + steps)), 41 + steps, steps + 1),))
     bases = Step((SeqRows(table, (0,) * (steps + 1), tuple(range(41, 42 + steps)), 42 + steps),))
@@ -151,7 +188,18 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--replays", action="store_true", help="time the two replays' host path alone (no-op replays)")
     ap.add_argument("--calls", type=int, default=3000, help="--replays: calls per timed repeat")
+    ap.add_argument("--noop-rounds", action="store_true",
+                    help="whole engine rounds with no-op replays (host time alone), with and without speculation")
     args = ap.parse_args()
+    if args.noop_rounds:
+        rows = [noop_rounds(s, args.tokens, args.repeats) for s in (0, args.steps)]
+        for row in rows:
+            print(f"{'chain-' + str(row['steps']) if row['steps'] else 'none':8s}: {row['us_per_round_median']} us a "
+                  f"round (spread {row['us_per_round_spread']}, {row['rounds']} rounds), no-op replays", flush=True)
+        if args.out:
+            write_record({**record_header(), "what": "engine rounds with no-op replays (host time alone), CPU",
+                          "numbers": rows}, args.out)
+        return
     if args.replays:
         row = replays(args.steps, args.calls)
         print(f"chain-{args.steps}: verify StepExecutor.run {row['verify_run_us']} us, draft run_first_chain "

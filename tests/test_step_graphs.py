@@ -68,19 +68,31 @@ def test_static_shape_steps_equal_eager(spec: SpeculativeConfig | None) -> None:
     assert outputs[True] == outputs[False]
 
 
-MODES = ("ahead", "fused", "chained", "step-by-step")
+MODES = ("staged", "ahead", "fused", "chained", "step-by-step")
 
 
 def _spec_engine(monkeypatch: pytest.MonkeyPatch, mode: str, spec: SpeculativeConfig) -> tuple[Engine, list[int]]:
-    """An engine whose draft runs a chain as ``mode`` says: "ahead" (the default: the next round's chain drafted
-    on the device behind each verify, with the device's acceptance), "fused" (first pass and steps in one
-    replay), "chained" (the first pass, then the steps in one replay), "step-by-step" (no chained shapes);
-    and counters of the fused replays that ran and of the steps that used a chain drafted ahead."""
+    """An engine whose draft runs a chain as ``mode`` says: "staged" (the default: a greedy round's acceptance
+    computed inside the verify's graph, which stages the next round's chain, replayed right behind it), "ahead"
+    (that chain drafted behind each verify from the acceptance made by host ops), "fused" (first pass and steps
+    in one replay), "chained" (the first pass, then the steps in one replay), "step-by-step" (no chained
+    shapes); and counters of the fused replays that ran, of the steps that used a chain drafted ahead and of
+    the staged replays."""
     from fusedserve.worker.executor.executor import StepExecutor
+    from fusedserve.worker.spec_decode.decoder import SpecDecoder
     from fusedserve.worker.spec_decode.drafter import Drafter
 
-    counts = [0, 0]
-    run_first_chain, chain = StepExecutor.run_first_chain, Drafter.chain
+    counts = [0, 0, 0]
+    run_first_chain, chain, staged = StepExecutor.run_first_chain, Drafter.chain, Drafter.chain_after_staged
+
+    def staged_counted(self: Drafter, *args: object) -> bool:
+        ran = staged(self, *args)  # type: ignore[arg-type]
+        counts[2] += ran
+        return ran
+
+    monkeypatch.setattr(Drafter, "chain_after_staged", staged_counted)
+    if mode != "staged":
+        monkeypatch.setattr(SpecDecoder, "_greedy_round", lambda self, *a, **k: None)
 
     def counted(self: StepExecutor, *args: object, **kwargs: object) -> object:
         out = run_first_chain(self, *args, **kwargs)  # type: ignore[arg-type]
@@ -93,9 +105,9 @@ def _spec_engine(monkeypatch: pytest.MonkeyPatch, mode: str, spec: SpeculativeCo
 
     monkeypatch.setattr(StepExecutor, "run_first_chain", counted)
     monkeypatch.setattr(Drafter, "chain", chain_counted)
-    if mode != "ahead":
+    if mode not in ("staged", "ahead"):
         monkeypatch.setattr(Drafter, "chain_after", lambda self, *a, **k: False)
-    if mode not in ("ahead", "fused"):
+    if mode not in ("staged", "ahead", "fused"):
         monkeypatch.setattr(StepExecutor, "first_chain_shape", lambda self, *a, **k: None)
     if mode == "step-by-step":
         monkeypatch.setattr(StepExecutor, "chainable", lambda self: False)
@@ -123,14 +135,19 @@ def _runs(monkeypatch: pytest.MonkeyPatch, spec: SpeculativeConfig, batches: lis
     return out
 
 
-def _agree(runs: dict[str, tuple[list[list[list[int]]], object, int, list[int]]], drafted_ahead: bool) -> None:
-    """Every mode gave the same tokens and acceptance; each used its path (``drafted_ahead``: "ahead" took chains
-    drafted ahead); each chained replay stood for the 4 step replays of the step-by-step path, a fused one also
-    for the first pass ("ahead" also drafts after a sequence's last round)."""
-    for mode, (_, _, _, (fused, ahead)) in runs.items():
-        assert (fused > 0) == (mode in ("ahead", "fused")), (mode, fused)
-        assert (ahead > 0) == (mode == "ahead" and drafted_ahead), (mode, ahead)
-    assert runs["ahead"][:2] == runs["fused"][:2] == runs["chained"][:2] == runs["step-by-step"][:2]
+def _agree(runs: dict[str, tuple[list[list[list[int]]], object, int, list[int]]], drafted_ahead: bool,
+           staged_rounds: bool) -> None:
+    """Every mode gave the same tokens and acceptance; each used its path (``drafted_ahead``: "staged" and
+    "ahead" took chains drafted ahead; ``staged_rounds``: "staged" ran greedy rounds staged by the verify); each
+    chained replay stood for the 4 step replays of the step-by-step path, a fused one also for the first pass
+    ("ahead" also drafts after a sequence's last round)."""
+    for mode, (_, _, _, (fused, ahead, staged)) in runs.items():
+        # (staged rounds draft ahead by the staged replay, the first pass after a prompt's prefill eagerly)
+        assert (fused > 0) == (mode in ("ahead", "fused") or mode == "staged" and not staged_rounds), (mode, fused)
+        assert (ahead > 0) == (mode in ("staged", "ahead") and drafted_ahead), (mode, ahead)
+        assert (staged > 0) == (mode == "staged" and staged_rounds), (mode, staged)
+    assert (runs["staged"][:2] == runs["ahead"][:2] == runs["fused"][:2] == runs["chained"][:2]
+            == runs["step-by-step"][:2])
     stats = runs["chained"][1]
     assert stats is not None and stats.accepted_tokens > 0  # type: ignore[attr-defined]
     replays = {mode: run[2] for mode, run in runs.items()}
@@ -151,7 +168,7 @@ def test_chained_greedy_drafts_equal_step_by_step(monkeypatch: pytest.MonkeyPatc
     params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, repetition_penalty=penalty)
     runs = _runs(monkeypatch, SpeculativeConfig(DRAFT, num_steps=5), [[params] * len(PROMPTS)], lambda s: s.chain == 4)
     # a penalty adjusts the logits: the device's raw acceptance cannot stand in for the host's
-    _agree(runs, drafted_ahead=penalty == 1.0)
+    _agree(runs, drafted_ahead=penalty == 1.0, staged_rounds=penalty == 1.0)
 
 
 def test_chained_sampled_drafts_equal_step_by_step(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -166,7 +183,7 @@ def test_chained_sampled_drafts_equal_step_by_step(monkeypatch: pytest.MonkeyPat
     drawn = [SamplingParams(temperature=t, seed=i, max_tokens=14, ignore_eos=True)
              for i, t in enumerate((0.8, 1.0, 0.0))]
     runs = _runs(monkeypatch, SpeculativeConfig(DRAFT, num_steps=5), [drawn, mixed], lambda s: s.sampled)
-    _agree(runs, drafted_ahead=True)
+    _agree(runs, drafted_ahead=True, staged_rounds=False)
 
 
 def test_chained_shape_needs_device_metadata_attention() -> None:

@@ -152,7 +152,6 @@ class Engine:
         if self.speculator is None:
             self.runner.capture([StepShape(b, 1) for b in sizes], max_blocks)
         else:
-            self.runner.capture(self.speculator.target_shapes(sizes), max_blocks)
             self.speculator.capture_graphs(sizes, max_blocks)
         log.info("step graphs at batch sizes %s (%d blocks per sequence)%s", sizes, max_blocks,
                  "" if torch.device(config.device).type == "cuda" else ", run eagerly off CUDA")

@@ -35,7 +35,7 @@ from ...models.layers.mamba_state import MambaStateCache
 from ...models.parallel.ledger import CollectiveLedger
 from .host_copy import to_device
 from .step import SeqRows, Step
-from .step_graphs import FeedFn, GrowFn, PackedSeq, SampleFn, StepGraphs
+from .step_graphs import FeedFn, FinishFn, GrowFn, PackedSeq, SampleFn, StaticInputs, StepGraphs
 from .step_shape import ShapeKey, StepShape
 
 log = logging.getLogger(__name__)
@@ -267,26 +267,76 @@ class StepExecutor:
     def _replay(self, shape: StepShape, step: Step, hidden: torch.Tensor | None,
                 input_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                 tail_rows: torch.Tensor | None = None) -> ModelOutput:
+        out, _ = self._replay_finished(shape, step, hidden, input_ids, positions, tail_rows)
+        return out
+
+    def _replay_finished(self, shape: StepShape, step: Step, hidden: torch.Tensor | None,
+                         input_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                         tail_rows: torch.Tensor | None = None, later_ids: torch.Tensor | None = None
+                         ) -> tuple[ModelOutput, tuple[torch.Tensor, ...]]:
+        """A replay -> the model's output and the finish program's extra outputs (``capture``'s ``finish``)."""
         graphs = self.graphs
         assert graphs is not None
         packed = self._packed(step)
         dp_real = list(step.dp_num_tokens) if self.dp and step.dp_num_tokens is not None else []
-        logits, *rest = graphs.run(shape, packed, hidden, dp_real, input_ids, positions, tail_rows)
-        return ModelOutput(logits, tuple(rest))
+        logits, *rest = graphs.run(shape, packed, hidden, dp_real, input_ids, positions, tail_rows,
+                                   later_ids=later_ids)
+        n = len(rest) - graphs.extras.get(shape, 0)
+        return ModelOutput(logits, tuple(rest[:n])), tuple(rest[n:])
+
+    def finishes(self, shape: StepShape) -> bool:
+        """``shape`` is captured with a finish program's outputs (``run_finished`` replays it)."""
+        return self.graphs is not None and bool(self.graphs.extras.get(shape))
+
+    @torch.inference_mode()
+    def run_finished(self, step: Step, later_ids: torch.Tensor | None = None
+                     ) -> tuple[ModelOutput, tuple[torch.Tensor, ...]] | None:
+        """``run`` at a captured shape whose forward has a finish program (``capture``'s ``finish``: the
+        speculative verify's) -> the model's output and the program's extra outputs, each at its real rows or
+        sequences; None (nothing run) where the step replays no such shape. ``later_ids``: [len(step.seqs),
+        rows - 1] on the device, the token ids of every sequence's rows after its first (a verify's drafts; the
+        step's own there only size it)."""
+        shape = self.graph_shape(step)
+        if shape is None or not self.finishes(shape):
+            return None
+        return self._replay_finished(shape, step, None, later_ids=later_ids)
+
+    def first_chain_staged(self, num_seqs: int, rows: int, hidden: int, chain: int) -> StaticInputs | None:
+        """The static inputs of the greedy first pass + chain that ``num_seqs`` sequences of ``rows`` bases
+        replay at, for another graph to stage (``replay_first_chain_staged``); None where none is captured."""
+        if self.graphs is None or self.dp:
+            return None
+        key = self.graphs.first_pass_key(rows, hidden, chain)
+        shape = None if key is None else self.graphs.shape_for(num_seqs, key)
+        return None if shape is None else self.graphs.static_inputs(shape)
+
+    @torch.inference_mode()
+    def replay_first_chain_staged(self, num_seqs: int, rows: int, hidden: int, chain: int) -> torch.Tensor:
+        """The greedy first pass + ``chain`` steps of ``num_seqs`` sequences replayed on the static inputs another
+        graph staged (``first_chain_staged``; each sequence ``rows`` bases, the rejected ones dropped by the
+        staged ``drop``) -> the drafts [num_seqs, 1 + chain] (a view of the graph's output)."""
+        graphs = self.graphs
+        assert graphs is not None
+        key = graphs.first_pass_key(rows, hidden, chain)
+        shape = None if key is None else graphs.shape_for(num_seqs, key)
+        if shape is None:
+            raise ValueError(f"no first pass + chain of {chain} captured for {num_seqs} sequences of {rows} rows")
+        return graphs.replay_staged(shape)[0][:num_seqs]
 
     # --- start-up and cache moves -------------------------------------------------------------
 
     def capture(self, shapes: Sequence[StepShape], max_blocks: int, feed: FeedFn | None = None,
-                grow: GrowFn | None = None, sample: SampleFn | None = None) -> None:
+                grow: GrowFn | None = None, sample: SampleFn | None = None, finish: FinishFn | None = None) -> None:
         """Capture the forward at these shapes (once, at start-up); from now on matching steps replay.
         ``feed``: a chained shape's logits -> next tokens; ``sample``: a sampled chain's draw; ``grow``: a
-        tree chain's program (``step_graphs.py``)."""
+        tree chain's program; ``finish``: a plain forward's program after it (``run_finished``'s extra
+        outputs; ``step_graphs.py``)."""
         if not self.graph_ready:
             raise ValueError("this executor was not built for CUDA graphs (graph-safe kernels, a padding block)")
         dtype = next(self.model.parameters()).dtype
         self.graphs = StepGraphs(self.model, self.kv_cache, shapes, max_blocks, dtype, self.ledger,
                                  self.aux_layers, self.dp, use_graphs=self.device.type == "cuda",
-                                 attention=self.attention, feed=feed, grow=grow, sample=sample)
+                                 attention=self.attention, feed=feed, grow=grow, sample=sample, finish=finish)
         log.info("captured %d step shapes (%s) %s", len(shapes), ", ".join(str(s) for s in sorted(shapes)[:4]),
                  "as CUDA graphs" if self.graphs.use_graphs else "(run eagerly off CUDA)")
 

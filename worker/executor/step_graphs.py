@@ -36,6 +36,12 @@ and ``tokens`` slots further on; its inputs are the first leaves' tokens, scores
 Every captured forward's attention reads the batch's device metadata alone (a planner's
 ``graph_plan``), so it follows the contexts growing inside the replay.
 
+A ``finish`` program (a plain forward's: the speculative verify's) runs inside the capture right after
+the forward, on the shape's static inputs (``StaticInputs``) and the forward's outputs; what it returns
+follows the forward's outputs (``extras``). It may also write another graph's static inputs (the
+verify stages the draft's next first pass: ``static_inputs``), which ``replay_staged`` then replays as
+they are, with nothing packed or copied by the host.
+
 Off CUDA (``use_graphs=False``: the CPU tests, tp > 1 over gloo too) the same padded
 static-buffer forward runs eagerly: "capture" runs it once with the ledger capturing, and every
 "replay" runs it again the same way, checks that it ran exactly the captured collectives, and
@@ -72,6 +78,26 @@ TreeForward = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], tuple[to
 GrowFn = Callable[[TreeForward, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]
 # a sampled chain's draw: (logits [rows, vocab], temperatures [rows] (0: argmax), uniforms [rows]) -> (tokens, q)
 SampleFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class StaticInputs:
+    """A captured shape's static inputs on the device, as its replays read them (real sequences first, then
+    padding: padding rows write ``pad_slot``)."""
+
+    ids: torch.Tensor  # [rows]
+    positions: torch.Tensor  # [rows] RoPE positions
+    slots: torch.Tensor  # [rows] cache slots
+    index: torch.Tensor  # [rows] each row's index in its sequence's context
+    context_lens: torch.Tensor  # [batch]
+    tables: torch.Tensor  # [batch, max_blocks]
+    hidden: torch.Tensor | None  # [rows, hidden]: a hidden input's
+    drop: torch.Tensor | None  # [batch]: a first pass's rows that are not real after all
+    pad_slot: int
+
+
+# a plain forward's finish program: (shape, its static inputs, the forward's output) -> extra outputs
+FinishFn = Callable[[StepShape, StaticInputs, ModelOutput], tuple[torch.Tensor, ...]]
 
 
 class GraphReplayMismatch(RuntimeError):
@@ -152,7 +178,7 @@ class StepGraphs:
                  hidden_dtype: torch.dtype, ledger: CollectiveLedger | None = None,
                  aux_layers: tuple[int, ...] = (), dp: int = 0, use_graphs: bool | None = None,
                  attention: AttentionPlanner | None = None, feed: FeedFn | None = None,
-                 grow: GrowFn | None = None, sample: SampleFn | None = None) -> None:
+                 grow: GrowFn | None = None, sample: SampleFn | None = None, finish: FinishFn | None = None) -> None:
         if not shapes:
             raise ValueError("no step shapes to capture")
         for shape in shapes:
@@ -161,6 +187,7 @@ class StepGraphs:
                 raise ValueError(f"{shape}: a chained forward needs a feed (a sampled chain's: a draw; a tree's: a "
                                  f"program) and no DP attention")
         self.feed = feed
+        self.finish = finish
         self.sample = sample
         self.grow = grow
         self.fn = fn
@@ -195,6 +222,7 @@ class StepGraphs:
                                       device=device) if drawn else None)
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.captured: dict[StepShape, _Captured] = {}
+        self.extras: dict[StepShape, int] = {}  # outputs the finish program added, per shape
         self._layouts: dict[StepShape, _HostLayout] = {}
         self.runs = 0  # steps run through here (replays, or the padded forward off CUDA)
         self.batch_sizes: dict[ShapeKey, list[int]] = {}
@@ -261,7 +289,9 @@ class StepGraphs:
             aux_layers=self.aux_layers, input_hidden=v.hidden, attention=attention)
         if not shape.chain:
             out = self.fn(batch)
-            return (out.logits, *out.hidden)
+            extra = () if self.finish is None else self.finish(shape, self._static(v), out)
+            self.extras[shape] = len(extra)
+            return (out.logits, *out.hidden, *extra)
         if shape.is_tree_chain:
             assert tail is not None
             return self._tree_chain(shape, v, batch, tail)
@@ -389,6 +419,31 @@ class StepGraphs:
         if self._copied is not None:
             self._copied.record()
 
+    def _static(self, v: _Views) -> StaticInputs:
+        return StaticInputs(v.ids, v.positions, v.slots, v.index, v.context_lens, v.tables, v.hidden, v.drop,
+                            self.pad_slot)
+
+    def static_inputs(self, shape: StepShape) -> StaticInputs:
+        """``shape``'s static inputs, for another graph's program to stage a replay of it (``replay_staged``)."""
+        return self._static(self.captured[shape].views)
+
+    def replay_staged(self, shape: StepShape) -> tuple[torch.Tensor, ...]:
+        """Replay ``shape`` on its static inputs as they stand (staged on the device by another graph's
+        program, e.g. the verify's: nothing packed or copied here) -> its outputs at the padded batch."""
+        entry = self.captured[shape]
+        self.runs += 1
+        if entry.graph is None:
+            with self.ledger.capture() as again:
+                outputs = self._forward(shape, entry.views, entry.attention)
+            if [r.key for r in again.records] != [r.key for r in entry.forward.records]:
+                raise GraphReplayMismatch(f"{shape}: ran {[r.key for r in again.records]}, captured "
+                                          f"{[r.key for r in entry.forward.records]}")
+        else:
+            entry.graph.replay()
+            outputs = entry.outputs
+        self.ledger.replay(entry.forward)
+        return outputs
+
     def _host_layout(self, shape: StepShape) -> _HostLayout:
         """``shape``'s parts of the pinned host buffer and of ``_meta``, made once per shape."""
         layout = self._layouts.get(shape)
@@ -444,7 +499,8 @@ class StepGraphs:
             dp_real: Sequence[int] = (), input_ids: torch.Tensor | None = None,
             positions: torch.Tensor | None = None, tail_rows: torch.Tensor | None = None,
             scores: torch.Tensor | None = None, temperatures: torch.Tensor | None = None,
-            uniforms: torch.Tensor | None = None, drop: torch.Tensor | None = None) -> list[torch.Tensor]:
+            uniforms: torch.Tensor | None = None, drop: torch.Tensor | None = None,
+            later_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
         """One step at ``shape`` (from ``shape_for``) -> each output's real rows, in ``seqs`` order:
         a per-row output [real rows, ...], a per-sequence one (``last_only`` logits) [len(seqs), ...].
         hidden: [real rows, shape.hidden] (the draft's hidden input) or None; dp_real: every DP
@@ -454,10 +510,11 @@ class StepGraphs:
         scores: [real rows] (a tree chain's first leaves' scores); temperatures [len(seqs)], uniforms
         [len(seqs), drafts] (a sampled chain's: one number per draft it draws); drop: [len(seqs)] on the
         device, how many of each sequence's last rows are not real after all (a chain with a first pass, its
-        sequences packed with all their rows: the replay shifts the real ones to the end)."""
+        sequences packed with all their rows: the replay shifts the real ones to the end); later_ids:
+        [len(seqs), tokens - 1] on the device, the token ids of every sequence's rows after its first (each
+        sequence brings ``tokens`` rows: a verify's drafts after its root)."""
         entry = self.captured[shape]
         v = entry.views
-        self.runs += 1
         if len(seqs) > shape.batch:
             raise ValueError(f"{len(seqs)} sequences exceed the captured batch of {shape}")
         for s in seqs:
@@ -473,6 +530,10 @@ class StepGraphs:
         dest = v.dest[:num_real]
         if input_ids is not None:
             v.ids.index_copy_(0, dest, _as(input_ids, v.ids))
+        if later_ids is not None:
+            if later_ids.shape != (len(seqs), shape.tokens - 1) or num_real != len(seqs) * shape.tokens:
+                raise ValueError(f"later ids {tuple(later_ids.shape)} for {len(seqs)} sequences of {shape}")
+            v.ids.view(shape.batch, shape.tokens)[:len(seqs), 1:].copy_(later_ids)
         if positions is not None:
             v.positions.index_copy_(0, dest, _as(positions, v.positions))
         if tail_rows is not None:
@@ -497,16 +558,7 @@ class StepGraphs:
             if v.drop is None or not all(len(s.token_ids) == shape.tokens for s in seqs):
                 raise ValueError(f"{shape}: rows are dropped from a first pass's full sequences only")
             v.drop[:len(seqs)].copy_(drop)
-        if entry.graph is None:
-            with self.ledger.capture() as again:
-                outputs = self._forward(shape, v, entry.attention)
-            if [r.key for r in again.records] != [r.key for r in entry.forward.records]:
-                raise GraphReplayMismatch(f"{shape}: ran {[r.key for r in again.records]}, captured "
-                                          f"{[r.key for r in entry.forward.records]}")
-        else:
-            entry.graph.replay()
-            outputs = entry.outputs
-        self.ledger.replay(entry.forward)
+        outputs = self.replay_staged(shape)
         n = len(seqs)
         uniform = all(len(s.token_ids) == shape.tokens for s in seqs)
         out: list[torch.Tensor] = []

@@ -29,7 +29,11 @@ nothing adjusts with their acceptance, drawn on the device (``accept_chains_samp
 sequence of a chain step drafts and no request's logits are adjusted, the next round's chains are
 drafted on the device right behind the verify, from the device's own acceptance
 (``_acceptance_on_device``, ``Drafter.chain_after``), while the host reads this one back; the next
-step takes each where the host accepted as many drafts (``Drafter.settle_ahead``).
+step takes each where the host accepted as many drafts (``Drafter.settle_ahead``). A greedy round of
+that kind at a captured verify (``_greedy_round``) leaves the host no op between the forwards: the
+verify's graph computes its argmax, the acceptance and the read-back row of each sequence and stages the
+next chain's first pass (``verify_program.py``), which the host replays as staged; the host-op path stays
+its reference and runs every other chain round (sampled requests, mixed steps).
 
 Prefill chunks and a prompt's first sample run as without speculation (and capture aux).
 Preempted sequences lose their draft state and rebuild it from the recomputed prefill. A
@@ -66,6 +70,7 @@ from ..engine.token_sampler import Pick, TokenSampler
 from ..executor.executor import StepExecutor
 from ..executor.host_copy import read_later, to_device
 from ..executor.step import SeqRows, Step
+from ..executor.step_graphs import StaticInputs
 from ..executor.step_shape import StepShape
 from .config import SpeculativeConfig, SpeculativeConfigError
 from .draft_model import build_draft, chain_shapes, draft_shapes
@@ -73,6 +78,7 @@ from .draft_tree import Acceptance, DraftTree, accept_greedy, relocation, tree_p
 from .drafter import Drafter, DraftState, DraftWork, Proposal
 from .rejection_sampler import Uniforms, accept_chains_sampled, verify_chain_sampled, verify_tree_sampled
 from .stats import SpecDecodeCounters, SpecDecodeStats
+from .verify_program import VerifyProgram
 
 if TYPE_CHECKING:
     from ..engine.engine import Runner
@@ -156,13 +162,29 @@ class SpecDecoder:
         return [StepShape(b, q, 0 if self.config.is_chain else q) for b in batch_sizes]
 
     def capture_graphs(self, batch_sizes: list[int], max_blocks: int) -> None:
-        """Capture the draft's first pass and steps (once, at start-up); the steps also chained (a greedy
-        chain's, a tree's grown on the device)."""
+        """Capture the draft's first pass and steps (once, at start-up; the steps also chained: a greedy
+        chain's, a tree's grown on the device), then the target's verify forwards — on one rank with a chain
+        with the verify's program after the forward (``verify_program.py``: acceptance on the device, the
+        next chain's first pass staged)."""
         shapes = draft_shapes(self.draft_model, batch_sizes, self.config.num_steps, self.config.topk)
         if self.draft.chainable():
             shapes += chain_shapes(self.draft_model, batch_sizes, self.config.num_steps, self.config.topk)
         self.draft.capture(shapes, max_blocks, feed=self.drafter.greedy_tokens, grow=self.drafter.grow_tree,
                            sample=self.drafter.sample_tokens)
+        target = self.target_shapes(batch_sizes)
+        if self.target is self.target.local and self.drafter.is_chain:
+            self.target.local.capture(target, max_blocks, finish=VerifyProgram(self.sampler.argmax, self._staged))
+        else:
+            self.target.capture(target, max_blocks)
+
+    def _staged(self, batch: int) -> StaticInputs | None:
+        """The draft's greedy first pass + chain for a verify of ``batch`` (padded) sequences to stage, if it
+        is captured at that batch with the verify's rows per sequence."""
+        q = self.config.verify_tokens
+        inputs = self.drafter.first_chain_staged(batch)
+        if inputs is None or inputs.context_lens.shape[0] != batch or inputs.ids.shape[0] != batch * q:
+            return None
+        return inputs
 
     # --- one engine step ----------------------------------------------------------------------
 
@@ -180,7 +202,8 @@ class SpecDecoder:
                 raise RuntimeError(f"sequence {e.seq_id}: draft state out of step with the target's cache")
         work = [DraftWork(e, s, self._states[e.seq_id], self._draw(state_of(s).generator))
                 for e, s in zip(batch.seqs, seqs) if self._drafts(e, self._states[e.seq_id])]
-        verified = self._deferred_verify(batch, work, state_of) or self._deferred_tree(batch, work)
+        verified = (self._greedy_round(batch, work, state_of) or self._deferred_verify(batch, work, state_of)
+                    or self._deferred_tree(batch, work))
         if verified is None:
             proposals = dict(zip((w.entry.seq_id for w in work), self.propose(work)))
             entries = [self._verify_entry(e, proposals[e.seq_id].tree) if e.seq_id in proposals else e
@@ -194,6 +217,41 @@ class SpecDecoder:
         sampling = [(s, results[i]) for i, (e, s) in enumerate(zip(entries, seqs)) if e.num_logits > 0]
         settled = {e.seq_id: self._states[e.seq_id].num_bases for e in run.seqs}
         return SpecStep(run, [s for s, _ in sampling], [p for _, p in sampling], settled)
+
+    def _greedy_round(self, batch: ScheduledBatch, work: list[DraftWork], state_of: StateOf) -> Verified | None:
+        """A greedy chain round on one rank, every sequence drafting and no request's logits adjusted, at a
+        captured verify: the verify's graph accepts on the device and stages the next chain's first pass
+        (``verify_program.py``); the host replays the verify, queues the read-back of its verdict (drafts,
+        argmax, acceptance counts), replays the staged first pass + chain (``Drafter.chain_after_staged``) and
+        reads — no op of the host's between the forwards. ``_deferred_verify`` with the acceptance and the
+        next chain's inputs made by host ops is its reference (and runs every other chain round).
+        None (nothing run) where this does not apply."""
+        local = self.target.local
+        if (not work or self.target is not local or not self.drafter.is_chain or len(work) != len(batch.seqs)
+                or not all(w.seq.params.greedy and not self.tokens.adjusts(w.seq, state_of(w.seq)) for w in work)):
+            return None
+        n = self.config.verify_tokens - 1
+        placeholder = [replace(e, token_ids=[*e.token_ids, *[0] * n], num_logits=n + 1) for e in batch.seqs]
+        step = forward_step(ScheduledBatch(seqs=placeholder, preempted=batch.preempted))
+        shape = local.graph_shape(step)
+        if shape is None or not local.finishes(shape):
+            return None
+        drafts, _ = self.drafter.chain(work)  # [B, num_steps] on the device
+        ran = local.run_finished(step, later_ids=drafts[:, :n])  # the roots packed by the host
+        assert ran is not None  # finishes(shape) said so
+        out, (aux, verdict) = ran
+        read = read_later(verdict.reshape(-1))  # queued behind the verify, before the next chain's replay
+        drafted_ahead = self.drafter.chain_after_staged(work, shape.batch)
+        aux = aux.clone()  # the pending rows outlive the static output (the next verify replays into it)
+        flat = read()  # the step's one wait: the verify and its verdict (not the next chain, queued after)
+        w = 2 * (n + 1)
+        rows = [flat[i * w:i * w + n] for i in range(len(work))]
+        argmax = [t for i in range(len(work)) for t in flat[i * w + n:i * w + 2 * n + 1]]
+        proposals = dict(zip((w.entry.seq_id for w in work), self.drafter.chain_proposals(work, rows, None)))
+        entries = [self._verify_entry(e, proposals[e.seq_id].tree) for e in batch.seqs]
+        drafted = {wk.entry.seq_id: flat[i * w + w - 1] for i, wk in enumerate(work)} if drafted_ahead else {}
+        return Verified(ScheduledBatch(seqs=entries, preempted=batch.preempted), out.logits, aux, proposals,
+                        argmax, {}, drafted)
 
     def _deferred_verify(self, batch: ScheduledBatch, work: list[DraftWork], state_of: StateOf) -> Verified | None:
         """A chain on one rank: the drafts stay on the device, the verify forward is queued right behind

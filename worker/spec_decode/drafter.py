@@ -43,7 +43,7 @@ from ..engine.sequence import SamplingParams, Sequence
 from ..executor.executor import StepExecutor
 from ..executor.host_copy import to_device
 from ..executor.step import SeqRows, Step
-from ..executor.step_graphs import TreeForward
+from ..executor.step_graphs import StaticInputs, TreeForward
 from .device_tree import DeviceTree, ExpandKernel, TreeGrowth
 from .draft_tree import DraftTree, TreeBuilder
 from .rejection_sampler import Uniforms
@@ -59,6 +59,8 @@ class Ahead:
     q: torch.Tensor | None  # [num_steps, vocab]: a sampled request's distributions
     uniforms: torch.Tensor | None  # [num_steps]: the numbers its draws took from the request's stream
     start: int | None = None
+    batch: torch.Tensor | None = None  # [B, num_steps]: the chains drafted with it (``drafts`` is row ``row``)
+    row: int = 0
 
 
 @dataclass
@@ -105,6 +107,7 @@ class Drafter:
         self._vocab = vocab
         self._draft_to_target = model.to_target_ids(torch.arange(model.draft_vocab, device=draft.device))
         self._hidden = int(model.config.hidden_size)  # the chained steps' hidden input
+        self._aux = int(model.fc.in_features)  # the first pass's hidden input: the target's aux states
         self._expand = tree_expand_kernel(draft.device)  # a device tree's step in one kernel (GPU), or None
         self._top_k_rows = top_k_kernel(draft.device, model.draft_vocab)  # the draft's top-k (GPU), or torch's
 
@@ -187,6 +190,10 @@ class Drafter:
             given = [a.q for a in done]
             some = next((x for x in given if x is not None), None)
             q = None if some is None else torch.stack([some.new_zeros(some.shape) if x is None else x for x in given])
+            whole = done[0].batch
+            if whole is not None and whole.shape[0] == len(done) and all(
+                    a.batch is whole and a.row == i for i, a in enumerate(done)):
+                return whole, q  # drafted together, in this order
             return torch.stack([a.drafts for a in done]), q
         seqs, aux = self._first_pass_inputs(work)
         rest = self.num_steps - 1
@@ -262,7 +269,29 @@ class Drafter:
         for i, w in enumerate(work):
             greedy = w.seq.params.greedy
             w.state.ahead = Ahead(drafts[i], None if q is None or greedy else q[i],
-                                  None if uniforms is None else uniforms[i])
+                                  None if uniforms is None else uniforms[i], batch=drafts, row=i)
+        return True
+
+    def first_chain_staged(self, batch: int) -> StaticInputs | None:
+        """The greedy first pass + chain of ``chain_after`` at this (padded) batch, to be staged by the verify's
+        program (``verify_program.py``); None where not captured."""
+        k = self.num_steps
+        return None if k < 2 else self.draft.first_chain_staged(batch, k + 1, self._aux, k - 1)
+
+    def chain_after_staged(self, work: list[DraftWork], batch: int) -> bool:
+        """``chain_after`` for a greedy round whose verify (at padded ``batch``) staged the first pass's inputs on
+        the device (``verify_program.py``): its replay alone, nothing packed or copied. False (nothing run) where
+        the block tables do not reach that far or no staged shape of that batch is captured."""
+        k = self.num_steps
+        bs = self.draft.block_size
+        if any(len(w.entry.block_table) * bs < w.entry.start + 2 * k for w in work):
+            return False
+        staged = self.first_chain_staged(len(work))
+        if staged is None or staged.context_lens.shape[0] != batch or staged.ids.shape[0] != batch * (k + 1):
+            return False
+        drafts = self.draft.replay_first_chain_staged(len(work), k + 1, self._aux, k - 1).clone()
+        for i, w in enumerate(work):
+            w.state.ahead = Ahead(drafts[i], None, None, batch=drafts, row=i)
         return True
 
     @staticmethod

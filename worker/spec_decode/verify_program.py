@@ -1,0 +1,66 @@
+"""What a chain's verify computes on the device right behind its forward, inside its CUDA graph.
+
+For a captured chain verify (``b`` sequences of ``q = num_steps + 1`` rows: each root and its drafts,
+``StepShape(b, q)``), after the target's forward (``StepGraphs``'s ``finish`` program):
+
+- ``aux`` [rows, 3H]: the aux states of every row, side by side (what the draft's first pass reads);
+- ``verdict`` [b, 2q]: per sequence its ``q - 1`` drafts (the verify's own input ids), the target's argmax of
+  its ``q`` rows (raw logits) and how many drafts the greedy rule accepts (up to the first that differs
+  from the argmax before it) — the one tensor a greedy round reads back, one contiguous slice for the real
+  sequences;
+- staged: the draft's greedy first pass + chain for the same ``b`` (``StepExecutor.first_chain_staged``)
+  gets its inputs written here, as ``Drafter.chain_after`` would pack and copy them for the next round's chain
+  drafted ahead: bases = the verify's rows (slots, causal index, context, block tables as the verify's, RoPE
+  one further), base ``j`` reading the argmax of row ``j`` (a greedy row's accepted drafts equal the argmax
+  before them, then comes the argmax), their aux states, and ``q - 1 -`` accepted rows dropped per sequence
+  (none for padding sequences: those whose last row writes the pad slot). The host then only replays it
+  (``StepExecutor.replay_first_chain_staged``).
+
+The same function runs eagerly off CUDA (``StepGraphs``' eager replays), so the CPU tests check it
+against the host's acceptance. A tree's verify (``tail``) gets nothing here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ...models.interface import ModelOutput
+from ..executor.step_graphs import StaticInputs
+from ..executor.step_shape import StepShape
+
+ArgmaxFn = Callable[[torch.Tensor], torch.Tensor]  # logits [rows, vocab] -> [rows] int64
+Staged = Callable[[int], StaticInputs | None]  # padded batch -> the draft's first chain inputs to stage, or None
+
+
+class VerifyProgram:
+    """``argmax``: the sampler's (graph-safe); ``staged``: the draft's first chain inputs for a padded batch."""
+
+    def __init__(self, argmax: ArgmaxFn, staged: Staged) -> None:
+        self.argmax = argmax
+        self.staged = staged
+
+    def __call__(self, shape: StepShape, inputs: StaticInputs, out: ModelOutput) -> tuple[torch.Tensor, ...]:
+        if shape.tail or shape.tokens < 2:
+            return ()
+        b, q = shape.batch, shape.tokens
+        argmax = self.argmax(out.logits)  # [rows]
+        aux = torch.cat(out.hidden, dim=-1)
+        targets = argmax.view(b, q)
+        drafts = inputs.ids.view(b, q)[:, 1:]
+        counts = (drafts == targets[:, :-1]).long().cumprod(dim=1).sum(dim=1)
+        verdict = torch.cat([drafts, targets, counts[:, None]], dim=1)
+        draft = self.staged(b)
+        if draft is not None and draft.hidden is not None and draft.drop is not None:
+            rows = b * q
+            real = inputs.slots.view(b, q)[:, -1] != inputs.pad_slot
+            draft.ids[:rows].copy_(argmax)
+            draft.positions[:rows].copy_(inputs.positions + 1)
+            draft.slots[:rows].copy_(inputs.slots)
+            draft.index[:rows].copy_(inputs.index)
+            draft.context_lens.copy_(inputs.context_lens)
+            draft.tables.copy_(inputs.tables)
+            draft.hidden[:rows].copy_(aux)
+            draft.drop.copy_(torch.where(real, q - 1 - counts, torch.zeros_like(counts)))
+        return aux, verdict
