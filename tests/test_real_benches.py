@@ -145,6 +145,17 @@ def test_spec_host_time_times_the_replays_host_path(tmp_path: Path) -> None:
     assert row["steps"] == 3 and row["verify_run_us"] > 0 and row["draft_run_first_chain_us"] > 0
 
 
+def test_spec_host_time_times_whole_rounds_with_no_op_replays(tmp_path: Path) -> None:
+    out = tmp_path / "noop.json"
+    proc = _bench("spec_host_time.py", "--noop-rounds", "--steps", "3", "--tokens", "12", "--repeats", "1",
+                  "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plain, spec = json.loads(out.read_text())["numbers"]
+    assert (plain["steps"], spec["steps"]) == (0, 3)
+    assert plain["rounds"] == 12 and 0 < spec["rounds"] <= 12
+    assert plain["us_per_round_median"] > 0 and spec["us_per_round_median"] > 0
+
+
 def test_output_handoff_runs_and_delivers_once_or_every_step(tmp_path: Path) -> None:
     out = tmp_path / "handoff.json"
     proc = _bench("output_handoff.py", "--tokens", "12", "--reps", "1", "--busy-us", "0", "--out", str(out))
