@@ -289,14 +289,14 @@ class StepExecutor:
         return self.graphs is not None and bool(self.graphs.extras.get(shape))
 
     @torch.inference_mode()
-    def run_finished(self, step: Step, later_ids: torch.Tensor | None = None
+    def run_finished(self, step: Step, later_ids: torch.Tensor | None = None, shape: StepShape | None = None
                      ) -> tuple[ModelOutput, tuple[torch.Tensor, ...]] | None:
         """``run`` at a captured shape whose forward has a finish program (``capture``'s ``finish``: the
         speculative verify's) -> the model's output and the program's extra outputs, each at its real rows or
         sequences; None (nothing run) where the step replays no such shape. ``later_ids``: [len(step.seqs),
         rows - 1] on the device, the token ids of every sequence's rows after its first (a verify's drafts; the
-        step's own there only size it)."""
-        shape = self.graph_shape(step)
+        step's own there only size it); ``shape``: the step's ``graph_shape``, where the caller has it."""
+        shape = shape or self.graph_shape(step)
         if shape is None or not self.finishes(shape):
             return None
         return self._replay_finished(shape, step, None, later_ids=later_ids)

@@ -237,7 +237,7 @@ class SpecDecoder:
         if shape is None or not local.finishes(shape):
             return None
         drafts, _ = self.drafter.chain(work)  # [B, num_steps] on the device
-        ran = local.run_finished(step, later_ids=drafts[:, :n])  # the roots packed by the host
+        ran = local.run_finished(step, later_ids=drafts[:, :n], shape=shape)  # the roots packed by the host
         assert ran is not None  # finishes(shape) said so
         out, (aux, verdict) = ran
         read = read_later(verdict.reshape(-1))  # queued behind the verify, before the next chain's replay

@@ -108,6 +108,7 @@ class Drafter:
         self._draft_to_target = model.to_target_ids(torch.arange(model.draft_vocab, device=draft.device))
         self._hidden = int(model.config.hidden_size)  # the chained steps' hidden input
         self._aux = int(model.fc.in_features)  # the first pass's hidden input: the target's aux states
+        self._staged: dict[int, StaticInputs | None] = {}  # ``first_chain_staged`` by batch
         self._expand = tree_expand_kernel(draft.device)  # a device tree's step in one kernel (GPU), or None
         self._top_k_rows = top_k_kernel(draft.device, model.draft_vocab)  # the draft's top-k (GPU), or torch's
 
@@ -275,8 +276,10 @@ class Drafter:
     def first_chain_staged(self, batch: int) -> StaticInputs | None:
         """The greedy first pass + chain of ``chain_after`` at this (padded) batch, to be staged by the verify's
         program (``verify_program.py``); None where not captured."""
-        k = self.num_steps
-        return None if k < 2 else self.draft.first_chain_staged(batch, k + 1, self._aux, k - 1)
+        if batch not in self._staged:  # fixed once captured
+            k = self.num_steps
+            self._staged[batch] = None if k < 2 else self.draft.first_chain_staged(batch, k + 1, self._aux, k - 1)
+        return self._staged[batch]
 
     def chain_after_staged(self, work: list[DraftWork], batch: int) -> bool:
         """``chain_after`` for a greedy round whose verify (at padded ``batch``) staged the first pass's inputs on
