@@ -191,22 +191,21 @@ def main() -> None:
     ap.add_argument("--noop-rounds", action="store_true",
                     help="whole engine rounds with no-op replays (host time alone), with and without speculation")
     args = ap.parse_args()
+    numbers: Any
     if args.noop_rounds:
-        rows = [noop_rounds(s, args.tokens, args.repeats) for s in (0, args.steps)]
-        for row in rows:
+        numbers = [noop_rounds(s, args.tokens, args.repeats) for s in (0, args.steps)]
+        for row in numbers:
             print(f"{'chain-' + str(row['steps']) if row['steps'] else 'none':8s}: {row['us_per_round_median']} us a "
                   f"round (spread {row['us_per_round_spread']}, {row['rounds']} rounds), no-op replays", flush=True)
+        what = "engine rounds with no-op replays (host time alone), CPU"
+    elif args.replays:
+        numbers = replays(args.steps, args.calls)
+        print(f"chain-{args.steps}: verify StepExecutor.run {numbers['verify_run_us']} us, draft run_first_chain "
+              f"{numbers['draft_run_first_chain_us']} us (host path, no-op replays)", flush=True)
+        what = "host path of a round's two replays (no-op replays), CPU"
+    if args.noop_rounds or args.replays:
         if args.out:
-            write_record({**record_header(), "what": "engine rounds with no-op replays (host time alone), CPU",
-                          "numbers": rows}, args.out)
-        return
-    if args.replays:
-        row = replays(args.steps, args.calls)
-        print(f"chain-{args.steps}: verify StepExecutor.run {row['verify_run_us']} us, draft run_first_chain "
-              f"{row['draft_run_first_chain_us']} us (host path, no-op replays)", flush=True)
-        if args.out:
-            write_record({**record_header(), "what": "host path of a round's two replays (no-op replays), CPU",
-                          "numbers": row}, args.out)
+            write_record({**record_header(), "what": what, "numbers": numbers}, args.out)
         return
     rows = []
     for temperature in (float(t) for t in args.temperatures.split(",")):
