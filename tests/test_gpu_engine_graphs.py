@@ -136,3 +136,42 @@ def test_chains_drafted_ahead_equal_chains_drafted_after_the_read_back(monkeypat
                 else:
                     assert taken[1] == 0
         assert runs[True] == runs[False], steps
+
+
+@needs_gpu
+def test_greedy_rounds_staged_by_the_verify_equal_the_host_op_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under CUDA graphs a greedy chain round whose verify graph computes the acceptance and stages the next chain's
+    first pass (``verify_program.py``; the host only replays it) gives the tokens and acceptance of the round made
+    by host ops (``_deferred_verify``), at batch 1 and 4 (padded), chain-3 and chain-7; and it ran."""
+    from fusedserve.worker.engine.config import EngineConfig
+    from fusedserve.worker.engine.engine import Engine
+    from fusedserve.worker.engine.sequence import SamplingParams
+    from fusedserve.worker.spec_decode.config import SpeculativeConfig
+    from fusedserve.worker.spec_decode.decoder import SpecDecoder
+    from fusedserve.worker.spec_decode.drafter import Drafter
+
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    staged = [0]
+    chain_after_staged = Drafter.chain_after_staged
+
+    def counted(self: Drafter, *args: object) -> bool:
+        ran = chain_after_staged(self, *args)  # type: ignore[arg-type]
+        staged[0] += ran
+        return ran
+
+    for steps in (3, 7):
+        for prompts in (PROMPTS[:1], PROMPTS[:3]):
+            runs = {}
+            for on in (True, False):
+                with monkeypatch.context() as patch:
+                    patch.setattr(Drafter, "chain_after_staged", counted)
+                    if not on:
+                        patch.setattr(SpecDecoder, "_greedy_round", lambda self, *a, **k: None)
+                    staged[0] = 0
+                    engine = Engine(TARGET, EngineConfig(num_blocks=64, max_num_seqs=4, device="cuda",
+                                                         cuda_graphs=True,
+                                                         speculative=SpeculativeConfig(DRAFT, num_steps=steps)))
+                    out = [c.token_ids for c in engine.generate(prompts, params)]
+                    runs[on] = (out, engine.stats().spec)
+                    assert (staged[0] > 0) == on, (steps, len(prompts), staged)
+            assert runs[True] == runs[False], (steps, len(prompts))
