@@ -207,11 +207,17 @@ class StepExecutor:
 
     def first_chain_shape(self, step: Step, hidden: int, chain: int, sampled: bool = False) -> StepShape | None:
         """The captured first pass + chain ``run_first_chain`` replays for this first pass, or None."""
-        if (self.graphs is None or self.dp or not step.seqs
-                or not all(s.num_logits == 1 and s.tail_mask is None for s in step.seqs)):
+        if not step.seqs or not all(s.num_logits == 1 and s.tail_mask is None for s in step.seqs):
             return None
-        key = self.graphs.first_pass_key(max(s.rows for s in step.seqs), hidden, chain, sampled)
-        return None if key is None else self.graphs.shape_for(len(step.seqs), key)
+        return self.first_chain_at(len(step.seqs), max(s.rows for s in step.seqs), hidden, chain, sampled)
+
+    def first_chain_at(self, num_seqs: int, rows: int, hidden: int, chain: int, sampled: bool = False
+                       ) -> StepShape | None:
+        """The captured first pass + chain for ``num_seqs`` sequences of at most ``rows`` rows, or None."""
+        if self.graphs is None or self.dp:
+            return None
+        key = self.graphs.first_pass_key(rows, hidden, chain, sampled)
+        return None if key is None else self.graphs.shape_for(num_seqs, key)
 
     @torch.inference_mode()
     def run_first_chain(self, step: Step, hidden: torch.Tensor, chain: int,
@@ -301,27 +307,17 @@ class StepExecutor:
             return None
         return self._replay_finished(shape, step, None, later_ids=later_ids)
 
-    def first_chain_staged(self, num_seqs: int, rows: int, hidden: int, chain: int) -> StaticInputs | None:
-        """The static inputs of the greedy first pass + chain that ``num_seqs`` sequences of ``rows`` bases
-        replay at, for another graph to stage (``replay_first_chain_staged``); None where none is captured."""
-        if self.graphs is None or self.dp:
-            return None
-        key = self.graphs.first_pass_key(rows, hidden, chain)
-        shape = None if key is None else self.graphs.shape_for(num_seqs, key)
-        return None if shape is None else self.graphs.static_inputs(shape)
+    def static_inputs(self, shape: StepShape) -> StaticInputs:
+        """A captured shape's static inputs, for another graph's program to stage (``replay_staged``)."""
+        assert self.graphs is not None
+        return self.graphs.static_inputs(shape)
 
     @torch.inference_mode()
-    def replay_first_chain_staged(self, num_seqs: int, rows: int, hidden: int, chain: int) -> torch.Tensor:
-        """The greedy first pass + ``chain`` steps of ``num_seqs`` sequences replayed on the static inputs another
-        graph staged (``first_chain_staged``; each sequence ``rows`` bases, the rejected ones dropped by the
-        staged ``drop``) -> the drafts [num_seqs, 1 + chain] (a view of the graph's output)."""
-        graphs = self.graphs
-        assert graphs is not None
-        key = graphs.first_pass_key(rows, hidden, chain)
-        shape = None if key is None else graphs.shape_for(num_seqs, key)
-        if shape is None:
-            raise ValueError(f"no first pass + chain of {chain} captured for {num_seqs} sequences of {rows} rows")
-        return graphs.replay_staged(shape)[0][:num_seqs]
+    def replay_staged(self, shape: StepShape) -> tuple[torch.Tensor, ...]:
+        """A captured shape replayed on the static inputs another graph staged -> its outputs at the padded
+        batch (``StepGraphs.replay_staged``)."""
+        assert self.graphs is not None
+        return self.graphs.replay_staged(shape)
 
     # --- start-up and cache moves -------------------------------------------------------------
 

@@ -179,12 +179,9 @@ class SpecDecoder:
 
     def _staged(self, batch: int) -> StaticInputs | None:
         """The draft's greedy first pass + chain for a verify of ``batch`` (padded) sequences to stage, if it
-        is captured at that batch with the verify's rows per sequence."""
-        q = self.config.verify_tokens
-        inputs = self.drafter.first_chain_staged(batch)
-        if inputs is None or inputs.context_lens.shape[0] != batch or inputs.ids.shape[0] != batch * q:
-            return None
-        return inputs
+        is captured at that very batch."""
+        staged = self.drafter.first_chain_staged(batch)
+        return staged[1] if staged is not None and staged[0].batch == batch else None
 
     # --- one engine step ----------------------------------------------------------------------
 

@@ -44,6 +44,7 @@ from ..executor.executor import StepExecutor
 from ..executor.host_copy import to_device
 from ..executor.step import SeqRows, Step
 from ..executor.step_graphs import StaticInputs, TreeForward
+from ..executor.step_shape import StepShape
 from .device_tree import DeviceTree, ExpandKernel, TreeGrowth
 from .draft_tree import DraftTree, TreeBuilder
 from .rejection_sampler import Uniforms
@@ -108,7 +109,7 @@ class Drafter:
         self._draft_to_target = model.to_target_ids(torch.arange(model.draft_vocab, device=draft.device))
         self._hidden = int(model.config.hidden_size)  # the chained steps' hidden input
         self._aux = int(model.fc.in_features)  # the first pass's hidden input: the target's aux states
-        self._staged: dict[int, StaticInputs | None] = {}  # ``first_chain_staged`` by batch
+        self._staged: dict[int, tuple[StepShape, StaticInputs] | None] = {}  # ``first_chain_staged``
         self._expand = tree_expand_kernel(draft.device)  # a device tree's step in one kernel (GPU), or None
         self._top_k_rows = top_k_kernel(draft.device, model.draft_vocab)  # the draft's top-k (GPU), or torch's
 
@@ -273,13 +274,16 @@ class Drafter:
                                   None if uniforms is None else uniforms[i], batch=drafts, row=i)
         return True
 
-    def first_chain_staged(self, batch: int) -> StaticInputs | None:
-        """The greedy first pass + chain of ``chain_after`` at this (padded) batch, to be staged by the verify's
-        program (``verify_program.py``); None where not captured."""
-        if batch not in self._staged:  # fixed once captured
+    def first_chain_staged(self, num_seqs: int) -> tuple[StepShape, StaticInputs] | None:
+        """The greedy first pass + chain of ``chain_after`` that ``num_seqs`` sequences replay at and its static
+        inputs, for the verify's program to stage (``verify_program.py``): captured with exactly the verify's
+        rows (the root and ``num_steps`` drafts) per sequence; None where not."""
+        if num_seqs not in self._staged:  # fixed once captured
             k = self.num_steps
-            self._staged[batch] = None if k < 2 else self.draft.first_chain_staged(batch, k + 1, self._aux, k - 1)
-        return self._staged[batch]
+            shape = None if k < 2 else self.draft.first_chain_at(num_seqs, k + 1, self._aux, k - 1)
+            self._staged[num_seqs] = (None if shape is None or shape.tokens != k + 1
+                                      else (shape, self.draft.static_inputs(shape)))
+        return self._staged[num_seqs]
 
     def chain_after_staged(self, work: list[DraftWork], batch: int) -> bool:
         """``chain_after`` for a greedy round whose verify (at padded ``batch``) staged the first pass's inputs on
@@ -290,9 +294,9 @@ class Drafter:
         if any(len(w.entry.block_table) * bs < w.entry.start + 2 * k for w in work):
             return False
         staged = self.first_chain_staged(len(work))
-        if staged is None or staged.context_lens.shape[0] != batch or staged.ids.shape[0] != batch * (k + 1):
+        if staged is None or staged[0].batch != batch:
             return False
-        drafts = self.draft.replay_first_chain_staged(len(work), k + 1, self._aux, k - 1).clone()
+        drafts = self.draft.replay_staged(staged[0])[0][:len(work)].clone()
         for i, w in enumerate(work):
             w.state.ahead = Ahead(drafts[i], None, None, batch=drafts, row=i)
         return True

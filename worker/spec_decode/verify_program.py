@@ -8,13 +8,13 @@ For a captured chain verify (``b`` sequences of ``q = num_steps + 1`` rows: each
   its ``q`` rows (raw logits) and how many drafts the greedy rule accepts (up to the first that differs
   from the argmax before it) — the one tensor a greedy round reads back, one contiguous slice for the real
   sequences;
-- staged: the draft's greedy first pass + chain for the same ``b`` (``StepExecutor.first_chain_staged``)
+- staged: the draft's greedy first pass + chain for the same ``b`` (``Drafter.first_chain_staged``)
   gets its inputs written here, as ``Drafter.chain_after`` would pack and copy them for the next round's chain
   drafted ahead: bases = the verify's rows (slots, causal index, context, block tables as the verify's, RoPE
   one further), base ``j`` reading the argmax of row ``j`` (a greedy row's accepted drafts equal the argmax
   before them, then comes the argmax), their aux states, and ``q - 1 -`` accepted rows dropped per sequence
   (none for padding sequences: those whose last row writes the pad slot). The host then only replays it
-  (``StepExecutor.replay_first_chain_staged``).
+  (``StepExecutor.replay_staged``).
 
 The same function runs eagerly off CUDA (``StepGraphs``' eager replays), so the CPU tests check it
 against the host's acceptance. A tree's verify (``tail``) gets nothing here.
