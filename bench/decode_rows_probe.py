@@ -6,8 +6,10 @@ cold caches, at 16 and 64 rows (issue #14's batch-64 goal).
 GEMMs: each Llama-3-8B matmul (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336) over 32
 layers' distinct weights (13.9 GB: nothing stays in L2), captured back to back in one CUDA graph, launched
 as the engine launches them (PDL where on): cuBLAS, the engine's cut (``decode_gemm_tile`` /
-``decode_gemm_splits``) and each ``GEMM_CUTS`` cut (block_n, block_k, stages, warps, K splits), in µs per
-matmul and TB/s of weights, with each cut's relative error against fp32.
+``decode_gemm_splits``) and each ``GEMM_CUTS`` cut (block_n, block_k, stages, warps, K splits; ``SMALL_CUTS``
+for other ``--shapes``), in µs per matmul and TB/s of weights, with each cut's relative error against fp32.
+SmolLM2's verify shapes: ``--no-attention --rows 8 --shapes qkv:960:576,o:576:576,gate_up:3072:576,down:576:1536``
+(the 8B names' cuts then apply: name them otherwise, e.g. ``s_qkv``, for ``SMALL_CUTS``).
 
 Attention: the engine's decode kernel (``decode_attention_launch``) at batch 16 / 64, context ``--ctx``,
 32 calls per graph each on its own layer's cache (what a step reads: 42 MB a layer at batch 64 fits the
@@ -46,6 +48,8 @@ GEMM_CUTS: dict[str, tuple[tuple[int, int, int, int, int], ...]] = {
     "down": ((64, 128, 6, 4, 2), (64, 128, 6, 4, 1), (64, 128, 3, 4, 4), (128, 128, 4, 4, 4), (128, 128, 4, 8, 4),
              (128, 64, 6, 4, 4), (256, 64, 4, 8, 8), (128, 64, 6, 4, 2)),
 }
+# other shapes (--shapes, e.g. SmolLM2's 576-wide ones): narrow blocks and K splits (those that divide)
+SMALL_CUTS = tuple((bn, bk, 6, 4, sp) for bn in (16, 32, 64) for bk in (64, 128) for sp in (1, 2, 3, 4))
 # (keys per tile, warps, stages, splits, read ahead in registers)
 ATTENTION_CUTS = tuple((bn, w, st, sp, ahead) for bn, w in ((32, 4), (64, 8), (16, 2)) for sp in (1, 2, 4, 8, 16, 32)
                        for ahead, st in ((True, 2), (False, 3)))
@@ -81,7 +85,7 @@ def gemms(rows: int, reps: int, bw: float, shapes: tuple[tuple[str, int, int], .
         row["engine_cut"] = [*tile, decode_gemm_splits(n, k, tile, dev)] if tile else None
         row["engine"] = time_it(lambda w: gemm_triton(x, w))
         cuts = []
-        for cut in GEMM_CUTS.get(name, ()):
+        for cut in GEMM_CUTS.get(name, SMALL_CUTS):
             bn, bk, stages, warps, splits = cut
             if n % bn or k % (bk * splits):
                 continue

@@ -21,11 +21,10 @@ follows the real context, not the table's ``max_blocks * block_size``. The layou
 CUDA-graph capturable. A step with few query tiles (a speculative verify or tree draft step: a few dozen
 rows) would leave most of the GPU idle while each program walks a whole context, so each tile's key range
 is cut into ``splits`` programs (split-KV, ``attention_splits_triton``: as many as fill the GPU, static
-for a captured batch) whose partial softmax states the last of a tile's split programs to finish combines
-(``arrival_counters``); a long prompt has programs enough and runs unsplit. A split launch also stores the
-new K/V itself (one program per query tile and KV head) and reads the new tokens' keys and values from
-``k`` / ``v`` rather than the cache, so no program reads a slot written in the launch: a verify's attention
-is one launch a layer, as a decode step's (``FUSED_SPLITS``). A sequence's new tokens are its last cache
+for a captured batch) whose partial softmax states ``_combine_kernel`` merges in a launch after; a long
+prompt has programs enough and runs unsplit. ``FUSED_SPLITS`` (off: measured slower on the H200) makes a
+split launch also store the new K/V itself and the last of a tile's split programs combine them
+(``arrival_counters``): one launch a layer. A sequence's new tokens are its last cache
 indices from its first row's causal limit on, its last row holding the last one (``PagedAttentionMetadata``'s
 layouts: ``from_lists``, and ``StepGraphs``' padding rows before the real ones, which share the first
 real row's limit).
@@ -57,11 +56,13 @@ from .paged_attention_torch import paged_attention_torch
 from .pdl import pdl_launch, pdl_open
 
 LOG2E = 1.4426950408889634
-# A split launch (a verify or draft step of a few rows) stores the new K/V itself, reads the new tokens' keys
-# from k / v, and its last split program per tile combines the splits: one launch a layer where there were
-# three (``write_kv_triton``, this kernel, ``_combine_kernel``), as the decode kernel does. False: those three
-# (the A/B: bench/graph_launch_probe.py --set models.layers.prefill_attention_triton.FUSED_SPLITS=False).
-FUSED_SPLITS = True
+# True: a split launch (a verify or draft step of a few rows) stores the new K/V itself, reads the new tokens'
+# keys from k / v, and its last split program per tile combines the splits: one launch a layer where there are
+# three (``write_kv_triton``, this kernel, ``_combine_kernel``). Off: on the H200 it made SmolLM2's 8-row
+# chain verify 1044-1060 us of GPU time against 818-831 us with the three launches (same machine, same run:
+# bench/results/2026-12-05-spec-staged-round-smollm2-h200.json); the A/B is bench/graph_launch_probe.py
+# --set models.layers.prefill_attention_triton.FUSED_SPLITS=True.
+FUSED_SPLITS = False
 # Triton's CPU interpreter (TRITON_INTERPRET=1, used by the CPU tests) multiplies bf16 matrices
 # wrongly; there the dots run on fp32 copies. Decided once, as Triton decides to interpret.
 _DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"
