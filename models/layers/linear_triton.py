@@ -268,39 +268,26 @@ def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, pos_ptr, in
 
 
 GEMM_ROWS = 64
-MIN_BLOCK_N = 16  # the narrowest block decode_gemm_tile halves to (64 with SPLIT_K_MAX = 2: the table before)
 
 
-def decode_gemm_tile(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int, int] | None:
+def decode_gemm_tile(m: int, n: int, k: int) -> tuple[int, int, int, int] | None:
     """(block_n, block_k, num_stages, num_warps) of ``_decode_gemm_kernel`` for m rows of x, an [n, k]
-    weight on a GPU of ``sms`` multiprocessors; None where it does not fit (more than GEMM_ROWS rows, n not a
-    multiple of 16, k not of 64). From a sweep of 8 tiles over the Llama-3-8B shapes at 16 and 64 rows
-    on an H200 (bench/pdl_gemv_probe.py, 2026-12-03-pdl-gemv-probe-pf-h200.json): 64 x 128, 6 stages, best or
-    within 1 % everywhere but gate_up (28672 outputs) above 16 rows, where 128 x 128 with 4 stages is (62.0 vs
+    weight; None where it does not fit (more than GEMM_ROWS rows, n not a multiple of the block, k not of
+    64). From a sweep of 8 tiles over the Llama-3-8B shapes at 16 and 64 rows on an H200
+    (bench/pdl_gemv_probe.py, 2026-12-03-pdl-gemv-probe-pf-h200.json): 64 x 128, 6 stages, best or within
+    1 % everywhere but gate_up (28672 outputs) above 16 rows, where 128 x 128 with 4 stages is (62.0 vs
     65.0 us). A sweep of 15 tiles (2026-12-03-pdl-gemv-probe-tiles-h200.json) found no better table under PDL,
-    and its best tiles without PDL were slower through the engine (2026-12-03-decode-rows-gemm-tiles-ab-h200.json).
-
-    A small model's matmuls (SmolLM2: 576 wide) have few 64-output tiles — qkv 15, o_proj 9 — so a few
-    programs streamed each weight while most multiprocessors idled: an 8-row verify took 820 us where the
-    one-row GEMV's step (a program per 4 outputs) took 512 (2026-12-05-spec-staged-round-smollm2-h200.json).
-    So the block halves (down to 16 outputs, the MMA's narrowest side) while its tiles times their K splits
-    (``decode_gemm_splits``) would keep fewer than half the multiprocessors busy; Llama-3-8B's shapes keep
-    the table's tiles."""
+    and its best tiles without PDL were slower through the engine (2026-12-03-decode-rows-gemm-tiles-ab-h200.json)."""
     if not 1 <= m <= GEMM_ROWS:
         return None
     block_k = 128 if k % 128 == 0 else 64
     block_n = 128 if m > 16 and n >= 16384 else 64
-    while n % block_n and block_n > 16:
-        block_n //= 2
     if k % block_k or n % block_n:
         return None
-    while (block_n > MIN_BLOCK_N and n % (block_n // 2) == 0
-           and n // block_n * _splits(n // block_n, k, block_k, sms) < sms // 2):
-        block_n //= 2
     return block_n, block_k, (4 if block_n == 128 else 6), 4
 
 
-SPLIT_K_MAX = 4
+SPLIT_K_MAX = 2
 
 
 @functools.cache
@@ -308,20 +295,15 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-def _splits(tiles: int, k: int, block_k: int, sms: int) -> int:
-    """The most K splits (up to SPLIT_K_MAX) whose programs (tiles x splits) fit in one wave of ``sms``
-    multiprocessors, each split a whole number of K steps; 1 where none does."""
-    for s in range(SPLIT_K_MAX, 1, -1):
-        if tiles * s <= sms and k % (s * block_k) == 0:
-            return s
-    return 1
-
-
 def decode_gemm_splits(n: int, k: int, tile: tuple[int, int, int, int], device: torch.device) -> int:
-    """K splits of the decode GEMM: as many (up to SPLIT_K_MAX) as fit the output tiles' programs in one wave
-    of the GPU's multiprocessors, in whole K steps. Llama-3-8B's o_proj and down_proj (64 tiles of 64 outputs
-    on 132) take 2, its qkv and gate_up 1; SmolLM2's (``decode_gemm_tile``'s narrower blocks) up to 4."""
-    return _splits(n // tile[0], k, tile[1], _multiprocessors(device))
+    """K splits of the decode GEMM: 2 where the output tiles alone would leave at least half the GPU's
+    multiprocessors idle (Llama-3-8B's o_proj and down_proj: 64 tiles of 64 outputs on 132) and both
+    halves of K are whole tiles; else 1."""
+    block_n, block_k = tile[0], tile[1]
+    tiles = n // block_n
+    if SPLIT_K_MAX >= 2 and 2 * tiles <= _multiprocessors(device) and k % (2 * block_k) == 0:
+        return 2
+    return 1
 
 
 def _gemm_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -362,7 +344,7 @@ def gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     dtypes."""
     m, k = x.shape
     n = weight.shape[0]
-    tile = tile or decode_gemm_tile(m, n, k, _multiprocessors(x.device))
+    tile = tile or decode_gemm_tile(m, n, k)
     if not _gemm_fits(x, weight, bias, tile):
         return F.linear(x, weight, bias)
     assert tile is not None
@@ -373,7 +355,7 @@ def _fused_tile(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """The decode GEMM's tile where it takes x with an epilogue (2..GEMM_ROWS rows; one row is the GEMV's)."""
     if x.dim() != 2 or not 2 <= x.shape[0] <= GEMM_ROWS:
         return None
-    tile = decode_gemm_tile(x.shape[0], weight.shape[0], x.shape[1], _multiprocessors(x.device))
+    tile = decode_gemm_tile(x.shape[0], weight.shape[0], x.shape[1])
     return tile if _gemm_fits(x, weight, bias, tile) else None
 
 
