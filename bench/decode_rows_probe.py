@@ -48,8 +48,10 @@ GEMM_CUTS: dict[str, tuple[tuple[int, int, int, int, int], ...]] = {
     "down": ((64, 128, 6, 4, 2), (64, 128, 6, 4, 1), (64, 128, 3, 4, 4), (128, 128, 4, 4, 4), (128, 128, 4, 8, 4),
              (128, 64, 6, 4, 4), (256, 64, 4, 8, 8), (128, 64, 6, 4, 2)),
 }
-# other shapes (--shapes, e.g. SmolLM2's 576-wide ones): narrow blocks and K splits (those that divide)
-SMALL_CUTS = tuple((bn, bk, 6, 4, sp) for bn in (16, 32, 64) for bk in (64, 128) for sp in (1, 2, 3, 4))
+# other shapes (--shapes, e.g. SmolLM2's 576-wide ones): narrow blocks and K splits (those that divide), and
+# one tile of all of K (block_k >= k: the kernel's ONE_TILE, its weights read before the PDL wait)
+SMALL_CUTS = (tuple((bn, bk, 6, 4, sp) for bn in (16, 32, 64) for bk in (64, 128) for sp in (1, 2, 3))
+              + ((16, 1024, 1, 4, 1), (16, 1024, 1, 8, 1), (32, 1024, 1, 8, 1), (16, 2048, 1, 8, 1), (16, 2048, 1, 4, 1)))
 # (keys per tile, warps, stages, splits, read ahead in registers)
 ATTENTION_CUTS = tuple((bn, w, st, sp, ahead) for bn, w in ((32, 4), (64, 8), (16, 2)) for sp in (1, 2, 4, 8, 16, 32)
                        for ahead, st in ((True, 2), (False, 3)))
@@ -87,8 +89,8 @@ def gemms(rows: int, reps: int, bw: float, shapes: tuple[tuple[str, int, int], .
         cuts = []
         for cut in GEMM_CUTS.get(name, SMALL_CUTS):
             bn, bk, stages, warps, splits = cut
-            if n % bn or k % (bk * splits):
-                continue
+            if n % bn or (k % (bk * splits) if bk < k else splits > 1 or bk >= 2 * k):
+                continue  # a K loop needs whole steps; one tile (bk >= k: ONE_TILE) the next power of two
             try:
                 err = ((gemm_triton(x, ws[0], None, (bn, bk, stages, warps), splits).float() - ref).norm()
                        / ref.norm()).item()

@@ -89,7 +89,8 @@ def dot(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: tuple[int, int, 
     _decode_gemm_kernel[(w.shape[0] // bn, 1)](x, w, w, y, w, w, w, w, m, w.shape[0], w.shape[1], 0, 0, x.stride(0),
                                                 w.stride(0), y.stride(0), BLOCK_N=bn,
                                                 BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_K=bk, SPLIT_K=1,
-                                                HAS_BIAS=False, DOT_FP32=False, EPILOGUE=0, HEAD_DIM=2, PDL=pdl,
+                                                HAS_BIAS=False, DOT_FP32=False, EPILOGUE=0, HEAD_DIM=2,
+                                                ONE_TILE=bk >= w.shape[1], PDL=pdl,
                                                 num_stages=stages, num_warps=warps, **_pdl(pdl))
 
 

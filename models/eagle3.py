@@ -14,8 +14,10 @@ logits = lm_head(out) over the draft vocab; the next step's hidden is ``residual
 
 ``kernels``: the target's kernel set (chosen once, at construction): its norms, add + norm, RoPE,
 SiLU-and-mul and matmul, as the target's layers run them (on a GPU the Triton kernels: a draft step
-of torch ops was some 60 small kernels); ``attention_backend`` apart, since the draft takes the
-target's attention only where its heads fit (``worker/spec_decode/draft_model.py``).
+of torch ops was some 60 small kernels), ``fc`` and ``lm_head`` included (they had gone to cuBLAS:
+~5 us a call in a chain step on an H100, 2026-12-05-decode-gemm-narrow-tiles-ab-smollm2-h100.json);
+``attention_backend`` apart, since the draft takes the target's attention only where its heads fit
+(``worker/spec_decode/draft_model.py``).
 
 The draft is small and runs on the engine's leader only (no collectives); its KV cache is its
 own. Aux states come from the target's forward (``ForwardBatch.aux_layers`` ->
@@ -27,6 +29,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .forward_batch import ForwardBatch
@@ -34,7 +37,7 @@ from .interface import ModelOutput
 from .layers.attention import AttentionBackend
 from .layers.attention_layout import AttentionDims
 from .layers.kernels import Kernels
-from .layers.linear import use_matmul
+from .layers.linear import MatmulFn, use_matmul
 from .layers.mamba_state import MambaStateShape
 from .layers.mlp import GatedMLP
 from .layers.norm import RMSNorm
@@ -66,6 +69,8 @@ class Eagle3Draft(nn.Module):
         self.config = config
         kernels = kernels or Kernels.reference()
         self.norms = kernels.norms
+        self.draft_input = kernels.draft_input
+        self.argmax_to = kernels.argmax_to  # the greedy choice through the draft-to-target table
         h = config.hidden_size
         one = Group.single("tp")
         head_dim = int(getattr(config, "head_dim", None) or h // config.num_attention_heads)
@@ -87,6 +92,7 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("d2t", torch.zeros(self.draft_vocab, dtype=torch.long, device=device))
         self.d2t: torch.Tensor
         self.has_own_embedding = False
+        self.matmul: MatmulFn = F.linear  # fc and lm_head as well as the layer's own (the kernel set's, below)
         if kernels.matmul is not None:
             use_matmul(self, kernels.matmul)
 
@@ -116,11 +122,11 @@ class Eagle3Draft(nn.Module):
         if hidden is None:
             raise ValueError("the EAGLE3 draft needs batch.input_hidden (aux states or its own hidden state)")
         if hidden.shape[-1] != self.embed_tokens.weight.shape[1]:
-            hidden = self.fc(hidden)
+            hidden = self.matmul(hidden, self.fc.weight, None)
         residual = hidden
-        norm, add_norm = self.norms.rms_norm, self.norms.add_rms_norm
-        x = torch.cat([norm(self.embed_tokens(batch.input_ids), self.input_layernorm.weight, self.input_layernorm.eps),
-                       norm(hidden, self.hidden_norm.weight, self.hidden_norm.eps)], dim=-1)
+        add_norm = self.norms.add_rms_norm
+        x = self.draft_input(batch.input_ids, self.embed_tokens.weight, hidden, self.input_layernorm.weight,
+                             self.hidden_norm.weight, self.input_layernorm.eps)
         attn = self.self_attn(x, batch).partial  # size-1 group: already complete
         post = self.post_attention_layernorm
         h, residual = add_norm(attn, residual, post.weight, post.eps)
@@ -128,7 +134,7 @@ class Eagle3Draft(nn.Module):
         out, residual = add_norm(h, residual, self.norm.weight, self.norm.eps)
         if batch.logits_indices is not None:
             out = out[batch.logits_indices]
-        return ModelOutput(self.lm_head(out), (residual,))
+        return ModelOutput(self.matmul(out, self.lm_head.weight, None), (residual,))
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

@@ -5,7 +5,8 @@ before it still runs, so it must wait (``griddepcontrol.wait``) before it reads 
 wrote and before it writes anything. The GPU tests check results under PDL; this test checks the order
 itself, in the PTX of every PDL kernel of the project at a representative shape: the wait is there, no
 global store comes before it, and no global load (nor asynchronous copy) either — except in the decode
-GEMV, which reads its first weight tile (weights: written by no kernel) before the wait. With PDL off,
+GEMV, the one-tile decode GEMM and the draft's input kernel, which read their (first) weight tile or norm
+weights (weights: written by no kernel) before the wait, as they must to overlap the kernel before. With PDL off,
 no ``griddepcontrol`` instruction is emitted at all. A compiler that hoisted a load above the wait, or
 a kernel edited to read before it, fails here.
 """
@@ -25,6 +26,7 @@ from fusedserve.models.layers import (  # noqa: E402
     argmax_triton,
     attention_splits_triton,
     decode_attention_triton,
+    draft_input_triton,
     kv_write_triton,
     linear_triton,
     prefill_attention_triton,
@@ -42,8 +44,10 @@ LOADS = ("ld.global", "cp.async.cg", "cp.async.ca", "cp.async.bulk")
 KERNELS: dict[str, tuple[Any, dict[str, Any], dict[str, str]]] = {
     "add_rms_norm": (rms_norm_triton._rms_norm_kernel, {"HAS_RESIDUAL": True, "BLOCK": 4096}, {}),
     "argmax_chunks": (argmax_triton._chunk_argmax_kernel, {"BLOCK": 4096}, {"val_ptr": "*fp32", "idx_ptr": "*i64"}),
-    "argmax_rows": (argmax_triton._rows_argmax_kernel, {"C_PAD": 32},
-                    {"val_ptr": "*fp32", "idx_ptr": "*i64", "out_ptr": "*i64"}),
+    "argmax_rows": (argmax_triton._rows_argmax_kernel, {"C_PAD": 32, "HAS_TABLE": True},
+                    {"val_ptr": "*fp32", "idx_ptr": "*i64", "out_ptr": "*i64", "table_ptr": "*i64"}),
+    "argmax_to_row": (argmax_triton._row_argmax_to_kernel, {"BLOCK": 16384}, {"out_ptr": "*i64", "table_ptr": "*i64"}),
+    "draft_input": (draft_input_triton._draft_input_kernel, {"BLOCK": 1024}, {"ids_ptr": "*i64"}),
     "rope": (rope_triton._rope_kernel, {"Q_HEADS": 32, "HALF": 64}, {"pos_ptr": "*i64", "inv_ptr": "*fp32"}),
     "silu_mul": (silu_mul_triton._silu_mul_kernel, {"BLOCK": 1024}, {}),
     "kv_write": (kv_write_triton._write_kv_kernel,
@@ -72,19 +76,28 @@ KERNELS: dict[str, tuple[Any, dict[str, Any], dict[str, str]]] = {
                 {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32"}),
     "decode_gemm": (linear_triton._decode_gemm_kernel,
                     {"BLOCK_N": 64, "BLOCK_M": 16, "BLOCK_K": 128, "SPLIT_K": 1, "HAS_BIAS": False, "DOT_FP32": False,
-                     "EPILOGUE": linear_triton.EPILOGUE_PLAIN, "HEAD_DIM": 2},
+                     "EPILOGUE": linear_triton.EPILOGUE_PLAIN, "HEAD_DIM": 2, "ONE_TILE": False},
                     {}),
+    # a small model's width (K 576 in one masked tile of 1024): the weights read before the wait, as the GEMV's
+    "decode_gemm_one_tile": (linear_triton._decode_gemm_kernel,
+                             {"BLOCK_N": 16, "BLOCK_M": 16, "BLOCK_K": 1024, "SPLIT_K": 1, "HAS_BIAS": False,
+                              "DOT_FP32": False, "EPILOGUE": linear_triton.EPILOGUE_ROPE, "HEAD_DIM": 64,
+                              "ONE_TILE": True},
+                             {"pos_ptr": "*i64", "inv_ptr": "*fp32"}),
     "decode_gemm_split_k": (linear_triton._decode_gemm_kernel,
                             {"BLOCK_N": 64, "BLOCK_M": 64, "BLOCK_K": 128, "SPLIT_K": 2, "HAS_BIAS": True,
-                             "DOT_FP32": False, "EPILOGUE": linear_triton.EPILOGUE_PLAIN, "HEAD_DIM": 2},
+                             "DOT_FP32": False, "EPILOGUE": linear_triton.EPILOGUE_PLAIN, "HEAD_DIM": 2,
+                             "ONE_TILE": False},
                             {"ws_ptr": "*fp32", "cnt_ptr": "*i32"}),
     "decode_gemm_rope": (linear_triton._decode_gemm_kernel,
                          {"BLOCK_N": 64, "BLOCK_M": 64, "BLOCK_K": 128, "SPLIT_K": 1, "HAS_BIAS": True,
-                          "DOT_FP32": False, "EPILOGUE": linear_triton.EPILOGUE_ROPE, "HEAD_DIM": 128},
+                          "DOT_FP32": False, "EPILOGUE": linear_triton.EPILOGUE_ROPE, "HEAD_DIM": 128,
+                          "ONE_TILE": False},
                          {"pos_ptr": "*i64", "inv_ptr": "*fp32"}),
     "decode_gemm_silu": (linear_triton._decode_gemm_kernel,
                          {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 128, "SPLIT_K": 1, "HAS_BIAS": False,
-                          "DOT_FP32": False, "EPILOGUE": linear_triton.EPILOGUE_SILU, "HEAD_DIM": 2},
+                          "DOT_FP32": False, "EPILOGUE": linear_triton.EPILOGUE_SILU, "HEAD_DIM": 2,
+                          "ONE_TILE": False},
                          {}),
     # a chain verify's split launch (new K/V stored and read from k / v, splits combined in the kernel), and a
     # prompt's unsplit one (the K/V stored before it): GQA 9 / 3, head dim 64 (SmolLM2)
@@ -100,7 +113,7 @@ KERNELS: dict[str, tuple[Any, dict[str, Any], dict[str, str]]] = {
     "gemv": (linear_triton._gemv_kernel,
              {"M_PAD": 1, "BLOCK_N": 4, "BLOCK_K": 2048, "EVEN_K": True, "HAS_BIAS": False}, {}),
 }
-READS_BEFORE_WAIT = {"gemv"}  # its first weight tile
+READS_BEFORE_WAIT = {"gemv", "decode_gemm_one_tile", "draft_input"}  # their (first) weight tile; the norm weights
 
 
 def hopper_ptx(fn: Any, constexprs: dict[str, Any], types: dict[str, str]) -> list[str]:
@@ -136,6 +149,7 @@ def test_pdl_kernel_waits_before_it_touches_what_other_kernels_write(name: str) 
     assert stores and loads, f"{name}: no global loads / stores found (the PTX check would be vacuous)"
     assert stores[0] > waits[0], f"{name}: a global store before griddepcontrol.wait"
     if name in READS_BEFORE_WAIT:
+        assert loads[0] < waits[0], f"{name}: the weight tile is not read before the wait (no overlap)"
         assert loads[-1] > waits[0], f"{name}: every load before the wait (x too)"
     else:
         assert loads[0] > waits[0], f"{name}: a global load before griddepcontrol.wait:\n{ptx[loads[0]]}"

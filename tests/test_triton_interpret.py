@@ -155,11 +155,13 @@ def test_interp_decode_gemm_equals_f_linear() -> None:
 
     assert decode_gemm_tile(16, 6144, 4096) == (64, 128, 6, 4)
     assert decode_gemm_tile(64, 28672, 4096) == (128, 128, 4, 4) and decode_gemm_tile(16, 28672, 4096) == (64, 128, 6, 4)
-    assert decode_gemm_tile(8, 960, 576) == (64, 64, 6, 4)
+    # a small model's widths: one K tile of 16 outputs (K masked to a power of two), up to 16 rows
+    assert decode_gemm_tile(8, 960, 576) == (16, 1024, 1, 4) and decode_gemm_tile(16, 576, 1536) == (16, 2048, 1, 8)
+    assert decode_gemm_tile(17, 960, 576) == (64, 64, 6, 4) and decode_gemm_tile(8, 8, 576) is None
     assert decode_gemm_tile(65, 4096, 4096) is None and decode_gemm_tile(8, 4100, 4096) is None
     assert decode_gemm_tile(8, 4096, 4000) is None
     g = torch.Generator().manual_seed(7)
-    for m, n, k in ((2, 64, 256), (5, 128, 576), (16, 64, 128), (33, 128, 256)):
+    for m, n, k in ((2, 64, 256), (5, 128, 576), (16, 64, 128), (33, 128, 256), (3, 32, 1536), (4, 64, 4096)):
         w = torch.randn(n, k, generator=g).to(torch.bfloat16)
         b = torch.randn(n, generator=g).to(torch.bfloat16)
         x = torch.randn(m, k, generator=g).to(torch.bfloat16)
@@ -249,6 +251,37 @@ def test_interp_argmax_equals_torch() -> None:
     for t in (x, x.to(torch.bfloat16)):
         assert torch.equal(am.argmax_triton(t), t.argmax(dim=-1))
     assert torch.equal(am.argmax_triton(x[:, ::2]), x[:, ::2].argmax(dim=-1))
+    # through a table (an EAGLE3 draft's draft-to-target ids): one program a row up to ONE_PROGRAM, else chunks
+    from fusedserve.models.layers.draft_input import argmax_to
+
+    table = torch.randperm(vocab, generator=g) * 3
+    for t in (x, x.to(torch.bfloat16), x[:, : am.BLOCK + 5]):
+        tab = table[: t.shape[1]].contiguous()
+        assert torch.equal(am.argmax_to_triton(t, tab), argmax_to(t, tab))
+    wide = torch.randn(2, am.ONE_PROGRAM + 9, generator=g)
+    wide[1, am.ONE_PROGRAM + 3] = 99.0
+    tab = torch.arange(wide.shape[1]) + 7
+    assert torch.equal(am.argmax_to_triton(wide, tab), argmax_to(wide, tab))
+
+
+@inner
+def test_interp_draft_input_equals_the_ops() -> None:
+    """An EAGLE3 draft step's input row in one kernel (``draft_input_triton``): the token's embedding and the
+    hidden state, each RMS-normed, side by side, equal the reference (bf16: the same rounding steps; a width
+    that is no power of two, SmolLM2's 576)."""
+    from fusedserve.models.layers.draft_input import draft_input
+    from fusedserve.models.layers.draft_input_triton import draft_input_triton
+
+    g = torch.Generator().manual_seed(13)
+    for width, dtype in ((576, torch.bfloat16), (64, torch.float32)):
+        table = torch.randn(100, width, generator=g).to(dtype)
+        hidden = (3 * torch.randn(5, width, generator=g)).to(dtype)
+        we, wh = (torch.rand(width, generator=g) + 0.5).to(dtype), (torch.rand(width, generator=g) + 0.5).to(dtype)
+        ids = torch.tensor([3, 99, 0, 3, 42])
+        want = draft_input(ids, table, hidden, we, wh, 1e-5)
+        got = draft_input_triton(ids, table, hidden, we, wh, 1e-5)
+        assert got.shape == (5, 2 * width)
+        _close(got, want, 2e-3 if dtype == torch.bfloat16 else 1e-5)
 
 
 @inner

@@ -12,9 +12,11 @@ triton       ``paged_decode_attention_triton``      Triton kernels (``*_triton.p
              sequence: the flash kernel of          (2..64 rows: RoPE / SiLU-and-mul in the qkv / gate-up
              ``prefill_attention_triton.py``;       matmul's epilogue); ``fused_experts_triton``;
                                                     greedy sampling's argmax ``argmax_triton``; the
-                                                    MoE router's choice ``router_triton`` and MLA's
-                                                    query / key rows ``mla_assemble_triton`` (one launch
-                                                    each);
+                                                    MoE router's choice ``router_triton``, MLA's
+                                                    query / key rows ``mla_assemble_triton`` and an
+                                                    EAGLE3 draft's input row / greedy choice
+                                                    (``draft_input_triton``, ``argmax_to_triton``; one
+                                                    launch each);
              trees: the torch one)
 flashinfer   ``flashinfer_attention``, planned      as ``triton``
              once per forward (``planner``)
@@ -41,6 +43,7 @@ import torch
 from ..parallel.fusion.reference import NormKernels
 from .attention import AttentionBackend, paged_attention_reference
 from .attention_layout import PlannerFactory
+from .draft_input import ArgmaxToFn, DraftInputFn, argmax_to, draft_input
 from .fp8_block import BlockFP8MatmulFn, block_fp8_linear_reference
 from .fused_moe import FusedExpertsFn, FusedFP8ExpertsFn, fused_experts_fp8_torch, fused_experts_torch
 from .linear import MatmulFn
@@ -68,6 +71,10 @@ class Kernels:
     gate_up_act: GateUpActFn | None = None
     # The greedy choice of each logits row ([n, vocab] -> [n] int64); None = torch.argmax.
     argmax: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # An EAGLE3 draft step's glue (``draft_input.py``): its input row (embedding and hidden state, each normed,
+    # side by side) and its greedy choice through the draft-to-target table (triton: one launch each).
+    draft_input: DraftInputFn = draft_input
+    argmax_to: ArgmaxToFn = argmax_to
     # Routed MoE experts (``fused_moe.py``); None = RoutedExperts' per-expert loop (host sync).
     fused_moe: FusedExpertsFn | None = None
     # Block-FP8 layers: the linear kernel, and the routed experts' (None = the per-expert loop, dequantizing).
@@ -93,8 +100,9 @@ class Kernels:
     def triton() -> Kernels:
         """GPU kernels; raises ImportError without Triton. Launched with programmatic dependent launch
         where the GPU has it (``pdl.py``)."""
-        from .argmax_triton import argmax_triton
+        from .argmax_triton import argmax_to_triton, argmax_triton
         from .decode_attention_triton import paged_decode_attention_triton
+        from .draft_input_triton import draft_input_triton
         from .fp8_block_gemm import block_fp8_linear_fast
         from .fused_moe_fp8_triton import fused_experts_fp8_triton
         from .fused_moe_triton import fused_experts_triton
@@ -109,7 +117,8 @@ class Kernels:
                        norms=NormKernels(rms_norm=rms_norm_triton, add_rms_norm=add_rms_norm_triton),
                        rope=rope_triton, silu_and_mul=silu_and_mul_triton,
                        matmul=decode_linear, qkv_rope=decode_qkv_rope, gate_up_act=decode_gate_up_silu,
-                       argmax=argmax_triton, fused_moe=fused_experts_triton,
+                       argmax=argmax_triton, draft_input=draft_input_triton, argmax_to=argmax_to_triton,
+                       fused_moe=fused_experts_triton,
                        block_fp8_matmul=block_fp8_linear_fast, fused_moe_fp8=fused_experts_fp8_triton,
                        select_experts=select_experts_triton, mla_assemble=mla_assemble_triton, graph_safe=True)
 
@@ -124,8 +133,8 @@ class Kernels:
         base = Kernels.triton()
         return Kernels(name="flashinfer", attention=flashinfer_attention, norms=base.norms, rope=base.rope,
                        silu_and_mul=base.silu_and_mul, matmul=base.matmul, qkv_rope=base.qkv_rope,
-                       gate_up_act=base.gate_up_act, argmax=base.argmax,
-                       fused_moe=base.fused_moe,
+                       gate_up_act=base.gate_up_act, argmax=base.argmax, draft_input=base.draft_input,
+                       argmax_to=base.argmax_to, fused_moe=base.fused_moe,
                        block_fp8_matmul=base.block_fp8_matmul, fused_moe_fp8=base.fused_moe_fp8,
                        select_experts=base.select_experts, mla_assemble=base.mla_assemble, graph_safe=True,
                        planner=flashinfer_planner)

@@ -211,7 +211,8 @@ def _store_tile(total, rn, is_rope, first, rm, M, y_ptr, b_ptr, pos_ptr, inv_ptr
 def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, pos_ptr, inv_ptr, M, N, K, INTER, ROPE_WIDTH,
                         stride_xm, stride_wn, stride_ym, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        DOT_FP32: tl.constexpr, EPILOGUE: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
+                        DOT_FP32: tl.constexpr, EPILOGUE: tl.constexpr, HEAD_DIM: tl.constexpr, ONE_TILE: tl.constexpr,
+                        PDL: tl.constexpr):
     """A decode batch's matmul on tensor cores with the operands swapped: y^T [BLOCK_N, BLOCK_M] = W_tile x^T,
     so BLOCK_N rows of W fill the MMA's wide side and the batch's M <= BLOCK_M rows of x its narrow side; a
     program per BLOCK_N outputs, K in BLOCK_K steps (Triton pipelines the loads), fp32 sums. Under PDL it
@@ -226,30 +227,45 @@ def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, pos_ptr, in
     gate rows and their up rows, y is [M, INTER]) or q / k's RoPE (EPILOGUE_ROPE: a tile of rotate-half
     partners; ``pos`` / ``inv``: the rows' positions and the rotary frequencies).
 
+    ONE_TILE (K <= BLOCK_K, a small model's widths): the program's whole [BLOCK_N, K] weight tile (K masked to
+    the power of two BLOCK_K) is loaded before the PDL wait, while the kernel before still runs, then x and
+    one dot — no K loop to pipeline, so holding the tile costs no overlap (``decode_gemm_tile``).
+
     SPLIT_K > 1 (few output tiles: more programs than tiles keep more of the GPU streaming weights): program
     (n, s) sums the s-th of SPLIT_K equal K ranges and stores its fp32 sums in ``ws`` [SPLIT_K, N, BLOCK_M];
     the tile's last program to finish (a per-tile arrival count in ``cnt``, which it resets to 0) adds the
     SPLIT_K partials in split order — the same bits whichever finishes last — and stores y."""
-    pdl_release(PDL)
-    pdl_wait(PDL)
     HALF: tl.constexpr = BLOCK_N // 2
-    k_range = K // SPLIT_K
     rn, is_rope, first = _tile_rows(tl.program_id(0), HALF, BLOCK_N, EPILOGUE, INTER, ROPE_WIDTH, HEAD_DIM)
     rm = tl.arange(0, BLOCK_M)
-    rk = tl.program_id(1) * k_range + tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
-    x_ptrs = x_ptr + rm[None, :] * stride_xm + rk[:, None]
     rows = rm[None, :] < M
-    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    for _ in range(0, k_range, BLOCK_K):
-        w = tl.load(w_ptrs)
-        x = tl.load(x_ptrs, mask=rows, other=0.0)
+    if ONE_TILE:  # all of K in one (masked) tile: the weights read before the wait, as the GEMV does
+        rk = tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=rk[None, :] < K, other=0.0)
+        pdl_release(PDL)
+        pdl_wait(PDL)
+        x = tl.load(x_ptr + rm[None, :] * stride_xm + rk[:, None], mask=rows & (rk[:, None] < K), other=0.0)
         if DOT_FP32:
-            acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc)
+            acc = tl.dot(w.to(tl.float32), x.to(tl.float32))
         else:
-            acc = tl.dot(w, x, acc)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
+            acc = tl.dot(w, x)
+    else:
+        pdl_release(PDL)
+        pdl_wait(PDL)
+        k_range = K // SPLIT_K
+        rk = tl.program_id(1) * k_range + tl.arange(0, BLOCK_K)
+        w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
+        x_ptrs = x_ptr + rm[None, :] * stride_xm + rk[:, None]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        for _ in range(0, k_range, BLOCK_K):
+            w = tl.load(w_ptrs)
+            x = tl.load(x_ptrs, mask=rows, other=0.0)
+            if DOT_FP32:
+                acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc)
+            else:
+                acc = tl.dot(w, x, acc)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
     if SPLIT_K == 1:
         _store_tile(acc, rn, is_rope, first, rm, M, y_ptr, b_ptr, pos_ptr, inv_ptr, stride_ym, HALF, BLOCK_M,
                     HAS_BIAS, EPILOGUE, HEAD_DIM)
@@ -268,18 +284,29 @@ def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, pos_ptr, in
 
 
 GEMM_ROWS = 64
+# K up to this (and at most 16 rows): one masked tile of all of K, its weights read before the PDL wait
+# (``ONE_TILE``); 0: the K loop for every shape (the A/B: --set models.layers.linear_triton.ONE_TILE_K_MAX=0)
+ONE_TILE_K_MAX = 2048
 
 
 def decode_gemm_tile(m: int, n: int, k: int) -> tuple[int, int, int, int] | None:
     """(block_n, block_k, num_stages, num_warps) of ``_decode_gemm_kernel`` for m rows of x, an [n, k]
-    weight; None where it does not fit (more than GEMM_ROWS rows, n not a multiple of the block, k not of
-    64). From a sweep of 8 tiles over the Llama-3-8B shapes at 16 and 64 rows on an H200
+    weight; None where it does not fit (more than GEMM_ROWS rows, n not a multiple of the block, k above
+    ONE_TILE_K_MAX not of 64). From a sweep of 8 tiles over the Llama-3-8B shapes at 16 and 64 rows on an H200
     (bench/pdl_gemv_probe.py, 2026-12-03-pdl-gemv-probe-pf-h200.json): 64 x 128, 6 stages, best or within
     1 % everywhere but gate_up (28672 outputs) above 16 rows, where 128 x 128 with 4 stages is (62.0 vs
     65.0 us). A sweep of 15 tiles (2026-12-03-pdl-gemv-probe-tiles-h200.json) found no better table under PDL,
-    and its best tiles without PDL were slower through the engine (2026-12-03-decode-rows-gemm-tiles-ab-h200.json)."""
+    and its best tiles without PDL were slower through the engine (2026-12-03-decode-rows-gemm-tiles-ab-h200.json).
+
+    A small model's matmuls (K <= ONE_TILE_K_MAX: SmolLM2's 576 / 1536, an EAGLE3 draft's 1152 / 1728) at up to
+    16 rows take one K tile of 16 outputs: (16, next power of two of k, 1 stage, 4 or 8 warps). Their time was
+    latency, not streaming: at 8 rows on an H100 a K loop of 64-wide steps took 2.3-5.1 us whatever the block,
+    1.5-2x that with K splits (2026-12-05-decode-gemm-narrow-tiles-ab-smollm2-h100.json)."""
     if not 1 <= m <= GEMM_ROWS:
         return None
+    if m <= 16 and k <= ONE_TILE_K_MAX and n % 16 == 0:
+        block_k = max(16, triton.next_power_of_2(k))
+        return 16, block_k, 1, (4 if block_k <= 1024 else 8)
     block_k = 128 if k % 128 == 0 else 64
     block_n = 128 if m > 16 and n >= 16384 else 64
     if k % block_k or n % block_n:
@@ -331,7 +358,8 @@ def _launch_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         x, weight, bias if bias is not None else weight, y, ws, counters, positions, inv_freq, m, n, k, inter,
         rope_width, x.stride(0), weight.stride(0), y.stride(0), BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_K=block_k,
         SPLIT_K=splits, HAS_BIAS=bias is not None, DOT_FP32=_DOT_FP32, EPILOGUE=epilogue,
-        HEAD_DIM=2 * inv_freq.shape[0] if rope is not None else 2, num_stages=stages, num_warps=warps,
+        HEAD_DIM=2 * inv_freq.shape[0] if rope is not None else 2, ONE_TILE=block_k >= k, num_stages=stages,
+        num_warps=warps,
         **pdl_launch())
     return y
 

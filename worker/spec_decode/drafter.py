@@ -107,6 +107,7 @@ class Drafter:
         self.is_chain = topk == 1
         self._vocab = vocab
         self._draft_to_target = model.to_target_ids(torch.arange(model.draft_vocab, device=draft.device))
+        self._argmax_to = model.argmax_to  # the kernel set's table[argmax(row)]
         self._hidden = int(model.config.hidden_size)  # the chained steps' hidden input
         self._aux = int(model.fc.in_features)  # the first pass's hidden input: the target's aux states
         self._staged: dict[int, tuple[StepShape, StaticInputs] | None] = {}  # ``first_chain_staged``
@@ -156,7 +157,7 @@ class Drafter:
     def greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor:
         """The draft's greedy choice as target ids. logits: [rows, draft_vocab] -> [rows] (on the device;
         the chained replay's feed)."""
-        return self._draft_to_target[logits.argmax(dim=-1)]
+        return self._argmax_to(logits, self._draft_to_target)
 
     def sample_tokens(self, logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:
