@@ -155,13 +155,15 @@ def test_interp_decode_gemm_equals_f_linear() -> None:
 
     assert decode_gemm_tile(16, 6144, 4096) == (64, 128, 6, 4)
     assert decode_gemm_tile(64, 28672, 4096) == (128, 128, 4, 4) and decode_gemm_tile(16, 28672, 4096) == (64, 128, 6, 4)
-    # a small model's widths: one K tile of 16 outputs (K masked to a power of two), up to 16 rows
-    assert decode_gemm_tile(8, 960, 576) == (16, 1024, 1, 4) and decode_gemm_tile(16, 576, 1536) == (16, 2048, 1, 8)
-    assert decode_gemm_tile(17, 960, 576) == (64, 64, 6, 4) and decode_gemm_tile(8, 8, 576) is None
+    # a small model's longer widths: one K tile of 16 outputs (K masked to a power of two), up to 16 rows
+    assert decode_gemm_tile(8, 960, 576) == (64, 64, 6, 4) and decode_gemm_tile(16, 576, 1536) == (16, 2048, 1, 4)
+    assert decode_gemm_tile(8, 576, 1728) == (16, 2048, 1, 4) and decode_gemm_tile(17, 576, 1536) == (64, 128, 6, 4)
+    assert decode_gemm_tile(8, 8, 1536) is None
     assert decode_gemm_tile(65, 4096, 4096) is None and decode_gemm_tile(8, 4100, 4096) is None
     assert decode_gemm_tile(8, 4096, 4000) is None
     g = torch.Generator().manual_seed(7)
-    for m, n, k in ((2, 64, 256), (5, 128, 576), (16, 64, 128), (33, 128, 256), (3, 32, 1536), (4, 64, 4096)):
+    for m, n, k in ((2, 64, 256), (5, 128, 576), (16, 64, 128), (33, 128, 256), (3, 32, 1536), (4, 64, 1100),
+                    (4, 64, 4096)):
         w = torch.randn(n, k, generator=g).to(torch.bfloat16)
         b = torch.randn(n, generator=g).to(torch.bfloat16)
         x = torch.randn(m, k, generator=g).to(torch.bfloat16)
@@ -202,7 +204,7 @@ def test_interp_decode_gemm_epilogues_equal_the_ops_after_a_matmul() -> None:
 
     g = torch.Generator().manual_seed(11)
     for m, inter, k, bias in ((2, 64, 256, False), (17, 128, 128, True), (64, 96, 256, False), (1, 64, 128, True),
-                              (65, 64, 128, False)):
+                              (65, 64, 128, False), (3, 32, 1100, True)):
         w = torch.randn(2 * inter, k, generator=g).to(torch.bfloat16)
         b = torch.randn(2 * inter, generator=g).to(torch.bfloat16) if bias else None
         x = torch.randn(m, k, generator=g).to(torch.bfloat16)
@@ -210,7 +212,7 @@ def test_interp_decode_gemm_epilogues_equal_the_ops_after_a_matmul() -> None:
         _close(decode_gate_up_silu(x, w, b), want, 1e-2)
     for m, head_dim, heads, kv_heads, k, bias in ((3, 64, 4, 2, 128, False), (16, 128, 2, 1, 256, True),
                                                   (40, 64, 3, 1, 128, False), (1, 64, 2, 1, 128, False),
-                                                  (8, 32, 4, 2, 128, False)):
+                                                  (8, 32, 4, 2, 128, False), (5, 64, 2, 1, 1152, True)):
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
         w = torch.randn(q_size + 2 * kv_size, k, generator=g).to(torch.bfloat16)
         b = torch.randn(q_size + 2 * kv_size, generator=g).to(torch.bfloat16) if bias else None

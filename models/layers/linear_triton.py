@@ -284,29 +284,33 @@ def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, pos_ptr, in
 
 
 GEMM_ROWS = 64
-# K up to this (and at most 16 rows): one masked tile of all of K, its weights read before the PDL wait
-# (``ONE_TILE``); 0: the K loop for every shape (the A/B: --set models.layers.linear_triton.ONE_TILE_K_MAX=0)
+# K in (ONE_TILE_K_MIN, ONE_TILE_K_MAX] (and at most 16 rows): one masked tile of all of K, its weights read
+# before the PDL wait (``ONE_TILE``); ONE_TILE_K_MAX = 0: the K loop for every shape (the A/B: --set
+# models.layers.linear_triton.ONE_TILE_K_MAX=0). Below ONE_TILE_K_MIN the loop's table was as fast or faster.
+ONE_TILE_K_MIN = 1024
 ONE_TILE_K_MAX = 2048
 
 
 def decode_gemm_tile(m: int, n: int, k: int) -> tuple[int, int, int, int] | None:
     """(block_n, block_k, num_stages, num_warps) of ``_decode_gemm_kernel`` for m rows of x, an [n, k]
-    weight; None where it does not fit (more than GEMM_ROWS rows, n not a multiple of the block, k above
-    ONE_TILE_K_MAX not of 64). From a sweep of 8 tiles over the Llama-3-8B shapes at 16 and 64 rows on an H200
+    weight; None where it does not fit (more than GEMM_ROWS rows, n not a multiple of the block, k outside
+    the one-tile range not a multiple of 64). From a sweep of 8 tiles over the Llama-3-8B shapes at 16 and 64 rows on an H200
     (bench/pdl_gemv_probe.py, 2026-12-03-pdl-gemv-probe-pf-h200.json): 64 x 128, 6 stages, best or within
     1 % everywhere but gate_up (28672 outputs) above 16 rows, where 128 x 128 with 4 stages is (62.0 vs
     65.0 us). A sweep of 15 tiles (2026-12-03-pdl-gemv-probe-tiles-h200.json) found no better table under PDL,
     and its best tiles without PDL were slower through the engine (2026-12-03-decode-rows-gemm-tiles-ab-h200.json).
 
-    A small model's matmuls (K <= ONE_TILE_K_MAX: SmolLM2's 576 / 1536, an EAGLE3 draft's 1152 / 1728) at up to
-    16 rows take one K tile of 16 outputs: (16, next power of two of k, 1 stage, 4 or 8 warps). Their time was
-    latency, not streaming: at 8 rows on an H100 a K loop of 64-wide steps took 2.3-5.1 us whatever the block,
-    1.5-2x that with K splits (2026-12-05-decode-gemm-narrow-tiles-ab-smollm2-h100.json)."""
+    A small model's longer matmuls (ONE_TILE_K_MIN < K <= ONE_TILE_K_MAX: SmolLM2's down_proj, 1536, an EAGLE3
+    draft's fc, 1728, and qkv, 1152) at up to 16 rows take one K tile of 16 outputs: (16, next power of two of
+    k, 1 stage, 4 warps). At 8 rows on an H100 (2026-12-05-decode-gemm-one-tile-smollm2-h100.json) that took
+    3.92 / 3.97 us for down / fc against 4.16-4.31 / 5.18 with the loop (8 warps: 5.07 / 5.06), while at K 576
+    the loop's (64, 64) stayed ahead (qkv 2.52 vs 2.76, o 2.35 vs 2.44, gate_up 3.59 vs 4.33). These widths
+    are latency-bound, not streaming-bound: narrower blocks did not help and K splits took 1.5-2x as long
+    (2026-12-05-decode-gemm-narrow-tiles-ab-smollm2-h100.json)."""
     if not 1 <= m <= GEMM_ROWS:
         return None
-    if m <= 16 and k <= ONE_TILE_K_MAX and n % 16 == 0:
-        block_k = max(16, triton.next_power_of_2(k))
-        return 16, block_k, 1, (4 if block_k <= 1024 else 8)
+    if m <= 16 and ONE_TILE_K_MIN < k <= ONE_TILE_K_MAX and n % 16 == 0:
+        return 16, triton.next_power_of_2(k), 1, 4
     block_k = 128 if k % 128 == 0 else 64
     block_n = 128 if m > 16 and n >= 16384 else 64
     if k % block_k or n % block_n:
