@@ -34,6 +34,9 @@
 #                                           verify and draft steps fall back to gather attention);
 #                                           needs .whl/real/data carried once, and for --http the serving site
 #                                           (.whl/serving-site-cp312.tar.xz) and .whl/real/wheels-http
+#   bash bench/gpu_real.sh ab [ARGS...]     bench/spec_decode_real.py ARGS for each of VARIANTS ("new old new old":
+#                                           this tree's package and tmp/old's, a `git archive` of another commit,
+#                                           carried as tmp) alternated in one lease -> $OUT/ab-<variant>-<i>.json
 #   bash bench/gpu_real.sh tests [ARGS]     the -m gpu suite (FlashInfer staged) -> $OUT/gpu-tests.xml (junit)
 #   bash bench/gpu_real.sh growth [ARGS]    bench/tree_growth_gpu.py ARGS (no model needed) -> $OUT/tree-growth.json
 #   bash bench/gpu_real.sh handoff [ARGS]   bench/output_handoff.py ARGS on /tmp/real/smollm2, plain and chain-7
@@ -62,7 +65,7 @@
 # (e.g. flashinfer-aot-attention-*.tar.gz with part1 part2, flashinfer-aot-0*.tar.gz with part3 part4, the four
 # wheels with the call that runs), and the first command that lays the package out installs them.
 set -euo pipefail
-cmd=${1:?usage: gpu_real.sh stage|train|regen|bench|probe|handoff|growth|decode|serve|tests [args]}
+cmd=${1:?usage: gpu_real.sh stage|train|regen|bench|ab|probe|handoff|growth|decode|serve|tests [args]}
 shift
 T=${GPU_REAL_TMP:-/tmp}  # where the staged files live (the device: /tmp)
 R=$T/real
@@ -142,6 +145,22 @@ case "$cmd" in
     [ -d "$draft" ] || draft=$PWD/examples/checkpoints/smollm2-eagle3
     python3 -P bench/spec_decode_real.py --target "$R/smollm2" --draft "$draft" --data-dir "$R/data" \
       --out "$OUT/spec-decode-real.json" "$@"
+    ;;
+  ab)  # bench/spec_decode_real.py ARGS for each of $VARIANTS (default "new old new old") alternated in one lease:
+       # new = this tree's package, X = tmp/X (here: git archive <commit> fusedserve models worker operator | tar -x
+       # -C tmp/X; carry tmp) -> $OUT/ab-<variant>-<i>.json and .log (the bench script is this tree's for all)
+    layout; model
+    draft=$R/draft; [ -d "$draft" ] || draft=$PWD/examples/checkpoints/smollm2-eagle3
+    i=0
+    for v in ${VARIANTS:-new old new old}; do
+      i=$((i + 1)); src=$PWD; [ "$v" = new ] || src=$PWD/tmp/$v
+      [ -d "$src/models" ] || { echo "gpu_real.sh ab: no tmp/$v" >&2; exit 2; }
+      rm -rf "$T/pkg-$v" && mkdir -p "$T/pkg-$v/fusedserve" && cp "$src"/fusedserve/*.py "$T/pkg-$v/fusedserve/"
+      for d in models worker operator; do ln -sfn "$src/$d" "$T/pkg-$v/fusedserve/$d"; done
+      PYTHONPATH=$T/pkg-$v:$T/site python3 -P bench/spec_decode_real.py --target "$R/smollm2" --draft "$draft" \
+        --data-dir "$R/data" --out "$OUT/ab-$v-$i.json" "$@" > "$OUT/ab-$v-$i.log" 2>&1
+      echo "== $v $i rc $?"; grep "tok/s" "$OUT/ab-$v-$i.log" || tail -5 "$OUT/ab-$v-$i.log"
+    done
     ;;
   probe)  # bench/graph_launch_probe.py: each captured graph's host launch time (engine none / chain-3 on SmolLM2)
     layout; model
