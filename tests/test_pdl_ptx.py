@@ -34,6 +34,7 @@ from fusedserve.models.layers import (  # noqa: E402
     rope_triton,
     silu_mul_triton,
 )
+from fusedserve.worker.spec_decode import verify_stage_triton  # noqa: E402
 
 # Triton 3.9 warns, once, that its FP-fusion default will change; nothing here depends on it
 pytestmark = pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION:UserWarning")
@@ -48,6 +49,11 @@ KERNELS: dict[str, tuple[Any, dict[str, Any], dict[str, str]]] = {
                     {"val_ptr": "*fp32", "idx_ptr": "*i64", "out_ptr": "*i64", "table_ptr": "*i64"}),
     "argmax_to_row": (argmax_triton._row_argmax_to_kernel, {"BLOCK": 16384}, {"out_ptr": "*i64", "table_ptr": "*i64"}),
     "draft_input": (draft_input_triton._draft_input_kernel, {"BLOCK": 1024}, {"ids_ptr": "*i64"}),
+    "verify_stage": (verify_stage_triton._verify_stage_kernel,
+                     {"Q": 8, "Q_PAD": 8, "PARTS": 3, "BLOCK_H": 1024, "BLOCK_W": 512, "STAGE": True},
+                     {name: "*i64" for name in ("argmax_ptr", "ids_ptr", "pos_ptr", "slots_ptr", "index_ptr", "ctx_ptr",
+                                                "tables_ptr", "verdict_ptr", "d_ids_ptr", "d_pos_ptr", "d_slots_ptr",
+                                                "d_index_ptr", "d_ctx_ptr", "d_tables_ptr", "d_drop_ptr")}),
     "rope": (rope_triton._rope_kernel, {"Q_HEADS": 32, "HALF": 64}, {"pos_ptr": "*i64", "inv_ptr": "*fp32"}),
     "silu_mul": (silu_mul_triton._silu_mul_kernel, {"BLOCK": 1024}, {}),
     "kv_write": (kv_write_triton._write_kv_kernel,

@@ -267,6 +267,61 @@ def test_interp_argmax_equals_torch() -> None:
 
 
 @inner
+@pytest.mark.parametrize("stage", [True, False], ids=["staged", "verdict-only"])
+def test_interp_verify_stage_equals_the_torch_program(stage: bool) -> None:
+    """A chain verify's program after its argmax in one launch (``verify_stage_triton``): the aux states side by
+    side, the verdict (drafts, argmax, greedy count) and the draft's staged first pass (ids, positions + 1,
+    slots, index, context lengths, block tables, hidden rows, rows to drop) equal the torch program's, for all
+    drafts accepted, some, none, and a padding sequence (its last row on the pad slot: nothing dropped)."""
+    from fusedserve.models.interface import ModelOutput
+    from fusedserve.worker.executor.step_graphs import StaticInputs
+    from fusedserve.worker.executor.step_shape import StepShape
+    from fusedserve.worker.spec_decode.verify_program import VerifyProgram
+    from fusedserve.worker.spec_decode.verify_stage_triton import verify_stage_triton
+
+    g = torch.Generator().manual_seed(21)
+    b, q, width, blocks, pad = 4, 8, 40, 5, 999
+    rows = b * q
+
+    def inputs(fill: bool) -> StaticInputs:
+        meta = torch.randint(0, 500, (4 * rows + b + b * blocks + b,), generator=g) if fill else \
+            torch.full((4 * rows + b + b * blocks + b,), -1, dtype=torch.long)
+        ids, pos, slots, index, ctx, tables, drop = meta.split([rows, rows, rows, rows, b, b * blocks, b])
+        hidden = torch.randn(rows, 3 * width, generator=g).to(torch.bfloat16) if fill else \
+            torch.zeros(rows, 3 * width, dtype=torch.bfloat16)
+        return StaticInputs(ids, pos, slots, index, ctx, tables.view(b, blocks), hidden, drop, pad)
+
+    verify = inputs(True)
+    verify.slots.view(b, q)[3] = pad  # a padding sequence
+    argmax = torch.randint(0, 50, (rows,), generator=g)
+    ids = verify.ids.view(b, q)
+    targets = argmax.view(b, q)
+    ids[0, 1:] = targets[0, :-1]  # every draft accepted
+    ids[1, 1:] = targets[1, :-1]
+    ids[1, 3] = targets[1, 2] + 1  # two accepted
+    ids[2, 1] = targets[2, 0] + 1  # none
+    hidden = tuple(torch.randn(rows, width, generator=g).to(torch.bfloat16) for _ in range(3))
+    out = ModelOutput(torch.zeros(rows, 7), hidden)
+    shape = StepShape(batch=b, tokens=q)
+    drafts = [inputs(False), inputs(False)]
+    results = []
+    for kernel, draft in zip((None, verify_stage_triton), drafts, strict=True):
+        program = VerifyProgram(lambda logits: argmax, lambda batch, d=draft: d if stage else None, kernel)
+        results.append((program(shape, verify, out), draft))
+    (aux, verdict), _ = results[0]
+    assert verdict[:3, -1].tolist() == [7, 2, 0]
+    for (want, want_d), (got, got_d) in [(results[0], results[1])]:
+        for w, x in zip(want, got, strict=True):
+            assert torch.equal(w, x)
+        for name in ("ids", "positions", "slots", "index", "context_lens", "tables", "hidden", "drop"):
+            assert torch.equal(getattr(want_d, name), getattr(got_d, name)), name
+    if stage:
+        assert results[1][1].drop.tolist() == [0, 5, 7, 0]
+    # the kernel took these inputs itself (no fallback to the torch program)
+    assert verify_stage_triton(argmax, verify, hidden, b, q, drafts[1] if stage else None) is not None
+
+
+@inner
 def test_interp_draft_input_equals_the_ops() -> None:
     """An EAGLE3 draft step's input row in one kernel (``draft_input_triton``): the token's embedding and the
     hidden state, each RMS-normed, side by side, equal the reference (bf16: the same rounding steps; a width

@@ -78,7 +78,7 @@ from .draft_tree import Acceptance, DraftTree, accept_greedy, relocation, tree_p
 from .drafter import Drafter, DraftState, DraftWork, Proposal
 from .rejection_sampler import Uniforms, accept_chains_sampled, verify_chain_sampled, verify_tree_sampled
 from .stats import SpecDecodeCounters, SpecDecodeStats
-from .verify_program import VerifyProgram
+from .verify_program import VerifyProgram, verify_stage_kernel
 
 if TYPE_CHECKING:
     from ..engine.engine import Runner
@@ -173,7 +173,8 @@ class SpecDecoder:
                            sample=self.drafter.sample_tokens)
         target = self.target_shapes(batch_sizes)
         if self.target is self.target.local and self.drafter.is_chain:
-            self.target.local.capture(target, max_blocks, finish=VerifyProgram(self.sampler.argmax, self._staged))
+            program = VerifyProgram(self.sampler.argmax, self._staged, verify_stage_kernel(self.target.local.device))
+            self.target.local.capture(target, max_blocks, finish=program)
         else:
             self.target.capture(target, max_blocks)
 

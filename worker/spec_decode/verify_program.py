@@ -17,7 +17,9 @@ For a captured chain verify (``b`` sequences of ``q = num_steps + 1`` rows: each
   (``StepExecutor.replay_staged``).
 
 The same function runs eagerly off CUDA (``StepGraphs``' eager replays), so the CPU tests check it
-against the host's acceptance. A tree's verify (``tail``) gets nothing here.
+against the host's acceptance. A tree's verify (``tail``) gets nothing here. On a GPU everything after the
+argmax is one Triton launch (``verify_stage_triton.py``; checked against these torch ops in Triton's
+interpreter), where the torch ops were some twenty kernels.
 """
 
 from __future__ import annotations
@@ -32,20 +34,30 @@ from ..executor.step_shape import StepShape
 
 ArgmaxFn = Callable[[torch.Tensor], torch.Tensor]  # logits [rows, vocab] -> [rows] int64
 Staged = Callable[[int], StaticInputs | None]  # padded batch -> the draft's first chain inputs to stage, or None
+# (argmax, the verify's static inputs, its aux states, batch, q, the draft's inputs to stage or None) ->
+# (aux, verdict), or None where it does not take these inputs (``verify_stage_triton``)
+StageKernel = Callable[[torch.Tensor, StaticInputs, tuple[torch.Tensor, ...], int, int, StaticInputs | None],
+                       tuple[torch.Tensor, torch.Tensor] | None]
 
 
 class VerifyProgram:
-    """``argmax``: the sampler's (graph-safe); ``staged``: the draft's first chain inputs for a padded batch."""
+    """``argmax``: the sampler's (graph-safe); ``staged``: the draft's first chain inputs for a padded batch;
+    ``stage_kernel``: all of the program after the argmax in one launch (GPU), else the torch ops below."""
 
-    def __init__(self, argmax: ArgmaxFn, staged: Staged) -> None:
+    def __init__(self, argmax: ArgmaxFn, staged: Staged, stage_kernel: StageKernel | None = None) -> None:
         self.argmax = argmax
         self.staged = staged
+        self.stage_kernel = stage_kernel
 
     def __call__(self, shape: StepShape, inputs: StaticInputs, out: ModelOutput) -> tuple[torch.Tensor, ...]:
         if shape.tail or shape.tokens < 2:
             return ()
         b, q = shape.batch, shape.tokens
         argmax = self.argmax(out.logits)  # [rows]
+        if self.stage_kernel is not None:
+            done = self.stage_kernel(argmax, inputs, out.hidden, b, q, self.staged(b))
+            if done is not None:
+                return done
         aux = torch.cat(out.hidden, dim=-1)
         targets = argmax.view(b, q)
         drafts = inputs.ids.view(b, q)[:, 1:]
@@ -64,3 +76,14 @@ class VerifyProgram:
             draft.hidden[:rows].copy_(aux)
             draft.drop.copy_(torch.where(real, q - 1 - counts, torch.zeros_like(counts)))
         return aux, verdict
+
+
+def verify_stage_kernel(device: torch.device) -> StageKernel | None:
+    """The program's one-launch kernel where the hardware runs it (CUDA with Triton), else None (torch ops)."""
+    if torch.device(device).type != "cuda":
+        return None
+    try:
+        from .verify_stage_triton import verify_stage_triton
+    except ImportError:
+        return None
+    return verify_stage_triton

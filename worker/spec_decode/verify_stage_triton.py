@@ -1,0 +1,115 @@
+"""``VerifyProgram``'s acceptance and staging in one Triton kernel (GPU; one program per sequence).
+
+The torch program (``verify_program.py``, the reference and the CPU path) is some twenty small kernels
+behind a chain verify's forward: the aux states' concatenation, the acceptance count (compare, scan, sum),
+the verdict's concatenation, and seven copies and a ``where`` into the draft's static inputs (ten
+device-to-device copies and about a dozen elementwise kernels in the verify graph's profile on an H200,
+2026-12-05-spec-staged-round-smollm2-h200.json's kernels). Here, per sequence of ``Q`` rows: its drafts (the
+verify's input ids after the root), the target's argmax of its rows, the greedy count (drafts matching the
+argmax before them, up to the first that differs) into ``verdict``; its rows' aux states side by side into
+``aux``; and, staging the draft's first pass (``STAGE``): ids = the argmax, RoPE positions one further, slots,
+causal index, context length, block table row, hidden = the aux row, and the rows to drop (``Q - 1 -`` count
+for a real sequence, one whose last row does not write ``pad_slot``; 0 for padding). Launched with PDL where
+on (it reads the argmax kernel's output: it waits first).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...models.layers.pdl import pdl_launch, pdl_open
+from ..executor.step_graphs import StaticInputs
+
+
+@triton.jit
+def _copy_part(src_ptr, stride_s, aux_ptr, stride_a, dst_ptr, stride_d, row, col0, H, BLOCK_H: tl.constexpr,
+               STAGE: tl.constexpr):
+    c = tl.arange(0, BLOCK_H)
+    for c0 in range(0, H, BLOCK_H):
+        m = c0 + c < H
+        v = tl.load(src_ptr + row * stride_s + c0 + c, mask=m)
+        tl.store(aux_ptr + row * stride_a + col0 + c0 + c, v, mask=m)
+        if STAGE:
+            tl.store(dst_ptr + row * stride_d + col0 + c0 + c, v, mask=m)
+
+
+@triton.jit
+def _verify_stage_kernel(argmax_ptr, ids_ptr, pos_ptr, slots_ptr, index_ptr, ctx_ptr, tables_ptr, h0_ptr, h1_ptr,
+                         h2_ptr, aux_ptr, verdict_ptr, d_ids_ptr, d_pos_ptr, d_slots_ptr, d_index_ptr, d_ctx_ptr,
+                         d_tables_ptr, d_hidden_ptr, d_drop_ptr, stride_h0, stride_h1, stride_h2, stride_aux,
+                         stride_dh, W, DW, H, pad_slot, Q: tl.constexpr, Q_PAD: tl.constexpr, PARTS: tl.constexpr,
+                         BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, STAGE: tl.constexpr, PDL: tl.constexpr):
+    pdl_open(PDL)
+    s = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, Q_PAD)
+    rows = j < Q
+    r = s * Q + j
+    target = tl.load(argmax_ptr + r, mask=rows, other=0)
+    is_draft = j < Q - 1
+    drafts = tl.load(ids_ptr + s * Q + 1 + j, mask=is_draft, other=0)
+    count = tl.min(tl.where(is_draft & (drafts != target), j, Q - 1), axis=0)
+    v = verdict_ptr + s * (2 * Q)
+    tl.store(v + j, drafts, mask=is_draft)
+    tl.store(v + Q - 1 + j, target, mask=rows)
+    tl.store(v + 2 * Q - 1, count.to(tl.int64))
+    for jj in tl.static_range(Q):
+        row = s * Q + jj
+        _copy_part(h0_ptr, stride_h0, aux_ptr, stride_aux, d_hidden_ptr, stride_dh, row, 0, H, BLOCK_H, STAGE)
+        if PARTS > 1:
+            _copy_part(h1_ptr, stride_h1, aux_ptr, stride_aux, d_hidden_ptr, stride_dh, row, H, H, BLOCK_H, STAGE)
+        if PARTS > 2:
+            _copy_part(h2_ptr, stride_h2, aux_ptr, stride_aux, d_hidden_ptr, stride_dh, row, 2 * H, H, BLOCK_H,
+                       STAGE)
+    if STAGE:
+        tl.store(d_ids_ptr + r, target, mask=rows)
+        tl.store(d_pos_ptr + r, tl.load(pos_ptr + r, mask=rows) + 1, mask=rows)
+        slots = tl.load(slots_ptr + r, mask=rows)
+        tl.store(d_slots_ptr + r, slots, mask=rows)
+        tl.store(d_index_ptr + r, tl.load(index_ptr + r, mask=rows), mask=rows)
+        tl.store(d_ctx_ptr + s, tl.load(ctx_ptr + s))
+        w = tl.arange(0, BLOCK_W)
+        for w0 in range(0, W, BLOCK_W):
+            m = w0 + w < W
+            tl.store(d_tables_ptr + s * DW + w0 + w, tl.load(tables_ptr + s * W + w0 + w, mask=m), mask=m)
+        last = tl.load(slots_ptr + s * Q + Q - 1)
+        tl.store(d_drop_ptr + s, tl.where(last != pad_slot, Q - 1 - count, 0).to(tl.int64))
+
+
+def verify_stage_triton(argmax: torch.Tensor, inputs: StaticInputs, hidden: tuple[torch.Tensor, ...], batch: int,
+                        q: int, draft: StaticInputs | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(aux [rows, parts * H], verdict [batch, 2q] int64), the draft's first pass staged into ``draft`` when given;
+    None where the kernel does not take the inputs (the torch program then runs): other than 1-3 aux parts of
+    one width and dtype with unit-stride rows, int64 contiguous metadata, or staged inputs of other shapes."""
+    rows = batch * q
+    width = hidden[0].shape[-1] if hidden else 0
+    meta = (argmax, inputs.ids, inputs.positions, inputs.slots, inputs.index, inputs.context_lens, inputs.tables)
+    if (not 1 <= len(hidden) <= 3 or any(h.shape[-1] != width or h.dtype != hidden[0].dtype or h.stride(-1) != 1
+                                          or h.shape[0] < rows for h in hidden)
+            or any(t.dtype != torch.int64 or not t.is_contiguous() for t in meta)):
+        return None
+    stage = draft is not None and draft.hidden is not None and draft.drop is not None
+    dummy = argmax  # pointers a launch without staging never touches
+    staged: tuple[torch.Tensor, ...] = (dummy,) * 5 + (inputs.tables, dummy)
+    if stage:
+        assert draft is not None and draft.hidden is not None and draft.drop is not None
+        staged = (draft.ids, draft.positions, draft.slots, draft.index, draft.context_lens, draft.tables, draft.drop)
+        if (any(t.dtype != torch.int64 or not t.is_contiguous() for t in staged)
+                or draft.tables.shape != inputs.tables.shape or draft.context_lens.shape != inputs.context_lens.shape
+                or draft.hidden.dtype != hidden[0].dtype or draft.hidden.shape[-1] != len(hidden) * width
+                or draft.hidden.stride(-1) != 1 or draft.hidden.shape[0] < rows or draft.ids.shape[0] < rows):
+            return None
+    aux = torch.empty((rows, len(hidden) * width), dtype=hidden[0].dtype, device=argmax.device)
+    verdict = torch.empty((batch, 2 * q), dtype=torch.int64, device=argmax.device)
+    d_hidden = draft.hidden if draft is not None and draft.hidden is not None and stage else aux
+    h = (*hidden, *[hidden[0]] * (3 - len(hidden)))
+    tables = inputs.tables
+    _verify_stage_kernel[(batch,)](
+        argmax, inputs.ids, inputs.positions, inputs.slots, inputs.index, inputs.context_lens, tables, h[0], h[1],
+        h[2], aux, verdict, *staged[:6], d_hidden, staged[6], h[0].stride(0), h[1].stride(0), h[2].stride(0),
+        aux.stride(0), d_hidden.stride(0), tables.shape[1], staged[5].shape[-1], width, inputs.pad_slot, Q=q,
+        Q_PAD=triton.next_power_of_2(q), PARTS=len(hidden), BLOCK_H=min(1024, triton.next_power_of_2(width)),
+        BLOCK_W=min(1024, triton.next_power_of_2(max(1, tables.shape[1]))), STAGE=stage, num_warps=4,
+        **pdl_launch())
+    return aux, verdict
