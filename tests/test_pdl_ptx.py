@@ -116,6 +116,16 @@ KERNELS: dict[str, tuple[Any, dict[str, Any], dict[str, str]]] = {
                "qstart_ptr": "*i32", "index_ptr": "*i64", "ctx_ptr": "*i32", "tail_ptr": "*i64", "slot_ptr": "*i64",
                "cnt_ptr": "*i32", "qk_scale": "fp32"})
        for name, split in (("prefill_attention_split", True), ("prefill_attention", False))},
+    "prefill_attention_split_stores": (prefill_attention_triton._prefill_kernel,
+                                       {"TAIL": 0, "GROUP": 3, "BLOCK_H": 3, "HEAD_BLOCKS": 1, "BLOCK_Q": 10,
+                                        "BLOCK_Q_PAD": 16, "ROWS": 32, "DA": 64, "DA_PAD": 64, "DB": 0, "DB_PAD": 16,
+                                        "VDIM": 64, "VDIM_PAD": 64, "V_IN_K": False, "PAGE": 16, "BLOCK_N": 64,
+                                        "SPLIT": True, "NEW_KV": True, "COMBINE": False, "SPLITS_PAD": 32,
+                                        "HEADS": 9, "DOT_FP32": False},
+                                       {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
+                                        "bt_ptr": "*i32", "qstart_ptr": "*i32", "index_ptr": "*i64",
+                                        "ctx_ptr": "*i32", "tail_ptr": "*i64", "slot_ptr": "*i64", "cnt_ptr": "*i32",
+                                        "qk_scale": "fp32"}),
     "gemv": (linear_triton._gemv_kernel,
              {"M_PAD": 1, "BLOCK_N": 4, "BLOCK_K": 2048, "EVEN_K": True, "HAS_BIAS": False}, {}),
 }

@@ -581,19 +581,21 @@ def test_interp_prefill_attention_stores_kv_and_equals_reference(layout: str, dt
 
 
 @inner
-@pytest.mark.parametrize(("width", "front", "fused"), [
-    (3, "pad", True), (3, "copies", True),  # one launch (unsplit: the fused path does not apply)
-    (40, "pad", True), (40, "copies", True), (40, "pad", False), (40, "copies", False),  # 2 splits
-], ids=["unsplit-pad", "unsplit-copies", "split-pad-fused", "split-copies-fused", "split-pad-write-then-combine",
-        "split-copies-write-then-combine"])
-def test_interp_prefill_attention_on_a_graph_padded_verify_layout_equals_torch(width: int, front: str,
-                                                                               fused: bool) -> None:
+@pytest.mark.parametrize(("width", "front", "stores", "combines"), [
+    (3, "pad", True, False), (3, "copies", True, False),  # one launch (unsplit: the split modes do not apply)
+    (40, "pad", True, False), (40, "copies", True, False), (40, "pad", True, True), (40, "copies", True, True),
+    (40, "pad", False, False), (40, "copies", False, False),  # 2 splits
+], ids=["unsplit-pad", "unsplit-copies", "split-pad-stores", "split-copies-stores", "split-pad-stores-combines",
+        "split-copies-stores-combines", "split-pad-write-then-combine", "split-copies-write-then-combine"])
+def test_interp_prefill_attention_on_a_graph_padded_verify_layout_equals_torch(width: int, front: str, stores: bool,
+                                                                               combines: bool) -> None:
     """StepGraphs' padded layout: every sequence 4 rows, real rows last; the leading rows share the first
     real row's causal limit and write the pad slot (``front`` "pad") or are copies of the first real row,
     its K/V to its slot (a first pass's dropped rows); a padding sequence's rows (dropped: only finite) see
     one slot of block 0, or with the kernel reading new keys from k / v its last row's key. Block
     tables 3 wide (one launch) or 40 (160 tokens: 2 splits, where the kernel stores the new K/V itself and
-    reads them from k / v unless ``FUSED_SPLITS`` is off)."""
+    reads them from k / v unless ``SPLIT_STORES_KV`` is off, and combines the splits itself with
+    ``SPLIT_COMBINES``)."""
     from fusedserve.models.forward_batch import ForwardBatch, KVCache, PagedAttentionMetadata
     from fusedserve.models.layers import prefill_attention_triton
     from fusedserve.models.layers.paged_attention_torch import paged_attention_torch
@@ -625,12 +627,12 @@ def test_interp_prefill_attention_on_a_graph_padded_verify_layout_equals_torch(w
         return ForwardBatch(zeros, zeros, [n] * b, [n] * b, slots, [[0]] * b, cache, paged=meta)
 
     ref_kv = KVCache({0: kv.k[0].clone()}, {0: kv.v[0].clone()}, block, num_blocks)
-    before = prefill_attention_triton.FUSED_SPLITS
-    prefill_attention_triton.FUSED_SPLITS = fused
+    before = prefill_attention_triton.SPLIT_STORES_KV, prefill_attention_triton.SPLIT_COMBINES
+    prefill_attention_triton.SPLIT_STORES_KV, prefill_attention_triton.SPLIT_COMBINES = stores, combines
     try:
         got = prefill_attention_triton.paged_prefill_attention_triton(q, k, v, 0, batch(kv), 0.25)
     finally:
-        prefill_attention_triton.FUSED_SPLITS = before
+        prefill_attention_triton.SPLIT_STORES_KV, prefill_attention_triton.SPLIT_COMBINES = before
     want = paged_attention_torch(q, k, v, 0, batch(ref_kv), 0.25)
     assert torch.isfinite(got).all()
     _close(got[: 2 * n], want[: 2 * n], 1e-2)  # the padding sequence's rows are dropped

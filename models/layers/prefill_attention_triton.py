@@ -22,9 +22,10 @@ CUDA-graph capturable. A step with few query tiles (a speculative verify or tree
 rows) would leave most of the GPU idle while each program walks a whole context, so each tile's key range
 is cut into ``splits`` programs (split-KV, ``attention_splits_triton``: as many as fill the GPU, static
 for a captured batch) whose partial softmax states ``_combine_kernel`` merges in a launch after; a long
-prompt has programs enough and runs unsplit. ``FUSED_SPLITS`` (off: measured slower on the H200) makes a
-split launch also store the new K/V itself and the last of a tile's split programs combine them
-(``arrival_counters``): one launch a layer. A sequence's new tokens are its last cache
+prompt has programs enough and runs unsplit. A split launch stores the new K/V itself
+(``SPLIT_STORES_KV``: no ``write_kv_triton`` launch before it); ``SPLIT_COMBINES`` (off: measured slower on
+the H200) has the last of a tile's split programs combine them (``arrival_counters``) instead of the
+launch after. A sequence's new tokens are its last cache
 indices from its first row's causal limit on, its last row holding the last one (``PagedAttentionMetadata``'s
 layouts: ``from_lists``, and ``StepGraphs``' padding rows before the real ones, which share the first
 real row's limit).
@@ -56,13 +57,20 @@ from .paged_attention_torch import paged_attention_torch
 from .pdl import pdl_launch, pdl_open
 
 LOG2E = 1.4426950408889634
-# True: a split launch (a verify or draft step of a few rows) stores the new K/V itself, reads the new tokens'
-# keys from k / v, and its last split program per tile combines the splits: one launch a layer where there are
-# three (``write_kv_triton``, this kernel, ``_combine_kernel``). Off: on the H200 it made SmolLM2's 8-row
-# chain verify 1044-1060 us of GPU time against 818-831 us with the three launches (same machine, same run:
-# bench/results/2026-12-05-spec-staged-round-smollm2-h200.json); the A/B is bench/graph_launch_probe.py
-# --set models.layers.prefill_attention_triton.FUSED_SPLITS=True.
-FUSED_SPLITS = False
+# A split launch (a verify or draft step of a few rows; splits > 1):
+# SPLIT_STORES_KV: it stores the new K/V itself (one program per query tile and KV head) and reads the new
+#   tokens' keys and values from k / v, so no program reads a slot written in the launch: no ``write_kv_triton``
+#   launch before it. False: that launch, then this kernel reading the cache only.
+# SPLIT_COMBINES: the last of a tile's split programs combines the splits (``arrival_counters``), in a loop over
+#   the splits that saw keys, one [rows, V] partial at a time; False: ``_combine_kernel``, a launch after, one
+#   program per (token, head) reading all its splits at once. Both on (a89add7) made SmolLM2's 8-row chain
+#   verify 1044-1060 us of GPU time on the H200 against 818-831 us with both off (same run:
+#   bench/results/2026-12-05-spec-staged-round-smollm2-h200.json): the in-kernel combine then walked all 32
+#   splits of a captured batch one load after another. Storing in the launch and combining in a launch after
+#   it is the default now (not yet measured). The A/B: bench/graph_launch_probe.py --set
+#   models.layers.prefill_attention_triton.SPLIT_STORES_KV=False (and / or SPLIT_COMBINES=True).
+SPLIT_STORES_KV = True
+SPLIT_COMBINES = False
 # Triton's CPU interpreter (TRITON_INTERPRET=1, used by the CPU tests) multiplies bf16 matrices
 # wrongly; there the dots run on fp32 copies. Decided once, as Triton decides to interpret.
 _DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"
@@ -136,8 +144,10 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, 
     else:
         tail0 = 0
         hi = tl.where(first < q_end, tl.max(limit, axis=0) + 1, 0)  # 0: a tile past the new tokens
-    # Split-KV (SPLIT: splits > 1): this program takes the split-th range of whole key tiles of 0..hi
+    # Split-KV (SPLIT: splits > 1): this program takes the split-th range of whole key tiles of 0..hi; the
+    # first ``active`` splits get keys, the rest none (their partials weigh nothing)
     split_tokens = tl.cdiv(tl.cdiv(hi, BLOCK_N), splits) * BLOCK_N
+    active = tl.cdiv(hi, tl.maximum(split_tokens, 1))
     lo = split * split_tokens
     hi = tl.minimum(hi, lo + split_tokens)
     da = tl.arange(0, DA_PAD)
@@ -263,7 +273,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, 
                 top = tl.max(pm, axis=1)
                 w = tl.where(pm > float("-inf"), tl.exp(pm - top[:, None]), 0.0)  # [ROWS, SPLITS_PAD]
                 total = tl.zeros((ROWS, VDIM_PAD), tl.float32)
-                for sp in range(0, splits):
+                for sp in range(0, active):  # the splits that saw keys (the others weigh 0)
                     w_sp = tl.sum(tl.where(s_idx[None, :] == sp, w, 0.0), axis=1)
                     part = tl.load(part_acc_ptr + (first_row + sp)[:, None] * VDIM_PAD + do[None, :],
                                    mask=rmask[:, None], other=0.0, cache_modifier=".cg")
@@ -335,11 +345,11 @@ def paged_prefill_attention_triton(
     num_seqs = meta.block_tables.shape[0]
     tiles = n // block_q + num_seqs  # every sequence's tiles, a few empty (tile_start)
     splits = num_splits(tiles * kv_heads * head_blocks, meta.block_tables.shape[1] * cache.block_size, block_n)
-    fused = FUSED_SPLITS and splits > 1
-    if fused and (k.stride(-1) != 1 or v.stride(-1) != 1):  # rows of k / v read in place
+    new_kv = SPLIT_STORES_KV and splits > 1
+    if new_kv and (k.stride(-1) != 1 or v.stride(-1) != 1):  # rows of k / v read in place
         k, v = k.contiguous(), v.contiguous()
-    counters = arrival_counters(q.device, tiles * kv_heads * head_blocks) if fused else None
-    if not fused:
+    counters = arrival_counters(q.device, tiles * kv_heads * head_blocks) if SPLIT_COMBINES and splits > 1 else None
+    if not new_kv:
         write_kv_triton(kc, None if v_in_k else vc, batch.slot_mapping, k, v)
     if splits > 1:
         part_acc, part_m, part_l = split_partials(n, heads, splits, vdim_pad, q.device)
@@ -356,7 +366,7 @@ def paged_prefill_attention_triton(
         GROUP=group, BLOCK_H=block_h, HEAD_BLOCKS=head_blocks, BLOCK_Q=block_q,
         BLOCK_Q_PAD=triton.next_power_of_2(block_q), ROWS=rows, DA=da, DA_PAD=_pad(da),
         DB=dim - da, DB_PAD=_pad(dim - da), VDIM=vdim, VDIM_PAD=vdim_pad, V_IN_K=v_in_k, PAGE=cache.block_size,
-        BLOCK_N=block_n, SPLIT=splits > 1, NEW_KV=fused, COMBINE=counters is not None,
+        BLOCK_N=block_n, SPLIT=splits > 1, NEW_KV=new_kv, COMBINE=counters is not None,
         SPLITS_PAD=triton.next_power_of_2(MAX_SPLITS), HEADS=heads, DOT_FP32=_DOT_FP32, num_warps=warps,
         num_stages=stages, **pdl_launch())
     if splits > 1 and counters is None:
