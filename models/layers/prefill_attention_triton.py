@@ -22,10 +22,10 @@ CUDA-graph capturable. A step with few query tiles (a speculative verify or tree
 rows) would leave most of the GPU idle while each program walks a whole context, so each tile's key range
 is cut into ``splits`` programs (split-KV, ``attention_splits_triton``: as many as fill the GPU, static
 for a captured batch) whose partial softmax states ``_combine_kernel`` merges in a launch after; a long
-prompt has programs enough and runs unsplit. A split launch stores the new K/V itself
-(``SPLIT_STORES_KV``: no ``write_kv_triton`` launch before it); ``SPLIT_COMBINES`` (off: measured slower on
-the H200) has the last of a tile's split programs combine them (``arrival_counters``) instead of the
-launch after. A sequence's new tokens are its last cache
+prompt has programs enough and runs unsplit. ``SPLIT_STORES_KV`` (off until measured) has a split launch
+store the new K/V itself (no ``write_kv_triton`` launch before it); ``SPLIT_COMBINES`` (off: measured slower
+with the former on the H200) has the last of a tile's split programs combine them (``arrival_counters``)
+instead of the launch after. A sequence's new tokens are its last cache
 indices from its first row's causal limit on, its last row holding the last one (``PagedAttentionMetadata``'s
 layouts: ``from_lists``, and ``StepGraphs``' padding rows before the real ones, which share the first
 real row's limit).
@@ -66,10 +66,10 @@ LOG2E = 1.4426950408889634
 #   program per (token, head) reading all its splits at once. Both on (a89add7) made SmolLM2's 8-row chain
 #   verify 1044-1060 us of GPU time on the H200 against 818-831 us with both off (same run:
 #   bench/results/2026-12-05-spec-staged-round-smollm2-h200.json): the in-kernel combine then walked all 32
-#   splits of a captured batch one load after another. Storing in the launch and combining in a launch after
-#   it is the default now (not yet measured). The A/B: bench/graph_launch_probe.py --set
-#   models.layers.prefill_attention_triton.SPLIT_STORES_KV=False (and / or SPLIT_COMBINES=True).
-SPLIT_STORES_KV = True
+#   splits of a captured batch one load after another. Both stay off (the measured configuration) until
+#   storing in the launch and combining in the launch after is measured: bench/graph_launch_probe.py --set
+#   models.layers.prefill_attention_triton.SPLIT_STORES_KV=True (and / or SPLIT_COMBINES=True).
+SPLIT_STORES_KV = False
 SPLIT_COMBINES = False
 # Triton's CPU interpreter (TRITON_INTERPRET=1, used by the CPU tests) multiplies bf16 matrices
 # wrongly; there the dots run on fp32 copies. Decided once, as Triton decides to interpret.

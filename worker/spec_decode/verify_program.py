@@ -78,9 +78,14 @@ class VerifyProgram:
         return aux, verdict
 
 
+# The program after the argmax as one launch on a GPU (not yet measured against the torch ops; the A/B:
+# bench/graph_launch_probe.py --set worker.spec_decode.verify_program.ONE_LAUNCH=False)
+ONE_LAUNCH = True
+
+
 def verify_stage_kernel(device: torch.device) -> StageKernel | None:
     """The program's one-launch kernel where the hardware runs it (CUDA with Triton), else None (torch ops)."""
-    if torch.device(device).type != "cuda":
+    if not ONE_LAUNCH or torch.device(device).type != "cuda":
         return None
     try:
         from .verify_stage_triton import verify_stage_triton
