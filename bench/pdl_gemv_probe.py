@@ -165,8 +165,9 @@ def _pdl(on: bool) -> dict[str, bool]:
 
 def gemv(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, tile: tuple[int, int, int], pdl: bool) -> None:
     bn, bk, warps = tile
-    _gemv_kernel[(w.shape[0] // bn,)](x, w, w, y, 1, w.shape[1], 0, w.stride(0), 0, M_PAD=1, BLOCK_N=bn,
-                                      BLOCK_K=bk, EVEN_K=True, HAS_BIAS=False, PDL=pdl, num_warps=warps, **_pdl(pdl))
+    _gemv_kernel[(w.shape[0] // bn,)](x, w, w, y, w, w, 1, w.shape[1], 0, 0, 0, w.stride(0), 0, M_PAD=1, BLOCK_N=bn,
+                                      BLOCK_K=bk, EVEN_K=True, HAS_BIAS=False, EPILOGUE=0, HEAD_DIM=2, PDL=pdl,
+                                      num_warps=warps, **_pdl(pdl))
 
 
 def copy(x: torch.Tensor, y: torch.Tensor, n: int, pdl: bool) -> None:

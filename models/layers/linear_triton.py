@@ -46,18 +46,30 @@ from .arrival_counters import arrival_counters
 from .pdl import pdl_launch, pdl_release, pdl_wait
 
 GEMV_ROWS = 4
+EPILOGUE_PLAIN, EPILOGUE_SILU, EPILOGUE_ROPE = 0, 1, 2
+# One row (a batch-1 decode step, a draft's chain step) with RoPE / SiLU-and-mul in the GEMV's epilogue, as the
+# decode GEMM finishes them for 2..64 rows: two kernels fewer a layer. Off until measured on a GPU (the A/B:
+# --set models.layers.linear_triton.GEMV_EPILOGUES=True); off, one row runs the GEMV, then rope_triton /
+# silu_and_mul_triton.
+GEMV_EPILOGUES = False
 _DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU interpreter mis-multiplies bf16 matrices
 
 
 @triton.jit(do_not_specialize=["M"])  # counts that change call to call: one compile for all
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, K, stride_xm, stride_wn, stride_ym, M_PAD: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 PDL: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, pos_ptr, inv_ptr, M, K, INTER, ROPE_WIDTH, stride_xm, stride_wn,
+                 stride_ym, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
     """No tensor cores: a program per BLOCK_N outputs multiplies its [BLOCK_N, BLOCK_K] tiles of W with
     every row of x (M <= M_PAD <= 4) in fp32 registers, the next tile loaded while one is multiplied
     (EVEN_K: BLOCK_K divides K, else the last tile is masked). Under PDL (``pdl.py``) the first weight
-    tile is loaded before waiting on the kernel before."""
-    rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tile is loaded before waiting on the kernel before. One row (M_PAD 1) may finish the next op in its
+    epilogue as the decode GEMM's does (``_tile_rows`` / ``_store_tile``: SwiGLU over gate and up rows, or
+    RoPE over rotate-half partners)."""
+    if EPILOGUE == 0:
+        rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    else:
+        rn, is_rope, first = _tile_rows(tl.program_id(0), BLOCK_N // 2, BLOCK_N, EPILOGUE, INTER, ROPE_WIDTH,
+                                        HEAD_DIM)
     rk = tl.arange(0, BLOCK_K)
     rm = tl.arange(0, M_PAD)
     w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
@@ -83,9 +95,13 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, K, stride_xm, stride_wn, stride_
         else:
             x = tl.load(x_ptr + last + rk, mask=rk + last < K, other=0.0).to(tl.float32)
         acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn).to(tl.float32)
-        tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty))
+        if EPILOGUE == 0:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + rn).to(tl.float32)
+            tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty))
+        else:
+            _store_tile(tl.reshape(acc, (BLOCK_N, 1)), rn, is_rope, first, tl.arange(0, 1), 1, y_ptr, b_ptr, pos_ptr,
+                        inv_ptr, stride_ym, BLOCK_N // 2, 1, HAS_BIAS, EPILOGUE, HEAD_DIM)
     else:
         rows = rm[:, None] < M
         x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
@@ -105,20 +121,32 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, K, stride_xm, stride_wn, stride_
         tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc2.to(y_ptr.dtype.element_ty), mask=rows)
 
 
+def _gemv_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block_n: int) -> bool:
+    m = x.shape[0]
+    return not (m == 0 or m > GEMV_ROWS or weight.shape[0] % block_n or x.stride(-1) != 1 or weight.stride(-1) != 1
+                or x.dtype != weight.dtype or (bias is not None and (bias.dtype != x.dtype or bias.stride(-1) != 1)))
+
+
+def _launch_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, block_n: int,
+                 block_k: int, num_warps: int, epilogue: int = EPILOGUE_PLAIN, inter: int = 0,
+                 rope: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
+    m, k = x.shape
+    positions, inv_freq, rope_width = rope if rope is not None else (weight, weight, 0)
+    _gemv_kernel[(weight.shape[0] // block_n,)](
+        x, weight, bias if bias is not None else weight, y, positions, inv_freq, m, k, inter, rope_width, x.stride(0),
+        weight.stride(0), y.stride(0), M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None, EPILOGUE=epilogue,
+        HEAD_DIM=2 * inv_freq.shape[0] if rope is not None else 2, num_warps=num_warps, **pdl_launch())
+    return y
+
+
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int = 4,
                 block_k: int = 1024, num_warps: int = 4) -> torch.Tensor:
     """x: [m, K] (m <= 4); weight: [N, K] -> [m, N] with ``_gemv_kernel``; F.linear otherwise."""
-    m, k = x.shape
-    n = weight.shape[0]
-    if (m == 0 or m > GEMV_ROWS or n % block_n or x.stride(-1) != 1 or weight.stride(-1) != 1
-            or x.dtype != weight.dtype or (bias is not None and (bias.dtype != x.dtype or bias.stride(-1) != 1))):
+    if not _gemv_fits(x, weight, bias, block_n):
         return F.linear(x, weight, bias)
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    _gemv_kernel[(n // block_n,)](x, weight, bias if bias is not None else weight, y, m, k, x.stride(0),
-                                  weight.stride(0), y.stride(0), M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n,
-                                  BLOCK_K=block_k, EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None,
-                                  num_warps=num_warps, **pdl_launch())
-    return y
+    y = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    return _launch_gemv(x, weight, bias, y, block_n, block_k, num_warps)
 
 
 def gemv_tile(k: int) -> tuple[int, int, int]:
@@ -130,9 +158,6 @@ def gemv_tile(k: int) -> tuple[int, int, int]:
         if k % block_k == 0:
             return 4, block_k, warps
     return 4, min(1024, triton.next_power_of_2(k)), 4
-
-
-EPILOGUE_PLAIN, EPILOGUE_SILU, EPILOGUE_ROPE = 0, 1, 2
 
 
 @triton.jit
@@ -398,10 +423,15 @@ def decode_gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     Plain reference: ``mlp.silu_and_mul(F.linear(x, weight, bias))``."""
     from .silu_mul_triton import silu_and_mul_triton
 
+    inter = weight.shape[0] // 2
+    if GEMV_EPILOGUES and x.dim() == 2 and x.shape[0] == 1:
+        block_n, block_k, warps = gemv_tile(x.shape[1])
+        if _gemv_fits(x, weight, bias, block_n) and inter % (block_n // 2) == 0:
+            y = torch.empty((1, inter), dtype=x.dtype, device=x.device)
+            return _launch_gemv(x, weight, bias, y, block_n, block_k, warps, EPILOGUE_SILU, inter=inter)
     tile = _fused_tile(x, weight, bias)
     if tile is None:
         return silu_and_mul_triton(decode_linear(x, weight, bias))
-    inter = weight.shape[0] // 2
     y = torch.empty((x.shape[0], inter), dtype=x.dtype, device=x.device)
     return _launch_gemm(x, weight, bias, y, tile, None, EPILOGUE_SILU, inter=inter)
 
@@ -417,6 +447,14 @@ def decode_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
     head_dim = 2 * inv_freq.shape[0]
     rope_width = q_size + kv_size
+    if GEMV_EPILOGUES and x.dim() == 2 and x.shape[0] == 1 and positions.shape[0] == 1:
+        block_n, block_k, warps = gemv_tile(x.shape[1])
+        if _gemv_fits(x, weight, bias, block_n) and head_dim % block_n == 0 and rope_width % head_dim == 0:
+            y = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
+            _launch_gemv(x, weight, bias, y, block_n, block_k, warps, EPILOGUE_ROPE, rope=(positions, inv_freq,
+                                                                                             rope_width))
+            q, k, v = y.split([q_size, kv_size, kv_size], dim=-1)
+            return q, k, v
     tile = _fused_tile(x, weight, bias)
     if tile is not None and (head_dim % tile[0] or rope_width % head_dim or positions.shape[0] != x.shape[0]):
         tile = None  # a tile must hold rotate-half partners of one head
