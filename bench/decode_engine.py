@@ -51,6 +51,7 @@ from fusedserve.worker.engine.sequence import SamplingParams
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 from bench.common import (
     Progress,
+    apply_settings,
     copy_bandwidth,
     matmul_peak,
     profile,
@@ -374,7 +375,11 @@ def main() -> None:
                          "step (wrong numbers; timing only: what the kind costs inside a captured step, the most that "
                          "fusing it away can save; rope and silu only where they run as their own kernels: one row, or "
                          "with --separate-epilogues)")
+    ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                    help="set a module constant under fusedserve. first (an A/B), e.g. "
+                         "models.layers.linear_triton.GEMV_EPILOGUES=True")
     args = ap.parse_args()
+    settings = apply_settings(args.set)
     global PROMPT_LEN
     PROMPT_LEN = args.prompt_len
     if args.gemm_tiles:  # before any engine is built: gemm_triton looks the tile up at each call
@@ -407,7 +412,7 @@ def main() -> None:
                               "prompt_len": PROMPT_LEN, "decode_matmuls": "cublas" if args.cublas_matmuls else "gemv+gemm",
                               "split_k": not args.no_split_k, "attention_combine": "kernel" if args.separate_combine else "last split", "argmax": "torch" if args.torch_argmax else "triton",
                               "gemm_tiles": args.gemm_tiles or "decode_gemm_tile",
-                              "pdl": pdl_enabled(), "dropped_kernels": dropped,
+                              "pdl": pdl_enabled(), "dropped_kernels": dropped, "settings": settings,
                               "matmul_epilogues": "separate kernels" if args.separate_epilogues else "rope, silu"}
     bw = copy_bandwidth(dev, (4 << 30) if cuda and not args.tiny else (64 << 20))
     peak = matmul_peak(dev, 8192 if cuda and not args.tiny else 512)
