@@ -23,7 +23,13 @@ qkv projection's tiles hold rotate-half partners, RoPE applied) and ``decode_gat
 up rows, silu(gate) * up stored), the fast set's ``Kernels.qkv_rope`` / ``gate_up_act``: 64 kernels fewer a
 Llama-3-8B step, 0.5-1 % faster at 2..64 rows through the engine (2026-12-04-decode-gemm-epilogues-ab-h200.json).
 Stream-K (the tiles' K steps shared evenly over every multiprocessor, for qkv's 96 tiles on 132) was slower
-and is not here (2026-12-04-decode-gemm-streamk-h200.json).
+and is not here (2026-12-04-decode-gemm-streamk-h200.json). ``GEMV_EPILOGUES`` (off until measured) has the
+one-row GEMV finish them too.
+
+A small model's matmuls (SmolLM2: 576 wide) are bound by latency, not by streaming: narrower blocks with more
+K splits were slower (2026-12-05-decode-gemm-narrow-tiles-ab-smollm2-h100.json); for 1024 < K <= 2048 at up to
+16 rows the GEMM takes all of K in one masked tile whose weights it reads before the PDL wait (``ONE_TILE``,
+``decode_gemm_tile``).
 
 ``gemv_triton`` also takes 2..4 rows at any tile (a bench candidate: 1.5-3x slower than cuBLAS there on an
 H200, bench/results/2026-12-03-pdl-gemv-probe-rows-h200.json). An earlier [16-row, 16-output] tensor-core
