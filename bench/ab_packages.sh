@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# A/B of bench/fp8_slice.py between the working tree's package ("new") and other commits' (any other variant
+# A/B of one bench script between the working tree's package ("new") and other commits' (any other variant
 # name X: the tree unpacked in tmp/X), alternated in one device call, the same bench script for all.
 #
 #   here:        rm -rf tmp/old && mkdir -p tmp/old && git archive <commit> fusedserve models worker operator | tar -x -C tmp/old
 #                (one folder per other variant, e.g. tmp/main from another commit)
 #   the device:  VARIANTS="new old new old" BENCH_ARGS="--profile-batches 8" bash bench/ab_packages.sh   (carry: tmp)
 #
-# Writes $OUT/<variant>-<i>.json and .log per run (fp8_slice's record, --skip-gemms) and prints each run's decode
-# lines. The package is laid out as bench/gpu_fp8.sh does (no install): /tmp/pkg<variant>/fusedserve.
+# BENCH: the script and its fixed arguments (default bench/fp8_slice.py --skip-gemms); SITE: a folder put after the
+# package on PYTHONPATH (e.g. FlashInfer's /tmp/site); SHOW: the lines of each run's log printed (a grep -E
+# pattern). ``bench/gpu_real.sh ab`` runs bench/spec_decode_real.py through it. Writes $OUT/<variant>-<i>.json and
+# .log per run. The package is laid out as bench/gpu_fp8.sh does (no install): /tmp/pkg<variant>/fusedserve.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -24,8 +26,9 @@ i=0
 for v in $VARIANTS; do
   i=$((i+1))
   # shellcheck disable=SC2086  # BENCH_ARGS: several arguments
-  PYTHONPATH=/tmp/pkg$v timeout "${RUN_S:-120}" python3 -P bench/fp8_slice.py --skip-gemms --out "$OUT/$v-$i.json" ${BENCH_ARGS:-} \
-    > "$OUT/$v-$i.log" 2>&1
+  # shellcheck disable=SC2086  # BENCH: a script and its arguments
+  PYTHONPATH=/tmp/pkg$v${SITE:+:$SITE} timeout "${RUN_S:-120}" python3 -P ${BENCH:-bench/fp8_slice.py --skip-gemms} \
+    --out "$OUT/$v-$i.json" ${BENCH_ARGS:-} > "$OUT/$v-$i.log" 2>&1
   echo "== $v $i rc $?"
-  grep -E "decode batch|profile batch|Error|error" "$OUT/$v-$i.log" | sed 's/roofline.*(/(/' | cut -c1-220
+  grep -E "${SHOW:-decode batch|profile batch|Error|error}" "$OUT/$v-$i.log" | sed 's/roofline.*(/(/' | cut -c1-220
 done

@@ -36,7 +36,8 @@
 #                                           (.whl/serving-site-cp312.tar.xz) and .whl/real/wheels-http
 #   bash bench/gpu_real.sh ab [ARGS...]     bench/spec_decode_real.py ARGS for each of VARIANTS ("new old new old":
 #                                           this tree's package and tmp/old's, a `git archive` of another commit,
-#                                           carried as tmp) alternated in one lease -> $OUT/ab-<variant>-<i>.json
+#                                           carried as tmp) alternated in one lease (bench/ab_packages.sh)
+#                                           -> $OUT/<variant>-<i>.json
 #   bash bench/gpu_real.sh tests [ARGS]     the -m gpu suite (FlashInfer staged) -> $OUT/gpu-tests.xml (junit)
 #   bash bench/gpu_real.sh growth [ARGS]    bench/tree_growth_gpu.py ARGS (no model needed) -> $OUT/tree-growth.json
 #   bash bench/gpu_real.sh handoff [ARGS]   bench/output_handoff.py ARGS on /tmp/real/smollm2, plain and chain-7
@@ -146,21 +147,13 @@ case "$cmd" in
     python3 -P bench/spec_decode_real.py --target "$R/smollm2" --draft "$draft" --data-dir "$R/data" \
       --out "$OUT/spec-decode-real.json" "$@"
     ;;
-  ab)  # bench/spec_decode_real.py ARGS for each of $VARIANTS (default "new old new old") alternated in one lease:
-       # new = this tree's package, X = tmp/X (here: git archive <commit> fusedserve models worker operator | tar -x
-       # -C tmp/X; carry tmp) -> $OUT/ab-<variant>-<i>.json and .log (the bench script is this tree's for all)
+  ab)  # bench/spec_decode_real.py ARGS for each of $VARIANTS (default "new old new old") alternated in one lease,
+       # through bench/ab_packages.sh: new = this tree's package, X = tmp/X (here: git archive <commit> fusedserve
+       # models worker operator | tar -x -C tmp/X; carry tmp) -> $OUT/<variant>-<i>.json and .log
     layout; model
     draft=$R/draft; [ -d "$draft" ] || draft=$PWD/examples/checkpoints/smollm2-eagle3
-    i=0
-    for v in ${VARIANTS:-new old new old}; do
-      i=$((i + 1)); src=$PWD; [ "$v" = new ] || src=$PWD/tmp/$v
-      [ -d "$src/models" ] || { echo "gpu_real.sh ab: no tmp/$v" >&2; exit 2; }
-      rm -rf "$T/pkg-$v" && mkdir -p "$T/pkg-$v/fusedserve" && cp "$src"/fusedserve/*.py "$T/pkg-$v/fusedserve/"
-      for d in models worker operator; do ln -sfn "$src/$d" "$T/pkg-$v/fusedserve/$d"; done
-      PYTHONPATH=$T/pkg-$v:$T/site python3 -P bench/spec_decode_real.py --target "$R/smollm2" --draft "$draft" \
-        --data-dir "$R/data" --out "$OUT/ab-$v-$i.json" "$@" > "$OUT/ab-$v-$i.log" 2>&1
-      echo "== $v $i rc $?"; grep "tok/s" "$OUT/ab-$v-$i.log" || tail -5 "$OUT/ab-$v-$i.log"
-    done
+    BENCH="bench/spec_decode_real.py --target $R/smollm2 --draft $draft --data-dir $R/data" SITE=$T/site \
+      SHOW="tok/s|Error|error" BENCH_ARGS="$*" RUN_S=${RUN_S:-300} bash bench/ab_packages.sh
     ;;
   probe)  # bench/graph_launch_probe.py: each captured graph's host launch time (engine none / chain-3 on SmolLM2)
     layout; model
