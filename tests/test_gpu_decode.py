@@ -70,16 +70,18 @@ def test_triton_kernels_equal_references() -> None:
         q_got, k_got, v_got = decode_qkv_rope(xin, w, bias, pos, inv, 4096, 1024)
         assert _rel(q_got, q_want.view(n, 4096)) < 1e-2 and _rel(k_got, k_want.view(n, 1024)) < 1e-2, n
         assert _rel(v_got, y[:, 5120:]) < 1e-2, n
-        if n == 1:  # the GEMV finishing RoPE / SiLU-and-mul in its epilogue (linear_triton.GEMV_EPILOGUES)
+        if n == 1:  # one row: the GEMV with RoPE / SiLU-and-mul in its epilogue (linear_triton.GEMV_EPILOGUES,
+            # the default) above; here the other way, the GEMV and then the op's own kernel
             import fusedserve.models.layers.linear_triton as lt
 
-            lt.GEMV_EPILOGUES = True
+            before = lt.GEMV_EPILOGUES
+            lt.GEMV_EPILOGUES = not before
             try:
                 q_got, k_got, v_got = decode_qkv_rope(xin, w, bias, pos, inv, 4096, 1024)
                 gu_w = torch.randn(2 * 14336, 4096, device=dev, dtype=bf, generator=g) * 0.02
                 gu_got = decode_gate_up_silu(xin, gu_w)
             finally:
-                lt.GEMV_EPILOGUES = False
+                lt.GEMV_EPILOGUES = before
             assert _rel(q_got, q_want.view(n, 4096)) < 1e-2 and _rel(k_got, k_want.view(n, 1024)) < 1e-2
             assert _rel(v_got, y[:, 5120:]) < 1e-2
             assert _rel(gu_got, silu_and_mul(torch.nn.functional.linear(xin.float(), gu_w.float()))) < 1e-2

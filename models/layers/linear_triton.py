@@ -23,8 +23,8 @@ qkv projection's tiles hold rotate-half partners, RoPE applied) and ``decode_gat
 up rows, silu(gate) * up stored), the fast set's ``Kernels.qkv_rope`` / ``gate_up_act``: 64 kernels fewer a
 Llama-3-8B step, 0.5-1 % faster at 2..64 rows through the engine (2026-12-04-decode-gemm-epilogues-ab-h200.json).
 Stream-K (the tiles' K steps shared evenly over every multiprocessor, for qkv's 96 tiles on 132) was slower
-and is not here (2026-12-04-decode-gemm-streamk-h200.json). ``GEMV_EPILOGUES`` (off until measured) has the
-one-row GEMV finish them too.
+and is not here (2026-12-04-decode-gemm-streamk-h200.json). ``GEMV_EPILOGUES`` (on) has the one-row GEMV
+finish them too.
 
 A small model's matmuls (SmolLM2: 576 wide) are bound by latency, not by streaming: narrower blocks with more
 K splits were slower (2026-12-05-decode-gemm-narrow-tiles-ab-smollm2-h100.json); for 1024 < K <= 2048 at up to
@@ -54,10 +54,12 @@ from .pdl import pdl_launch, pdl_release, pdl_wait
 GEMV_ROWS = 4
 EPILOGUE_PLAIN, EPILOGUE_SILU, EPILOGUE_ROPE = 0, 1, 2
 # One row (a batch-1 decode step, a draft's chain step) with RoPE / SiLU-and-mul in the GEMV's epilogue, as the
-# decode GEMM finishes them for 2..64 rows: two kernels fewer a layer. Off until measured on a GPU (the A/B:
-# --set models.layers.linear_triton.GEMV_EPILOGUES=True); off, one row runs the GEMV, then rope_triton /
+# decode GEMM finishes them for 2..64 rows: two kernels fewer a layer, the same tile. On the H200 SmolLM2's plain
+# step took 506 / 500 us of GPU time with it against 537 / 538 without, the draft's chain 256 vs 261 us
+# (bench/results/2026-12-05-spec-defaults-ab-smollm2-h200.json); not yet timed on the 8B shape (the A/B:
+# --set models.layers.linear_triton.GEMV_EPILOGUES=False). Off: one row runs the GEMV, then rope_triton /
 # silu_and_mul_triton.
-GEMV_EPILOGUES = False
+GEMV_EPILOGUES = True
 _DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU interpreter mis-multiplies bf16 matrices
 
 

@@ -22,10 +22,9 @@ CUDA-graph capturable. A step with few query tiles (a speculative verify or tree
 rows) would leave most of the GPU idle while each program walks a whole context, so each tile's key range
 is cut into ``splits`` programs (split-KV, ``attention_splits_triton``: as many as fill the GPU, static
 for a captured batch) whose partial softmax states ``_combine_kernel`` merges in a launch after; a long
-prompt has programs enough and runs unsplit. ``SPLIT_STORES_KV`` (off until measured) has a split launch
-store the new K/V itself (no ``write_kv_triton`` launch before it); ``SPLIT_COMBINES`` (off: measured slower
-with the former on the H200) has the last of a tile's split programs combine them (``arrival_counters``)
-instead of the launch after. A sequence's new tokens are its last cache
+prompt has programs enough and runs unsplit. ``SPLIT_STORES_KV`` (on) has a split launch store the new K/V
+itself (no ``write_kv_triton`` launch before it); ``SPLIT_COMBINES`` (off: measured slower on the H200) has
+the last of a tile's split programs combine them (``arrival_counters``) instead of the launch after. A sequence's new tokens are its last cache
 indices from its first row's causal limit on, its last row holding the last one (``PagedAttentionMetadata``'s
 layouts: ``from_lists``, and ``StepGraphs``' padding rows before the real ones, which share the first
 real row's limit).
@@ -60,16 +59,16 @@ LOG2E = 1.4426950408889634
 # A split launch (a verify or draft step of a few rows; splits > 1):
 # SPLIT_STORES_KV: it stores the new K/V itself (one program per query tile and KV head) and reads the new
 #   tokens' keys and values from k / v, so no program reads a slot written in the launch: no ``write_kv_triton``
-#   launch before it. False: that launch, then this kernel reading the cache only.
+#   launch before it. False: that launch, then this kernel reading the cache only. On the H200 SmolLM2's 8-row
+#   chain verify graph took 768 us of GPU time with it against 806-809 us without (one lease:
+#   bench/results/2026-12-05-spec-defaults-ab-smollm2-h200.json).
 # SPLIT_COMBINES: the last of a tile's split programs combines the splits (``arrival_counters``), in a loop over
 #   the splits that saw keys, one [rows, V] partial at a time; False: ``_combine_kernel``, a launch after, one
-#   program per (token, head) reading all its splits at once. Both on (a89add7) made SmolLM2's 8-row chain
-#   verify 1044-1060 us of GPU time on the H200 against 818-831 us with both off (same run:
-#   bench/results/2026-12-05-spec-staged-round-smollm2-h200.json): the in-kernel combine then walked all 32
-#   splits of a captured batch one load after another. Both stay off (the measured configuration) until
-#   storing in the launch and combining in the launch after is measured: bench/graph_launch_probe.py --set
-#   models.layers.prefill_attention_triton.SPLIT_STORES_KV=True (and / or SPLIT_COMBINES=True).
-SPLIT_STORES_KV = False
+#   program per (token, head) reading all its splits at once. Off: with the former on it made that verify 817 us
+#   against 768 (same record; a89add7's version, over all 32 splits, 1044-1060 us against 818-831:
+#   2026-12-05-spec-staged-round-smollm2-h200.json). The A/B: bench/graph_launch_probe.py --set
+#   models.layers.prefill_attention_triton.SPLIT_STORES_KV=False (or SPLIT_COMBINES=True).
+SPLIT_STORES_KV = True
 SPLIT_COMBINES = False
 # Triton's CPU interpreter (TRITON_INTERPRET=1, used by the CPU tests) multiplies bf16 matrices
 # wrongly; there the dots run on fp32 copies. Decided once, as Triton decides to interpret.

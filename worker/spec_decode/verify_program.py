@@ -78,11 +78,12 @@ class VerifyProgram:
         return aux, verdict
 
 
-# The program after the argmax as one launch on a GPU. Off until its -m gpu check
-# (test_greedy_rounds_staged_by_the_verify_equal_the_host_op_rounds with it on) and its timing have run on a GPU:
-# it has been checked only in Triton's interpreter (the A/B: bench/graph_launch_probe.py --set
-# worker.spec_decode.verify_program.ONE_LAUNCH=True).
-ONE_LAUNCH = False
+# The program after the argmax as one launch on a GPU (checked against the torch ops in Triton's interpreter, and
+# on the H200 by test_greedy_rounds_staged_by_the_verify_equal_the_host_op_rounds with it on). There SmolLM2's
+# 8-row chain verify graph took 793 us of GPU time with it against 806-809 without (same lease:
+# bench/results/2026-12-05-spec-defaults-ab-smollm2-h200.json; the A/B: bench/graph_launch_probe.py --set
+# worker.spec_decode.verify_program.ONE_LAUNCH=False).
+ONE_LAUNCH = True
 
 
 def verify_stage_kernel(device: torch.device) -> StageKernel | None:
