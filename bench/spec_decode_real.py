@@ -91,21 +91,27 @@ def prompt_sets(args: argparse.Namespace) -> dict[str, list[tuple[str, list[str]
     return sets
 
 
-def run_engine(args: argparse.Namespace, name: str, temperature: float,
-               sets: dict[str, list[tuple[str, list[str]]]]) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """(per set: per turn numbers, the profile with --profile)"""
+def run_engines(args: argparse.Namespace, names: list[str], temperature: float,
+                sets: dict[str, list[tuple[str, list[str]]]]) -> dict[str, tuple[dict[str, Any], dict[str, Any] | None]]:
+    """Each of ``names`` on its own engine, all built (and warmed up) before the first timed prompt; then
+    prompt after prompt, each through every engine in turn (the order rotated by one each prompt) before
+    the next. So a drift of the machine's speed during the run — on an H200 on 2026-12-05 whole runs of the
+    same code read 20 % apart and one run shifted mid-way — weighs on every configuration alike, and their
+    ratios (``paired_speedups``) hold where their tok/s do not. One name: that engine alone.
+    -> name: (per set: per turn numbers, the profile with --profile)"""
     from fusedserve.worker.engine.config import EngineConfig
     from fusedserve.worker.engine.engine import Engine
     from fusedserve.worker.engine.sequence import SamplingParams
 
     cuda = args.device == "cuda"
-    engine = Engine(args.target, EngineConfig(
+    engines = {name: Engine(args.target, EngineConfig(
         device=args.device, dtype="bfloat16" if cuda else "float32", max_num_seqs=1, num_blocks=args.num_blocks,
-        speculative=spec_config(args.draft, name), seed=0, kv_memory_fraction=0.2))
-    tok = engine.tokenizer
+        speculative=spec_config(args.draft, name), seed=0, kv_memory_fraction=0.2)) for name in names}
+    tok = next(iter(engines.values())).tokenizer
     assert tok is not None
 
-    def generate(messages: list[dict[str, str]], seed: int) -> tuple[list[int], float, Counts]:
+    def generate(name: str, messages: list[dict[str, str]], seed: int) -> tuple[list[int], float, Counts]:
+        engine = engines[name]
         params = SamplingParams(temperature=temperature, max_tokens=args.max_new_tokens, seed=seed)
         before = engine.stats().spec
         t = time.perf_counter()
@@ -119,42 +125,50 @@ def run_engine(args: argparse.Namespace, name: str, temperature: float,
 
     # warm-up, untimed: a short prompt and each set's first (prompt lengths the short one does not cover). On a
     # fresh H200 machine the first configuration still ran slow after it (2026-12-04; cause not established),
-    # hence plain decoding measured again last (main)
-    for text in ["Hello!"] + [prompts[0][1][0] for prompts in sets.values() if prompts]:
-        generate([{"role": "user", "content": text}], 0)
-    out: dict[str, Any] = {}
-    prof = None
-    if args.profile:
-        first = next(iter(sets.values()))[0][1][0]
-        prof = profile_generate(lambda: generate([{"role": "user", "content": first}], 7), cuda)
-        progress(f"engine {name:8s} T={temperature:g} profile: {json.dumps(prof['summary'])}")
+    # hence plain decoding measured again last (main) where the configurations run one after another
+    profiles: dict[str, dict[str, Any] | None] = {}
+    for name in names:
+        for text in ["Hello!"] + [prompts[0][1][0] for prompts in sets.values() if prompts]:
+            generate(name, [{"role": "user", "content": text}], 0)
+        profiles[name] = None
+        if args.profile:
+            first = next(iter(sets.values()))[0][1][0]
+            prof = profile_generate(lambda n=name: generate(n, [{"role": "user", "content": first}], 7), cuda)
+            progress(f"engine {name:8s} T={temperature:g} profile: {json.dumps(prof['summary'])}")
+            profiles[name] = prof
+    out: dict[str, dict[str, Any]] = {name: {} for name in names}
     for set_name, prompts in sets.items():
-        turns_out: list[dict[str, Any]] = []
+        turns_out: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
         for turn in range(max(len(t) for _, t in prompts)):
-            rows, tokens, seconds, per_prompt = [], 0, 0.0, []
+            rows: dict[str, list[Counts]] = {name: [] for name in names}
+            per_prompt: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
             for i, (pid, user_turns) in enumerate(prompts):
                 if turn >= len(user_turns):
                     continue
-                history = per_prompt_history(turns_out, pid, user_turns, turn, tok)
-                ids, secs, counts = generate(history, 1000 * i + turn)
-                rows.append(counts)
-                tokens += len(ids)
-                seconds += secs
-                per_prompt.append({"id": pid, "tokens": len(ids), "seconds": round(secs, 4), "drafts": counts[0],
-                                   "accepted": counts[1], "text_ids": ids})
-            rounds = sum(r[0] for r in rows)  # verify steps (batch 1: one a step)
-            turns_out.append({"turn": turn + 1, "tokens": tokens, "seconds": round(seconds, 3),
-                              "tok_per_s": round(tokens / seconds, 2) if seconds else None,
-                              # wall time (prefill included) per generated token, and per verify round
-                              "ms_per_token": round(1000 * seconds / tokens, 4) if tokens else None,
-                              "ms_per_round": round(1000 * seconds / rounds, 4) if rounds else None,
-                              "acceptance": summary(rows) if name != "none" else None, "per_prompt": per_prompt})
-            progress(f"engine {name:8s} T={temperature:g} {set_name} turn {turn + 1}: {tokens} tokens, "
-                     f"{tokens / max(seconds, 1e-9):.1f} tok/s"
-                     + (f", acceptance length {turns_out[-1]['acceptance']['acceptance_length']:.3f}, "
-                        f"{turns_out[-1]['ms_per_round']} ms a round" if name != "none" else ""))
-        out[set_name] = turns_out
-    return out, prof
+                for name in names[i % len(names):] + names[:i % len(names)]:
+                    history = per_prompt_history(turns_out[name], pid, user_turns, turn, tok)
+                    ids, secs, counts = generate(name, history, 1000 * i + turn)
+                    rows[name].append(counts)
+                    per_prompt[name].append({"id": pid, "tokens": len(ids), "seconds": round(secs, 4),
+                                             "drafts": counts[0], "accepted": counts[1], "text_ids": ids})
+            for name in names:
+                tokens = sum(p["tokens"] for p in per_prompt[name])
+                seconds = sum(p["seconds"] for p in per_prompt[name])
+                rounds = sum(r[0] for r in rows[name])  # verify steps (batch 1: one a step)
+                turns_out[name].append({
+                    "turn": turn + 1, "tokens": tokens, "seconds": round(seconds, 3),
+                    "tok_per_s": round(tokens / seconds, 2) if seconds else None,
+                    # wall time (prefill included) per generated token, and per verify round
+                    "ms_per_token": round(1000 * seconds / tokens, 4) if tokens else None,
+                    "ms_per_round": round(1000 * seconds / rounds, 4) if rounds else None,
+                    "acceptance": summary(rows[name]) if name != "none" else None, "per_prompt": per_prompt[name]})
+                progress(f"engine {name:8s} T={temperature:g} {set_name} turn {turn + 1}: {tokens} tokens, "
+                         f"{tokens / max(seconds, 1e-9):.1f} tok/s"
+                         + (f", acceptance length {turns_out[name][-1]['acceptance']['acceptance_length']:.3f}, "
+                            f"{turns_out[name][-1]['ms_per_round']} ms a round" if name != "none" else ""))
+        for name in names:
+            out[name][set_name] = turns_out[name]
+    return {name: (out[name], profiles[name]) for name in names}
 
 
 def profile_generate(run: Any, cuda: bool) -> dict[str, Any]:
@@ -362,6 +376,8 @@ def main() -> None:
                     "kernel time vs wall, host Python by function)")
     ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
                     help="set a module constant under fusedserve. first (an A/B), e.g. models.layers.linear_triton.SPLIT_K_MAX=2")
+    ap.add_argument("--interleave", action="store_true", help="every configuration's engine built first, then "
+                    "each prompt through all of them in turn (the machine's drift weighs on all alike; paired speed-ups)")
     ap.add_argument("--tiny", action="store_true", help="CPU check of the script: the tiny pair, a few prompts")
     ap.add_argument("--out", default=f"bench/results/{datetime.date.today()}-spec-decode-real.json")
     args = ap.parse_args()
@@ -391,12 +407,16 @@ def main() -> None:
     profiles: dict[str, Any] = {}
     # Plain decoding first and again last (per temperature): the first engine of a run on a fresh machine ran
     # 10-30 % slow even after its warm-up (2026-12-04); speed-ups are taken against the faster of the two
-    bracket = "none" in configs and len(configs) > 1
+    # (--interleave: every configuration's engine alive at once, prompt by prompt in turn: no bracket needed)
+    bracket = "none" in configs and len(configs) > 1 and not args.interleave
     for temp in temperatures:
-        for name in configs + (["none-again"] if bracket else []):
-            engine[f"{name}@T={temp:g}"], prof = run_engine(args, name.removesuffix("-again"), temp, sets)
-            if prof is not None:
-                profiles[f"{name}@T={temp:g}"] = prof
+        groups = [configs] if args.interleave else [[n] for n in configs + (["none-again"] if bracket else [])]
+        for group in groups:
+            runs = run_engines(args, [n.removesuffix("-again") for n in group], temp, sets)
+            for name, (numbers_of, prof) in zip(group, runs.values()):
+                engine[f"{name}@T={temp:g}"] = numbers_of
+                if prof is not None:
+                    profiles[f"{name}@T={temp:g}"] = prof
             # what is done so far, in case the run is cut short (a device call's time limit)
             write_record({**record_header(), "partial": True, "profiles": profiles, "numbers": {
                 "speedup_engine": {t: v for tt in temperatures[: temperatures.index(temp) + 1]
@@ -404,6 +424,8 @@ def main() -> None:
                                                                        if f"{c}@T={tt:g}" in engine]).items()},
                 "engine_done": sorted(engine)}}, args.out)
     numbers: dict[str, Any] = {"engine": engine, "speedup_engine": speedups(engine, temperatures, configs)}
+    if args.interleave:
+        numbers["paired_speedup_engine"] = paired_speedups(engine, temperatures, configs)
     if profiles:
         numbers["profiles"] = profiles
     numbers["greedy_equal_to_no_speculation"] = greedy_equal(engine, configs)
@@ -450,6 +472,55 @@ def speedups(engine: dict[str, Any], temperatures: list[float], configs: list[st
                         b = next(x for x in base[set_name] if x["turn"] == t["turn"])
                         row[key]["speedup"] = round(t["tok_per_s"] / b["tok_per_s"], 3) if b["tok_per_s"] else None
             out[f"{name}@T={temp:g}"] = row
+    return out
+
+
+def paired_speedups(engine: dict[str, Any], temperatures: list[float], configs: list[str]) -> dict[str, Any]:
+    """Each configuration against no speculation prompt by prompt (``--interleave``: the two ran back to back
+    on every prompt): the pooled speed-up (generated tokens / seconds of the set, one over the other), a
+    bootstrap 95 % interval of it (resampling prompts) and the per-prompt speed-ups' quartiles (ms a token of
+    no speculation / the configuration's; their tokens may differ in bf16)."""
+    out: dict[str, Any] = {}
+    for temp in temperatures:
+        base = engine.get(f"none@T={temp:g}")
+        if base is None:
+            continue
+        for name in configs:
+            if name == "none":
+                continue
+            row: dict[str, Any] = {}
+            for set_name, turns in engine[f"{name}@T={temp:g}"].items():
+                for t, b in zip(turns, base[set_name]):
+                    mine = {p["id"]: p for p in t["per_prompt"]}
+                    pairs = [(p, mine[p["id"]]) for p in b["per_prompt"] if p["id"] in mine]
+                    row[f"{set_name}_turn{t['turn']}"] = speedup_spread(pairs)
+            out[f"{name}@T={temp:g}"] = row
+    return out
+
+
+def speedup_spread(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
+    """(no speculation's prompt record, the configuration's) -> pooled speed-up, its bootstrap 95 % interval,
+    the per-prompt speed-ups' quartiles and how many prompts ran faster."""
+    import random
+    import statistics
+
+    def pooled(idx: list[int]) -> float:
+        a = sum(pairs[i][0]["seconds"] for i in idx) / max(sum(pairs[i][0]["tokens"] for i in idx), 1)
+        b = sum(pairs[i][1]["seconds"] for i in idx) / max(sum(pairs[i][1]["tokens"] for i in idx), 1)
+        return a / b if b else float("nan")
+
+    n = len(pairs)
+    out: dict[str, Any] = {"prompts": n}
+    if not n:
+        return out
+    each = [(a["seconds"] / max(a["tokens"], 1)) / (b["seconds"] / max(b["tokens"], 1))
+            for a, b in pairs if a["seconds"] and b["seconds"]]
+    out.update(speedup=round(pooled(list(range(n))), 3), prompts_faster=sum(x > 1 for x in each))
+    if len(each) >= 2:
+        rng = random.Random(0)
+        draws = sorted(pooled([rng.randrange(n) for _ in range(n)]) for _ in range(2000))
+        out.update(bootstrap_95=[round(draws[50], 3), round(draws[1949], 3)],
+                   per_prompt_quartiles=[round(x, 3) for x in statistics.quantiles(each, n=4)])
     return out
 
 

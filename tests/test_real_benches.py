@@ -58,6 +58,27 @@ def test_spec_decode_real_tiny(data_dir: Path, tmp_path: Path) -> None:
     assert numbers["speedup_engine"]["tree@T=1"]["humaneval_turn1"]["speedup"] > 0
 
 
+def test_spec_decode_real_interleaved_tiny(data_dir: Path, tmp_path: Path) -> None:
+    """--interleave: both engines built first, each prompt through both in turn; paired speed-ups per set and turn,
+    no second run of plain decoding, the second turn asked after each configuration's own first answer."""
+    out = tmp_path / "record.json"
+    proc = _bench("spec_decode_real.py", "--tiny", "--interleave", "--data-dir", str(data_dir), "--configs",
+                  "none,chain-3", "--temperatures", "0", "--mtbench", "2", "--humaneval", "1", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    numbers = json.loads(out.read_text())["numbers"]
+    assert sorted(numbers["engine"]) == ["chain-3@T=0", "none@T=0"]
+    assert {k: v["identical"] == v["prompts"] for k, v in numbers["greedy_equal_to_no_speculation"].items()} == \
+        {"none": True, "chain-3": True}
+    paired = numbers["paired_speedup_engine"]["chain-3@T=0"]
+    assert sorted(paired) == ["humaneval_turn1", "mtbench_turn1", "mtbench_turn2"]
+    row = paired["mtbench_turn1"]
+    assert row["prompts"] == 2 and row["bootstrap_95"][0] <= row["speedup"] <= row["bootstrap_95"][1]
+    engine = numbers["engine"]
+    pooled = engine["none@T=0"]["mtbench"][0]["seconds"] / engine["none@T=0"]["mtbench"][0]["tokens"] / (
+        engine["chain-3@T=0"]["mtbench"][0]["seconds"] / engine["chain-3@T=0"]["mtbench"][0]["tokens"])
+    assert abs(row["speedup"] - pooled) < 0.01 * pooled + 0.002  # per-prompt seconds: 4 decimals
+
+
 def test_seed_bug_capture_tiny(data_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "record.json"
     proc = _bench("seed_bug_capture.py", "--tiny", "--data-dir", str(data_dir), "--mtbench", "2", "--humaneval", "2",
