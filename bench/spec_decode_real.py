@@ -3,7 +3,8 @@ with vs without speculation, through the engine and through the HTTP server.
 
     python bench/spec_decode_real.py --target DIR --draft DIR [--data-dir .whl/real/data]
         [--mtbench 80] [--humaneval 164] [--turns 2] [--max-new-tokens 256] [--temperatures 0,1]
-        [--configs none,chain-3,chain-5,chain-7,tree] [--http none,chain-5] [--hf-peer 8] [--profile] [--out FILE]
+        [--configs none,chain-3,chain-5,chain-7,tree] [--interleave] [--http none,chain-5] [--hf-peer 8] [--profile]
+        [--out FILE]
     python bench/spec_decode_real.py --tiny        # CPU, the tiny pair, a few prompts: checks the script
 
 Engine (``worker/engine/``, CUDA graphs on a GPU): batch 1, one fresh engine per (configuration,
@@ -15,7 +16,10 @@ tok/s = generated tokens / wall time of the prompts of a set (after a warm-up on
 set's first), the same run for every configuration. Configurations: chains of 3/5/7 steps, a tree of topK 4
 over 5 steps verifying 8 tokens; any ``chain-N`` and ``tree-sS-kK-tT`` (S steps, topK K, T verified tokens) by
 name. With other configurations, no speculation runs first and again last (``none-again``) and the speed-ups
-take the faster of its two runs.
+take the faster of its two runs; with ``--interleave`` all the configurations' engines are alive at once and each
+prompt runs through every one in turn (``run_engines``), and ``paired_speedup_engine`` gives each speed-up with
+a bootstrap interval over the prompts — the GPU machine's speed drifts between and within runs (an H200 read the
+same code 20-25 % apart minutes later, 2026-12-05), which this cancels and sequential runs do not.
 
 HTTP (``--http``): ``fusedserve run`` on a manifest per configuration, the prompts sent one at a time with
 the openai client (chat completions), each set twice: responses sent whole, then streamed (``<set>_stream``,
