@@ -31,8 +31,9 @@ K splits were slower (2026-12-05-decode-gemm-narrow-tiles-ab-smollm2-h100.json);
 16 rows the GEMM takes all of K in one masked tile whose weights it reads before the PDL wait (``ONE_TILE``,
 ``decode_gemm_tile``).
 
-``gemv_triton`` also takes 2..4 rows at any tile (a bench candidate: 1.5-3x slower than cuBLAS there on an
-H200, bench/results/2026-12-03-pdl-gemv-probe-rows-h200.json). An earlier [16-row, 16-output] tensor-core
+``gemv_triton`` also takes 2..8 rows at any tile (a bench candidate: at 2-4 rows of the 8B shapes 1.5-3x slower
+than cuBLAS on an H200, bench/results/2026-12-03-pdl-gemv-probe-rows-h200.json; at SmolLM2's 8-row verify, where
+the decode GEMM takes 4.4 us a matmul against the one-row GEMV's 3.0, decode_rows_probe's ``GEMV_CUTS``). An earlier [16-row, 16-output] tensor-core
 kernel, a split-K variant and a per-shape tuner that timed them against cuBLAS at engine construction were
 removed: the tuner gave 4.536 against 4.540 ms per 8B batch-1 step for 8 s more start-up
 (2026-12-02-decode-engine-tuned-matmuls-h200.json), and the swapped-operand GEMM replaced the kernels.
@@ -51,7 +52,7 @@ import triton.language as tl
 from .arrival_counters import arrival_counters
 from .pdl import pdl_launch, pdl_release, pdl_wait
 
-GEMV_ROWS = 4
+GEMV_ROWS = 8  # the GEMV's rows: one in the engine; up to 8 a bench candidate (bench/decode_rows_probe.py)
 EPILOGUE_PLAIN, EPILOGUE_SILU, EPILOGUE_ROPE = 0, 1, 2
 # One row (a batch-1 decode step, a draft's chain step) with RoPE / SiLU-and-mul in the GEMV's epilogue, as the
 # decode GEMM finishes them for 2..64 rows: two kernels fewer a layer, the same tile. On the H200 SmolLM2's plain
@@ -68,7 +69,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, pos_ptr, inv_ptr, M, K, INTER, ROPE
                  stride_ym, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                  HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
     """No tensor cores: a program per BLOCK_N outputs multiplies its [BLOCK_N, BLOCK_K] tiles of W with
-    every row of x (M <= M_PAD <= 4) in fp32 registers, the next tile loaded while one is multiplied
+    every row of x (M <= M_PAD <= GEMV_ROWS) in fp32 registers, the next tile loaded while one is multiplied
     (EVEN_K: BLOCK_K divides K, else the last tile is masked). Under PDL (``pdl.py``) the first weight
     tile is loaded before waiting on the kernel before. One row (M_PAD 1) may finish the next op in its
     epilogue as the decode GEMM's does (``_tile_rows`` / ``_store_tile``: SwiGLU over gate and up rows, or
@@ -150,7 +151,7 @@ def _launch_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int = 4,
                 block_k: int = 1024, num_warps: int = 4) -> torch.Tensor:
-    """x: [m, K] (m <= 4); weight: [N, K] -> [m, N] with ``_gemv_kernel``; F.linear otherwise."""
+    """x: [m, K] (m <= GEMV_ROWS); weight: [N, K] -> [m, N] with ``_gemv_kernel``; F.linear otherwise."""
     if not _gemv_fits(x, weight, bias, block_n):
         return F.linear(x, weight, bias)
     y = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
