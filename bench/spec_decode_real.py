@@ -3,8 +3,8 @@ with vs without speculation, through the engine and through the HTTP server.
 
     python bench/spec_decode_real.py --target DIR --draft DIR [--data-dir .whl/real/data]
         [--mtbench 80] [--humaneval 164] [--turns 2] [--max-new-tokens 256] [--temperatures 0,1]
-        [--configs none,chain-3,chain-5,chain-7,tree] [--interleave] [--http none,chain-5] [--hf-peer 8] [--profile]
-        [--out FILE]
+        [--configs none,chain-3,chain-5,chain-7,tree] [--interleave] [--prefill-graphs 32,64,128]
+        [--http none,chain-5] [--hf-peer 8] [--profile] [--out FILE]
     python bench/spec_decode_real.py --tiny        # CPU, the tiny pair, a few prompts: checks the script
 
 Engine (``worker/engine/``, CUDA graphs on a GPU): batch 1, one fresh engine per (configuration,
@@ -110,7 +110,8 @@ def run_engines(args: argparse.Namespace, names: list[str], temperature: float,
     cuda = args.device == "cuda"
     engines = {name: Engine(args.target, EngineConfig(
         device=args.device, dtype="bfloat16" if cuda else "float32", max_num_seqs=1, num_blocks=args.num_blocks,
-        speculative=spec_config(args.draft, name), seed=0, kv_memory_fraction=0.2)) for name in names}
+        speculative=spec_config(args.draft, name), seed=0, kv_memory_fraction=0.2,
+        prefill_graph_tokens=args.prefill_graphs)) for name in names}
     tok = next(iter(engines.values())).tokenizer
     assert tok is not None
 
@@ -380,12 +381,17 @@ def main() -> None:
                     "kernel time vs wall, host Python by function)")
     ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
                     help="set a module constant under fusedserve. first (an A/B), e.g. models.layers.linear_triton.SPLIT_K_MAX=2")
+    ap.add_argument("--prefill-graphs", default="", help="prompt lengths whose one-sequence prefill is captured "
+                    "(EngineConfig.prefill_graph_tokens), e.g. 32,64,96,128,192,256,384,512; none by default")
     ap.add_argument("--interleave", action="store_true", help="every configuration's engine built first, then "
                     "each prompt through all of them in turn (the machine's drift weighs on all alike; paired speed-ups)")
     ap.add_argument("--tiny", action="store_true", help="CPU check of the script: the tiny pair, a few prompts")
     ap.add_argument("--out", default=f"bench/results/{datetime.date.today()}-spec-decode-real.json")
     args = ap.parse_args()
+    args.prefill_graphs = tuple(int(n) for n in args.prefill_graphs.split(",") if n)
     settings = apply_settings(args.set)
+    if args.prefill_graphs:
+        settings["EngineConfig.prefill_graph_tokens"] = list(args.prefill_graphs)
     if args.tiny:
         args.target = args.target or str(ROOT / "examples/checkpoints/tiny-code")
         args.draft = args.draft or str(ROOT / "examples/checkpoints/tiny-code-eagle3")

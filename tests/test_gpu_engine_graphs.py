@@ -55,6 +55,26 @@ def test_graph_engine_equals_eager_engine() -> None:
 
 
 @needs_gpu
+@pytest.mark.parametrize("spec_steps", [0, 3], ids=["none", "chain-3"])
+def test_prefill_graphs_equal_eager_prefills_on_the_gpu(spec_steps: int) -> None:
+    """``prefill_graph_tokens``: each prompt alone, prefilled as a captured replay where it fits a length (the
+    target's and the draft's pass over it), gives the greedy tokens of an engine whose prefills run eagerly."""
+    from fusedserve.worker.engine.config import EngineConfig
+    from fusedserve.worker.engine.engine import Engine
+    from fusedserve.worker.engine.sequence import SamplingParams
+    from fusedserve.worker.spec_decode.config import SpeculativeConfig
+
+    spec = SpeculativeConfig(DRAFT, num_steps=spec_steps) if spec_steps else None
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outputs = {}
+    for lengths in ((), (8, 16, 32)):
+        engine = Engine(TARGET, EngineConfig(num_blocks=64, max_num_seqs=1, speculative=spec, device="cuda",
+                                             cuda_graphs=True, prefill_graph_tokens=lengths))
+        outputs[lengths] = [c.token_ids for p in PROMPTS for c in engine.generate([p], params)]
+    assert outputs[(8, 16, 32)] == outputs[()]
+
+
+@needs_gpu
 def test_overlapped_steps_equal_read_back_steps_on_the_gpu() -> None:
     """Overlapped steps (on by default here) against every step read back, with graphs: greedy and seeded
     sampling, stop tokens found while the next step runs."""

@@ -68,6 +68,50 @@ def test_static_shape_steps_equal_eager(spec: SpeculativeConfig | None) -> None:
     assert outputs[True] == outputs[False]
 
 
+@pytest.mark.parametrize("spec", [None, SpeculativeConfig(DRAFT, num_steps=3)], ids=["none", "chain"])
+def test_prefill_graphs_equal_eager_prefills(monkeypatch: pytest.MonkeyPatch, spec: SpeculativeConfig | None) -> None:
+    """``prefill_graph_tokens``: a prompt alone prefills at the captured length it fits, padded in front (the
+    target's, and with a draft its pass over the prompt), a longer one eagerly; the tokens equal those of an
+    engine whose prefills all run eagerly."""
+    from fusedserve.worker.executor.step_graphs import StepGraphs
+
+    ran: list[StepShape] = []
+    run = StepGraphs.run
+
+    def logged(self: StepGraphs, shape: StepShape, *args: object, **kwargs: object) -> list[torch.Tensor]:
+        ran.append(shape)
+        return run(self, shape, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(StepGraphs, "run", logged)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = PROMPTS + ["x = [1, 2, 3]\n" * 6]  # the last one longer than the largest captured length
+    outputs = {}
+    for lengths in ((), (8, 32, 16)):
+        engine = Engine(TARGET, EngineConfig(num_blocks=24, max_num_seqs=1, speculative=spec, cuda_graphs=True,
+                                             cuda_graph_batch_sizes=(1,), prefill_graph_tokens=lengths))
+        tok = engine.tokenizer
+        assert tok is not None and len(tok.encode(prompts[-1])) > 32 and len(tok.encode(prompts[0])) <= 32
+        ran.clear()
+        outputs[lengths] = [c.token_ids for p in prompts for c in engine.generate([p], params)]
+        prefills = [s for s in ran if s.last_only and s.chain == 0 and s.tokens > (3 + 1 if spec else 0)]
+        if lengths:
+            assert {s.tokens for s in prefills if s.hidden == 0} <= {8, 16, 32} and len(
+                [s for s in prefills if s.hidden == 0]) == len(prompts) - 1  # the long prompt eagerly
+            if spec is not None:
+                assert [s for s in prefills if s.hidden > 0]  # the draft's pass over a prompt
+        else:
+            assert not prefills
+    assert outputs[(8, 32, 16)] == outputs[()]
+
+
+def test_prefill_graph_tokens_are_checked() -> None:
+    from fusedserve.worker.engine.config import EngineConfigError
+
+    for bad in ((1,), (8, 8), (4096,)):
+        with pytest.raises(EngineConfigError, match="prefill_graph_tokens"):
+            EngineConfig(prefill_graph_tokens=bad)
+
+
 MODES = ("staged", "ahead", "fused", "chained", "step-by-step")
 
 

@@ -50,6 +50,12 @@ class EngineConfig:
     # static-shape forwards eagerly (tests).
     cuda_graphs: bool | None = None
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    # Prompt lengths whose prefill, one sequence alone, is captured too (with graphs): a prompt (or the chunk
+    # that ends it) pads up to the next (``StepShape(1, n, last_only=True)``; with speculation the draft's pass
+    # over the prompt as well); longer ones, several sequences at once and chunks that end no prompt run eagerly.
+    # () = every prefill eagerly. Off until measured on a GPU: there a short prompt's eager prefill costs one
+    # Python launch per kernel (SmolLM2: ~15 ms a request, bench/results/2026-12-05-spec-defaults-ab-smollm2-h200.json).
+    prefill_graph_tokens: tuple[int, ...] = ()
     # The kernel set: "auto" = the device's choice (executor/kernel_set.py: the fast set on a GPU, the
     # references on CPU); or a name of models/layers/kernels.py (tests and benchmarks compare sets).
     kernels: str = "auto"
@@ -75,6 +81,10 @@ class EngineConfig:
                                     f"not {self.quantization!r}")
         if self.kernels != "auto" and self.kernels not in KERNEL_SETS:
             raise EngineConfigError(f"kernels must be auto or one of {', '.join(KERNEL_SETS)}, not {self.kernels!r}")
+        bad = [n for n in self.prefill_graph_tokens if not 2 <= n <= self.max_batch_tokens]
+        if bad or len(set(self.prefill_graph_tokens)) != len(self.prefill_graph_tokens):
+            raise EngineConfigError(f"prefill_graph_tokens must be distinct prompt lengths in 2..max_batch_tokens "
+                                    f"({self.max_batch_tokens}), got {list(self.prefill_graph_tokens)}")
         if self.load_format not in LOAD_FORMATS:
             raise EngineConfigError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, not {self.load_format!r}")
         try:

@@ -45,7 +45,7 @@ from ...models.parallel.ledger import CollectiveLedger
 from ..executor.executor import StepExecutor
 from ..executor.host_copy import to_device
 from ..executor.step import Step
-from ..executor.step_shape import StepShape
+from ..executor.step_shape import StepShape, prefill_shapes
 from ..spec_decode.decoder import SpecDecoder
 from .block_manager import BlockManager
 from .config import EngineConfig, EngineConfigError, prefix_cache_for, resolve_max_model_len
@@ -149,10 +149,11 @@ class Engine:
         sizes = config.graph_batch_sizes()
         max_blocks = min(-(-(self.max_model_len + config.lookahead_tokens) // config.block_size),
                          self.blocks.num_blocks)
+        prefill = sorted(config.prefill_graph_tokens)
         if self.speculator is None:
-            self.runner.capture([StepShape(b, 1) for b in sizes], max_blocks)
+            self.runner.capture([StepShape(b, 1) for b in sizes] + prefill_shapes(prefill), max_blocks)
         else:
-            self.speculator.capture_graphs(sizes, max_blocks)
+            self.speculator.capture_graphs(sizes, max_blocks, prefill)
         log.info("step graphs at batch sizes %s (%d blocks per sequence)%s", sizes, max_blocks,
                  "" if torch.device(config.device).type == "cuda" else ", run eagerly off CUDA")
 

@@ -69,3 +69,10 @@ class StepShape:
     @staticmethod
     def of(batch: int, key: ShapeKey) -> StepShape:
         return StepShape(batch, *key)
+
+
+def prefill_shapes(lengths: list[int], hidden: int = 0) -> list[StepShape]:
+    """One sequence's prefill at each of these prompt lengths (``EngineConfig.prefill_graph_tokens``): its rows
+    padded in front up to the length, logits of the last row only; ``hidden``: the EAGLE3 draft's aux width (its
+    pass over the prompt)."""
+    return [StepShape(1, n, last_only=True, hidden=hidden) for n in lengths]

@@ -71,7 +71,7 @@ from ..executor.executor import StepExecutor
 from ..executor.host_copy import read_later, to_device
 from ..executor.step import SeqRows, Step
 from ..executor.step_graphs import StaticInputs
-from ..executor.step_shape import StepShape
+from ..executor.step_shape import StepShape, prefill_shapes
 from .config import SpeculativeConfig, SpeculativeConfigError
 from .draft_model import build_draft, chain_shapes, draft_shapes
 from .draft_tree import Acceptance, DraftTree, accept_greedy, relocation, tree_positions
@@ -161,17 +161,20 @@ class SpecDecoder:
         q = self.config.verify_tokens
         return [StepShape(b, q, 0 if self.config.is_chain else q) for b in batch_sizes]
 
-    def capture_graphs(self, batch_sizes: list[int], max_blocks: int) -> None:
+    def capture_graphs(self, batch_sizes: list[int], max_blocks: int, prefill: list[int] | None = None) -> None:
         """Capture the draft's first pass and steps (once, at start-up; the steps also chained: a greedy
         chain's, a tree's grown on the device), then the target's verify forwards — on one rank with a chain
         with the verify's program after the forward (``verify_program.py``: acceptance on the device, the
-        next chain's first pass staged)."""
+        next chain's first pass staged). ``prefill``: prompt lengths whose one-sequence prefill is captured
+        too, the target's and the draft's pass over the prompt (``EngineConfig.prefill_graph_tokens``)."""
+        lengths = prefill or []
         shapes = draft_shapes(self.draft_model, batch_sizes, self.config.num_steps, self.config.topk)
+        shapes += prefill_shapes(lengths, int(self.draft_model.fc.in_features))
         if self.draft.chainable():
             shapes += chain_shapes(self.draft_model, batch_sizes, self.config.num_steps, self.config.topk)
         self.draft.capture(shapes, max_blocks, feed=self.drafter.greedy_tokens, grow=self.drafter.grow_tree,
                            sample=self.drafter.sample_tokens)
-        target = self.target_shapes(batch_sizes)
+        target = self.target_shapes(batch_sizes) + prefill_shapes(lengths)
         if self.target is self.target.local and self.drafter.is_chain:
             program = VerifyProgram(self.sampler.argmax, self._staged, verify_stage_kernel(self.target.local.device))
             self.target.local.capture(target, max_blocks, finish=program)

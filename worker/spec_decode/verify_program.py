@@ -50,7 +50,7 @@ class VerifyProgram:
         self.stage_kernel = stage_kernel
 
     def __call__(self, shape: StepShape, inputs: StaticInputs, out: ModelOutput) -> tuple[torch.Tensor, ...]:
-        if shape.tail or shape.tokens < 2:
+        if shape.tail or shape.tokens < 2 or shape.last_only:  # a tree's verify, a decode step, a prefill
             return ()
         b, q = shape.batch, shape.tokens
         argmax = self.argmax(out.logits)  # [rows]
