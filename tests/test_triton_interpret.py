@@ -238,10 +238,12 @@ def test_interp_decode_gemm_epilogues_equal_the_ops_after_a_matmul() -> None:
 
 
 @inner
-def test_interp_gemv_epilogues_equal_the_ops_after_a_matmul(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One row (``GEMV_EPILOGUES``): the GEMV finishing SwiGLU over [gate; up] rows, or RoPE over the qkv
-    projection's rotate-half partners, in its epilogue equals F.linear then the references, with and without a
-    bias, K in one masked tile (576) or even tiles; no separate RoPE / SiLU-and-mul kernel runs."""
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_interp_gemv_epilogues_equal_the_ops_after_a_matmul(monkeypatch: pytest.MonkeyPatch, m: int) -> None:
+    """One row (``GEMV_EPILOGUES``), or 3 and 8 rows (``SMALL_ROWS_GEMV`` set): the GEMV finishing SwiGLU over
+    [gate; up] rows, or RoPE over the qkv projection's rotate-half partners (each row at its own position), in
+    its epilogue equals F.linear then the references, with and without a bias, K in one masked tile (576) or
+    even tiles; no separate RoPE / SiLU-and-mul kernel runs, nor the decode GEMM; the plain matmul too."""
     import torch.nn.functional as F
 
     import fusedserve.models.layers.linear_triton as lt
@@ -253,27 +255,31 @@ def test_interp_gemv_epilogues_equal_the_ops_after_a_matmul(monkeypatch: pytest.
         raise AssertionError("a separate kernel ran")
 
     monkeypatch.setattr(lt, "GEMV_EPILOGUES", True)
+    monkeypatch.setattr(lt, "SMALL_ROWS_GEMV", (4, 128, 4))
     monkeypatch.setattr(silu_mul_triton, "silu_and_mul_triton", refuse)
     monkeypatch.setattr(rope_triton, "rope_triton", refuse)
+    monkeypatch.setattr(lt, "_launch_gemm", refuse)
     g = torch.Generator().manual_seed(17)
     for inter, k, bias in ((64, 576, False), (96, 256, True)):
         w = torch.randn(2 * inter, k, generator=g).to(torch.bfloat16)
         b = torch.randn(2 * inter, generator=g).to(torch.bfloat16) if bias else None
-        x = torch.randn(1, k, generator=g).to(torch.bfloat16)
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
         want = silu_and_mul(F.linear(x.float(), w.float(), None if b is None else b.float())).to(torch.bfloat16)
         _close(lt.decode_gate_up_silu(x, w, b), want, 1e-2)
+        _close(lt.decode_linear(x, w, b), F.linear(x.float(), w.float(), None if b is None else b.float()).to(
+            torch.bfloat16), 1e-2)
     for head_dim, heads, kv_heads, k, bias in ((64, 3, 1, 576, False), (128, 2, 1, 256, True), (32, 4, 2, 128, False)):
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
         w = torch.randn(q_size + 2 * kv_size, k, generator=g).to(torch.bfloat16)
         b = torch.randn(q_size + 2 * kv_size, generator=g).to(torch.bfloat16) if bias else None
-        x = torch.randn(1, k, generator=g).to(torch.bfloat16)
-        positions = torch.randint(0, 5000, (1,), generator=g)
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+        positions = torch.randint(0, 5000, (m,), generator=g)
         inv_freq = rope_inv_freq(head_dim, 500000.0, None)
         y = F.linear(x.float(), w.float(), None if b is None else b.float())
         q, k_, v = y.split([q_size, kv_size, kv_size], dim=-1)
-        q_want, k_want = rope_reference(positions, q.view(1, heads, head_dim), k_.view(1, kv_heads, head_dim), inv_freq)
+        q_want, k_want = rope_reference(positions, q.view(m, heads, head_dim), k_.view(m, kv_heads, head_dim), inv_freq)
         got = lt.decode_qkv_rope(x, w, b, positions, inv_freq, q_size, kv_size)
-        for part, ref in zip(got, (q_want.reshape(1, q_size), k_want.reshape(1, kv_size), v), strict=True):
+        for part, ref in zip(got, (q_want.reshape(m, q_size), k_want.reshape(m, kv_size), v), strict=True):
             _close(part, ref.to(torch.bfloat16), 1e-2)
 
 
