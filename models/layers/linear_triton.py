@@ -510,8 +510,9 @@ def decode_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The fast set's matmul: one row of x (a batch-1 decode step) through ``_gemv_kernel`` with the tile
     ``gemv_tile`` gives (and with SMALL_ROWS_GEMV set, 2..GEMV_ROWS rows of a narrow K); 2..GEMM_ROWS rows
-    (decode batches, speculative verifies) through ``_decode_gemm_kernel``; F.linear (cuBLAS) for more rows and for what the kernels do not take (an
-    output count not a multiple of their block, strided rows, mixed dtypes)."""
+    (decode batches, speculative verifies) through ``_decode_gemm_kernel``; F.linear (cuBLAS) for more rows
+    and for what the kernels do not take (an output count not a multiple of their block, strided rows, mixed
+    dtypes)."""
     if x.dim() != 2 or x.shape[0] > GEMM_ROWS:
         return F.linear(x, weight, bias)
     gemv = gemv_tile_for(x)

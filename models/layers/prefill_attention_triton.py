@@ -24,10 +24,10 @@ is cut into ``splits`` programs (split-KV, ``attention_splits_triton``: as many 
 for a captured batch) whose partial softmax states ``_combine_kernel`` merges in a launch after; a long
 prompt has programs enough and runs unsplit. ``SPLIT_STORES_KV`` (on) has a split launch store the new K/V
 itself (no ``write_kv_triton`` launch before it); ``SPLIT_COMBINES`` (off: measured slower on the H200) has
-the last of a tile's split programs combine them (``arrival_counters``) instead of the launch after. A sequence's new tokens are its last cache
-indices from its first row's causal limit on, its last row holding the last one (``PagedAttentionMetadata``'s
-layouts: ``from_lists``, and ``StepGraphs``' padding rows before the real ones, which share the first
-real row's limit).
+the last of a tile's split programs combine them (``arrival_counters``) instead of the launch after. A
+sequence's new tokens are its last cache indices from its first row's causal limit on, its last row holding
+the last one (``PagedAttentionMetadata``'s layouts: ``from_lists``, and ``StepGraphs``' padding rows before
+the real ones, which share the first real row's limit).
 
 Head dims need not be powers of two and K's may differ from V's: each is padded (to at least 16)
 and masked, no lane past a dim loaded. MLA's latent cache (``KVCache.v_in_k``: K = [latent 512 |

@@ -54,7 +54,8 @@ class EngineConfig:
     # that ends it) pads up to the next (``StepShape(1, n, last_only=True)``; with speculation the draft's pass
     # over the prompt as well); longer ones, several sequences at once and chunks that end no prompt run eagerly.
     # () = every prefill eagerly. Off until measured on a GPU: there a short prompt's eager prefill costs one
-    # Python launch per kernel (SmolLM2: ~15 ms a request, bench/results/2026-12-05-spec-defaults-ab-smollm2-h200.json).
+    # Python launch per kernel (SmolLM2: ~15 ms a request,
+    # bench/results/2026-12-05-spec-defaults-ab-smollm2-h200.json).
     prefill_graph_tokens: tuple[int, ...] = ()
     # The kernel set: "auto" = the device's choice (executor/kernel_set.py: the fast set on a GPU, the
     # references on CPU); or a name of models/layers/kernels.py (tests and benchmarks compare sets).
