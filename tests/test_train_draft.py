@@ -157,6 +157,45 @@ def regenerated(sharegpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     return out
 
 
+@pytest.mark.parametrize("wave", [0.0, 0.5])
+def test_regeneration_admits_prompts_in_waves(monkeypatch: pytest.MonkeyPatch, wave: float) -> None:
+    """``admit_wave``: new prompts go in once that share of the engine's sequences (8 on CPU) has finished, all
+    free places at once (their prefills in few steps); 0: each place as it frees up. Every prompt is answered."""
+    import time
+
+    from fusedserve.train_draft import Progress, TrainOptions, regenerate
+    from fusedserve.worker.engine.engine import Engine
+
+    steps, admitted_at = [0], []
+    step, add = Engine.step, Engine.add_request
+
+    def counted_step(self: Engine) -> object:
+        steps[0] += 1
+        return step(self)
+
+    def logged_add(self: Engine, *args: object, **kwargs: object) -> str:
+        admitted_at.append(steps[0])
+        return add(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Engine, "step", counted_step)
+    monkeypatch.setattr(Engine, "add_request", logged_add)
+    from fusedserve.worker.engine import sequence
+
+    params = sequence.SamplingParams  # responses of 2..8 tokens by the request's seed: finishes staggered
+    monkeypatch.setattr(sequence, "SamplingParams", lambda **kw: params(**{**kw, "max_tokens": 2 + kw["seed"] % 7}))
+    opts = TrainOptions(target=str(TARGET), data="unused", out="unused", max_new_tokens=8, temperatures=(0.0, 0.8),
+                        device="cpu", admit_wave=wave)
+    prompts = QUESTIONS + [q + " Briefly." for q in QUESTIONS]  # 24 prompts, 8 sequences at a time
+    pairs, stats = regenerate(opts, prompts, time.monotonic() + 300, Progress())
+    assert len(pairs) == stats["responses"] == 24 and stats["admit_wave"] == wave
+    moments = sorted(set(admitted_at))
+    assert admitted_at.count(0) == 8  # the first 8 at once
+    if wave:
+        assert all(admitted_at.count(t) >= 4 for t in moments[:-1])  # then 4 or more at a time
+    else:
+        assert len(moments) > 24 // 4  # as places free up: more, smaller admissions
+
+
 def test_pairs_file_round_trip_is_exact_and_compact(tmp_path: Path) -> None:
     from fusedserve.draft_pairs import load_pairs, save_pairs
 
