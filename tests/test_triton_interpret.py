@@ -191,6 +191,44 @@ def test_interp_decode_gemm_equals_f_linear() -> None:
     assert torch.equal(gemm_triton(x[:4].float(), w.float()), F.linear(x[:4].float(), w.float()))  # fp32: cuBLAS
 
 
+def _check_gate_up_silu(fn: Callable[..., torch.Tensor], m: int, inter: int, k: int, bias: bool,
+                        g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``fn`` (a gate-up + SiLU-and-mul) on random [m, k] rows equals F.linear then the reference.
+    -> (x, w, b) it drew."""
+    import torch.nn.functional as F
+
+    from fusedserve.models.layers.mlp import silu_and_mul
+
+    w = torch.randn(2 * inter, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(2 * inter, generator=g).to(torch.bfloat16) if bias else None
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    want = silu_and_mul(F.linear(x.float(), w.float(), None if b is None else b.float())).to(torch.bfloat16)
+    _close(fn(x, w, b), want, 1e-2)
+    return x, w, b
+
+
+def _check_qkv_rope(fn: Callable[..., tuple[torch.Tensor, ...]], m: int, head_dim: int, heads: int, kv_heads: int,
+                    k: int, bias: bool, g: torch.Generator) -> None:
+    """``fn`` (a qkv projection with q / k rotated) on random [m, k] rows at random positions equals F.linear
+    then the RoPE reference."""
+    import torch.nn.functional as F
+
+    from fusedserve.models.layers.rotary import rope_inv_freq, rope_reference
+
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    w = torch.randn(q_size + 2 * kv_size, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(q_size + 2 * kv_size, generator=g).to(torch.bfloat16) if bias else None
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    positions = torch.randint(0, 5000, (m,), generator=g)
+    inv_freq = rope_inv_freq(head_dim, 500000.0, None)
+    y = F.linear(x.float(), w.float(), None if b is None else b.float())
+    q, k_, v = y.split([q_size, kv_size, kv_size], dim=-1)
+    q_want, k_want = rope_reference(positions, q.view(m, heads, head_dim), k_.view(m, kv_heads, head_dim), inv_freq)
+    got = fn(x, w, b, positions, inv_freq, q_size, kv_size)
+    for part, ref in zip(got, (q_want.reshape(m, q_size), k_want.reshape(m, kv_size), v), strict=True):
+        _close(part, ref.to(torch.bfloat16), 1e-2)
+
+
 @inner
 def test_interp_decode_gemm_epilogues_equal_the_ops_after_a_matmul() -> None:
     """The decode GEMM finishing the next op on its fp32 sums: silu(gate) * up over [gate; up] rows, and q /
@@ -201,31 +239,15 @@ def test_interp_decode_gemm_epilogues_equal_the_ops_after_a_matmul() -> None:
 
     from fusedserve.models.layers.linear_triton import decode_gate_up_silu, decode_qkv_rope
     from fusedserve.models.layers.mlp import silu_and_mul
-    from fusedserve.models.layers.rotary import rope_inv_freq, rope_reference
 
     g = torch.Generator().manual_seed(11)
     for m, inter, k, bias in ((2, 64, 256, False), (17, 128, 128, True), (64, 96, 256, False), (1, 64, 128, True),
                               (65, 64, 128, False), (3, 32, 1100, True)):
-        w = torch.randn(2 * inter, k, generator=g).to(torch.bfloat16)
-        b = torch.randn(2 * inter, generator=g).to(torch.bfloat16) if bias else None
-        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-        want = silu_and_mul(F.linear(x.float(), w.float(), None if b is None else b.float())).to(torch.bfloat16)
-        _close(decode_gate_up_silu(x, w, b), want, 1e-2)
+        _check_gate_up_silu(decode_gate_up_silu, m, inter, k, bias, g)
     for m, head_dim, heads, kv_heads, k, bias in ((3, 64, 4, 2, 128, False), (16, 128, 2, 1, 256, True),
                                                   (40, 64, 3, 1, 128, False), (1, 64, 2, 1, 128, False),
                                                   (8, 32, 4, 2, 128, False), (5, 64, 2, 1, 1152, True)):
-        q_size, kv_size = heads * head_dim, kv_heads * head_dim
-        w = torch.randn(q_size + 2 * kv_size, k, generator=g).to(torch.bfloat16)
-        b = torch.randn(q_size + 2 * kv_size, generator=g).to(torch.bfloat16) if bias else None
-        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-        positions = torch.randint(0, 5000, (m,), generator=g)
-        inv_freq = rope_inv_freq(head_dim, 500000.0, None)
-        y = F.linear(x.float(), w.float(), None if b is None else b.float())
-        q, k_, v = y.split([q_size, kv_size, kv_size], dim=-1)
-        q_want, k_want = rope_reference(positions, q.view(m, heads, head_dim), k_.view(m, kv_heads, head_dim), inv_freq)
-        got = decode_qkv_rope(x, w, b, positions, inv_freq, q_size, kv_size)
-        for part, ref in zip(got, (q_want.reshape(m, q_size), k_want.reshape(m, kv_size), v), strict=True):
-            _close(part, ref.to(torch.bfloat16), 1e-2)
+        _check_qkv_rope(decode_qkv_rope, m, head_dim, heads, kv_heads, k, bias, g)
     # split K (o_proj's shape class: few tiles) with the SwiGLU epilogue; counts back at 0
     import fusedserve.models.layers.arrival_counters as arrival
     import fusedserve.models.layers.linear_triton as lt
@@ -248,8 +270,6 @@ def test_interp_gemv_epilogues_equal_the_ops_after_a_matmul(monkeypatch: pytest.
 
     import fusedserve.models.layers.linear_triton as lt
     from fusedserve.models.layers import rope_triton, silu_mul_triton
-    from fusedserve.models.layers.mlp import silu_and_mul
-    from fusedserve.models.layers.rotary import rope_inv_freq, rope_reference
 
     def refuse(*args: object) -> None:
         raise AssertionError("a separate kernel ran")
@@ -261,26 +281,11 @@ def test_interp_gemv_epilogues_equal_the_ops_after_a_matmul(monkeypatch: pytest.
     monkeypatch.setattr(lt, "_launch_gemm", refuse)
     g = torch.Generator().manual_seed(17)
     for inter, k, bias in ((64, 576, False), (96, 256, True)):
-        w = torch.randn(2 * inter, k, generator=g).to(torch.bfloat16)
-        b = torch.randn(2 * inter, generator=g).to(torch.bfloat16) if bias else None
-        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-        want = silu_and_mul(F.linear(x.float(), w.float(), None if b is None else b.float())).to(torch.bfloat16)
-        _close(lt.decode_gate_up_silu(x, w, b), want, 1e-2)
+        x, w, b = _check_gate_up_silu(lt.decode_gate_up_silu, m, inter, k, bias, g)
         _close(lt.decode_linear(x, w, b), F.linear(x.float(), w.float(), None if b is None else b.float()).to(
             torch.bfloat16), 1e-2)
     for head_dim, heads, kv_heads, k, bias in ((64, 3, 1, 576, False), (128, 2, 1, 256, True), (32, 4, 2, 128, False)):
-        q_size, kv_size = heads * head_dim, kv_heads * head_dim
-        w = torch.randn(q_size + 2 * kv_size, k, generator=g).to(torch.bfloat16)
-        b = torch.randn(q_size + 2 * kv_size, generator=g).to(torch.bfloat16) if bias else None
-        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-        positions = torch.randint(0, 5000, (m,), generator=g)
-        inv_freq = rope_inv_freq(head_dim, 500000.0, None)
-        y = F.linear(x.float(), w.float(), None if b is None else b.float())
-        q, k_, v = y.split([q_size, kv_size, kv_size], dim=-1)
-        q_want, k_want = rope_reference(positions, q.view(m, heads, head_dim), k_.view(m, kv_heads, head_dim), inv_freq)
-        got = lt.decode_qkv_rope(x, w, b, positions, inv_freq, q_size, kv_size)
-        for part, ref in zip(got, (q_want.reshape(m, q_size), k_want.reshape(m, kv_size), v), strict=True):
-            _close(part, ref.to(torch.bfloat16), 1e-2)
+        _check_qkv_rope(lt.decode_qkv_rope, m, head_dim, heads, kv_heads, k, bias, g)
 
 
 @inner
