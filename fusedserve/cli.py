@@ -52,7 +52,8 @@ def _train_draft(args: argparse.Namespace) -> int:
             regen_share=args.regen_share, draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps,
             batch_tokens=args.batch_tokens, lr=args.lr, device=args.device, seed=args.seed, log=args.log,
             pairs=tuple(args.pairs.split(",")) if args.pairs else (), save_pairs=args.save_pairs,
-            regen_only=args.regen_only, init=args.init, max_steps=args.max_steps, admit_wave=args.admit_wave)
+            regen_only=args.regen_only, init=args.init, max_steps=args.max_steps, admit_wave=args.admit_wave,
+            turns=args.turns)
         log = train_draft(opts)
     except TrainDraftError as e:
         print(f"fusedserve train-draft: error: {e}", file=sys.stderr)
@@ -155,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "budget ends)")
     t.add_argument("--admit-wave", type=float, default=0.5, help="regeneration: admit new prompts once this "
                    "share of the running sequences has finished (their prefills in few steps; 0: one by one)")
+    t.add_argument("--turns", choices=["first", "later", "all"], default="first",
+                   help="which user turns of a conversation are prompts: the first; each later one with the "
+                   "conversation before it (its original answers included); or both")
     t.set_defaults(func=_train_draft)
     r = sub.add_parser("run", help="serve an InferenceDeployment manifest on an embedded local Ray")
     r.add_argument("manifest", help="InferenceDeployment YAML, e.g. examples/01-tiny-code.yaml")

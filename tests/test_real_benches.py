@@ -146,6 +146,23 @@ def test_sharegpt_subset_passes_over_the_first_prompts_for_a_fresh_round() -> No
     assert sharegpt_subset(raw, 3, skip=5) == [{"id": "c5", "conversations": [{"from": "human", "value": "question 5"}]}]
 
 
+def test_later_turns_are_packed_within_the_character_budget() -> None:
+    """``bench/real_data.py``'s sharegpt-turns: conversations cut after their last later human turn that fits
+    ``--turns-chars``; none without one; what `train-draft --turns later` reads back as prompts."""
+    from bench.real_data import sharegpt_later_turns
+
+    def conv(cid: str, *texts: str) -> dict[str, object]:
+        return {"id": cid, "conversations": [{"from": "human" if i % 2 == 0 else "gpt", "value": t}
+                                             for i, t in enumerate(texts)]}
+
+    raw = json.dumps([conv("one-turn", "q"), conv("short", "q1", "a1", "q2", "a2", "q3", "a3"),
+                      conv("long", "q1", "a" * 30, "q2"), conv("cut", "q1", "a1", "q2", "x" * 30, "q3")]).encode()
+    packed = sharegpt_later_turns(raw, max_chars=20)
+    assert [c["id"] for c in packed] == ["short", "cut"]
+    assert [t["value"] for t in packed[0]["conversations"]] == ["q1", "a1", "q2", "a2", "q3"]
+    assert [t["value"] for t in packed[1]["conversations"]] == ["q1", "a1", "q2"]
+
+
 def test_spec_host_time_runs_and_counts_forwards(tmp_path: Path) -> None:
     out = tmp_path / "host.json"
     proc = _bench("spec_host_time.py", "--temperatures", "1", "--steps", "3", "--tokens", "12", "--repeats", "1",

@@ -37,9 +37,38 @@ def sharegpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_sharegpt_prompts_are_first_human_turns_shuffled_and_distinct(sharegpt: Path) -> None:
     prompts = sharegpt_prompts(sharegpt, 100, seed=0)
-    assert sorted(prompts) == sorted(QUESTIONS)
+    assert sorted(prompts, key=str) == sorted(([{"role": "user", "content": q}] for q in QUESTIONS), key=str)
     assert prompts == sharegpt_prompts(sharegpt, 100, seed=0) != sharegpt_prompts(sharegpt, 100, seed=1)
     assert len(sharegpt_prompts(sharegpt, 5, seed=0)) == 5
+
+
+def test_later_turns_come_with_the_conversation_before_them(tmp_path: Path) -> None:
+    """``--turns later``: each later user turn with the messages before it (the original answers), ``all``
+    the first turns too; a gzip'd file reads the same; an unknown speaker or an empty message ends the
+    conversation; a repeated history counts once."""
+    import gzip
+
+    convs = [
+        {"id": "a", "conversations": [{"from": "human", "value": "q1"}, {"from": "gpt", "value": "a1"},
+                                      {"from": "human", "value": "q2"}, {"from": "gpt", "value": "a2"},
+                                      {"from": "human", "value": "q3"}]},
+        {"id": "b", "conversations": [{"from": "human", "value": "r1"}, {"from": "gpt", "value": ""},
+                                      {"from": "human", "value": "r2"}]},  # empty answer: r2 has no history
+        {"id": "c", "conversations": [{"from": "human", "value": "s1"}, {"from": "tool", "value": "x"},
+                                      {"from": "human", "value": "s2"}]},  # unknown speaker
+        {"id": "a-again", "conversations": [{"from": "human", "value": "q1"}, {"from": "gpt", "value": "a1"},
+                                            {"from": "human", "value": "q2"}]},
+    ]
+    path = tmp_path / "sharegpt.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump(convs, f)
+    q1, q2, q3 = ({"role": "user", "content": t} for t in ("q1", "q2", "q3"))
+    a1, a2 = ({"role": "assistant", "content": t} for t in ("a1", "a2"))
+    later = sharegpt_prompts(path, 100, seed=0, turns="later")
+    assert sorted(later, key=len) == [[q1, a1, q2], [q1, a1, q2, a2, q3]]
+    first = sharegpt_prompts(path, 100, seed=0, turns="first")
+    assert sorted(m[0]["content"] for m in first) == ["q1", "r1", "s1"] and all(len(m) == 1 for m in first)
+    assert sorted(map(str, sharegpt_prompts(path, 100, seed=0, turns="all"))) == sorted(map(str, first + later))
 
 
 def test_draft_vocabulary_keeps_the_most_frequent_tokens() -> None:
@@ -185,8 +214,14 @@ def test_regeneration_admits_prompts_in_waves(monkeypatch: pytest.MonkeyPatch, w
     monkeypatch.setattr(sequence, "SamplingParams", lambda **kw: params(**{**kw, "max_tokens": 2 + kw["seed"] % 7}))
     opts = TrainOptions(target=str(TARGET), data="unused", out="unused", max_new_tokens=8, temperatures=(0.0, 0.8),
                         device="cpu", admit_wave=wave)
-    prompts = QUESTIONS + [q + " Briefly." for q in QUESTIONS]  # 24 prompts, 8 sequences at a time
+    prompts = [[{"role": "user", "content": q}] for q in QUESTIONS + [q + " Briefly." for q in QUESTIONS]]
+    prompts[-1] = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello!"}, *prompts[-1]]
+    # 24 prompts (the last with a conversation before it), 8 sequences at a time
     pairs, stats = regenerate(opts, prompts, time.monotonic() + 300, Progress())
+    from fusedserve.worker.engine.tokenizer import Tokenizer
+
+    history = Tokenizer.from_dir(TARGET).encode_chat(prompts[-1])
+    assert sum(p == history for p, _ in pairs) == 1  # the history's turns are in its prompt ids
     assert len(pairs) == stats["responses"] == 24 and stats["admit_wave"] == wave
     moments = sorted(set(admitted_at))
     assert admitted_at.count(0) == 8  # the first 8 at once
