@@ -97,17 +97,6 @@ def test_triton_kernels_equal_references() -> None:
         for n in (1, 6, 64):
             xin = torch.randn(n, in_f, device=dev, dtype=bf, generator=g)
             assert _rel(decode_linear(xin, w), torch.nn.functional.linear(xin, w)) < 1e-2, (n, out_f, in_f)
-        # the GEMV at a verify's few rows (linear_triton.SMALL_ROWS_GEMV, a switch off by default)
-        import fusedserve.models.layers.linear_triton as lt
-
-        before = lt.SMALL_ROWS_GEMV
-        lt.SMALL_ROWS_GEMV = (4, 128, 4)
-        try:
-            for n in (3, 8):
-                xin = torch.randn(n, in_f, device=dev, dtype=bf, generator=g)
-                assert _rel(decode_linear(xin, w), torch.nn.functional.linear(xin, w)) < 1e-2, (n, out_f, in_f)
-        finally:
-            lt.SMALL_ROWS_GEMV = before
 
     # decode attention: GQA 32/8, head_dim 128, contexts across several kernel tiles, scattered blocks
     ctx = [1, 17, 64, 65, 300, 1000]

@@ -135,16 +135,8 @@ KERNELS: dict[str, tuple[Any, dict[str, Any], dict[str, str]]] = {
     "gemv_silu": (linear_triton._gemv_kernel,
                   {"M_PAD": 1, "BLOCK_N": 4, "BLOCK_K": 2048, "EVEN_K": True, "HAS_BIAS": False,
                    "EPILOGUE": linear_triton.EPILOGUE_SILU, "HEAD_DIM": 2}, {}),
-    # 2..8 rows of a narrow K (linear_triton.SMALL_ROWS_GEMV), with the epilogues
-    "gemv_rows_rope": (linear_triton._gemv_kernel,
-                       {"M_PAD": 8, "BLOCK_N": 4, "BLOCK_K": 128, "EVEN_K": False, "HAS_BIAS": False,
-                        "EPILOGUE": linear_triton.EPILOGUE_ROPE, "HEAD_DIM": 64}, {"pos_ptr": "*i64", "inv_ptr": "*fp32"}),
-    "gemv_rows_silu": (linear_triton._gemv_kernel,
-                       {"M_PAD": 8, "BLOCK_N": 4, "BLOCK_K": 128, "EVEN_K": False, "HAS_BIAS": True,
-                        "EPILOGUE": linear_triton.EPILOGUE_SILU, "HEAD_DIM": 2}, {}),
 }
-READS_BEFORE_WAIT = {"gemv", "gemv_rope", "gemv_silu", "gemv_rows_rope", "gemv_rows_silu", "decode_gemm_one_tile",
-                     "draft_input"}  # their (first) weight tile; the norm weights
+READS_BEFORE_WAIT = {"gemv", "gemv_rope", "gemv_silu", "decode_gemm_one_tile", "draft_input"}  # their (first) weight tile; the norm weights
 
 
 def hopper_ptx(fn: Any, constexprs: dict[str, Any], types: dict[str, str]) -> list[str]:

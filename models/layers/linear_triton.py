@@ -33,10 +33,10 @@ K splits were slower (2026-12-05-decode-gemm-narrow-tiles-ab-smollm2-h100.json);
 
 ``gemv_triton`` also takes 2..8 rows at any tile (a bench candidate: at 2-4 rows of the 8B shapes 1.5-3x slower
 than cuBLAS on an H200, bench/results/2026-12-03-pdl-gemv-probe-rows-h200.json; at SmolLM2's 8-row verify, where
-the decode GEMM takes 4.4 us a matmul against the one-row GEMV's 3.0, decode_rows_probe's ``GEMV_CUTS``); with
-``SMALL_ROWS_GEMV`` set (off by default) the engine sends 2..GEMV_ROWS rows of a narrow K there, epilogues
-included. An earlier [16-row, 16-output] tensor-core
-kernel, a split-K variant and a per-shape tuner that timed them against cuBLAS at engine construction were
+the decode GEMM takes 4.4 us a matmul in the graph against the one-row GEMV's 3.0, every ``GEMV_CUTS`` tile of
+decode_rows_probe was 2-11x slower than the decode GEMM at 8 rows, which alone costs about what one row costs
+on the GEMV: 2026-12-05-prefill-graphs-ab-smollm2-h200.json; the engine route that sent such rows to it,
+``SMALL_ROWS_GEMV``, was removed). An earlier [16-row, 16-output] tensor-core kernel, a split-K variant and a per-shape tuner that timed them against cuBLAS at engine construction were
 removed: the tuner gave 4.536 against 4.540 ms per 8B batch-1 step for 8 s more start-up
 (2026-12-02-decode-engine-tuned-matmuls-h200.json), and the swapped-operand GEMM replaced the kernels.
 """
@@ -63,13 +63,6 @@ EPILOGUE_PLAIN, EPILOGUE_SILU, EPILOGUE_ROPE = 0, 1, 2
 # --set models.layers.linear_triton.GEMV_EPILOGUES=False). Off: one row runs the GEMV, then rope_triton /
 # silu_and_mul_triton.
 GEMV_EPILOGUES = True
-# 2..GEMV_ROWS rows of a narrow matmul (K <= SMALL_ROWS_K_MAX: a small model's speculative verify, SmolLM2's 8 rows)
-# through the GEMV at this (block_n, block_k, warps) tile, with the same epilogues, instead of the decode GEMM.
-# None (off) until decode_rows_probe's GEMV_CUTS have been timed on a GPU: SmolLM2's 8-row verify matmuls take 4.4
-# us each on the decode GEMM against the one-row GEMV's 3.0 (PDL off; 2026-12-05-spec-defaults-ab-smollm2-h200.json).
-# The A/B: --set models.layers.linear_triton.SMALL_ROWS_GEMV="(4, 128, 4)".
-SMALL_ROWS_GEMV: tuple[int, int, int] | None = None
-SMALL_ROWS_K_MAX = 2048
 _DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU interpreter mis-multiplies bf16 matrices
 
 
@@ -80,9 +73,9 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, pos_ptr, inv_ptr, M, K, INTER, ROPE
     """No tensor cores: a program per BLOCK_N outputs multiplies its [BLOCK_N, BLOCK_K] tiles of W with
     every row of x (M <= M_PAD <= GEMV_ROWS) in fp32 registers, the next tile loaded while one is multiplied
     (EVEN_K: BLOCK_K divides K, else the last tile is masked). Under PDL (``pdl.py``) the first weight
-    tile is loaded before waiting on the kernel before. It may finish the next op in its epilogue as the
-    decode GEMM's does (``_tile_rows`` / ``_store_tile``: SwiGLU over gate and up rows, or RoPE over
-    rotate-half partners): one row (GEMV_EPILOGUES), or up to GEMV_ROWS (SMALL_ROWS_GEMV)."""
+    tile is loaded before waiting on the kernel before. One row (M_PAD 1) may finish the next op in its
+    epilogue as the decode GEMM's does (``_tile_rows`` / ``_store_tile``: SwiGLU over gate and up rows, or
+    RoPE over rotate-half partners)."""
     if EPILOGUE == 0:
         rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     else:
@@ -134,13 +127,9 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, pos_ptr, inv_ptr, M, K, INTER, ROPE
             w = w_next
         x2 = tl.load(x_ptrs + last, mask=rows & (rk[None, :] + last < K), other=0.0).to(tl.float32)
         acc2 += tl.sum(x2[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-        if EPILOGUE == 0:
-            if HAS_BIAS:
-                acc2 += tl.load(b_ptr + rn).to(tl.float32)[None, :]
-            tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc2.to(y_ptr.dtype.element_ty), mask=rows)
-        else:
-            _store_tile(tl.trans(acc2), rn, is_rope, first, rm, M, y_ptr, b_ptr, pos_ptr, inv_ptr, stride_ym,
-                        BLOCK_N // 2, M_PAD, HAS_BIAS, EPILOGUE, HEAD_DIM)
+        if HAS_BIAS:
+            acc2 += tl.load(b_ptr + rn).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc2.to(y_ptr.dtype.element_ty), mask=rows)
 
 
 def _gemv_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block_n: int) -> bool:
@@ -169,20 +158,6 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return F.linear(x, weight, bias)
     y = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
     return _launch_gemv(x, weight, bias, y, block_n, block_k, num_warps)
-
-
-def gemv_tile_for(x: torch.Tensor, epilogue: bool = False) -> tuple[int, int, int] | None:
-    """The GEMV's tile for these rows of x, or None where the decode GEMM (or F.linear) takes them: one row
-    (with an epilogue only under GEMV_EPILOGUES) at ``gemv_tile``; 2..GEMV_ROWS rows of a narrow K at
-    SMALL_ROWS_GEMV when it is set."""
-    if x.dim() != 2:
-        return None
-    m, k = x.shape
-    if m == 1:
-        return gemv_tile(k) if GEMV_EPILOGUES or not epilogue else None
-    if SMALL_ROWS_GEMV is not None and m <= GEMV_ROWS and k <= SMALL_ROWS_K_MAX:
-        return SMALL_ROWS_GEMV
-    return None
 
 
 def gemv_tile(k: int) -> tuple[int, int, int]:
@@ -460,11 +435,10 @@ def decode_gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     from .silu_mul_triton import silu_and_mul_triton
 
     inter = weight.shape[0] // 2
-    gemv = gemv_tile_for(x, epilogue=True)
-    if gemv is not None:
-        block_n, block_k, warps = gemv
+    if GEMV_EPILOGUES and x.dim() == 2 and x.shape[0] == 1:
+        block_n, block_k, warps = gemv_tile(x.shape[1])
         if _gemv_fits(x, weight, bias, block_n) and inter % (block_n // 2) == 0:
-            y = torch.empty((x.shape[0], inter), dtype=x.dtype, device=x.device)
+            y = torch.empty((1, inter), dtype=x.dtype, device=x.device)
             return _launch_gemv(x, weight, bias, y, block_n, block_k, warps, EPILOGUE_SILU, inter=inter)
     tile = _fused_tile(x, weight, bias)
     if tile is None:
@@ -484,11 +458,10 @@ def decode_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
     head_dim = 2 * inv_freq.shape[0]
     rope_width = q_size + kv_size
-    gemv = gemv_tile_for(x, epilogue=True)
-    if gemv is not None and positions.shape[0] == x.shape[0]:
-        block_n, block_k, warps = gemv
+    if GEMV_EPILOGUES and x.dim() == 2 and x.shape[0] == 1 and positions.shape[0] == 1:
+        block_n, block_k, warps = gemv_tile(x.shape[1])
         if _gemv_fits(x, weight, bias, block_n) and head_dim % block_n == 0 and rope_width % head_dim == 0:
-            y = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+            y = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
             _launch_gemv(x, weight, bias, y, block_n, block_k, warps, EPILOGUE_ROPE, rope=(positions, inv_freq,
                                                                                              rope_width))
             q, k, v = y.split([q_size, kv_size, kv_size], dim=-1)
@@ -509,13 +482,11 @@ def decode_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The fast set's matmul: one row of x (a batch-1 decode step) through ``_gemv_kernel`` with the tile
-    ``gemv_tile`` gives (and with SMALL_ROWS_GEMV set, 2..GEMV_ROWS rows of a narrow K); 2..GEMM_ROWS rows
-    (decode batches, speculative verifies) through ``_decode_gemm_kernel``; F.linear (cuBLAS) for more rows
-    and for what the kernels do not take (an output count not a multiple of their block, strided rows, mixed
-    dtypes)."""
+    ``gemv_tile`` gives; 2..GEMM_ROWS rows (decode batches, speculative verifies) through
+    ``_decode_gemm_kernel``; F.linear (cuBLAS) for more rows and for what the kernels do not take (an
+    output count not a multiple of their block, strided rows, mixed dtypes)."""
     if x.dim() != 2 or x.shape[0] > GEMM_ROWS:
         return F.linear(x, weight, bias)
-    gemv = gemv_tile_for(x)
-    if gemv is not None:
-        return gemv_triton(x, weight, bias, *gemv)
+    if x.shape[0] == 1:
+        return gemv_triton(x, weight, bias, *gemv_tile(x.shape[-1]))
     return gemm_triton(x, weight, bias)
