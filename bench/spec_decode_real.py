@@ -382,15 +382,17 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
                     help="set a module constant under fusedserve. first (an A/B), e.g. models.layers.linear_triton.SPLIT_K_MAX=2")
     ap.add_argument("--prefill-graphs", default="", help="prompt lengths whose one-sequence prefill is captured "
-                    "(EngineConfig.prefill_graph_tokens), e.g. 32,64,96,128,192,256,384,512; none by default")
+                    "(EngineConfig.prefill_graph_tokens), e.g. 32,64,128; 'none': every prefill eagerly; by default "
+                    "the engine's (worker/engine/config.py PREFILL_GRAPH_TOKENS on a GPU)")
     ap.add_argument("--interleave", action="store_true", help="every configuration's engine built first, then "
                     "each prompt through all of them in turn (the machine's drift weighs on all alike; paired speed-ups)")
     ap.add_argument("--tiny", action="store_true", help="CPU check of the script: the tiny pair, a few prompts")
     ap.add_argument("--out", default=f"bench/results/{datetime.date.today()}-spec-decode-real.json")
     args = ap.parse_args()
-    args.prefill_graphs = tuple(int(n) for n in args.prefill_graphs.split(",") if n)
+    args.prefill_graphs = (None if not args.prefill_graphs else () if args.prefill_graphs == "none"
+                           else tuple(int(n) for n in args.prefill_graphs.split(",") if n))
     settings = apply_settings(args.set)
-    if args.prefill_graphs:
+    if args.prefill_graphs is not None:
         settings["EngineConfig.prefill_graph_tokens"] = list(args.prefill_graphs)
     if args.tiny:
         args.target = args.target or str(ROOT / "examples/checkpoints/tiny-code")

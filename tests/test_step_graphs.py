@@ -112,6 +112,20 @@ def test_prefill_graph_tokens_are_checked() -> None:
             EngineConfig(prefill_graph_tokens=bad)
 
 
+def test_prefill_graph_lengths_default_to_a_gpu_and_one_rank() -> None:
+    """None: PREFILL_GRAPH_TOKENS on a CUDA device with one rank, cut to what a step and the model length
+    take; off CUDA and on several ranks none; given lengths as given (sorted), () none."""
+    from fusedserve.worker.engine.config import PREFILL_GRAPH_TOKENS
+
+    default = EngineConfig()
+    assert default.prefill_graph_lengths("cuda", 8192, True) == list(PREFILL_GRAPH_TOKENS)
+    assert default.prefill_graph_lengths("cuda", 100, True) == [n for n in PREFILL_GRAPH_TOKENS if n <= 100]
+    assert EngineConfig(max_batch_tokens=128).prefill_graph_lengths("cuda", 8192, True)[-1] == 128
+    assert default.prefill_graph_lengths("cpu", 8192, True) == default.prefill_graph_lengths("cuda", 8192, False) == []
+    assert EngineConfig(prefill_graph_tokens=(64, 32)).prefill_graph_lengths("cpu", 8192, False) == [32, 64]
+    assert EngineConfig(prefill_graph_tokens=()).prefill_graph_lengths("cuda", 8192, True) == []
+
+
 MODES = ("staged", "ahead", "fused", "chained", "step-by-step")
 
 

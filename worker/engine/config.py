@@ -21,6 +21,10 @@ class EngineConfigError(ValueError):
     """An engine configuration that cannot work; the message says which setting and why."""
 
 
+# The prompt lengths captured for a lone prefill by default on a CUDA device (EngineConfig.prefill_graph_tokens)
+PREFILL_GRAPH_TOKENS = (32, 64, 96, 128, 192, 256, 384, 512)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     block_size: int = 16
@@ -53,10 +57,12 @@ class EngineConfig:
     # Prompt lengths whose prefill, one sequence alone, is captured too (with graphs): a prompt (or the chunk
     # that ends it) pads up to the next (``StepShape(1, n, last_only=True)``; with speculation the draft's pass
     # over the prompt as well); longer ones, several sequences at once and chunks that end no prompt run eagerly.
-    # () = every prefill eagerly. Off until measured on a GPU: there a short prompt's eager prefill costs one
-    # Python launch per kernel (SmolLM2: ~15 ms a request,
-    # bench/results/2026-12-05-spec-defaults-ab-smollm2-h200.json).
-    prefill_graph_tokens: tuple[int, ...] = ()
+    # None = PREFILL_GRAPH_TOKENS on a CUDA device and one rank (those within max_batch_tokens and the model
+    # length), none otherwise; () = every prefill eagerly. An eager prefill costs a Python launch per kernel: on the H200,
+    # SmolLM2 through the engine (20 + 20 MT-bench / HumanEval prompts, each run alternated) decoded
+    # 1820-1841 / 1819-1821 tok/s with them against 1461-1584 / 1514-1602 without, chain-7 2356-2432 /
+    # 2337-2389 against 1831-2173 / 1763-1858 (bench/results/2026-12-05-prefill-graphs-ab-smollm2-h200.json).
+    prefill_graph_tokens: tuple[int, ...] | None = None
     # The kernel set: "auto" = the device's choice (executor/kernel_set.py: the fast set on a GPU, the
     # references on CPU); or a name of models/layers/kernels.py (tests and benchmarks compare sets).
     kernels: str = "auto"
@@ -82,10 +88,11 @@ class EngineConfig:
                                     f"not {self.quantization!r}")
         if self.kernels != "auto" and self.kernels not in KERNEL_SETS:
             raise EngineConfigError(f"kernels must be auto or one of {', '.join(KERNEL_SETS)}, not {self.kernels!r}")
-        bad = [n for n in self.prefill_graph_tokens if not 2 <= n <= self.max_batch_tokens]
-        if bad or len(set(self.prefill_graph_tokens)) != len(self.prefill_graph_tokens):
+        lengths = self.prefill_graph_tokens or ()
+        bad = [n for n in lengths if not 2 <= n <= self.max_batch_tokens]
+        if bad or len(set(lengths)) != len(lengths):
             raise EngineConfigError(f"prefill_graph_tokens must be distinct prompt lengths in 2..max_batch_tokens "
-                                    f"({self.max_batch_tokens}), got {list(self.prefill_graph_tokens)}")
+                                    f"({self.max_batch_tokens}), got {list(lengths)}")
         if self.load_format not in LOAD_FORMATS:
             raise EngineConfigError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, not {self.load_format!r}")
         try:
@@ -110,6 +117,16 @@ class EngineConfig:
     def graph_batch_sizes(self) -> list[int]:
         """The batch sizes CUDA graphs are captured at (at most ``max_num_seqs``)."""
         return sorted({min(b, self.max_num_seqs) for b in self.cuda_graph_batch_sizes if b >= 1})
+
+    def prefill_graph_lengths(self, device_type: str, max_model_len: int, one_rank: bool) -> list[int]:
+        """The prompt lengths a lone prefill is captured at: those given, or by default (None) on a CUDA device
+        and one rank PREFILL_GRAPH_TOKENS within max_batch_tokens and ``max_model_len`` (several ranks have not
+        run them on GPUs yet: given explicitly they do)."""
+        if self.prefill_graph_tokens is not None:
+            return sorted(self.prefill_graph_tokens)
+        if device_type != "cuda" or not one_rank:
+            return []
+        return [n for n in PREFILL_GRAPH_TOKENS if n <= min(self.max_batch_tokens, max_model_len)]
 
 
 def prefix_cache_for(config: EngineConfig, recurrent: bool) -> PrefixCache:

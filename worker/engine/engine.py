@@ -149,7 +149,8 @@ class Engine:
         sizes = config.graph_batch_sizes()
         max_blocks = min(-(-(self.max_model_len + config.lookahead_tokens) // config.block_size),
                          self.blocks.num_blocks)
-        prefill = sorted(config.prefill_graph_tokens)
+        prefill = config.prefill_graph_lengths(torch.device(config.device).type, self.max_model_len,
+                                               self.runner.single_rank)
         if self.speculator is None:
             self.runner.capture([StepShape(b, 1) for b in sizes] + prefill_shapes(prefill), max_blocks)
         else:
