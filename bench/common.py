@@ -261,3 +261,43 @@ def apply_settings(items: list[str]) -> dict[str, Any]:
         setattr(module, attr, value)
         done[target] = value
     return done
+
+
+DROPPABLE = ("rope", "silu", "norm", "attention", "multi_token_attention", "combine")
+
+
+def drop_kernels(kinds: str) -> list[str]:
+    """Leave the fast set's kernels of ``kinds`` (comma list of DROPPABLE) out, before any engine is built
+    (``Kernels.triton()`` imports them then): RoPE returns q and k as they are, SiLU-and-mul the gate half,
+    the norms their input (and it as the residual), attention q (and stores no K/V);
+    ``multi_token_attention`` only the attention of steps of several new tokens a sequence (a verify, a
+    prefill: one-row decode keeps its kernel), ``combine`` only the combine after a split attention. The steps'
+    tokens are garbage; their time is what is left (bench/decode_engine.py, bench/graph_launch_probe.py --drop)."""
+    chosen = [k for k in kinds.split(",") if k]
+    unknown = set(chosen) - set(DROPPABLE)
+    if unknown:
+        raise SystemExit(f"--drop takes {', '.join(DROPPABLE)}; not {', '.join(sorted(unknown))}")
+    if "rope" in chosen:
+        import fusedserve.models.layers.rope_triton as rope_module
+        rope_module.rope_triton = lambda positions, q, k, inv_freq: (q, k)  # type: ignore[assignment]
+    if "silu" in chosen:
+        import fusedserve.models.layers.silu_mul_triton as silu_module
+        silu_module.silu_and_mul_triton = lambda x: x[:, : x.shape[1] // 2]  # type: ignore[assignment]
+    if "norm" in chosen:
+        import fusedserve.models.layers.rms_norm_triton as norm_module
+        norm_module.rms_norm_triton = lambda x, weight, eps: x  # type: ignore[assignment]
+        norm_module.add_rms_norm_triton = lambda x, residual, weight, eps: (x, x)  # type: ignore[assignment]
+    if "multi_token_attention" in chosen:
+        import fusedserve.models.layers.decode_attention_triton as attention_module
+        attention_module.paged_prefill_attention_triton = (  # type: ignore[assignment]
+            lambda q, k, v, layer_id, batch, scale: q)
+    if "combine" in chosen:
+        import fusedserve.models.layers.prefill_attention_triton as prefill_module
+        prefill_module.combine_splits = lambda part_acc, part_m, part_l, out: None  # type: ignore[assignment]
+    if "attention" in chosen:
+        import fusedserve.models.layers.attention_flashinfer as flashinfer_module
+        import fusedserve.models.layers.decode_attention_triton as attention_module
+        attention_module.paged_decode_attention_triton = (  # type: ignore[assignment]
+            lambda q, k, v, layer_id, batch, scale: q)
+        flashinfer_module.paged_decode_attention_triton = attention_module.paged_decode_attention_triton  # type: ignore[attr-defined]
+    return chosen

@@ -53,6 +53,7 @@ from bench.common import (
     Progress,
     apply_settings,
     copy_bandwidth,
+    drop_kernels,
     matmul_peak,
     profile,
     record_header,
@@ -301,36 +302,6 @@ def probe_tiles(path: str) -> None:
     linear_triton.decode_gemm_tile = tile  # type: ignore[assignment]
 
 
-DROPPABLE = ("rope", "silu", "norm", "attention")
-
-
-def drop_kernels(kinds: str) -> list[str]:
-    """Leave the fast set's kernels of ``kinds`` out (before any engine is built: ``Kernels.triton()`` imports
-    them then): RoPE returns q and k as they are, SiLU-and-mul the gate half, the norms their input (and it as
-    the residual), attention q (and stores no K/V). The step's tokens are garbage; its time is what is left."""
-    chosen = [k for k in kinds.split(",") if k]
-    unknown = set(chosen) - set(DROPPABLE)
-    if unknown:
-        raise SystemExit(f"--drop takes {', '.join(DROPPABLE)}; not {', '.join(sorted(unknown))}")
-    if "rope" in chosen:
-        import fusedserve.models.layers.rope_triton as rope_module
-        rope_module.rope_triton = lambda positions, q, k, inv_freq: (q, k)  # type: ignore[assignment]
-    if "silu" in chosen:
-        import fusedserve.models.layers.silu_mul_triton as silu_module
-        silu_module.silu_and_mul_triton = lambda x: x[:, : x.shape[1] // 2]  # type: ignore[assignment]
-    if "norm" in chosen:
-        import fusedserve.models.layers.rms_norm_triton as norm_module
-        norm_module.rms_norm_triton = lambda x, weight, eps: x  # type: ignore[assignment]
-        norm_module.add_rms_norm_triton = lambda x, residual, weight, eps: (x, x)  # type: ignore[assignment]
-    if "attention" in chosen:
-        import fusedserve.models.layers.decode_attention_triton as attention_module
-        attention_module.paged_decode_attention_triton = (  # type: ignore[assignment]
-            lambda q, k, v, layer_id, batch, scale: q)
-        import fusedserve.models.layers.attention_flashinfer as flashinfer_module
-        flashinfer_module.paged_decode_attention_triton = attention_module.paged_decode_attention_triton  # type: ignore[attr-defined]
-    return chosen
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -371,7 +342,8 @@ def main() -> None:
                     help="RoPE and SiLU-and-mul as their own kernels after the qkv / gate-up matmuls, not in the decode "
                          "GEMM's epilogue (an A/B of Kernels.qkv_rope / gate_up_act)")
     ap.add_argument("--drop", default="",
-                    help="comma list of rope,silu,norm,attention: the fast set's kernel of that kind left out of every "
+                    help="comma list of bench.common.DROPPABLE (rope, silu, norm, attention, ...): the fast set's kernel "
+                         "of that kind left out of every "
                          "step (wrong numbers; timing only: what the kind costs inside a captured step, the most that "
                          "fusing it away can save; rope and silu only where they run as their own kernels: one row, or "
                          "with --separate-epilogues)")

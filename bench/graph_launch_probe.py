@@ -1,6 +1,7 @@
 """How long the host spends launching each captured CUDA graph, through the engine (GPU).
 
     python bench/graph_launch_probe.py --target DIR [--draft DIR] [--configs none,chain-3] [--out FILE]
+        [--timeline] [--kernels] [--drop combine,multi_token_attention,...] [--set MODULE.NAME=VALUE]
 
 For each configuration: one engine (``Engine`` with its defaults on CUDA, as bench/spec_decode_real.py
 builds it), a warm-up generate, then
@@ -44,7 +45,7 @@ import fusedserve.worker  # noqa: F401  (the installed package, before the check
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # bench.*; fusedserve stays the installed one
 
-from bench.common import apply_settings, profile, record_header  # noqa: E402
+from bench.common import apply_settings, drop_kernels, profile, record_header  # noqa: E402
 from bench.spec_decode_real import spec_config  # noqa: E402
 
 
@@ -250,14 +251,18 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
                     help="set a module constant under fusedserve. first (an A/B), e.g. models.layers.linear_triton.SPLIT_K_MAX=2")
     ap.add_argument("--timeline", action="store_true", help="a generate's GPU timeline per step against the host's")
+    ap.add_argument("--drop", default="", help="comma list of bench.common.DROPPABLE kinds (e.g. combine, "
+                    "multi_token_attention, norm): left out of every step (garbage tokens; timing only: what the kind "
+                    "costs inside each captured graph, e.g. the verify's)")
     args = ap.parse_args()
     settings = apply_settings(args.set)
+    dropped = drop_kernels(args.drop)
     from fusedserve.worker.engine.config import EngineConfig
     from fusedserve.worker.engine.engine import Engine
     from fusedserve.worker.engine.sequence import SamplingParams
 
     out: dict[str, Any] = {**record_header(), "what": __doc__.split("\n")[0], "settings": settings,
-                           "configs": {}}
+                           "dropped_kernels": dropped, "configs": {}}
     for name in args.configs.split(","):
         engine = Engine(args.target, EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=1,
                                                   speculative=spec_config(args.draft, name), seed=0,

@@ -204,3 +204,24 @@ def test_output_handoff_runs_and_delivers_once_or_every_step(tmp_path: Path) -> 
     assert rows["final_only"]["deliveries"] == 1
     assert rows["streamed"]["deliveries"] >= 6  # a delivery per step (the consumer may merge a few)
     assert all(r["ms_per_token"] > 0 for r in rows.values())
+
+
+def test_dropped_kernels_leave_their_step_and_unknown_kinds_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench.common.drop_kernels`` (decode_engine / graph_launch_probe --drop): the verify's split-attention
+    combine and the several-token attention are replaced by no-ops (restored after the test), one-row decode
+    attention kept; an unknown kind stops the bench before any engine is built."""
+    import fusedserve.models.layers.decode_attention_triton as attention_module
+    import fusedserve.models.layers.prefill_attention_triton as prefill_module
+    from bench.common import drop_kernels
+
+    for module, name in ((prefill_module, "combine_splits"), (attention_module, "paged_prefill_attention_triton"),
+                         (attention_module, "paged_decode_attention_triton")):
+        monkeypatch.setattr(module, name, getattr(module, name))  # restored when the test ends
+    decode = attention_module.paged_decode_attention_triton
+    assert drop_kernels("combine,multi_token_attention") == ["combine", "multi_token_attention"]
+    q = torch.randn(8, 3, 4)
+    assert prefill_module.combine_splits(q, q, q, q) is None
+    assert attention_module.paged_prefill_attention_triton(q, q, q, 0, None, 1.0) is q
+    assert attention_module.paged_decode_attention_triton is decode
+    with pytest.raises(SystemExit, match="--drop takes"):
+        drop_kernels("matmul")
