@@ -19,7 +19,9 @@
 #                                           `cat model.safetensors.part* > model.safetensors`
 #   bash bench/gpu_real.sh regen [MINUTES [ARGS]]  carry as for train: regeneration only, the whole budget
 #                                           (fusedserve train-draft --regen-only, MINUTES, default 8.5)
-#                                           -> $OUT/pairs.pt (~5 MB for 8 500 pairs) and $OUT/regen.json
+#                                           -> $OUT/pairs.pt (~5 MB for 8 500 first-turn pairs; over 15 MiB
+#                                           in parts pairs.pt.part00, 01, ...: carry them as they are in
+#                                           .whl/real/pairs/, `train` joins them) and $OUT/regen.json
 #   bash bench/gpu_real.sh decode [ARGS]    issue #14: bench/decode_engine.py ARGS -> $OUT/decode-engine.json
 #                                           (carry the FlashInfer files: .whl/*.whl, .whl/flashinfer-aot-*.tar.gz)
 #   bash bench/gpu_real.sh serve            issue #14: bench/serve_load.py on the engine in-process and through
@@ -60,15 +62,17 @@
 # A draft over two calls (regeneration and training no longer share one call's 10 minutes):
 #   1. carry .whl/real/part1 part2 wheels data-train: `stage` (examples/checkpoints/smollm2-eagle3 moved out
 #      of the tree for this call, as above);  2. carry part3 part4: `regen 8.5 --num-prompts 11000`;
-#      then here: mkdir -p .whl/real/pairs && cp <files_at>/pairs.pt .whl/real/pairs/
+#      then here: mkdir -p .whl/real/pairs && cp <files_at>/pairs.pt* .whl/real/pairs/
 #   3. back to back (the converted model stays in /tmp/real), carry .whl/real/pairs: `train 8.6` (no
 #      regeneration: the whole budget trains); then here, in <files_at>/smollm2-eagle3:
 #      cat model.safetensors.part* > model.safetensors && rm model.safetensors.part*
 #   More prompts (the package's ShareGPT file is cut off after 17 671 conversations: the ~10 650 first turns are
 #   all used): `python bench/real_data.py` also packs data-train/sharegpt-turns.json.gz (5.4 MiB), the later human
 #   turns with the conversation before each; regenerate on them with `regen 8.5 --data
-#   /tmp/real/data-train/sharegpt-turns.json.gz --turns later --max-prompt-tokens 768` (~9 800 prompts fit 768
-#   tokens; the later --data wins), data-train carried with part3 part4 rather than beside part1 part2.
+#   /tmp/real/data-train/sharegpt-turns.json.gz --turns all --max-prompt-tokens 768 --num-prompts 20000` (the
+#   first turns of those conversations too, ~19 000 prompts; ~9 800 later turns fit 768 tokens; the later --data
+#   wins), data-train carried with part3 part4 rather than beside part1 part2. The earlier 8 571 pairs are not
+#   kept here: train on the new ones, warm from the shipped draft.
 #   To go on from that draft in a later call: copy it (joined or in parts) to .whl/real/draft-init and carry it
 #   with the pairs. On a fresh machine `train` needs the GGUF again: `stage` with part1 part2, then part3 part4
 #   with the pairs (without draft-init: 64 MiB). The shipped draft was made so on 2026-12-04 (stage, regen,
@@ -132,8 +136,11 @@ case "$cmd" in
   stage) ;;
   train)
     layout; model
-    pairs=""  # carried pairs (no regeneration), else the ShareGPT prompts
-    for f in .whl/real/pairs/*.pt; do if [ -f "$f" ]; then pairs=${pairs:+$pairs,}$PWD/$f; fi; done
+    pairs=""  # carried pairs (no regeneration), else the ShareGPT prompts; a file `regen` split comes as
+    for p0 in .whl/real/pairs/*.pt.part00; do  # NAME.pt.part00, .part01, ...: joined here into $R/pairs/NAME.pt
+      if [ -f "$p0" ]; then mkdir -p "$R/pairs" && cat "${p0%.part00}".part* > "$R/pairs/$(basename "${p0%.part00}")"; fi
+    done
+    for f in .whl/real/pairs/*.pt "$R"/pairs/*.pt; do if [ -f "$f" ]; then pairs=${pairs:+$pairs,}$(realpath "$f"); fi; done
     if [ -n "$pairs" ]; then src=(--pairs "$pairs"); else src=(--data "$R/data-train/sharegpt.json"); fi
     if [ -d .whl/real/draft-init ]; then  # a draft to start from, whole or in the parts `train` returns
       rm -rf "$R/draft-init" && mkdir -p "$R/draft-init" && cp .whl/real/draft-init/config.json "$R/draft-init/"
@@ -150,6 +157,10 @@ case "$cmd" in
     layout; model
     python3 -P -m fusedserve.cli train-draft --target "$R/smollm2" --data "$R/data-train/sharegpt.json" \
       --regen-only --save-pairs "$OUT/pairs.pt" --budget-minutes "${1:-8.5}" --log "$OUT/regen.json" "${@:2}"
+    # a returned file is at most 16 MiB: later turns' long prompts make a bigger file (~25 MB for 17 000 pairs)
+    if [ "$(stat -c %s "$OUT/pairs.pt")" -gt $((15 << 20)) ]; then
+      split -b 15M -d "$OUT/pairs.pt" "$OUT/pairs.pt.part" && rm "$OUT/pairs.pt"
+    fi
     ;;
   bench)
     layout; model
