@@ -131,3 +131,45 @@ def test_tp2_fused_and_unfused_forwards_and_graph_replays_match_the_plan(tmp_pat
         assert r["planned"].get(("all_reduce", "tp"), 0) > 2 * 4  # the long prefill: unfused, per boundary
         assert (r["graph_runs"] > 0) is graphs  # the follower replays the shapes the leader announced
     assert ranks[0]["forwards"] == ranks[1]["forwards"]
+
+
+def _tp2_prefill_rank(rank: int, world: int, backend: str, model_dir: str, lengths: tuple[int, ...]
+                      ) -> dict[str, Any]:
+    """Prompts one at a time, each prefilled alone: at a captured length (``prefill_graph_tokens``) a replay."""
+    from fusedserve.models.parallel.groups import ParallelConfig, ParallelGroups, build_groups
+    from fusedserve.worker.engine.config import EngineConfig
+    from fusedserve.worker.parallel.rank import build_rank, follower_channel, lead_engine, leads
+    from fusedserve.worker.parallel.step_channel import follow
+
+    config = EngineConfig(num_blocks=64, max_num_seqs=2, max_batch_tokens=256, skip_tokenizer=True,
+                          cuda_graphs=True, cuda_graph_batch_sizes=(1, 2), prefill_graph_tokens=lengths)
+    groups = build_groups(ParallelConfig(world), rank, backend) if world > 1 else ParallelGroups.single_rank()
+    built = build_rank(model_dir, config, groups, backend, "reference")
+    if not leads(groups):
+        follow(built.executor, follower_channel(groups))
+        return {"tokens": None, **_accounting(built.model.comm.ledger), "graph_runs": _runs(built.executor)}
+    engine, runner = lead_engine(built, model_dir, config)
+    g = torch.Generator().manual_seed(5)
+    try:
+        tokens = [engine.generate([torch.randint(0, 250, (n,), generator=g).tolist()], GREEDY)[0].token_ids
+                  for n in (5, 12, 40)]  # padded to 8 and 16; 40 fits no length: eager
+    finally:
+        runner.stop()
+    return {"tokens": tokens, **_accounting(built.model.comm.ledger), "graph_runs": _runs(built.executor)}
+
+
+def test_tp2_prefill_graphs_give_the_eager_tokens_and_match_the_plan(tmp_path: Path) -> None:
+    """``prefill_graph_tokens`` on two ranks (given: the default takes them on one rank only): each lone
+    prompt's prefill padded to a captured length and replayed on both ranks gives the single rank's eager
+    tokens, and every rank executes what it planned."""
+    from fusedserve.tiny import make_tiny_llama
+
+    model_dir = str(make_tiny_llama(tmp_path / "llama", max_position_embeddings=4096))
+    [single] = run_on_ranks(_tp2_prefill_rank, 1, model_dir, (), backend="gloo", timeout_s=300)
+    decode_only = run_on_ranks(_tp2_prefill_rank, 2, model_dir, (), backend="gloo", timeout_s=300)
+    ranks = run_on_ranks(_tp2_prefill_rank, 2, model_dir, (8, 16), backend="gloo", timeout_s=300)
+    assert ranks[0]["tokens"] == decode_only[0]["tokens"] == single["tokens"]
+    for r, d in zip(ranks, decode_only, strict=True):
+        assert r["planned"] == r["executed"] and r["matches_plan"], r
+        assert r["graph_runs"] == d["graph_runs"] + 2  # the 5- and 12-token prefills replayed, on both ranks
+    assert ranks[0]["forwards"] == ranks[1]["forwards"]
