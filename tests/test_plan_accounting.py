@@ -89,21 +89,31 @@ def test_dp_attention_mixing_max_len_and_sum_len_matches_its_plan(tmp_path: Path
         assert r["after_injection"] is False
 
 
-def _tp2_rank(rank: int, world: int, backend: str, model_dir: str, graphs: bool) -> dict[str, Any]:
+def _tp_rank_built(rank: int, world: int, backend: str, model_dir: str, config: Any) -> tuple[Any, Any]:
+    """This rank of a tp=world group (the reference fusion): (built rank, (engine, runner)) on the leader; a
+    follower serves the leader's steps until it stops, then (built rank, None)."""
     from fusedserve.models.parallel.groups import ParallelConfig, ParallelGroups, build_groups
-    from fusedserve.worker.engine.config import EngineConfig
     from fusedserve.worker.parallel.rank import build_rank, follower_channel, lead_engine, leads
     from fusedserve.worker.parallel.step_channel import follow
 
-    # max_batch_tokens above the fusion gate: a 2100-token prefill takes the unfused plan, decode the fused.
-    config = EngineConfig(num_blocks=160, max_num_seqs=3, max_batch_tokens=4096, skip_tokenizer=True,
-                          cuda_graphs=graphs, cuda_graph_batch_sizes=(1, 2, 4))
     groups = build_groups(ParallelConfig(world), rank, backend) if world > 1 else ParallelGroups.single_rank()
     built = build_rank(model_dir, config, groups, backend, "reference")
     if not leads(groups):
         follow(built.executor, follower_channel(groups))
+        return built, None
+    return built, lead_engine(built, model_dir, config)
+
+
+def _tp2_rank(rank: int, world: int, backend: str, model_dir: str, graphs: bool) -> dict[str, Any]:
+    from fusedserve.worker.engine.config import EngineConfig
+
+    # max_batch_tokens above the fusion gate: a 2100-token prefill takes the unfused plan, decode the fused.
+    config = EngineConfig(num_blocks=160, max_num_seqs=3, max_batch_tokens=4096, skip_tokenizer=True,
+                          cuda_graphs=graphs, cuda_graph_batch_sizes=(1, 2, 4))
+    built, lead = _tp_rank_built(rank, world, backend, model_dir, config)
+    if lead is None:
         return {"tokens": None, **_accounting(built.model.comm.ledger), "graph_runs": _runs(built.executor)}
-    engine, runner = lead_engine(built, model_dir, config)
+    engine, runner = lead
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 250, (n,), generator=g).tolist() for n in (1100, 1000)] + [[7, 7, 1]]
     try:
@@ -136,19 +146,14 @@ def test_tp2_fused_and_unfused_forwards_and_graph_replays_match_the_plan(tmp_pat
 def _tp2_prefill_rank(rank: int, world: int, backend: str, model_dir: str, lengths: tuple[int, ...]
                       ) -> dict[str, Any]:
     """Prompts one at a time, each prefilled alone: at a captured length (``prefill_graph_tokens``) a replay."""
-    from fusedserve.models.parallel.groups import ParallelConfig, ParallelGroups, build_groups
     from fusedserve.worker.engine.config import EngineConfig
-    from fusedserve.worker.parallel.rank import build_rank, follower_channel, lead_engine, leads
-    from fusedserve.worker.parallel.step_channel import follow
 
     config = EngineConfig(num_blocks=64, max_num_seqs=2, max_batch_tokens=256, skip_tokenizer=True,
                           cuda_graphs=True, cuda_graph_batch_sizes=(1, 2), prefill_graph_tokens=lengths)
-    groups = build_groups(ParallelConfig(world), rank, backend) if world > 1 else ParallelGroups.single_rank()
-    built = build_rank(model_dir, config, groups, backend, "reference")
-    if not leads(groups):
-        follow(built.executor, follower_channel(groups))
+    built, lead = _tp_rank_built(rank, world, backend, model_dir, config)
+    if lead is None:
         return {"tokens": None, **_accounting(built.model.comm.ledger), "graph_runs": _runs(built.executor)}
-    engine, runner = lead_engine(built, model_dir, config)
+    engine, runner = lead
     g = torch.Generator().manual_seed(5)
     try:
         tokens = [engine.generate([torch.randint(0, 250, (n,), generator=g).tolist()], GREEDY)[0].token_ids
