@@ -36,8 +36,8 @@ than cuBLAS on an H200, bench/results/2026-12-03-pdl-gemv-probe-rows-h200.json; 
 the decode GEMM takes 4.4 us a matmul in the graph against the one-row GEMV's 3.0, every ``GEMV_CUTS`` tile of
 decode_rows_probe was 2-11x slower than the decode GEMM at 8 rows, which alone costs about what one row costs
 on the GEMV: 2026-12-05-prefill-graphs-ab-smollm2-h200.json; the engine route that sent such rows to it,
-``SMALL_ROWS_GEMV``, was removed). An earlier [16-row, 16-output] tensor-core kernel, a split-K variant and a per-shape tuner that timed them against cuBLAS at engine construction were
-removed: the tuner gave 4.536 against 4.540 ms per 8B batch-1 step for 8 s more start-up
+``SMALL_ROWS_GEMV``, was removed). An earlier [16-row, 16-output] tensor-core kernel, a split-K variant and a
+per-shape tuner that timed them against cuBLAS at engine construction were removed: the tuner gave 4.536 against 4.540 ms per 8B batch-1 step for 8 s more start-up
 (2026-12-02-decode-engine-tuned-matmuls-h200.json), and the swapped-operand GEMM replaced the kernels.
 """
 
@@ -59,8 +59,9 @@ EPILOGUE_PLAIN, EPILOGUE_SILU, EPILOGUE_ROPE = 0, 1, 2
 # One row (a batch-1 decode step, a draft's chain step) with RoPE / SiLU-and-mul in the GEMV's epilogue, as the
 # decode GEMM finishes them for 2..64 rows: two kernels fewer a layer, the same tile. On the H200 SmolLM2's plain
 # step took 506 / 500 us of GPU time with it against 537 / 538 without, the draft's chain 256 vs 261 us
-# (bench/results/2026-12-05-spec-defaults-ab-smollm2-h200.json); not yet timed on the 8B shape (the A/B:
-# --set models.layers.linear_triton.GEMV_EPILOGUES=False). Off: one row runs the GEMV, then rope_triton /
+# (bench/results/2026-12-05-spec-defaults-ab-smollm2-h200.json); on the 8B shape at batch 1 no difference beyond
+# the spread (4.062 / 4.064 ms a step with it, 4.039 / 4.041 without: 2026-12-05-prefill-graphs-ab-smollm2-h200.json;
+# the A/B: --set models.layers.linear_triton.GEMV_EPILOGUES=False). Off: one row runs the GEMV, then rope_triton /
 # silu_and_mul_triton.
 GEMV_EPILOGUES = True
 _DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU interpreter mis-multiplies bf16 matrices
