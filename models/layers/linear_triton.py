@@ -37,8 +37,9 @@ the decode GEMM takes 4.4 us a matmul in the graph against the one-row GEMV's 3.
 decode_rows_probe was 2-11x slower than the decode GEMM at 8 rows, which alone costs about what one row costs
 on the GEMV: 2026-12-05-prefill-graphs-ab-smollm2-h200.json; the engine route that sent such rows to it,
 ``SMALL_ROWS_GEMV``, was removed). An earlier [16-row, 16-output] tensor-core kernel, a split-K variant and a
-per-shape tuner that timed them against cuBLAS at engine construction were removed: the tuner gave 4.536 against 4.540 ms per 8B batch-1 step for 8 s more start-up
-(2026-12-02-decode-engine-tuned-matmuls-h200.json), and the swapped-operand GEMM replaced the kernels.
+per-shape tuner that timed them against cuBLAS at engine construction were removed: the tuner gave 4.536
+against 4.540 ms per 8B batch-1 step for 8 s more start-up (2026-12-02-decode-engine-tuned-matmuls-h200.json),
+and the swapped-operand GEMM replaced the kernels.
 """
 
 from __future__ import annotations
