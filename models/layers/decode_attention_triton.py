@@ -43,6 +43,12 @@ from .prefill_attention_triton import paged_prefill_attention_triton
 # 4.33, batch 64 within noise, batch 1 4.07 vs 4.00 (2026-12-03-decode-rows-fused-combine-ab-h200.json).
 # False: the separate combine (bench/decode_engine.py --separate-combine, the A/B).
 FUSED_COMBINE = True
+# A split takes at least this many keys (whole tiles) of the real context, so a short context runs in fewer
+# programs than the launch has splits; the others take none. With the combine in the kernel they write nothing,
+# and a context one split covers is written out by that program alone (no partials, no combine). 0: the context
+# shared out among all the splits, one tile each at least (the A/B: bench/graph_launch_probe.py --set
+# models.layers.decode_attention_triton.MIN_SPLIT_TOKENS=256).
+MIN_SPLIT_TOKENS = 0
 # Accumulator elements of one program ([heads, V dim] fp32): bounds the heads a program takes.
 ACC_ELEMENTS = 8192
 # Triton's CPU interpreter (TRITON_INTERPRET=1, used by the CPU tests) multiplies bf16 matrices
@@ -123,7 +129,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, p
                    HEAD_BLOCKS: tl.constexpr, H_PAD: tl.constexpr, DA: tl.constexpr, DA_PAD: tl.constexpr,
                    DB: tl.constexpr, DB_PAD: tl.constexpr, VDIM: tl.constexpr, VDIM_PAD: tl.constexpr,
                    V_IN_K: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                   COMBINE: tl.constexpr, DOT_FP32: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                   COMBINE: tl.constexpr, MIN_SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, PREFETCH: tl.constexpr,
+                   PDL: tl.constexpr):
     pdl_open(PDL)
     # K's columns are part A (0..DA) and part B (DA..DA+DB, none when DB = 0); V_IN_K: V is part A.
     ctx = tl.load(ctx_ptr + tl.program_id(0))
@@ -134,7 +141,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, p
     last = ctx - 1
     # The splits share this sequence's real context (whole tiles each): a captured batch's SPLITS follow its
     # longest possible context, the work the context it has.
-    split_tokens = tl.cdiv(tl.cdiv(ctx, BLOCK_N), SPLITS) * BLOCK_N
+    split_tokens = tl.maximum(tl.cdiv(tl.cdiv(ctx, BLOCK_N), SPLITS) * BLOCK_N, MIN_SPLIT)
+    active = tl.cdiv(ctx, split_tokens)  # the splits that take keys (split 0 always: ctx >= 1)
     first = split * split_tokens
     end = tl.minimum(ctx, first + split_tokens)
     g = tl.arange(0, H_PAD)
@@ -206,33 +214,44 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, p
         out = acc / l_sum[:, None]
         tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + do[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & (do < VDIM)[None, :])
-    else:  # partial results [B, HEADS, SPLITS, ...]; an empty split leaves m = -inf, l = 0
+    elif not COMBINE:  # partial results [B, HEADS, SPLITS, ...]; an empty split leaves m = -inf, l = 0
         row = (b * HEADS + heads) * SPLITS + split
         tl.store(part_m_ptr + row, m, mask=gmask)
         tl.store(part_l_ptr + row, l_sum, mask=gmask)
         tl.store(part_acc_ptr + row[:, None] * VDIM_PAD + do[None, :], acc, mask=gmask[:, None])
-        if COMBINE:  # the last split of this (sequence, KV head, head block) to finish combines them all
-            tl.debug_barrier()
-            tile = b * tl.num_programs(1) + tl.program_id(1)
-            arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLITS - 1:
-                first_row = (b * HEADS + heads) * SPLITS
-                s_idx = tl.arange(0, SPLITS)
-                rows2 = first_row[:, None] + s_idx[None, :]
-                pm = tl.load(part_m_ptr + rows2, mask=gmask[:, None], other=float("-inf"), cache_modifier=".cg")
-                pl = tl.load(part_l_ptr + rows2, mask=gmask[:, None], other=0.0, cache_modifier=".cg")
-                top = tl.max(pm, axis=1)
-                w = tl.where(pm > float("-inf"), tl.exp(pm - top[:, None]), 0.0)  # [H_PAD, SPLITS]
-                total = tl.zeros((H_PAD, VDIM_PAD), tl.float32)
-                for sp in tl.static_range(SPLITS):
-                    w_sp = tl.sum(tl.where(s_idx[None, :] == sp, w, 0.0), axis=1)
-                    part = tl.load(part_acc_ptr + (first_row + sp)[:, None] * VDIM_PAD + do[None, :],
-                                   mask=gmask[:, None], other=0.0, cache_modifier=".cg")
-                    total += part * w_sp[:, None]
-                out = total / tl.sum(pl * w, axis=1)[:, None]
-                tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + do[None, :],
-                         out.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & (do < VDIM)[None, :])
-                tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+    elif active == 1:  # one split covers the context: it writes the rows out (the others took no key)
+        if split == 0:
+            out = acc / l_sum[:, None]
+            tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + do[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & (do < VDIM)[None, :])
+    elif split < active:  # the last of this (sequence, KV head, head block)'s active splits combines them
+        row = (b * HEADS + heads) * SPLITS + split
+        tl.store(part_m_ptr + row, m, mask=gmask)
+        tl.store(part_l_ptr + row, l_sum, mask=gmask)
+        tl.store(part_acc_ptr + row[:, None] * VDIM_PAD + do[None, :], acc, mask=gmask[:, None])
+        tl.debug_barrier()
+        tile = b * tl.num_programs(1) + tl.program_id(1)
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == active - 1:
+            first_row = (b * HEADS + heads) * SPLITS
+            s_idx = tl.arange(0, SPLITS)
+            rows2 = first_row[:, None] + s_idx[None, :]
+            live = gmask[:, None] & (s_idx < active)[None, :]
+            pm = tl.load(part_m_ptr + rows2, mask=live, other=float("-inf"), cache_modifier=".cg")
+            pl = tl.load(part_l_ptr + rows2, mask=live, other=0.0, cache_modifier=".cg")
+            top = tl.max(pm, axis=1)
+            w = tl.where(pm > float("-inf"), tl.exp(pm - top[:, None]), 0.0)  # [H_PAD, SPLITS]
+            total = tl.zeros((H_PAD, VDIM_PAD), tl.float32)
+            for sp in tl.static_range(SPLITS):
+                w_sp = tl.sum(tl.where(s_idx[None, :] == sp, w, 0.0), axis=1)
+                part = tl.load(part_acc_ptr + (first_row + sp)[:, None] * VDIM_PAD + do[None, :],
+                               mask=gmask[:, None] & (do[None, :] * 0 + sp < active), other=0.0,
+                               cache_modifier=".cg")
+                total += part * w_sp[:, None]
+            out = total / tl.sum(pl * w, axis=1)[:, None]
+            tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + do[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & (do < VDIM)[None, :])
+            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 @dataclass(frozen=True)
@@ -365,6 +384,7 @@ def decode_attention_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
         HEADS=heads, GROUP=group, BLOCK_H=block_h, HEAD_BLOCKS=head_blocks, H_PAD=_pad(block_h), DA=da,
         DA_PAD=_pad(da), DB=dim - da, DB_PAD=_pad(dim - da), VDIM=vdim, VDIM_PAD=vdim_pad, V_IN_K=v_in_k,
         PAGE=cache.block_size, BLOCK_N=launch.block_n, SPLITS=splits, COMBINE=counters is not None,
+        MIN_SPLIT=-(-MIN_SPLIT_TOKENS // launch.block_n) * launch.block_n,
         DOT_FP32=_DOT_FP32, PREFETCH=launch.prefetch, num_warps=launch.warps, num_stages=launch.stages, **pdl_launch())
     if splits > 1 and counters is None:
         combine_splits(part_acc, part_m, part_l, out)

@@ -68,8 +68,14 @@ LOG2E = 1.4426950408889634
 #   against 768 (same record; a89add7's version, over all 32 splits, 1044-1060 us against 818-831:
 #   2026-12-05-spec-staged-round-smollm2-h200.json). The A/B: bench/graph_launch_probe.py --set
 #   models.layers.prefill_attention_triton.SPLIT_STORES_KV=False (or SPLIT_COMBINES=True).
+# MIN_SPLIT_TOKENS: a split takes at least this many keys (whole BLOCK_N tiles) of its tile's context, so a short
+#   context runs in fewer programs than the launch has splits (0: the context shared out among all of them, as
+#   many one-tile splits as it fills). The programs past the context's last split take none; with
+#   SPLIT_COMBINES they write nothing, and a context that one split covers is written out by that program
+#   alone (no partials, no combine).
 SPLIT_STORES_KV = True
 SPLIT_COMBINES = False
+MIN_SPLIT_TOKENS = 0
 # Triton's CPU interpreter (TRITON_INTERPRET=1, used by the CPU tests) multiplies bf16 matrices
 # wrongly; there the dots run on fp32 copies. Decided once, as Triton decides to interpret.
 _DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"
@@ -101,7 +107,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, 
                     BLOCK_Q_PAD: tl.constexpr, ROWS: tl.constexpr, DA: tl.constexpr, DA_PAD: tl.constexpr,
                     DB: tl.constexpr, DB_PAD: tl.constexpr, VDIM: tl.constexpr, VDIM_PAD: tl.constexpr,
                     V_IN_K: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                    NEW_KV: tl.constexpr, COMBINE: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                    NEW_KV: tl.constexpr, COMBINE: tl.constexpr, SPLITS_PAD: tl.constexpr, MIN_SPLIT: tl.constexpr,
                     HEADS: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr):
     pdl_open(PDL)
     # K's columns are part A (0..DA) and part B (DA..DA+DB, none when DB = 0); V_IN_K: V is part A.
@@ -145,7 +151,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, 
         hi = tl.where(first < q_end, tl.max(limit, axis=0) + 1, 0)  # 0: a tile past the new tokens
     # Split-KV (SPLIT: splits > 1): this program takes the split-th range of whole key tiles of 0..hi; the
     # first ``active`` splits get keys, the rest none (their partials weigh nothing)
-    split_tokens = tl.cdiv(tl.cdiv(hi, BLOCK_N), splits) * BLOCK_N
+    split_tokens = tl.maximum(tl.cdiv(tl.cdiv(hi, BLOCK_N), splits) * BLOCK_N, MIN_SPLIT)
     active = tl.cdiv(hi, tl.maximum(split_tokens, 1))
     lo = split * split_tokens
     hi = tl.minimum(hi, lo + split_tokens)
@@ -186,16 +192,20 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, 
     m = tl.full((ROWS,), float("-inf"), tl.float32)
     l_sum = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, VDIM_PAD), tl.float32)
+    # each tile's block-table lookup one tile ahead, so the pipelined K/V loads wait on no load of their own
+    ar = tl.arange(0, BLOCK_N)
+    slots_nxt = tl.load(bt_ptr + b * stride_bt + (lo + ar) // PAGE, mask=lo + ar < hi, other=0).to(tl.int64)
     for start in range(lo, hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
+        n = start + ar
         nmask = n < hi
         if NEW_KV:
             is_new = n >= new0
             cached = nmask & ~is_new
         else:
             cached = nmask
-        block = tl.load(bt_ptr + b * stride_bt + n // PAGE, mask=cached, other=0).to(tl.int64)
-        slots = block * PAGE + n % PAGE
+        slots = slots_nxt * PAGE + n % PAGE
+        slots_nxt = tl.load(bt_ptr + b * stride_bt + (n + BLOCK_N) // PAGE, mask=n + BLOCK_N < hi,
+                            other=0).to(tl.int64)
         kt = tl.load(kc_ptr + slots[:, None] * stride_kcs + h * stride_kch + da[None, :],
                      mask=cached[:, None] & damask[None, :], other=0.0)
         if NEW_KV:
@@ -252,36 +262,45 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, 
         out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]  # l_sum = 0: a tile past the new tokens (not stored)
         tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + do[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & (do < VDIM)[None, :])
-    else:  # partials [T, HEADS, SPLITS, ...] with m in natural-log units; a split seeing none of a row: -inf, 0
+    elif not COMBINE:  # partials [T, HEADS, SPLITS, ...], m in natural-log units; a split seeing none of a row: -inf, 0
         row = (tok * HEADS + heads) * splits + split
         tl.store(part_m_ptr + row, m * 0.6931471805599453, mask=rmask)
         tl.store(part_l_ptr + row, l_sum, mask=rmask)
         tl.store(part_acc_ptr + row[:, None] * VDIM_PAD + do[None, :], acc, mask=rmask[:, None])
-        if COMBINE:  # the last split of this (query tile, KV head, head block) to finish combines them all
-            tl.debug_barrier()
-            tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-            arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            if arrived == splits - 1:
-                first_row = (tok * HEADS + heads) * splits
-                s_idx = tl.arange(0, SPLITS_PAD)
-                smask = rmask[:, None] & (s_idx < splits)[None, :]
-                pm = tl.load(part_m_ptr + first_row[:, None] + s_idx[None, :], mask=smask, other=float("-inf"),
-                             cache_modifier=".cg")
-                pl = tl.load(part_l_ptr + first_row[:, None] + s_idx[None, :], mask=smask, other=0.0,
-                             cache_modifier=".cg")
-                top = tl.max(pm, axis=1)
-                w = tl.where(pm > float("-inf"), tl.exp(pm - top[:, None]), 0.0)  # [ROWS, SPLITS_PAD]
-                total = tl.zeros((ROWS, VDIM_PAD), tl.float32)
-                for sp in range(0, active):  # the splits that saw keys (the others weigh 0)
-                    w_sp = tl.sum(tl.where(s_idx[None, :] == sp, w, 0.0), axis=1)
-                    part = tl.load(part_acc_ptr + (first_row + sp)[:, None] * VDIM_PAD + do[None, :],
-                                   mask=rmask[:, None], other=0.0, cache_modifier=".cg")
-                    total += part * w_sp[:, None]
-                denom = tl.sum(pl * w, axis=1)
-                out = total / tl.where(denom > 0, denom, 1.0)[:, None]
-                tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + do[None, :],
-                         out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & (do < VDIM)[None, :])
-                tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+    elif active == 1:  # one split covers the context: it writes the rows out (the others took no key)
+        if split == 0:
+            out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+            tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + do[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & (do < VDIM)[None, :])
+    elif split < active:  # the last of the tile's ``active`` splits to finish combines them
+        row = (tok * HEADS + heads) * splits + split
+        tl.store(part_m_ptr + row, m * 0.6931471805599453, mask=rmask)
+        tl.store(part_l_ptr + row, l_sum, mask=rmask)
+        tl.store(part_acc_ptr + row[:, None] * VDIM_PAD + do[None, :], acc, mask=rmask[:, None])
+        tl.debug_barrier()
+        tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == active - 1:
+            first_row = (tok * HEADS + heads) * splits
+            s_idx = tl.arange(0, SPLITS_PAD)
+            smask = rmask[:, None] & (s_idx < active)[None, :]
+            pm = tl.load(part_m_ptr + first_row[:, None] + s_idx[None, :], mask=smask, other=float("-inf"),
+                         cache_modifier=".cg")
+            pl = tl.load(part_l_ptr + first_row[:, None] + s_idx[None, :], mask=smask, other=0.0,
+                         cache_modifier=".cg")
+            top = tl.max(pm, axis=1)
+            w = tl.where(pm > float("-inf"), tl.exp(pm - top[:, None]), 0.0)  # [ROWS, SPLITS_PAD]
+            total = tl.zeros((ROWS, VDIM_PAD), tl.float32)
+            for sp in range(0, active):
+                w_sp = tl.sum(tl.where(s_idx[None, :] == sp, w, 0.0), axis=1)
+                part = tl.load(part_acc_ptr + (first_row + sp)[:, None] * VDIM_PAD + do[None, :],
+                               mask=rmask[:, None], other=0.0, cache_modifier=".cg")
+                total += part * w_sp[:, None]
+            denom = tl.sum(pl * w, axis=1)
+            out = total / tl.where(denom > 0, denom, 1.0)[:, None]
+            tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + do[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & (do < VDIM)[None, :])
+            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 def tile_config(group: int, dim_pad: int, max_query_len: int, vdim_pad: int = 0) -> tuple[int, int, int, int, int]:
@@ -366,7 +385,8 @@ def paged_prefill_attention_triton(
         BLOCK_Q_PAD=triton.next_power_of_2(block_q), ROWS=rows, DA=da, DA_PAD=_pad(da),
         DB=dim - da, DB_PAD=_pad(dim - da), VDIM=vdim, VDIM_PAD=vdim_pad, V_IN_K=v_in_k, PAGE=cache.block_size,
         BLOCK_N=block_n, SPLIT=splits > 1, NEW_KV=new_kv, COMBINE=counters is not None,
-        SPLITS_PAD=triton.next_power_of_2(MAX_SPLITS), HEADS=heads, DOT_FP32=_DOT_FP32, num_warps=warps,
+        SPLITS_PAD=triton.next_power_of_2(MAX_SPLITS), MIN_SPLIT=-(-MIN_SPLIT_TOKENS // block_n) * block_n,
+        HEADS=heads, DOT_FP32=_DOT_FP32, num_warps=warps,
         num_stages=stages, **pdl_launch())
     if splits > 1 and counters is None:
         combine_splits(part_acc, part_m, part_l, out)
