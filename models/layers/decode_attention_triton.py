@@ -276,6 +276,8 @@ class DecodeLaunch:
 # registers, and the programs with splits it then aims at (more programs: ``num_splits``'s default, 512).
 FEW_PROGRAMS = 32
 PREFETCH_PROGRAMS = 256
+# Keys per tile of a launch of few programs (the A/B of longer splits, with MIN_SPLIT_TOKENS: --set ...=64).
+FEW_BLOCK_N = 32
 
 
 def decode_launch(programs: int, max_context: int, wide: bool = False) -> DecodeLaunch:
@@ -300,7 +302,8 @@ def decode_launch(programs: int, max_context: int, wide: bool = False) -> Decode
     if wide:
         return DecodeLaunch(32, 4, 2, num_splits(programs, max_context, 32), combine_in_kernel=False)
     if programs <= FEW_PROGRAMS:
-        return DecodeLaunch(32, 4, 2, num_splits(programs, max_context, 32, PREFETCH_PROGRAMS), prefetch=True)
+        return DecodeLaunch(FEW_BLOCK_N, 4, 2, num_splits(programs, max_context, FEW_BLOCK_N, PREFETCH_PROGRAMS),
+                            prefetch=True)
     return DecodeLaunch(32, 4, 3, num_splits(programs, max_context, 32))
 
 

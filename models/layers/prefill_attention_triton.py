@@ -76,6 +76,9 @@ LOG2E = 1.4426950408889634
 SPLIT_STORES_KV = True
 SPLIT_COMBINES = False
 MIN_SPLIT_TOKENS = 0
+# SPLIT_TILE: (keys per tile, warps, stages) of a split launch in place of ``tile_config``'s (None: its), so that
+#   a split of many keys walks them in fewer, wider tiles (the A/B: --set ...SPLIT_TILE="(128, 4, 2)").
+SPLIT_TILE: tuple[int, int, int] | None = None
 # Triton's CPU interpreter (TRITON_INTERPRET=1, used by the CPU tests) multiplies bf16 matrices
 # wrongly; there the dots run on fp32 copies. Decided once, as Triton decides to interpret.
 _DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"
@@ -363,6 +366,8 @@ def paged_prefill_attention_triton(
     num_seqs = meta.block_tables.shape[0]
     tiles = n // block_q + num_seqs  # every sequence's tiles, a few empty (tile_start)
     splits = num_splits(tiles * kv_heads * head_blocks, meta.block_tables.shape[1] * cache.block_size, block_n)
+    if splits > 1 and SPLIT_TILE is not None:
+        block_n, warps, stages = SPLIT_TILE
     new_kv = SPLIT_STORES_KV and splits > 1
     if new_kv and (k.stride(-1) != 1 or v.stride(-1) != 1):  # rows of k / v read in place
         k, v = k.contiguous(), v.contiguous()
