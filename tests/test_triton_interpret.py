@@ -474,23 +474,15 @@ def test_interp_decode_attention_shares_the_real_context_among_its_splits() -> N
     import fusedserve.models.layers.arrival_counters as arrival
     import fusedserve.models.layers.decode_attention_triton as decode_attention
 
-    # each split at least MIN_SPLIT_TOKENS keys: 48 (130 tokens in 3 splits, the others in one, written out by
-    # it) and 1024 (every context in one program)
+    # (contexts of 1 and 9 tokens fit one split of 16 keys: its program writes them out, no partials)
     outs = {}
-    try:
-        for fused, min_split, cut in ((True, 0, (16, 2, 1, 8)), (False, 0, (16, 2, 1, 8)), (True, 48, (16, 2, 1, 8)),
-                                      (False, 48, (16, 2, 1, 8)), (True, 1024, (16, 2, 1, 8)),
-                                      (True, 1024, (64, 4, 2, 8))):
-            decode_attention.FUSED_COMBINE, decode_attention.MIN_SPLIT_TOKENS = fused, min_split
-            cache = KVCache({0: kv.k[0].clone()}, {0: kv.v[0].clone()}, block, 160)
-            outs[fused, min_split, cut] = decode_attention_launch(q, k, v, 0, batch(cache), dim**-0.5,
-                                                                  DecodeLaunch(*cut, prefetch=cut[0] == 64))
-            assert torch.equal(cache.k[0], ref.k[0]) and torch.equal(cache.v[0], ref.v[0])
-    finally:
-        decode_attention.FUSED_COMBINE, decode_attention.MIN_SPLIT_TOKENS = True, 0
-    for key, out in outs.items():
-        _close(out, outs[False, 0, (16, 2, 1, 8)], 1e-3)
-        _close(out, want, 1e-2)
+    for fused in (True, False):
+        decode_attention.FUSED_COMBINE = fused
+        cache = KVCache({0: kv.k[0].clone()}, {0: kv.v[0].clone()}, block, 160)
+        outs[fused] = decode_attention_launch(q, k, v, 0, batch(cache), dim**-0.5, DecodeLaunch(16, 2, 1, 8))
+    decode_attention.FUSED_COMBINE = True
+    _close(outs[True], outs[False], 1e-3)
+    _close(outs[True], want, 1e-2)
     assert int(arrival._COUNTERS[torch.device("cpu")].abs().sum()) == 0
 
 
@@ -749,20 +741,14 @@ def test_interp_tree_tail_masks_in_the_prefill_kernel_equal_torch(rows: int) -> 
 
 @inner
 @pytest.mark.parametrize("tree", [False, True], ids=["chain-verify", "tree-verify"])
-@pytest.mark.parametrize(("combines", "min_split", "tile"),
-                         [(False, 0, None), (True, 0, None), (True, 128, None), (False, 128, None), (True, 8192, None),
-                          (True, 8192, (128, 4, 2))],
-                         ids=["combine-launch", "in-kernel", "in-kernel-min128", "combine-launch-min128",
-                              "in-kernel-one-split", "in-kernel-one-split-wide-tiles"])
-def test_interp_few_row_verify_splits_the_context_and_equals_torch(tree: bool, combines: bool, min_split: int,
-                                                                   tile: tuple[int, int, int] | None) -> None:
+@pytest.mark.parametrize("combines", [False, True], ids=["combine-launch", "in-kernel"])
+def test_interp_few_row_verify_splits_the_context_and_equals_torch(tree: bool, combines: bool) -> None:
     """A speculative verify has few query tiles, so the prefill kernel splits each context over several
     programs (split-KV, fixed by the block tables' width: 160 pages of 4 = 10 key tiles, 8 splits) and
     combines their partial softmax states. Contexts of 300 (the last split empty), 37 (one split's worth)
     and 6 (the new tokens alone); causal limits (a chain) or a tail mask (a tree). The splits combined by the
-    launch after or in the kernel (``SPLIT_COMBINES``), each split at least ``MIN_SPLIT_TOKENS`` keys (128: the
-    300-token context in 3 splits, the others in one; 8192: every context in one program, written out by it),
-    in 64-key tiles or 128 (``SPLIT_TILE``). Equal to the torch path."""
+    launch after or in the kernel (``SPLIT_COMBINES``: the last of a tile's active splits; a context one split
+    covers written out by that program alone). Equal to the torch path."""
     from fusedserve.models.forward_batch import ForwardBatch, KVCache, PagedAttentionMetadata
     from fusedserve.models.layers import prefill_attention_triton
     from fusedserve.models.layers.attention_splits_triton import num_splits
@@ -805,14 +791,13 @@ def test_interp_few_row_verify_splits_the_context_and_equals_torch(tree: bool, c
     tile_rows, block_h, block_n, _, _ = tile_config(group, 16, rows)
     assert num_splits((t // (tile_rows // block_h) + len(ctx)) * kv_heads, width * block, block_n) == 8
     ref = KVCache({0: kv.k[0].clone()}, {0: kv.v[0].clone()}, block, 200)
-    module = prefill_attention_triton
-    before = module.SPLIT_COMBINES, module.MIN_SPLIT_TOKENS, module.SPLIT_TILE
-    module.SPLIT_COMBINES, module.MIN_SPLIT_TOKENS, module.SPLIT_TILE = combines, min_split, tile
+    before = prefill_attention_triton.SPLIT_COMBINES
+    prefill_attention_triton.SPLIT_COMBINES = combines
     try:
         got = paged_prefill_attention_triton(q, k, v, 0, batch(kv), dim**-0.5)
         again = paged_prefill_attention_triton(q, k, v, 0, batch(kv), dim**-0.5)  # the arrival counters reset
     finally:
-        module.SPLIT_COMBINES, module.MIN_SPLIT_TOKENS, module.SPLIT_TILE = before
+        prefill_attention_triton.SPLIT_COMBINES = before
     want = paged_attention_torch(q, k, v, 0, batch(ref), dim**-0.5)
     _close(got, want, 1e-2)
     assert torch.equal(got, again)

@@ -43,12 +43,6 @@ from .prefill_attention_triton import paged_prefill_attention_triton
 # 4.33, batch 64 within noise, batch 1 4.07 vs 4.00 (2026-12-03-decode-rows-fused-combine-ab-h200.json).
 # False: the separate combine (bench/decode_engine.py --separate-combine, the A/B).
 FUSED_COMBINE = True
-# A split takes at least this many keys (whole tiles) of the real context, so a short context runs in fewer
-# programs than the launch has splits; the others take none. With the combine in the kernel they write nothing,
-# and a context one split covers is written out by that program alone (no partials, no combine). 0: the context
-# shared out among all the splits, one tile each at least (the A/B: bench/graph_launch_probe.py --set
-# models.layers.decode_attention_triton.MIN_SPLIT_TOKENS=256).
-MIN_SPLIT_TOKENS = 0
 # Accumulator elements of one program ([heads, V dim] fp32): bounds the heads a program takes.
 ACC_ELEMENTS = 8192
 # Triton's CPU interpreter (TRITON_INTERPRET=1, used by the CPU tests) multiplies bf16 matrices
@@ -129,8 +123,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, p
                    HEAD_BLOCKS: tl.constexpr, H_PAD: tl.constexpr, DA: tl.constexpr, DA_PAD: tl.constexpr,
                    DB: tl.constexpr, DB_PAD: tl.constexpr, VDIM: tl.constexpr, VDIM_PAD: tl.constexpr,
                    V_IN_K: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                   COMBINE: tl.constexpr, MIN_SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, PREFETCH: tl.constexpr,
-                   PDL: tl.constexpr):
+                   COMBINE: tl.constexpr, DOT_FP32: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
     pdl_open(PDL)
     # K's columns are part A (0..DA) and part B (DA..DA+DB, none when DB = 0); V_IN_K: V is part A.
     ctx = tl.load(ctx_ptr + tl.program_id(0))
@@ -141,7 +134,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, p
     last = ctx - 1
     # The splits share this sequence's real context (whole tiles each): a captured batch's SPLITS follow its
     # longest possible context, the work the context it has.
-    split_tokens = tl.maximum(tl.cdiv(tl.cdiv(ctx, BLOCK_N), SPLITS) * BLOCK_N, MIN_SPLIT)
+    split_tokens = tl.cdiv(tl.cdiv(ctx, BLOCK_N), SPLITS) * BLOCK_N
     active = tl.cdiv(ctx, split_tokens)  # the splits that take keys (split 0 always: ctx >= 1)
     first = split * split_tokens
     end = tl.minimum(ctx, first + split_tokens)
@@ -276,8 +269,6 @@ class DecodeLaunch:
 # registers, and the programs with splits it then aims at (more programs: ``num_splits``'s default, 512).
 FEW_PROGRAMS = 32
 PREFETCH_PROGRAMS = 256
-# Keys per tile of a launch of few programs (the A/B of longer splits, with MIN_SPLIT_TOKENS: --set ...=64).
-FEW_BLOCK_N = 32
 
 
 def decode_launch(programs: int, max_context: int, wide: bool = False) -> DecodeLaunch:
@@ -302,8 +293,7 @@ def decode_launch(programs: int, max_context: int, wide: bool = False) -> Decode
     if wide:
         return DecodeLaunch(32, 4, 2, num_splits(programs, max_context, 32), combine_in_kernel=False)
     if programs <= FEW_PROGRAMS:
-        return DecodeLaunch(FEW_BLOCK_N, 4, 2, num_splits(programs, max_context, FEW_BLOCK_N, PREFETCH_PROGRAMS),
-                            prefetch=True)
+        return DecodeLaunch(32, 4, 2, num_splits(programs, max_context, 32, PREFETCH_PROGRAMS), prefetch=True)
     return DecodeLaunch(32, 4, 3, num_splits(programs, max_context, 32))
 
 
@@ -387,7 +377,6 @@ def decode_attention_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
         HEADS=heads, GROUP=group, BLOCK_H=block_h, HEAD_BLOCKS=head_blocks, H_PAD=_pad(block_h), DA=da,
         DA_PAD=_pad(da), DB=dim - da, DB_PAD=_pad(dim - da), VDIM=vdim, VDIM_PAD=vdim_pad, V_IN_K=v_in_k,
         PAGE=cache.block_size, BLOCK_N=launch.block_n, SPLITS=splits, COMBINE=counters is not None,
-        MIN_SPLIT=-(-MIN_SPLIT_TOKENS // launch.block_n) * launch.block_n,
         DOT_FP32=_DOT_FP32, PREFETCH=launch.prefetch, num_warps=launch.warps, num_stages=launch.stages, **pdl_launch())
     if splits > 1 and counters is None:
         combine_splits(part_acc, part_m, part_l, out)

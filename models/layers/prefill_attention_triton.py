@@ -66,19 +66,14 @@ LOG2E = 1.4426950408889634
 #   the splits that saw keys, one [rows, V] partial at a time; False: ``_combine_kernel``, a launch after, one
 #   program per (token, head) reading all its splits at once. Off: with the former on it made that verify 817 us
 #   against 768 (same record; a89add7's version, over all 32 splits, 1044-1060 us against 818-831:
-#   2026-12-05-spec-staged-round-smollm2-h200.json). The A/B: bench/graph_launch_probe.py --set
+#   2026-12-05-spec-staged-round-smollm2-h200.json). Combining over the active splits only, the programs past
+#   them writing nothing and a context one split covers written out by it, it still made the verify 818 against
+#   787-792 us on an H100; splits of at least 256 / 512 / 8192 keys (64-, 128- or 256-key tiles; one program a
+#   tile at 8192: no combine at all) 789-844 us (2026-12-05-attention-splits-sweep-smollm2-h100.json). The
+#   A/B: bench/graph_launch_probe.py --set
 #   models.layers.prefill_attention_triton.SPLIT_STORES_KV=False (or SPLIT_COMBINES=True).
-# MIN_SPLIT_TOKENS: a split takes at least this many keys (whole BLOCK_N tiles) of its tile's context, so a short
-#   context runs in fewer programs than the launch has splits (0: the context shared out among all of them, as
-#   many one-tile splits as it fills). The programs past the context's last split take none; with
-#   SPLIT_COMBINES they write nothing, and a context that one split covers is written out by that program
-#   alone (no partials, no combine).
 SPLIT_STORES_KV = True
 SPLIT_COMBINES = False
-MIN_SPLIT_TOKENS = 0
-# SPLIT_TILE: (keys per tile, warps, stages) of a split launch in place of ``tile_config``'s (None: its), so that
-#   a split of many keys walks them in fewer, wider tiles (the A/B: --set ...SPLIT_TILE="(128, 4, 2)").
-SPLIT_TILE: tuple[int, int, int] | None = None
 # Triton's CPU interpreter (TRITON_INTERPRET=1, used by the CPU tests) multiplies bf16 matrices
 # wrongly; there the dots run on fp32 copies. Decided once, as Triton decides to interpret.
 _DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"
@@ -110,7 +105,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, 
                     BLOCK_Q_PAD: tl.constexpr, ROWS: tl.constexpr, DA: tl.constexpr, DA_PAD: tl.constexpr,
                     DB: tl.constexpr, DB_PAD: tl.constexpr, VDIM: tl.constexpr, VDIM_PAD: tl.constexpr,
                     V_IN_K: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                    NEW_KV: tl.constexpr, COMBINE: tl.constexpr, SPLITS_PAD: tl.constexpr, MIN_SPLIT: tl.constexpr,
+                    NEW_KV: tl.constexpr, COMBINE: tl.constexpr, SPLITS_PAD: tl.constexpr,
                     HEADS: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr):
     pdl_open(PDL)
     # K's columns are part A (0..DA) and part B (DA..DA+DB, none when DB = 0); V_IN_K: V is part A.
@@ -154,7 +149,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, 
         hi = tl.where(first < q_end, tl.max(limit, axis=0) + 1, 0)  # 0: a tile past the new tokens
     # Split-KV (SPLIT: splits > 1): this program takes the split-th range of whole key tiles of 0..hi; the
     # first ``active`` splits get keys, the rest none (their partials weigh nothing)
-    split_tokens = tl.maximum(tl.cdiv(tl.cdiv(hi, BLOCK_N), splits) * BLOCK_N, MIN_SPLIT)
+    split_tokens = tl.cdiv(tl.cdiv(hi, BLOCK_N), splits) * BLOCK_N
     active = tl.cdiv(hi, tl.maximum(split_tokens, 1))
     lo = split * split_tokens
     hi = tl.minimum(hi, lo + split_tokens)
@@ -366,8 +361,6 @@ def paged_prefill_attention_triton(
     num_seqs = meta.block_tables.shape[0]
     tiles = n // block_q + num_seqs  # every sequence's tiles, a few empty (tile_start)
     splits = num_splits(tiles * kv_heads * head_blocks, meta.block_tables.shape[1] * cache.block_size, block_n)
-    if splits > 1 and SPLIT_TILE is not None:
-        block_n, warps, stages = SPLIT_TILE
     new_kv = SPLIT_STORES_KV and splits > 1
     if new_kv and (k.stride(-1) != 1 or v.stride(-1) != 1):  # rows of k / v read in place
         k, v = k.contiguous(), v.contiguous()
@@ -390,8 +383,7 @@ def paged_prefill_attention_triton(
         BLOCK_Q_PAD=triton.next_power_of_2(block_q), ROWS=rows, DA=da, DA_PAD=_pad(da),
         DB=dim - da, DB_PAD=_pad(dim - da), VDIM=vdim, VDIM_PAD=vdim_pad, V_IN_K=v_in_k, PAGE=cache.block_size,
         BLOCK_N=block_n, SPLIT=splits > 1, NEW_KV=new_kv, COMBINE=counters is not None,
-        SPLITS_PAD=triton.next_power_of_2(MAX_SPLITS), MIN_SPLIT=-(-MIN_SPLIT_TOKENS // block_n) * block_n,
-        HEADS=heads, DOT_FP32=_DOT_FP32, num_warps=warps,
+        SPLITS_PAD=triton.next_power_of_2(MAX_SPLITS), HEADS=heads, DOT_FP32=_DOT_FP32, num_warps=warps,
         num_stages=stages, **pdl_launch())
     if splits > 1 and counters is None:
         combine_splits(part_acc, part_m, part_l, out)
