@@ -236,8 +236,8 @@ def regenerate(opts: TrainOptions, prompts: list[Messages], deadline: float, pro
         as many new ones as there are free places; 0: each place as it frees up. A step that prefills runs
         eagerly (no captured shape): admitted one by one, about a quarter of the steps prefilled (responses of
         ~250 tokens, 64 sequences: ~0.26 finish a step), and the regeneration ran at ~8 400 tokens/s on the
-        H200 (2026-12-04); in waves of half the sequences one step in ~100 does (not yet timed: the log's
-        tokens_per_s shows it)."""
+        H200 (2026-12-04); in waves of half the sequences one step in ~100 does, and every ShareGPT turn ran at
+        ~15 100 tokens/s on an H100 (2026-12-05-regen-waves-turns-all-smollm2-h100.json)."""
         free = seqs - len(queued)
         if waiting and (free >= max(1, round(opts.admit_wave * seqs)) or not queued):
             for _ in range(min(free, len(waiting))):
