@@ -90,7 +90,7 @@ def dot(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: tuple[int, int, 
                                                 w.stride(0), y.stride(0), BLOCK_N=bn,
                                                 BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_K=bk, SPLIT_K=1,
                                                 HAS_BIAS=False, DOT_FP32=False, EPILOGUE=0, HEAD_DIM=2,
-                                                ONE_TILE=bk >= w.shape[1], PDL=pdl,
+                                                ONE_TILE=bk >= w.shape[1], PREFETCH_LINES=0, LINE=64, PDL=pdl,
                                                 num_stages=stages, num_warps=warps, **_pdl(pdl))
 
 

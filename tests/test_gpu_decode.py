@@ -91,12 +91,20 @@ def test_triton_kernels_equal_references() -> None:
     for n in (1, 16, 64):
         logits = torch.randn(n, 128256, device=dev, dtype=bf, generator=g) * 4
         assert torch.equal(argmax_triton(logits), logits.float().argmax(dim=-1)), n
-    # SmolLM2-135M's widths (576, 1536): the GEMV's masked tail at one row, the GEMM's 64-wide K steps at more
+    # SmolLM2-135M's widths (576, 1536): the GEMV's masked tail at one row, the GEMM's 64-wide K steps at more;
+    # at 2..16 rows with the weight slice asked of L2 before the wait too (L2_PREFETCH_K_MAX: the same sums)
+    import fusedserve.models.layers.linear_triton as lt
     for out_f, in_f in ((960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)):
         w = torch.randn(out_f, in_f, device=dev, dtype=bf, generator=g) * 0.02
         for n in (1, 6, 64):
             xin = torch.randn(n, in_f, device=dev, dtype=bf, generator=g)
-            assert _rel(decode_linear(xin, w), torch.nn.functional.linear(xin, w)) < 1e-2, (n, out_f, in_f)
+            got = decode_linear(xin, w)
+            assert _rel(got, torch.nn.functional.linear(xin, w)) < 1e-2, (n, out_f, in_f)
+            before, lt.L2_PREFETCH_K_MAX = lt.L2_PREFETCH_K_MAX, 2048
+            try:
+                assert torch.equal(decode_linear(xin, w), got), (n, out_f, in_f)
+            finally:
+                lt.L2_PREFETCH_K_MAX = before
 
     # decode attention: GQA 32/8, head_dim 128, contexts across several kernel tiles, scattered blocks
     ctx = [1, 17, 64, 65, 300, 1000]

@@ -82,28 +82,36 @@ KERNELS: dict[str, tuple[Any, dict[str, Any], dict[str, str]]] = {
                 {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32"}),
     "decode_gemm": (linear_triton._decode_gemm_kernel,
                     {"BLOCK_N": 64, "BLOCK_M": 16, "BLOCK_K": 128, "SPLIT_K": 1, "HAS_BIAS": False, "DOT_FP32": False,
-                     "EPILOGUE": linear_triton.EPILOGUE_PLAIN, "HEAD_DIM": 2, "ONE_TILE": False},
+                     "EPILOGUE": linear_triton.EPILOGUE_PLAIN, "HEAD_DIM": 2, "ONE_TILE": False,
+                     "PREFETCH_LINES": 0, "LINE": 64},
                     {}),
     # a small model's width (K 576 in one masked tile of 1024): the weights read before the wait, as the GEMV's
     "decode_gemm_one_tile": (linear_triton._decode_gemm_kernel,
                              {"BLOCK_N": 16, "BLOCK_M": 16, "BLOCK_K": 1024, "SPLIT_K": 1, "HAS_BIAS": False,
                               "DOT_FP32": False, "EPILOGUE": linear_triton.EPILOGUE_ROPE, "HEAD_DIM": 64,
-                              "ONE_TILE": True},
+                              "ONE_TILE": True, "PREFETCH_LINES": 0, "LINE": 64},
                              {"pos_ptr": "*i64", "inv_ptr": "*fp32"}),
     "decode_gemm_split_k": (linear_triton._decode_gemm_kernel,
                             {"BLOCK_N": 64, "BLOCK_M": 64, "BLOCK_K": 128, "SPLIT_K": 2, "HAS_BIAS": True,
                              "DOT_FP32": False, "EPILOGUE": linear_triton.EPILOGUE_PLAIN, "HEAD_DIM": 2,
-                             "ONE_TILE": False},
+                             "ONE_TILE": False, "PREFETCH_LINES": 0, "LINE": 64},
                             {"ws_ptr": "*fp32", "cnt_ptr": "*i32"}),
     "decode_gemm_rope": (linear_triton._decode_gemm_kernel,
                          {"BLOCK_N": 64, "BLOCK_M": 64, "BLOCK_K": 128, "SPLIT_K": 1, "HAS_BIAS": True,
                           "DOT_FP32": False, "EPILOGUE": linear_triton.EPILOGUE_ROPE, "HEAD_DIM": 128,
-                          "ONE_TILE": False},
+                          "ONE_TILE": False, "PREFETCH_LINES": 0, "LINE": 64},
                          {"pos_ptr": "*i64", "inv_ptr": "*fp32"}),
+    # a small model's width at 8 rows (SmolLM2's qkv, K 576: 9 lines of 64 bf16 a row), its weight slice asked
+    # of L2 before the wait (``L2_PREFETCH_K_MAX``): a prefetch, not a load
+    "decode_gemm_l2_prefetch": (linear_triton._decode_gemm_kernel,
+                                {"BLOCK_N": 64, "BLOCK_M": 16, "BLOCK_K": 64, "SPLIT_K": 1, "HAS_BIAS": False,
+                                 "DOT_FP32": False, "EPILOGUE": linear_triton.EPILOGUE_ROPE, "HEAD_DIM": 64,
+                                 "ONE_TILE": False, "PREFETCH_LINES": 16, "LINE": 64},
+                                {"pos_ptr": "*i64", "inv_ptr": "*fp32"}),
     "decode_gemm_silu": (linear_triton._decode_gemm_kernel,
                          {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 128, "SPLIT_K": 1, "HAS_BIAS": False,
                           "DOT_FP32": False, "EPILOGUE": linear_triton.EPILOGUE_SILU, "HEAD_DIM": 2,
-                          "ONE_TILE": False},
+                          "ONE_TILE": False, "PREFETCH_LINES": 0, "LINE": 64},
                          {}),
     # a chain verify's split launch (new K/V stored and read from k / v, splits combined in the kernel), and a
     # prompt's unsplit one (the K/V stored before it): GQA 9 / 3, head dim 64 (SmolLM2)
@@ -176,6 +184,17 @@ def test_pdl_kernel_waits_before_it_touches_what_other_kernels_write(name: str) 
         assert loads[-1] > waits[0], f"{name}: every load before the wait (x too)"
     else:
         assert loads[0] > waits[0], f"{name}: a global load before griddepcontrol.wait:\n{ptx[loads[0]]}"
+
+
+def test_small_decode_gemm_asks_l2_for_its_weights_before_the_wait() -> None:
+    """``L2_PREFETCH_K_MAX``: one prefetch a line of the program's weight slice (16 lines a row: the 9 of K 576
+    padded, the padding lines repeating the first), all of them before griddepcontrol.wait, no load there."""
+    fn, constexprs, types = KERNELS["decode_gemm_l2_prefetch"]
+    ptx = hopper_ptx(fn, {**constexprs, "PDL": True}, types)
+    wait = next(i for i, line in enumerate(ptx) if "griddepcontrol.wait" in line)
+    prefetches = [i for i, line in enumerate(ptx) if "prefetch.global.L2" in line]
+    assert prefetches and prefetches[-1] < wait
+    assert len(prefetches) * 128 >= 64 * 16  # a [64 rows, 16 lines] slice over 4 warps: 8 a thread at least
 
 
 @pytest.mark.parametrize("name", ["add_rms_norm", "decode_gemm", "decode_gemm_split_k", "gemv"])

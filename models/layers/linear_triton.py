@@ -250,7 +250,7 @@ def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, pos_ptr, in
                         stride_xm, stride_wn, stride_ym, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                         DOT_FP32: tl.constexpr, EPILOGUE: tl.constexpr, HEAD_DIM: tl.constexpr, ONE_TILE: tl.constexpr,
-                        PDL: tl.constexpr):
+                        PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr):
     """A decode batch's matmul on tensor cores with the operands swapped: y^T [BLOCK_N, BLOCK_M] = W_tile x^T,
     so BLOCK_N rows of W fill the MMA's wide side and the batch's M <= BLOCK_M rows of x its narrow side; a
     program per BLOCK_N outputs, K in BLOCK_K steps (Triton pipelines the loads), fp32 sums. Under PDL it
@@ -288,6 +288,13 @@ def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, pos_ptr, in
         else:
             acc = tl.dot(w, x)
     else:
+        if PREFETCH_LINES > 0:  # the program's weight slice asked of L2 (a hint: no load, nothing held)
+            k0 = tl.program_id(1) * (K // SPLIT_K)
+            li = tl.arange(0, PREFETCH_LINES) * LINE
+            col = k0 + tl.where(li < K // SPLIT_K, li, 0)
+            tl.inline_asm_elementwise(asm="prefetch.global.L2 [$1];\n mov.u32 $0, 0;", constraints="=r,l",
+                                      args=[w_ptr + rn[:, None] * stride_wn + col[None, :]], dtype=tl.int32,
+                                      is_pure=False, pack=1)
         pdl_release(PDL)
         pdl_wait(PDL)
         k_range = K // SPLIT_K
@@ -327,6 +334,15 @@ GEMM_ROWS = 64
 # models.layers.linear_triton.ONE_TILE_K_MAX=0). Below ONE_TILE_K_MIN the loop's table was as fast or faster.
 ONE_TILE_K_MIN = 1024
 ONE_TILE_K_MAX = 2048
+# A decode GEMM of at most 16 rows over K <= L2_PREFETCH_K_MAX (a small model's widths: SmolLM2's 576 and 1536)
+# asks L2 for its program's whole [BLOCK_N, K] weight slice before the PDL wait — one prefetch instruction a
+# 128-byte line, nothing held in registers, so Triton's pipelined K loop stays as it is — and the loop after the
+# wait reads L2 while the kernel before still runs. 0: off, until a GPU times it: SmolLM2's 8-row verify
+# spends ~194 us over the one-row plain step outside its attention, mostly in these matmuls, whose weights the
+# one-row GEMV reads before the wait and they after it (2026-12-05-attention-splits-sweep-smollm2-h100.json).
+# The A/B: --set models.layers.linear_triton.L2_PREFETCH_K_MAX=2048.
+L2_PREFETCH_K_MAX = 0
+LINE_BYTES = 128
 
 
 def decode_gemm_tile(m: int, n: int, k: int) -> tuple[int, int, int, int] | None:
@@ -396,11 +412,15 @@ def _launch_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         splits, counters = 1, weight
     ws = torch.empty((splits, n, block_m), dtype=torch.float32, device=x.device) if splits > 1 else weight
     positions, inv_freq, rope_width = rope if rope is not None else (weight, weight, 0)
+    line = LINE_BYTES // weight.element_size()  # elements a 128-byte line
+    prefetch = (0 if _DOT_FP32 or m > 16 or k > L2_PREFETCH_K_MAX or block_k >= k
+                else triton.next_power_of_2(-(-(k // splits) // line)))
     _decode_gemm_kernel[(n // block_n, splits)](
         x, weight, bias if bias is not None else weight, y, ws, counters, positions, inv_freq, m, n, k, inter,
         rope_width, x.stride(0), weight.stride(0), y.stride(0), BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_K=block_k,
         SPLIT_K=splits, HAS_BIAS=bias is not None, DOT_FP32=_DOT_FP32, EPILOGUE=epilogue,
-        HEAD_DIM=2 * inv_freq.shape[0] if rope is not None else 2, ONE_TILE=block_k >= k, num_stages=stages,
+        HEAD_DIM=2 * inv_freq.shape[0] if rope is not None else 2, ONE_TILE=block_k >= k,
+        PREFETCH_LINES=prefetch, LINE=line, num_stages=stages,
         num_warps=warps,
         **pdl_launch())
     return y
