@@ -343,6 +343,11 @@ ONE_TILE_K_MAX = 2048
 # The A/B: --set models.layers.linear_triton.L2_PREFETCH_K_MAX=2048.
 L2_PREFETCH_K_MAX = 0
 LINE_BYTES = 128
+# SMALL_K_TILE: (block_n, block_k, stages, warps) of the K loop at <= 16 rows and K <= ONE_TILE_K_MIN in place of
+# the table's (64, 64, 6, 4) — narrower blocks (more programs on a small matmul) or deeper pipelines (every K step
+# of K 576 in flight at once), for the same probe (--set "models.layers.linear_triton.SMALL_K_TILE=(32,64,6,4)");
+# None: the table. Not yet measured.
+SMALL_K_TILE: tuple[int, int, int, int] | None = None
 
 
 def decode_gemm_tile(m: int, n: int, k: int) -> tuple[int, int, int, int] | None:
@@ -365,6 +370,9 @@ def decode_gemm_tile(m: int, n: int, k: int) -> tuple[int, int, int, int] | None
         return None
     if m <= 16 and ONE_TILE_K_MIN < k <= ONE_TILE_K_MAX and n % 16 == 0:
         return 16, triton.next_power_of_2(k), 1, 4
+    if SMALL_K_TILE is not None and m <= 16 and k <= ONE_TILE_K_MIN and n % SMALL_K_TILE[0] == 0 \
+            and k % SMALL_K_TILE[1] == 0:
+        return SMALL_K_TILE
     block_k = 128 if k % 128 == 0 else 64
     block_n = 128 if m > 16 and n >= 16384 else 64
     if k % block_k or n % block_n:
