@@ -40,6 +40,9 @@
 #                                           this tree's package and tmp/old's, a `git archive` of another commit,
 #                                           carried as tmp) alternated in one lease (bench/ab_packages.sh)
 #                                           -> $OUT/<variant>-<i>.json
+#   bash bench/gpu_real.sh probes V1 V2 ... bench/graph_launch_probe.py --timeline per variant (each a quoted string
+#                                           of --set / --drop arguments, "" the defaults), alternated over ROUNDS
+#                                           (2) rounds, one table of them (bench/probe_table.py) -> $OUT/probe-table.json
 #   bash bench/gpu_real.sh tests [ARGS]     the -m gpu suite (FlashInfer staged) -> $OUT/gpu-tests.xml (junit)
 #   bash bench/gpu_real.sh growth [ARGS]    bench/tree_growth_gpu.py ARGS (no model needed) -> $OUT/tree-growth.json
 #   bash bench/gpu_real.sh handoff [ARGS]   bench/output_handoff.py ARGS on /tmp/real/smollm2, plain and chain-7
@@ -83,7 +86,7 @@
 # (e.g. flashinfer-aot-attention-*.tar.gz with part1 part2, flashinfer-aot-0*.tar.gz with part3 part4, the four
 # wheels with the call that runs), and the first command that lays the package out installs them.
 set -euo pipefail
-cmd=${1:?usage: gpu_real.sh stage|train|regen|bench|ab|probe|handoff|growth|decode|serve|tests [args]}
+cmd=${1:?usage: gpu_real.sh stage|train|regen|bench|ab|probe|probes|handoff|growth|decode|serve|tests [args]}
 shift
 T=${GPU_REAL_TMP:-/tmp}  # where the staged files live (the device: /tmp)
 R=$T/real
@@ -183,6 +186,25 @@ case "$cmd" in
     layout; model
     draft=$R/draft; [ -d "$draft" ] || draft=$PWD/examples/checkpoints/smollm2-eagle3
     python3 -P bench/graph_launch_probe.py --target "$R/smollm2" --draft "$draft" --out "$OUT/graph-launch.json" "$@"
+    ;;
+  probes)  # graph_launch_probe --timeline once per variant, the variants alternated over ROUNDS (default 2) rounds;
+          # each argument is one variant's --set / --drop arguments in one string ("" = the defaults), e.g.
+          #   bash bench/gpu_real.sh probes "" "--set models.layers.linear_triton.L2_PREFETCH_K_MAX=2048"
+          # -> $OUT/probe-<round>-<variant>/graph-launch.json (and .log) and bench/probe_table.py's table of
+          # them, $OUT/probe-table.json (CONFIGS: the configurations, default none,chain-7; PROBE_S: a run's limit)
+    layout; model
+    draft=$R/draft; [ -d "$draft" ] || draft=$PWD/examples/checkpoints/smollm2-eagle3
+    for round in $(seq 1 "${ROUNDS:-2}"); do
+      i=0
+      for variant in "$@"; do
+        i=$((i + 1)); d="$OUT/probe-$round-$i"; mkdir -p "$d"
+        # shellcheck disable=SC2086  # a variant: several arguments in one string
+        timeout "${PROBE_S:-90}" python3 -P bench/graph_launch_probe.py --target "$R/smollm2" --draft "$draft" \
+          --configs "${CONFIGS:-none,chain-7}" --timeline $variant --out "$d/graph-launch.json" > "$d/log" 2>&1 \
+          || echo "probes: variant $i ($variant), round $round failed: $d/log" >&2
+      done
+    done
+    python3 bench/probe_table.py "$OUT"/probe-*/graph-launch.json --out "$OUT/probe-table.json"
     ;;
   handoff)  # bench/output_handoff.py on SmolLM2 (plain, then chain-7 with the draft) -> $OUT/output-handoff{,-chain-7}.json
     layout; model

@@ -225,3 +225,46 @@ def test_dropped_kernels_leave_their_step_and_unknown_kinds_are_refused(monkeypa
     assert attention_module.paged_decode_attention_triton is decode
     with pytest.raises(SystemExit, match="--drop takes"):
         drop_kernels("matmul")
+
+
+def _probe_record(settings: dict[str, Any], plain_us: float, verify_us: float, steps: int,
+                  machine: str = "1x NVIDIA H100 80GB HBM3") -> dict[str, Any]:
+    """A graph_launch_probe --timeline record, as much of it as bench/probe_table.py reads."""
+    def config(replays: list[tuple[str, float]], n: int) -> dict[str, Any]:
+        return {"engine_steps": n, "timeline": {"replays": [{"graph": g, "gpu_us": us} for g, us in replays]}}
+    shape = "StepShape(batch=1, tokens={}, tail=0, last_only=False, hidden=0, chain={})"
+    return {"machine": machine, "settings": settings, "dropped_kernels": [],
+            "configs": {"none": config([("target " + shape.format(1, 0), plain_us)], 257),
+                        "chain-7": config([("target " + shape.format(8, 0), verify_us),
+                                           ("draft " + shape.format(8, 6), 250.0)], steps)}}
+
+
+def test_probe_table_groups_alternated_variants_and_takes_medians(tmp_path: Path) -> None:
+    """bench/probe_table.py over an alternated A/B (bench/gpu_real.sh probes): a variant's records grouped by
+    what they set, each graph's median over them, the busy time against the first variant's, the engine
+    steps kept per record; records of two machines are tabled but flagged."""
+    sys.path.insert(0, str(REPO_ROOT / "bench"))
+    try:
+        import probe_table
+    finally:
+        sys.path.remove(str(REPO_ROOT / "bench"))
+    on = {"models.layers.linear_triton.L2_PREFETCH_K_MAX": 2048}
+    records = [_probe_record({}, 510.0, 790.0, 80), _probe_record(on, 512.0, 760.0, 80),
+               _probe_record({}, 514.0, 792.0, 80), _probe_record(on, 508.0, 750.0, 81)]
+    rows = probe_table.table(records)
+    assert list(rows) == ["(defaults)", "models.layers.linear_triton.L2_PREFETCH_K_MAX=2048"]
+    base, new = rows["(defaults)"], rows["models.layers.linear_triton.L2_PREFETCH_K_MAX=2048"]
+    assert base["chain-7"]["graphs"]["target batch=1 tokens=8 chain=0"] == {
+        "median_us": 791.0, "min_us": 790.0, "max_us": 792.0, "runs": 2}
+    assert base["chain-7"]["busy_us"] == 1041.0 and new["chain-7"]["busy_us"] == 1005.0
+    assert new["chain-7"]["busy_vs_first_us"] == -36.0 and new["chain-7"]["steps"] == [80, 81]
+    assert new["none"]["busy_vs_first_us"] == -2.0
+    paths = []
+    for i, r in enumerate([*records, _probe_record({}, 500.0, 700.0, 80, machine="1x NVIDIA H200")]):
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps(r))
+    done = _bench("probe_table.py", *map(str, paths), "--out", str(tmp_path / "table.json"))
+    assert done.returncode == 0, done.stderr
+    assert "records of 2 machines" in done.stderr and "(defaults)" in done.stdout
+    table = json.loads((tmp_path / "table.json").read_text())
+    assert len(table["machines"]) == 2 and set(table["variants"]) == set(rows)
