@@ -33,7 +33,7 @@ def variant_of(record: dict[str, Any]) -> str:
 def graph_name(graph: str) -> str:
     """A timeline replay's graph, shortened: the executor and the step shape's batch / tokens / chain."""
     executor, _, shape = graph.partition(" ")
-    fields = dict(part.split("=", 1) for part in shape.strip("StepShape()").split(", ") if "=" in part)
+    fields = dict(part.split("=", 1) for part in shape.removeprefix("StepShape(").removesuffix(")").split(", ") if "=" in part)
     keep = [f"{k}={fields[k]}" for k in ("batch", "tokens", "chain") if k in fields]
     return f"{executor} {' '.join(keep)}".strip()
 

@@ -26,6 +26,7 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @needs_gpu
 def test_triton_kernels_equal_references() -> None:
+    import fusedserve.models.layers.linear_triton as lt
     from fusedserve.models.forward_batch import ForwardBatch, KVCache
     from fusedserve.models.layers.decode_attention_triton import paged_decode_attention_triton
     from fusedserve.models.layers.linear_triton import decode_gate_up_silu, decode_linear, decode_qkv_rope
@@ -72,8 +73,6 @@ def test_triton_kernels_equal_references() -> None:
         assert _rel(v_got, y[:, 5120:]) < 1e-2, n
         if n == 1:  # one row: the GEMV with RoPE / SiLU-and-mul in its epilogue (linear_triton.GEMV_EPILOGUES,
             # the default) above; here the other way, the GEMV and then the op's own kernel
-            import fusedserve.models.layers.linear_triton as lt
-
             before = lt.GEMV_EPILOGUES
             lt.GEMV_EPILOGUES = not before
             try:
@@ -93,7 +92,6 @@ def test_triton_kernels_equal_references() -> None:
         assert torch.equal(argmax_triton(logits), logits.float().argmax(dim=-1)), n
     # SmolLM2-135M's widths (576, 1536): the GEMV's masked tail at one row, the GEMM's 64-wide K steps at more;
     # at 2..16 rows with the weight slice asked of L2 before the wait too (L2_PREFETCH_K_MAX: the same sums)
-    import fusedserve.models.layers.linear_triton as lt
     for out_f, in_f in ((960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)):
         w = torch.randn(out_f, in_f, device=dev, dtype=bf, generator=g) * 0.02
         for n in (1, 6, 64):
