@@ -337,17 +337,14 @@ ONE_TILE_K_MAX = 2048
 # A decode GEMM of at most 16 rows over K <= L2_PREFETCH_K_MAX (a small model's widths: SmolLM2's 576 and 1536)
 # asks L2 for its program's whole [BLOCK_N, K] weight slice before the PDL wait — one prefetch instruction a
 # 128-byte line, nothing held in registers, so Triton's pipelined K loop stays as it is — and the loop after the
-# wait reads L2 while the kernel before still runs. 0: off, until a GPU times it: SmolLM2's 8-row verify
-# spends ~194 us over the one-row plain step outside its attention, mostly in these matmuls, whose weights the
-# one-row GEMV reads before the wait and they after it (2026-12-05-attention-splits-sweep-smollm2-h100.json).
-# The A/B: --set models.layers.linear_triton.L2_PREFETCH_K_MAX=2048.
-L2_PREFETCH_K_MAX = 0
+# wait reads L2 while the kernel before still runs. SmolLM2's 8-row chain verify took 747.9 us of GPU time with
+# it against 789.8 without (alternated twice in one H100 lease; the one-row plain step 511.5 / 509.2, which it
+# does not touch), the same tokens (2026-12-05-l2-prefetch-verify-probes-smollm2-h100.json). A larger model's
+# K (4096 and up) streams its weights anyway and is left as it was. 0: off (the A/B: --set
+# models.layers.linear_triton.L2_PREFETCH_K_MAX=0). Narrower or deeper K-loop tiles at <= 16 rows did not pay
+# in the same lease ((32, 64, 6, 4) 887.7 us, (64, 64, 9, 4) 781.9 us) and are not here.
+L2_PREFETCH_K_MAX = 2048
 LINE_BYTES = 128
-# SMALL_K_TILE: (block_n, block_k, stages, warps) of the K loop at <= 16 rows and K <= ONE_TILE_K_MIN in place of
-# the table's (64, 64, 6, 4) — narrower blocks (more programs on a small matmul) or deeper pipelines (every K step
-# of K 576 in flight at once), for the same probe (--set "models.layers.linear_triton.SMALL_K_TILE=(32,64,6,4)");
-# None: the table. Not yet measured.
-SMALL_K_TILE: tuple[int, int, int, int] | None = None
 
 
 def decode_gemm_tile(m: int, n: int, k: int) -> tuple[int, int, int, int] | None:
@@ -370,9 +367,6 @@ def decode_gemm_tile(m: int, n: int, k: int) -> tuple[int, int, int, int] | None
         return None
     if m <= 16 and ONE_TILE_K_MIN < k <= ONE_TILE_K_MAX and n % 16 == 0:
         return 16, triton.next_power_of_2(k), 1, 4
-    if SMALL_K_TILE is not None and m <= 16 and k <= ONE_TILE_K_MIN and n % SMALL_K_TILE[0] == 0 \
-            and k % SMALL_K_TILE[1] == 0:
-        return SMALL_K_TILE
     block_k = 128 if k % 128 == 0 else 64
     block_n = 128 if m > 16 and n >= 16384 else 64
     if k % block_k or n % block_n:
