@@ -53,6 +53,12 @@ log = logging.getLogger(__name__)
 
 EVAL_EVERY_S = 45.0  # held-out evaluation during training
 SAVE_MARGIN_S = 20.0  # the end of the budget left to write the checkpoint (or the pairs)
+# The target's features (aux states and final streams, 4.6 kB a position for SmolLM2) stay on the GPU up to this
+# share of its memory; the draft's training takes the rest (16k-token batches of 7 test-time steps over a
+# 16k-token draft vocabulary: ~22 GB of features and the training fitted an 80 GB H100 on 2026-12-05). Beyond it
+# they wait in pinned host memory and each batch copies its own in (~75 MB a 16k-token batch, a few ms against a
+# ~0.35 s step), so the pairs a run trains on are not bounded by the card.
+DEVICE_FEATURE_SHARE = 0.5
 RETURNED_FILE_BYTES = 16 << 20  # the largest file a device call brings back
 # Which user turns of a ShareGPT conversation become prompts: the first alone; each later one with the
 # conversation before it (its original answers too: the package's ShareGPT file is cut off after 17 671
@@ -391,32 +397,65 @@ class Example:
     mask: torch.Tensor
 
 
+def feature_budget(device: torch.device) -> int | None:
+    """Bytes of target features the device keeps (``DEVICE_FEATURE_SHARE`` of a GPU's memory, less what is
+    already taken); None: no limit (the CPU's features are where they are used)."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return max(0, min(free, int(total * DEVICE_FEATURE_SHARE)))
+
+
 def cache_features(features: TargetFeatures, pairs: list[tuple[list[int], list[int]]], batch_tokens: int,
-                   device: torch.device, progress: Progress) -> list[Example]:
+                   device: torch.device, progress: Progress, device_bytes: int | None = None) -> list[Example]:
     """The target's forward over every sequence once (it is frozen): each epoch after the first would
     recompute the same aux states and labels. Positions of the prompt are trained too: their label is
     the target's own distribution as much as a response position's (more positions per regenerated
-    response); the chat template's first tokens are left out."""
+    response); the chat template's first tokens are left out. ``device_bytes``: the features kept on
+    ``device`` (None: all); once a batch's would pass it, that batch's and the later ones are kept in host
+    memory (pinned where the device is a GPU) and ``prepare_batch`` copies them in."""
     out: list[Example] = []
+    used = 0
     for batch in batches(pairs, batch_tokens, random.Random(0)):
         seqs = [p + r for p, r in batch]
         aux, finals = features(seqs)
-        for s, a, f in zip(seqs, aux, finals):
+        keep = torch.bfloat16 if device.type == "cuda" else aux[0].dtype  # 2 bytes a value on the GPU
+        a_all, f_all = torch.cat(aux).to(device, keep), torch.cat(finals).to(device, keep)
+        size = a_all.numel() * a_all.element_size() + f_all.numel() * f_all.element_size()
+        if device_bytes is not None and used + size > device_bytes:
+            used = device_bytes + 1  # the later batches too, so each epoch's order of copies stays simple
+            a_all, f_all = _host(a_all, device), _host(f_all, device)
+        else:
+            used += size
+        start = 0
+        for s in seqs:
             mask = torch.ones(len(s), device=device)
             mask[: min(4, len(s))] = 0.0
             mask[-1] = 0.0  # no next token
-            keep = torch.bfloat16 if device.type == "cuda" else a.dtype  # 2 bytes a value on the GPU
-            out.append(Example(torch.tensor(s, device=device), a.to(device, keep), f.to(device, keep), mask))
+            end = start + len(s)
+            out.append(Example(torch.tensor(s, device=device), a_all[start:end], f_all[start:end], mask))
+            start = end
         progress(f"target features: {len(out)}/{len(pairs)} sequences", every=10)
     return out
+
+
+def _host(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """x in host memory, pinned when ``device`` is a GPU (so a batch's copy in does not wait on the host)."""
+    return torch.empty(x.shape, dtype=x.dtype, pin_memory=device.type == "cuda").copy_(x)
+
+
+def host_positions(examples: list[Example]) -> int:
+    """Positions whose features wait in host memory (not on the device their ids are on)."""
+    return sum(e.ids.numel() for e in examples if e.aux.device != e.ids.device)
 
 
 def prepare_batch(examples: list[Example], labels: TargetLabels
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> aux [B, L, 3H] fp32, ids [B, L], target log-probs [B, L, V_d] fp32, loss mask [B, L]."""
     length = max(e.ids.numel() for e in examples)
-    aux = _pad([e.aux for e in examples], length).float()
-    logp = labels(_pad([e.final for e in examples], length))
+    dev = examples[0].ids.device  # features kept in host memory come in (a no-op for those on the device)
+    aux = _pad([e.aux.to(dev, non_blocking=True) for e in examples], length).float()
+    logp = labels(_pad([e.final.to(dev, non_blocking=True) for e in examples], length))
     return aux, _pad([e.ids for e in examples], length), logp, _pad([e.mask for e in examples], length)
 
 
@@ -482,10 +521,14 @@ def train_draft(opts: TrainOptions) -> dict[str, Any]:
     head = _target_tensor(features, "lm_head")
     t_feat = progress.elapsed()
     labels = features.labels(draft_ids, device)
-    train_ex = cache_features(features, train, opts.batch_tokens, device, progress)
-    held_ex = cache_features(features, held, opts.batch_tokens, device, progress)
+    budget_bytes = feature_budget(device)
+    held_ex = cache_features(features, held, opts.batch_tokens, device, progress)  # evaluated often: first
+    held_bytes = sum((e.aux.numel() + e.final.numel()) * e.aux.element_size() for e in held_ex)
+    train_ex = cache_features(features, train, opts.batch_tokens, device, progress,
+                              None if budget_bytes is None else max(0, budget_bytes - held_bytes))
     log["features"] = {"sequences": len(train_ex) + len(held_ex),
                        "positions": int(sum(e.mask.sum().item() for e in train_ex + held_ex)),
+                       "host_positions": host_positions(train_ex), "device_bytes": budget_bytes,
                        "seconds": round(progress.elapsed() - t_feat, 1)}
     progress(f"target features of {log['features']['sequences']} sequences "
              f"({log['features']['positions']} trained positions) in {log['features']['seconds']}s")

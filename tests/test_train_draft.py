@@ -138,6 +138,25 @@ def test_labels_from_the_kept_final_stream_are_hf_log_probs_over_the_draft_vocab
     torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
 
 
+def test_features_past_the_device_budget_wait_in_host_memory_and_give_the_same_batches() -> None:
+    """``cache_features`` keeps batches on the device until ``device_bytes`` would be passed, the rest in host
+    memory (pinned on a GPU); ``prepare_batch`` brings them in: the same aux states, labels and masks as
+    with every feature on the device, each sequence its own span."""
+    from fusedserve.train_draft import Progress, cache_features, prepare_batch
+
+    cpu = torch.device("cpu")
+    features = TargetFeatures(str(TARGET), cpu, 256)
+    labels = features.labels(torch.arange(0, 1024, 2), cpu)
+    pairs = [([3, 17, 99, 5], [250, 8, 61, 400, 12]), ([33, 77], [1000, 42, 7]), ([5, 6, 7, 8, 9], [10, 11])] * 3
+    every = cache_features(features, pairs, 32, cpu, Progress())
+    some = cache_features(features, pairs, 32, cpu, Progress(), device_bytes=1)
+    assert [e.ids.tolist() for e in every] == [e.ids.tolist() for e in some]
+    assert all(e.aux.shape == (e.ids.numel(), 3 * features.config.hidden_size) for e in some)
+    assert not any(e.aux.data_ptr() == f.aux.data_ptr() for e, f in zip(every, some))
+    for got, want in zip(prepare_batch(some[:4], labels), prepare_batch(every[:4], labels)):
+        assert torch.equal(got, want)
+
+
 def test_train_draft_command_at_tiny_scale(sharegpt: Path, tmp_path: Path) -> None:
     out, log = tmp_path / "draft", tmp_path / "log.json"
     proc = subprocess.run(
