@@ -77,6 +77,10 @@
 #   wins), data-train carried with part3 part4 rather than beside part1 part2. `train` keeps the target's
 #   features on the GPU, ~4.6 kB a position for SmolLM2: ~40 GB for ~18 000 such pairs. The earlier 8 571 pairs are not
 #   kept here: train on the new ones, warm from the shipped draft.
+#   Stage FlashInfer (its wheel and attention modules, a call of their own) before `regen`: the all-turn
+#   regeneration ran at 15 088 tokens/s with it and 8 704 without (2026-12-05, H100s). A second regeneration with
+#   `--seed 1` answers the prompts anew (other order, other sampling seeds; T = 0 answers that repeat are dropped as
+#   duplicates); rename its pairs.pt* to e.g. pairs-seed1.pt* beside the first file, and `train` takes both.
 #   To go on from that draft in a later call: copy it (joined or in parts) to .whl/real/draft-init and carry it
 #   with the pairs. On a fresh machine `train` needs the GGUF again: `stage` with part1 part2, then part3 part4
 #   with the pairs (without draft-init: 64 MiB). The shipped draft was made so on 2026-12-04 (stage, regen,
