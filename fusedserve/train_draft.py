@@ -56,9 +56,18 @@ SAVE_MARGIN_S = 20.0  # the end of the budget left to write the checkpoint (or t
 # The target's features (aux states and final streams, 4.6 kB a position for SmolLM2) stay on the GPU up to this
 # share of its memory; the draft's training takes the rest (16k-token batches of 7 test-time steps over a
 # 16k-token draft vocabulary: ~22 GB of features and the training fitted an 80 GB H100 on 2026-12-05). Beyond it
-# they wait in pinned host memory and each batch copies its own in (~75 MB a 16k-token batch, a few ms against a
-# ~0.35 s step), so the pairs a run trains on are not bounded by the card.
+# they wait in pinned host memory and each batch copies its own in (~75 MB a 16k-token batch, ~4 ms over PCIe
+# against a 0.125 s step), so the pairs a run trains on are not bounded by the card.
 DEVICE_FEATURE_SHARE = 0.5
+# A training batch's length is padded up to one of PAD_STEPS lengths an octave (at least PAD_MIN apart: 432 ->
+# 448, 1000 -> 1024, 100 -> 112; over lengths spread evenly on 8..1030, 6.5 % padding against 2.4 % when padded
+# to the longest only), and a full batch holds batch_tokens // that many sequences,
+# so an epoch's ~300 batches come in a few dozen shapes, not one each. On 2026-12-05 (H100,
+# 2026-12-05-train-draft-turns-all-smollm2-h100.json) the first epoch ran at ~1.1 s a step and every later one,
+# over the same batches, at 0.125 s: whatever a new shape costs the first time (the caching allocator's new
+# blocks near a full card are the likely part; the log now counts them an epoch) was paid once a batch. The
+# padded positions carry no loss.
+PAD_STEPS, PAD_MIN = 16, 16
 RETURNED_FILE_BYTES = 16 << 20  # the largest file a device call brings back
 # Which user turns of a ShareGPT conversation become prompts: the first alone; each later one with the
 # conversation before it (its original answers too: the package's ShareGPT file is cut off after 17 671
@@ -452,20 +461,28 @@ def host_positions(examples: list[Example]) -> int:
 def prepare_batch(examples: list[Example], labels: TargetLabels
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> aux [B, L, 3H] fp32, ids [B, L], target log-probs [B, L, V_d] fp32, loss mask [B, L]."""
-    length = max(e.ids.numel() for e in examples)
+    length = padded_length(max(e.ids.numel() for e in examples))
     dev = examples[0].ids.device  # features kept in host memory come in (a no-op for those on the device)
     aux = _pad([e.aux.to(dev, non_blocking=True) for e in examples], length).float()
     logp = labels(_pad([e.final.to(dev, non_blocking=True) for e in examples], length))
     return aux, _pad([e.ids for e in examples], length), logp, _pad([e.mask for e in examples], length)
 
 
+def padded_length(n: int) -> int:
+    """A batch's length: its longest sequence's, up to a multiple of 1/PAD_STEPS of the octave it is in
+    (at least PAD_MIN)."""
+    step = max(PAD_MIN, (1 << max(n - 1, 0).bit_length()) // PAD_STEPS)
+    return -(-n // step) * step
+
+
 def example_batches(examples: list[Example], batch_tokens: int, rng: random.Random) -> list[list[Example]]:
-    """Examples of similar length together (less padding), batches in random order."""
+    """Examples of similar length together (less padding), as many as batch_tokens holds at the batch's
+    padded length (few distinct shapes), batches in random order."""
     order = sorted(examples, key=lambda e: e.ids.numel())
     out: list[list[Example]] = []
     cur: list[Example] = []
     for e in order:
-        if cur and e.ids.numel() * (len(cur) + 1) > batch_tokens:
+        if cur and padded_length(e.ids.numel()) * (len(cur) + 1) > batch_tokens:
             out.append(cur)
             cur = []
         cur.append(e)
@@ -549,8 +566,10 @@ def train_draft(opts: TrainOptions) -> dict[str, Any]:
     if init is not None:  # the checkpoint's own weights are kept unless training beats them
         best = _keep_best(None, draft, held_ex, labels, device, opts, step, curve)
     next_eval = start + EVAL_EVERY_S
+    epochs: list[dict[str, Any]] = []
     while progress.elapsed() - start < budget and step != opts.max_steps:
         epoch += 1
+        epoch_start, epoch_step = progress.elapsed(), step
         for batch in example_batches(train_ex, opts.batch_tokens, rng):
             frac = max((progress.elapsed() - start) / max(budget, 1e-9), step / (opts.max_steps or math.inf))
             if frac >= 1:
@@ -574,8 +593,10 @@ def train_draft(opts: TrainOptions) -> dict[str, Any]:
             if progress.elapsed() >= next_eval:
                 best = _keep_best(best, draft, held_ex, labels, device, opts, step, curve)
                 next_eval = progress.elapsed() + EVAL_EVERY_S
+        epochs.append({"epoch": epoch, "steps": step - epoch_step,
+                       "seconds": round(progress.elapsed() - epoch_start, 1), **_allocator_counts(device)})
     log["training"] = {"steps": step, "epochs_started": epoch, "sequences_seen": seen, "train_sequences": len(train),
-                       "seconds": round(progress.elapsed() - start, 1), "curve": curve}
+                       "seconds": round(progress.elapsed() - start, 1), "epochs": epochs, "curve": curve}
     best = _keep_best(best, draft, held_ex, labels, device, opts, step, curve)
     assert best is not None
     draft.load_state_dict(best[2])
@@ -680,6 +701,17 @@ def _keep_best(best: tuple[float, int, dict[str, torch.Tensor]] | None, draft: D
     if best is not None and best[0] >= length:
         return best
     return length, step, {k: v.detach().clone() for k, v in draft.state_dict().items()}
+
+
+def _allocator_counts(device: torch.device) -> dict[str, int]:
+    """The CUDA caching allocator's running counts (cudaMalloc calls, frees of the whole cache to retry one,
+    peak bytes): where a step's time goes when shapes are new; {} on the CPU."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {k: int(stats.get(s, 0)) for k, s in (("device_allocs", "num_device_alloc"),
+                                                  ("alloc_retries", "num_alloc_retries"),
+                                                  ("peak_bytes", "allocated_bytes.all.peak"))}
 
 
 def _target_tensor(features: TargetFeatures, which: str) -> torch.Tensor:

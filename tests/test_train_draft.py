@@ -157,6 +157,26 @@ def test_features_past_the_device_budget_wait_in_host_memory_and_give_the_same_b
         assert torch.equal(got, want)
 
 
+def test_training_batches_come_in_few_shapes_within_the_token_budget() -> None:
+    """Batches pad to one of PAD_STEPS lengths an octave and hold batch_tokens // that many sequences: 2 000
+    sequences of 1 000 different lengths come in a few dozen shapes, each example once, none over the budget,
+    with a few per cent of padding."""
+    import random
+
+    from fusedserve.train_draft import Example, example_batches, padded_length
+
+    empty = torch.empty(0)
+    lengths = random.Random(0).sample(range(8, 1030), 1000) * 2
+    examples = [Example(torch.zeros(n, dtype=torch.long), empty, empty, empty) for n in lengths]
+    got = example_batches(examples, 16384, random.Random(1))
+    assert sorted(id(e) for b in got for e in b) == sorted(id(e) for e in examples)
+    shapes = {(len(b), padded_length(max(e.ids.numel() for e in b))) for b in got}
+    assert all(padded_length(length) == length and rows * length <= 16384 for rows, length in shapes)
+    assert len(shapes) < len(got) / 2
+    assert sum(len(b) * padded_length(max(e.ids.numel() for e in b)) for b in got) < 1.08 * sum(lengths)
+    assert [padded_length(n) for n in (1, 100, 128, 129, 432, 1000, 1024)] == [16, 112, 128, 144, 448, 1024, 1024]
+
+
 def test_train_draft_command_at_tiny_scale(sharegpt: Path, tmp_path: Path) -> None:
     out, log = tmp_path / "draft", tmp_path / "log.json"
     proc = subprocess.run(
@@ -169,6 +189,7 @@ def test_train_draft_command_at_tiny_scale(sharegpt: Path, tmp_path: Path) -> No
     assert "regenerating" in proc.stderr or "regenerated" in proc.stderr
     record = json.loads(log.read_text())
     assert record["regeneration"]["responses"] >= 2 and record["training"]["steps"] >= 1
+    assert sum(e["steps"] for e in record["training"]["epochs"]) == record["training"]["steps"]
     assert record["vocabulary"]["draft_vocab"] == 512 and len(record["heldout"]["top1_per_step"]) == 3
     from safetensors import safe_open
 
