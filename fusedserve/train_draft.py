@@ -64,9 +64,10 @@ DEVICE_FEATURE_SHARE = 0.5
 # to the longest only), and a full batch holds batch_tokens // that many sequences,
 # so an epoch's ~300 batches come in a few dozen shapes, not one each. On 2026-12-05 (H100,
 # 2026-12-05-train-draft-turns-all-smollm2-h100.json) the first epoch ran at ~1.1 s a step and every later one,
-# over the same batches, at 0.125 s: whatever a new shape costs the first time (the caching allocator's new
-# blocks near a full card are the likely part; the log now counts them an epoch) was paid once a batch. The
-# padded positions carry no loss.
+# over the same batches, at 0.125 s: whatever a new shape costs the first time (a per-shape attention plan —
+# SDPA's cuDNN backend builds one for each shape, and each of the 7 test-time steps has its own key length —
+# or the caching allocator's new blocks near a full card; the log now counts the allocator's an epoch) was paid
+# once a batch. The padded positions carry no loss.
 PAD_STEPS, PAD_MIN = 16, 16
 RETURNED_FILE_BYTES = 16 << 20  # the largest file a device call brings back
 # Which user turns of a ShareGPT conversation become prompts: the first alone; each later one with the
