@@ -425,15 +425,15 @@ def cache_features(features: TargetFeatures, pairs: list[tuple[list[int], list[i
     ``device`` (None: all); once a batch's would pass it, that batch's and the later ones are kept in host
     memory (pinned where the device is a GPU) and ``prepare_batch`` copies them in."""
     out: list[Example] = []
-    used = 0
+    used, spilled = 0, False
     for batch in batches(pairs, batch_tokens, random.Random(0)):
         seqs = [p + r for p, r in batch]
         aux, finals = features(seqs)
         keep = torch.bfloat16 if device.type == "cuda" else aux[0].dtype  # 2 bytes a value on the GPU
         a_all, f_all = torch.cat(aux).to(device, keep), torch.cat(finals).to(device, keep)
         size = a_all.numel() * a_all.element_size() + f_all.numel() * f_all.element_size()
-        if device_bytes is not None and used + size > device_bytes:
-            used = device_bytes + 1  # the later batches too, so each epoch's order of copies stays simple
+        spilled = spilled or (device_bytes is not None and used + size > device_bytes)  # the later batches too
+        if spilled:
             a_all, f_all = _host(a_all, device), _host(f_all, device)
         else:
             used += size

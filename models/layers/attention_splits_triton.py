@@ -21,6 +21,16 @@ TARGET_PROGRAMS = 512
 MAX_SPLITS = 32
 
 
+@triton.jit
+def store_partial(part_acc_ptr, part_m_ptr, part_l_ptr, row, m, l_sum, acc, ok, VDIM_PAD: tl.constexpr):
+    """One split program's partial state of its rows in the layout above: ``row`` [R] the rows' indices, ``m``
+    (natural-log units) and ``l_sum`` [R], ``acc`` [R, VDIM_PAD]; ``ok`` [R] the rows that exist."""
+    do = tl.arange(0, VDIM_PAD)
+    tl.store(part_m_ptr + row, m, mask=ok)
+    tl.store(part_l_ptr + row, l_sum, mask=ok)
+    tl.store(part_acc_ptr + row[:, None] * VDIM_PAD + do[None, :], acc, mask=ok[:, None])
+
+
 def num_splits(programs: int, max_context: int, block_n: int, target: int = TARGET_PROGRAMS) -> int:
     """Splits of each sequence's context (a power of two): enough programs (``programs`` without
     splits: query tiles x KV heads x head blocks) to reach ``target`` (by default about four a

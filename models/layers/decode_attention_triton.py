@@ -33,7 +33,7 @@ import triton.language as tl
 
 from ..forward_batch import ForwardBatch
 from .arrival_counters import arrival_counters
-from .attention_splits_triton import combine_splits, num_splits, split_partials
+from .attention_splits_triton import combine_splits, num_splits, split_partials, store_partial
 from .paged_attention_torch import paged_attention_torch
 from .pdl import pdl_launch, pdl_open
 from .prefill_attention_triton import paged_prefill_attention_triton
@@ -208,20 +208,16 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, p
         tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + do[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & (do < VDIM)[None, :])
     elif not COMBINE:  # partial results [B, HEADS, SPLITS, ...]; an empty split leaves m = -inf, l = 0
-        row = (b * HEADS + heads) * SPLITS + split
-        tl.store(part_m_ptr + row, m, mask=gmask)
-        tl.store(part_l_ptr + row, l_sum, mask=gmask)
-        tl.store(part_acc_ptr + row[:, None] * VDIM_PAD + do[None, :], acc, mask=gmask[:, None])
+        store_partial(part_acc_ptr, part_m_ptr, part_l_ptr, (b * HEADS + heads) * SPLITS + split, m, l_sum, acc,
+                      gmask, VDIM_PAD)
     elif active == 1:  # one split covers the context: it writes the rows out (the others took no key)
         if split == 0:
             out = acc / l_sum[:, None]
             tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + do[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & (do < VDIM)[None, :])
     elif split < active:  # the last of this (sequence, KV head, head block)'s active splits combines them
-        row = (b * HEADS + heads) * SPLITS + split
-        tl.store(part_m_ptr + row, m, mask=gmask)
-        tl.store(part_l_ptr + row, l_sum, mask=gmask)
-        tl.store(part_acc_ptr + row[:, None] * VDIM_PAD + do[None, :], acc, mask=gmask[:, None])
+        store_partial(part_acc_ptr, part_m_ptr, part_l_ptr, (b * HEADS + heads) * SPLITS + split, m, l_sum, acc,
+                      gmask, VDIM_PAD)
         tl.debug_barrier()
         tile = b * tl.num_programs(1) + tl.program_id(1)
         arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")

@@ -50,7 +50,7 @@ import triton.language as tl
 
 from ..forward_batch import ForwardBatch
 from .arrival_counters import arrival_counters
-from .attention_splits_triton import MAX_SPLITS, combine_splits, num_splits, split_partials
+from .attention_splits_triton import MAX_SPLITS, combine_splits, num_splits, split_partials, store_partial
 from .kv_write_triton import write_kv_triton
 from .paged_attention_torch import paged_attention_torch
 from .pdl import pdl_launch, pdl_open
@@ -261,20 +261,16 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, 
         tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + do[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & (do < VDIM)[None, :])
     elif not COMBINE:  # partials [T, HEADS, SPLITS, ...], m in natural-log units; a split seeing none of a row: -inf, 0
-        row = (tok * HEADS + heads) * splits + split
-        tl.store(part_m_ptr + row, m * 0.6931471805599453, mask=rmask)
-        tl.store(part_l_ptr + row, l_sum, mask=rmask)
-        tl.store(part_acc_ptr + row[:, None] * VDIM_PAD + do[None, :], acc, mask=rmask[:, None])
+        store_partial(part_acc_ptr, part_m_ptr, part_l_ptr, (tok * HEADS + heads) * splits + split,
+                      m * 0.6931471805599453, l_sum, acc, rmask, VDIM_PAD)
     elif active == 1:  # one split covers the context: it writes the rows out (the others took no key)
         if split == 0:
             out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
             tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + do[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & (do < VDIM)[None, :])
     elif split < active:  # the last of the tile's ``active`` splits to finish combines them
-        row = (tok * HEADS + heads) * splits + split
-        tl.store(part_m_ptr + row, m * 0.6931471805599453, mask=rmask)
-        tl.store(part_l_ptr + row, l_sum, mask=rmask)
-        tl.store(part_acc_ptr + row[:, None] * VDIM_PAD + do[None, :], acc, mask=rmask[:, None])
+        store_partial(part_acc_ptr, part_m_ptr, part_l_ptr, (tok * HEADS + heads) * splits + split,
+                      m * 0.6931471805599453, l_sum, acc, rmask, VDIM_PAD)
         tl.debug_barrier()
         tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
         arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
