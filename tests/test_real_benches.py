@@ -194,6 +194,16 @@ def test_spec_host_time_times_whole_rounds_with_no_op_replays(tmp_path: Path) ->
     assert plain["us_per_round_median"] > 0 and spec["us_per_round_median"] > 0
 
 
+def test_detokenize_time_times_pushes_both_ways(tmp_path: Path) -> None:
+    out = tmp_path / "detok.json"
+    proc = _bench("detokenize_time.py", "--model", "examples/checkpoints/tiny-code", "--tokens", "120", "--repeats", "1",
+                  "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["numbers"]
+    assert [r["tokens_per_push"] for r in rows] == [1, 3, 4, 8]
+    assert all(r["us_per_push_direct"] > 0 and r["us_per_push_transformers"] > 0 for r in rows)
+
+
 def test_output_handoff_runs_and_delivers_once_or_every_step(tmp_path: Path) -> None:
     out = tmp_path / "handoff.json"
     proc = _bench("output_handoff.py", "--tokens", "12", "--reps", "1", "--busy-us", "0", "--out", str(out))

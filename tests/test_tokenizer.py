@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -160,3 +161,80 @@ def test_fallback_reads_the_chat_template_from_chat_template_jinja(tmp_path: Pat
     assert "loading tokenizer.json directly" in caplog.text  # the fallback path ran
     assert t.apply_chat_template([{"role": "user", "content": "hi"}]) == "[user]hi[assistant]"
     assert t.decode(t.encode(TEXT)) == TEXT
+
+
+def _random_stream(tok: Tokenizer, n: int, seed: int) -> list[int]:
+    """Token ids of real text in several scripts, cut into words and shuffled (multi-byte characters spread over
+    several byte-level tokens, and cut between pushes)."""
+    import random
+
+    words = (TEXT + " naïve café 🙂 ünïcödé Ελληνικά def f(x):\n    return x ** 2  # ok").split(" ")
+    rng = random.Random(seed)
+    ids: list[int] = []
+    while len(ids) < n:
+        ids += tok.encode(" " + rng.choice(words), add_special_tokens=False)
+    return ids[:n]
+
+
+def _pushes(tok: Tokenizer, ids: list[int], sizes: list[int], finished_last: bool = True) -> list[str]:
+    d = IncrementalDetokenizer(tok, tok.encode("say:"))
+    deltas, at = [], 0
+    for k in sizes:
+        part = ids[at:at + k]
+        at += k
+        deltas.append(d.push(part, finished=finished_last and at >= len(ids)).delta)
+    assert at >= len(ids)
+    return deltas
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_rounds_tokens_in_one_push_stream_what_token_by_token_pushes_stream(tok: Tokenizer, seed: int) -> None:
+    """A speculative round's accepted tokens come as one push (one pair of decodes): each push's delta equals
+    the text the same tokens streamed one push each, cut characters included."""
+    import random
+
+    ids = _random_stream(tok, 200, seed)
+    rng = random.Random(seed)
+    sizes: list[int] = []
+    while sum(sizes) < len(ids):
+        sizes.append(rng.randint(1, 8))
+    by_round = _pushes(tok, ids, sizes)
+    by_token = _pushes(tok, ids, [1] * len(ids))
+    ends = list(itertools.accumulate(sizes))
+    starts = [0, *ends[:-1]]
+    assert by_round == ["".join(by_token[a:b]) for a, b in zip(starts, ends)]
+    assert "".join(by_round) == tok.decode(ids)
+
+
+def test_the_fast_tokenizers_own_decode_gives_transformers_text(tok: Tokenizer, smollm2: Path) -> None:
+    """``Tokenizer.decode`` takes the fast tokenizer's own decode where transformers adds nothing after it: the
+    same text for every window of a stream (the tiny test tokenizer and SmolLM2's byte-level BPE)."""
+    from fusedserve.worker.engine.tokenizer import _direct_decode
+
+    for t in (tok, Tokenizer.from_dir(smollm2)):
+        assert _direct_decode(t.hf) is not None
+        ids = _random_stream(t, 120, 7) + sorted(t.special_ids)[:2]
+        for skip in (True, False):
+            for i in range(0, len(ids), 3):
+                for j in range(i, min(len(ids), i + 9)):
+                    assert t.decode(ids[i:j], skip_special_tokens=skip) == t.hf.decode(ids[i:j],
+                                                                                          skip_special_tokens=skip)
+
+
+def test_a_tokenizer_whose_decode_cleans_up_spaces_keeps_transformers_decode(tok: Tokenizer) -> None:
+    """Where transformers' decode changes the fast tokenizer's text (its clean-up of tokenization spaces, applied
+    or skipped by tokenizer kind and version), ``Tokenizer`` keeps transformers' decode."""
+    from fusedserve.worker.engine.tokenizer import _direct_decode
+
+    class CleaningUp:  # transformers' decode with the clean-up on, over the tiny tokenizer
+        backend_tokenizer = tok.hf.backend_tokenizer
+
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            return list(tok.hf.encode(text, add_special_tokens=add_special_tokens))
+
+        def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+            text = str(self.backend_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+            return text.replace(" .", ".").replace(" ,", ",").replace(" n't", "n't")
+
+    assert _direct_decode(tok.hf) is not None
+    assert _direct_decode(CleaningUp()) is None

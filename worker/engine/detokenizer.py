@@ -57,6 +57,19 @@ class IncrementalDetokenizer:
             return full[len(prefix):]
         return ""
 
+    def _push_all(self, tokens: list[int]) -> str | None:
+        """Append several tokens with one pair of decodes (a speculative round's, or a step's one token): the text
+        they complete, where their last one completes a character; else None with nothing appended (token by
+        token then, which streams the text before a cut character now, as it would have one token a push)."""
+        prefix = self._decode(self._prefix_offset, self._read_offset)
+        self._ids.extend(tokens)
+        full = self._decode(self._prefix_offset)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+            return full[len(prefix):]
+        del self._ids[-len(tokens):]
+        return None
+
     def _find_stop(self, searched_from: int) -> int | None:
         hits = [i for s in self.stop if (i := self.text.find(s, max(searched_from - len(s) + 1, 0))) >= 0]
         return min(hits) if hits else None
@@ -79,10 +92,15 @@ class IncrementalDetokenizer:
         if self.stopped:
             raise RuntimeError("push after a stop string ended the sequence")
         kept = 0
-        for token in token_ids:
-            kept += 1
-            if self._append(self._push_one(token)):
-                break
+        whole = None if self.stop or len(token_ids) < 2 else self._push_all(token_ids)
+        if whole is not None:
+            kept = len(token_ids)
+            self._append(whole)
+        else:
+            for token in token_ids:
+                kept += 1
+                if self._append(self._push_one(token)):
+                    break
         if finished and not self.stopped:
             self._append(self._flush())
         end = len(self.text) if (finished or self.stopped) else max(len(self.text) - self._holdback, self._emitted)
