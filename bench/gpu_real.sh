@@ -83,8 +83,9 @@
 #   duplicates); rename its pairs.pt* to e.g. pairs-seed1.pt* beside the first file, and `train` takes both.
 #   To go on from that draft in a later call: copy it (joined or in parts) to .whl/real/draft-init and carry it
 #   with the pairs. On a fresh machine `train` needs the GGUF again: `stage` with part1 part2, then part3 part4
-#   with the pairs (without draft-init: 64 MiB). The shipped draft was made so on 2026-12-04 (stage, regen,
-#   train 8.5 with the pairs and the earlier draft as draft-init, all back to back). (`--sharegpt-skip 12000`
+#   with the pairs (without draft-init: 64 MiB). The shipped draft was made so on 2026-12-05 (stage; stage with
+#   the FlashInfer wheel and both module archives; regen 7.0 --seed 1 on the later turns with part3 part4; train 7.5
+#   on that file and the first one with the earlier draft as draft-init, all back to back: 58 MB that call). (`--sharegpt-skip 12000`
 #   gives no further first turns: the file holds no more; use the later turns above.)
 # FlashInfer's six files (44 MB) need not ride in one call: `stage` keeps whichever of them a call carried
 # (e.g. flashinfer-aot-attention-*.tar.gz with part1 part2, flashinfer-aot-0*.tar.gz with part3 part4, the four
