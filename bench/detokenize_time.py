@@ -72,8 +72,7 @@ def main() -> None:
     args = ap.parse_args()
     direct = Tokenizer.from_dir(args.model)
     via_transformers = Tokenizer.from_dir(args.model)
-    hf = via_transformers.hf
-    via_transformers._decode = lambda ids, skip_special_tokens: hf.decode(ids, skip_special_tokens=skip_special_tokens)
+    via_transformers._decode = via_transformers.hf.decode
     ids = direct.encode(corpus(), add_special_tokens=False)[:args.tokens]
     rows: list[dict[str, Any]] = []
     for k in (1, 3, 4, 8):

@@ -238,3 +238,12 @@ def test_a_tokenizer_whose_decode_cleans_up_spaces_keeps_transformers_decode(tok
 
     assert _direct_decode(tok.hf) is not None
     assert _direct_decode(CleaningUp()) is None
+
+
+def test_a_tokenizer_survives_pickling_with_its_decode(tok: Tokenizer) -> None:
+    """A Tokenizer goes to other processes whole (its decode a bound method, not a closure)."""
+    import pickle
+
+    again = pickle.loads(pickle.dumps(tok))
+    ids = tok.encode(TEXT)
+    assert again.decode(ids) == tok.decode(ids) == TEXT

@@ -56,8 +56,7 @@ class Tokenizer:
         eos = _ids(hf.eos_token_id) | set(extra_eos_ids)
         self.eos_token_ids: frozenset[int] = frozenset(eos)
         self.special_ids: frozenset[int] = frozenset(hf.all_special_ids)
-        self._decode = _direct_decode(hf) or (lambda ids, skip_special_tokens: hf.decode(
-            ids, skip_special_tokens=skip_special_tokens))
+        self._decode: Callable[..., str] = _direct_decode(hf) or hf.decode
 
     @staticmethod
     def from_dir(model_dir: str | Path) -> Tokenizer:
@@ -97,7 +96,7 @@ class Tokenizer:
     def decode(self, ids: Seq[int], skip_special_tokens: bool = True) -> str:
         """transformers' decode of ``ids``; through the fast tokenizer's own decode where that gives the same
         text (``_direct_decode``): the streaming text decodes twice per pushed token, on the step's host path."""
-        return str(self._decode(list(ids), skip_special_tokens))
+        return str(self._decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:
@@ -118,7 +117,7 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=False)
 
 
-def _direct_decode(hf: Any) -> Callable[[list[int], bool], str] | None:
+def _direct_decode(hf: Any) -> Callable[..., str] | None:
     """The fast tokenizer's own ``decode`` (the Rust call transformers' decode makes, without its Python around
     it: ~1 against ~3 us a call), where transformers adds nothing after it: no clean-up of tokenization spaces
     (which transformers applies or skips by tokenizer kind and version), shown on ``CLEANUP_PROBE``, whose
@@ -132,13 +131,7 @@ def _direct_decode(hf: Any) -> Callable[[list[int], bool], str] | None:
                    for skip in (True, False))
     except Exception:  # a tokenizer that cannot encode or decode the probe: keep transformers' path
         return None
-    if not same:
-        return None
-
-    def decode(ids: list[int], skip_special_tokens: bool) -> str:
-        return str(backend.decode(ids, skip_special_tokens=skip_special_tokens))
-
-    return decode
+    return backend.decode if same else None
 
 
 def _special_tokens(model_dir: Path) -> dict[str, Any]:
