@@ -58,9 +58,9 @@ class IncrementalDetokenizer:
         return ""
 
     def _push_all(self, tokens: list[int]) -> str | None:
-        """Append several tokens with one pair of decodes (a speculative round's, or a step's one token): the text
-        they complete, where their last one completes a character; else None with nothing appended (token by
-        token then, which streams the text before a cut character now, as it would have one token a push)."""
+        """Append several tokens (a speculative round's accepted ones) with one pair of decodes instead of a pair
+        each: the text they complete, where their last one completes a character; else None with nothing appended
+        (token by token then, which streams the text before a cut character now, as one token a push would)."""
         prefix = self._decode(self._prefix_offset, self._read_offset)
         self._ids.extend(tokens)
         full = self._decode(self._prefix_offset)
