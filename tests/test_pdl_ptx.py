@@ -50,7 +50,7 @@ KERNELS: dict[str, tuple[Any, dict[str, Any], dict[str, str]]] = {
     "argmax_to_row": (argmax_triton._row_argmax_to_kernel, {"BLOCK": 16384}, {"out_ptr": "*i64", "table_ptr": "*i64"}),
     "draft_input": (draft_input_triton._draft_input_kernel, {"BLOCK": 1024}, {"ids_ptr": "*i64"}),
     "verify_stage": (verify_stage_triton._verify_stage_kernel,
-                     {"Q": 8, "Q_PAD": 8, "PARTS": 3, "BLOCK_H": 1024, "BLOCK_W": 512, "STAGE": True},
+                     {"Q": 8, "Q_PAD": 8, "PARTS": 3, "BLOCK_H": 1024, "BLOCK_W": 512, "STAGE": True, "NEXT": True},
                      {name: "*i64" for name in ("argmax_ptr", "ids_ptr", "pos_ptr", "slots_ptr", "index_ptr", "ctx_ptr",
                                                 "tables_ptr", "verdict_ptr", "d_ids_ptr", "d_pos_ptr", "d_slots_ptr",
                                                 "d_index_ptr", "d_ctx_ptr", "d_tables_ptr", "d_drop_ptr")}),

@@ -315,12 +315,16 @@ def test_interp_argmax_equals_torch() -> None:
 
 
 @inner
+@pytest.mark.parametrize("block_size", [0, 4], ids=["this-round", "next-verify-staged"])
 @pytest.mark.parametrize("stage", [True, False], ids=["staged", "verdict-only"])
-def test_interp_verify_stage_equals_the_torch_program(stage: bool) -> None:
+def test_interp_verify_stage_equals_the_torch_program(stage: bool, block_size: int) -> None:
     """A chain verify's program after its argmax in one launch (``verify_stage_triton``): the aux states side by
     side, the verdict (drafts, argmax, greedy count) and the draft's staged first pass (ids, positions + 1,
     slots, index, context lengths, block tables, hidden rows, rows to drop) equal the torch program's, for all
-    drafts accepted, some, none, and a padding sequence (its last row on the pad slot: nothing dropped)."""
+    drafts accepted, some, none, and a padding sequence (its last row on the pad slot: nothing dropped); with the
+    block size given, so do the verify's own inputs staged for the round after it (``stage_next_verify``)."""
+    from dataclasses import replace
+
     from fusedserve.models.interface import ModelOutput
     from fusedserve.worker.executor.step_graphs import StaticInputs
     from fusedserve.worker.executor.step_shape import StepShape
@@ -337,7 +341,7 @@ def test_interp_verify_stage_equals_the_torch_program(stage: bool) -> None:
         ids, pos, slots, index, ctx, tables, drop = meta.split([rows, rows, rows, rows, b, b * blocks, b])
         hidden = torch.randn(rows, 3 * width, generator=g).to(torch.bfloat16) if fill else \
             torch.zeros(rows, 3 * width, dtype=torch.bfloat16)
-        return StaticInputs(ids, pos, slots, index, ctx, tables.view(b, blocks), hidden, drop, pad)
+        return StaticInputs(ids, pos, slots, index, ctx, tables.view(b, blocks), hidden, drop, pad, block_size)
 
     verify = inputs(True)
     verify.slots.view(b, q)[3] = pad  # a padding sequence
@@ -351,11 +355,15 @@ def test_interp_verify_stage_equals_the_torch_program(stage: bool) -> None:
     hidden = tuple(torch.randn(rows, width, generator=g).to(torch.bfloat16) for _ in range(3))
     out = ModelOutput(torch.zeros(rows, 7), hidden)
     shape = StepShape(batch=b, tokens=q)
+    verify.index.view(b, q)[:] = torch.arange(q) + torch.tensor([3, 0, 9, 0])[:, None]  # contexts of 3 + q, ...
+    verify.context_lens[:] = verify.index.view(b, q)[:, -1] + 1
+    before = {name: getattr(verify, name).clone() for name in ("ids", "positions", "slots", "index", "context_lens")}
     drafts = [inputs(False), inputs(False)]
+    verifies = [replace(verify, **{name: t.clone() for name, t in before.items()}) for _ in drafts]
     results = []
-    for kernel, draft in zip((None, verify_stage_triton), drafts, strict=True):
+    for kernel, draft, v in zip((None, verify_stage_triton), drafts, verifies, strict=True):
         program = VerifyProgram(lambda logits: argmax, lambda batch, d=draft: d if stage else None, kernel)
-        results.append((program(shape, verify, out), draft))
+        results.append((program(shape, v, out), draft))
     (aux, verdict), _ = results[0]
     assert verdict[:3, -1].tolist() == [7, 2, 0]
     for (want, want_d), (got, got_d) in [(results[0], results[1])]:
@@ -363,6 +371,17 @@ def test_interp_verify_stage_equals_the_torch_program(stage: bool) -> None:
             assert torch.equal(w, x)
         for name in ("ids", "positions", "slots", "index", "context_lens", "tables", "hidden", "drop"):
             assert torch.equal(getattr(want_d, name), getattr(got_d, name)), name
+    for name, was in before.items():  # the verify's own inputs: this round's kept, or the next round's staged
+        assert torch.equal(getattr(verifies[0], name), getattr(verifies[1], name)), name
+        assert torch.equal(getattr(verifies[0], name), was) == (block_size == 0), name
+    if block_size:
+        staged = verifies[0]
+        assert staged.ids.view(b, q)[:3, 0].tolist() == [targets[0, 7], targets[1, 2], targets[2, 0]]
+        assert staged.context_lens.tolist() == [3 + q + 8, q + 3, 9 + q + 1, before["context_lens"][3]]
+        at = staged.index.view(b, q)[1]  # sequence 1 moved on by its 2 drafts and the token after them
+        assert at.tolist() == list(range(3, 3 + q))
+        assert staged.slots.view(b, q)[1].tolist() == [int(verify.tables[1, i // 4]) * 4 + i % 4 for i in at.tolist()]
+        assert staged.slots.view(b, q)[3].tolist() == [pad] * q
     if stage:
         assert results[1][1].drop.tolist() == [0, 5, 7, 0]
     # the kernel took these inputs itself (no fallback to the torch program)

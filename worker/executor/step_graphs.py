@@ -94,6 +94,7 @@ class StaticInputs:
     hidden: torch.Tensor | None  # [rows, hidden]: a hidden input's
     drop: torch.Tensor | None  # [batch]: a first pass's rows that are not real after all
     pad_slot: int
+    block_size: int = 0  # the cache's (0: not given; a program then stages no slots of its own)
 
 
 # a plain forward's finish program: (shape, its static inputs, the forward's output) -> extra outputs
@@ -421,7 +422,7 @@ class StepGraphs:
 
     def _static(self, v: _Views) -> StaticInputs:
         return StaticInputs(v.ids, v.positions, v.slots, v.index, v.context_lens, v.tables, v.hidden, v.drop,
-                            self.pad_slot)
+                            self.pad_slot, self.kv_cache.block_size)
 
     def static_inputs(self, shape: StepShape) -> StaticInputs:
         """``shape``'s static inputs, for another graph's program to stage a replay of it (``replay_staged``)."""

@@ -75,7 +75,29 @@ class VerifyProgram:
             draft.tables.copy_(inputs.tables)
             draft.hidden[:rows].copy_(aux)
             draft.drop.copy_(torch.where(real, q - 1 - counts, torch.zeros_like(counts)))
+        if inputs.block_size:
+            stage_next_verify(inputs, targets, counts, b, q)
         return aux, verdict
+
+
+def stage_next_verify(inputs: StaticInputs, targets: torch.Tensor, counts: torch.Tensor, b: int, q: int) -> None:
+    """The verify's own static inputs for the round after it, written over this round's (which its forward has
+    read): each real sequence's root = the token emitted after its accepted drafts (``targets[count]``), its rows
+    ``count + 1`` positions, causal indices and context further on, their slots through its block table (the
+    host replays that only where the table reaches them: ``SpecDecoder``'s pipelined rounds); its drafts' rows
+    are the next chain's, copied in by the host. Padding sequences stay padding."""
+    bs = inputs.block_size
+    real = inputs.slots.view(b, q)[:, -1] != inputs.pad_slot
+    shift = torch.where(real, counts + 1, torch.zeros_like(counts))
+    ids = inputs.ids.view(b, q)
+    ids[:, 0].copy_(torch.where(real, targets.gather(1, counts[:, None])[:, 0], ids[:, 0]))
+    inputs.positions.view(b, q).add_(shift[:, None])
+    index = inputs.index.view(b, q)
+    index.add_(shift[:, None])
+    inputs.context_lens[:b].add_(shift)
+    column = (index // bs).clamp(max=inputs.tables.shape[1] - 1)
+    slots = inputs.tables[:b].gather(1, column) * bs + index % bs
+    inputs.slots.view(b, q).copy_(torch.where(real[:, None], slots, inputs.slots.view(b, q)))
 
 
 # The program after the argmax as one launch on a GPU (checked against the torch ops in Triton's interpreter, and

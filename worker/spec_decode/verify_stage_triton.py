@@ -9,8 +9,9 @@ verify's input ids after the root), the target's argmax of its rows, the greedy 
 argmax before them, up to the first that differs) into ``verdict``; its rows' aux states side by side into
 ``aux``; and, staging the draft's first pass (``STAGE``): ids = the argmax, RoPE positions one further, slots,
 causal index, context length, block table row, hidden = the aux row, and the rows to drop (``Q - 1 -`` count
-for a real sequence, one whose last row does not write ``pad_slot``; 0 for padding). Launched with PDL where
-on (it reads the argmax kernel's output: it waits first).
+for a real sequence, one whose last row does not write ``pad_slot``; 0 for padding); and (``NEXT``, where the
+inputs give the block size) the verify's own inputs for the round after it, as ``stage_next_verify`` writes them.
+Launched with PDL where on (it reads the argmax kernel's output: it waits first).
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ def _copy_part(src_ptr, stride_s, aux_ptr, stride_a, dst_ptr, stride_d, row, col
 def _verify_stage_kernel(argmax_ptr, ids_ptr, pos_ptr, slots_ptr, index_ptr, ctx_ptr, tables_ptr, h0_ptr, h1_ptr,
                          h2_ptr, aux_ptr, verdict_ptr, d_ids_ptr, d_pos_ptr, d_slots_ptr, d_index_ptr, d_ctx_ptr,
                          d_tables_ptr, d_hidden_ptr, d_drop_ptr, stride_h0, stride_h1, stride_h2, stride_aux,
-                         stride_dh, W, DW, H, pad_slot, Q: tl.constexpr, Q_PAD: tl.constexpr, PARTS: tl.constexpr,
-                         BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, STAGE: tl.constexpr, PDL: tl.constexpr):
+                         stride_dh, W, DW, H, pad_slot, bs, Q: tl.constexpr, Q_PAD: tl.constexpr,
+                         PARTS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, STAGE: tl.constexpr,
+                         NEXT: tl.constexpr, PDL: tl.constexpr):
     pdl_open(PDL)
     s = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, Q_PAD)
@@ -75,6 +77,24 @@ def _verify_stage_kernel(argmax_ptr, ids_ptr, pos_ptr, slots_ptr, index_ptr, ctx
             tl.store(d_tables_ptr + s * DW + w0 + w, tl.load(tables_ptr + s * W + w0 + w, mask=m), mask=m)
         last = tl.load(slots_ptr + s * Q + Q - 1)
         tl.store(d_drop_ptr + s, tl.where(last != pad_slot, Q - 1 - count, 0).to(tl.int64))
+    if NEXT:  # the verify's own inputs for the round after it (``stage_next_verify``), over this round's
+        pos = tl.load(pos_ptr + r, mask=rows)
+        idx = tl.load(index_ptr + r, mask=rows)
+        old_slots = tl.load(slots_ptr + r, mask=rows)
+        ctx = tl.load(ctx_ptr + s)
+        old_root = tl.load(ids_ptr + s * Q)
+        real = tl.load(slots_ptr + s * Q + Q - 1) != pad_slot
+        root = tl.sum(tl.where(j == count, target, 0), axis=0)
+        shift = tl.where(real, count + 1, 0).to(tl.int64)
+        nidx = idx + shift
+        block = tl.load(tables_ptr + s * W + tl.minimum(nidx // bs, W - 1), mask=rows, other=0)
+        new_slots = tl.where(real, block * bs + nidx % bs, old_slots)
+        tl.debug_barrier()  # every read of this round's inputs (the draft's staging's too) before they change
+        tl.store(ids_ptr + s * Q, tl.where(real, root, old_root))
+        tl.store(pos_ptr + r, pos + shift, mask=rows)
+        tl.store(index_ptr + r, nidx, mask=rows)
+        tl.store(slots_ptr + r, new_slots, mask=rows)
+        tl.store(ctx_ptr + s, ctx + shift)
 
 
 def verify_stage_triton(argmax: torch.Tensor, inputs: StaticInputs, hidden: tuple[torch.Tensor, ...], batch: int,
@@ -108,8 +128,8 @@ def verify_stage_triton(argmax: torch.Tensor, inputs: StaticInputs, hidden: tupl
     _verify_stage_kernel[(batch,)](
         argmax, inputs.ids, inputs.positions, inputs.slots, inputs.index, inputs.context_lens, tables, h[0], h[1],
         h[2], aux, verdict, *staged[:6], d_hidden, staged[6], h[0].stride(0), h[1].stride(0), h[2].stride(0),
-        aux.stride(0), d_hidden.stride(0), tables.shape[1], staged[5].shape[-1], width, inputs.pad_slot, Q=q,
-        Q_PAD=triton.next_power_of_2(q), PARTS=len(hidden), BLOCK_H=min(1024, triton.next_power_of_2(width)),
-        BLOCK_W=min(1024, triton.next_power_of_2(max(1, tables.shape[1]))), STAGE=stage, num_warps=4,
-        **pdl_launch())
+        aux.stride(0), d_hidden.stride(0), tables.shape[1], staged[5].shape[-1], width, inputs.pad_slot,
+        max(inputs.block_size, 1), Q=q, Q_PAD=triton.next_power_of_2(q), PARTS=len(hidden),
+        BLOCK_H=min(1024, triton.next_power_of_2(width)), BLOCK_W=min(1024, triton.next_power_of_2(max(1, tables.shape[1]))),
+        STAGE=stage, NEXT=inputs.block_size > 0, num_warps=4, **pdl_launch())
     return aux, verdict
