@@ -216,7 +216,7 @@ def test_counters_follow_vllm_convention() -> None:
 def test_speculative_config_rules() -> None:
     chain = SpeculativeConfig("d", num_steps=3)
     assert chain.num_draft_tokens == 4 and chain.is_chain
-    assert chain.lookahead_tokens == 3 + 2  # the verify's 3 drafts, then the next chain's 2 steps drafted ahead
+    assert chain.lookahead_tokens == 3 + 4  # the verify's 3 drafts, then the next round's verify run ahead
     assert SpeculativeConfig("d", num_steps=3, num_draft_tokens=9).num_draft_tokens == 4  # sglang adjusts
     with pytest.raises(SpeculativeConfigError, match="at least num_steps \\+ 1 = 4"):
         SpeculativeConfig("d", num_steps=3, num_draft_tokens=3)

@@ -195,3 +195,41 @@ def test_greedy_rounds_staged_by_the_verify_equal_the_host_op_rounds(monkeypatch
                     runs[on] = (out, engine.stats().spec)
                     assert (staged[0] > 0) == on, (steps, len(prompts), staged)
             assert runs[True] == runs[False], (steps, len(prompts))
+
+
+@needs_gpu
+def test_rounds_in_flight_equal_rounds_read_one_by_one_under_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under CUDA graphs (the verify's program in the graph stages the next verify's inputs, the Triton launch on a
+    GPU) greedy chain rounds launched before the one ahead is read back (``SpecDecoder.advance``, the default on a
+    GPU) give the tokens and acceptance of rounds read one by one, for requests of different lengths (a stop drops
+    the round launched after it) at chain-3 and chain-7, batch 1 and 3 (padded to 4); and they ran."""
+    from fusedserve.worker.engine.config import EngineConfig
+    from fusedserve.worker.engine.engine import Engine
+    from fusedserve.worker.engine.sequence import SamplingParams
+    from fusedserve.worker.spec_decode.config import SpeculativeConfig
+    from fusedserve.worker.spec_decode.decoder import SpecDecoder
+
+    followed = [0]
+    follow = SpecDecoder._follow
+
+    def counted(self: SpecDecoder, *args: object) -> object:
+        nxt = follow(self, *args)  # type: ignore[arg-type]
+        followed[0] += nxt is not None
+        return nxt
+
+    monkeypatch.setattr(SpecDecoder, "_follow", counted)
+    lengths = (17, 40, 29)
+    for steps in (3, 7):
+        for n in (1, 3):
+            runs = {}
+            for overlap in (None, False):  # None: the GPU's default
+                followed[0] = 0
+                engine = Engine(TARGET, EngineConfig(num_blocks=64, max_num_seqs=4, device="cuda", cuda_graphs=True,
+                                                     overlap_scheduling=overlap,
+                                                     speculative=SpeculativeConfig(DRAFT, num_steps=steps)))
+                params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in lengths[:n]]
+                out = [c.token_ids for c in engine.generate(PROMPTS[:n], params)]
+                runs[overlap] = (out, engine.stats().spec)
+                assert (followed[0] > 0) == (overlap is None), (steps, n, followed)
+                assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+            assert runs[None] == runs[False], (steps, n)

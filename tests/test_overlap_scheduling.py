@@ -14,7 +14,7 @@ import pytest
 
 from fusedserve.tiny import make_tiny_nemotron_h
 from fusedserve.worker.engine import inflight_step
-from fusedserve.worker.engine.config import EngineConfig, EngineConfigError
+from fusedserve.worker.engine.config import EngineConfig
 from fusedserve.worker.engine.engine import Engine
 from fusedserve.worker.engine.outputs import RequestOutput
 from fusedserve.worker.engine.sequence import FinishReason, SamplingParams
@@ -165,10 +165,12 @@ def test_streamed_outputs_and_aborts_in_flight() -> None:
     assert e.blocks.num_free_blocks == e.blocks.num_blocks
 
 
-def test_overlap_is_refused_where_tokens_must_be_read_each_step(tmp_path: Path) -> None:
+def test_overlap_off_cuda_is_asked_for_and_covers_speculation(tmp_path: Path) -> None:
+    """Off CUDA every step reads back unless asked; with speculation, asking overlaps greedy chain rounds
+    (``test_spec_rounds_in_flight.py``)."""
     draft = Path(__file__).resolve().parents[1] / "examples" / "checkpoints" / "tiny-code-eagle3"
-    with pytest.raises(EngineConfigError, match="without speculation"):
-        make(True, speculative=SpeculativeConfig(draft_model=str(draft), num_steps=2))
+    assert make(True, speculative=SpeculativeConfig(draft_model=str(draft), num_steps=2)).overlap
+    assert not make(None, speculative=SpeculativeConfig(draft_model=str(draft), num_steps=2)).overlap  # type: ignore[arg-type]
     assert not make(None).overlap  # type: ignore[arg-type]  # the default off CUDA: read back every step
 
 

@@ -9,12 +9,14 @@ finished sequences. The outputs of a step are streaming deltas (``RequestOutput`
 With ``EngineConfig.speculative`` the step's forward also verifies EAGLE3 drafts
 (``SpecDecoder``): a decoding sequence may gain several tokens per step.
 
-Overlapped steps (``overlap_scheduling``, on by default on one GPU without speculation;
-``inflight_step.py``): a plain step whose sampling rows can all be drawn on the device is left in
-flight, its tokens as placeholders; the next ``step`` schedules and launches the following forward
-first (its rows take those tokens on the device) and then reads them back and turns them into
-outputs, while the GPU runs. Each ``step`` then returns the previous forward's outputs. A step with
-a request that needs its tokens on the host (logprobs, a grammar, history penalties) runs as before.
+Overlapped steps (``overlap_scheduling``, on by default on one GPU; ``inflight_step.py``): a plain step
+whose sampling rows can all be drawn on the device is left in flight, its tokens as placeholders; the
+next ``step`` schedules and launches the following forward first (its rows take those tokens on the
+device) and then reads them back and turns them into outputs, while the GPU runs. Each ``step`` then
+returns the previous forward's outputs. A step with a request that needs its tokens on the host
+(logprobs, a grammar, history penalties) runs as before. With speculation the same holds for greedy
+chain rounds (``SpecDecoder``'s rounds in flight): the next ``step`` launches the round after it from
+what the device staged (while nothing waits to be scheduled) and then reads it back.
 
 CUDA graphs (decided once, when the rank is built: ``executor/kernel_set.py``): the target's
 decode steps (or, with speculation, its verify forwards) and the draft's first pass and steps
@@ -137,10 +139,10 @@ class Engine:
     def _overlap_allowed(self, config: EngineConfig) -> bool:
         one_rank = self.runner.single_rank
         if config.overlap_scheduling is None:
-            return self.executor.device.type == "cuda" and one_rank and self.speculator is None
-        if config.overlap_scheduling and not (one_rank and self.speculator is None):
-            raise EngineConfigError("overlap_scheduling runs on one rank without speculation (the ranks of a "
-                                    "parallel engine and the verifier read each step's tokens on the host)")
+            return self.executor.device.type == "cuda" and one_rank
+        if config.overlap_scheduling and not one_rank:
+            raise EngineConfigError("overlap_scheduling runs on one rank (the ranks of a parallel engine read each "
+                                    "step's tokens on the host)")
         return config.overlap_scheduling
 
     def _capture_graphs(self) -> None:
@@ -214,7 +216,8 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending) or self._inflight is not None
+        return (self.scheduler.has_unfinished() or bool(self._pending) or self._inflight is not None
+                or (self.speculator is not None and self.speculator.in_flight))
 
     def stats(self) -> EngineStats:
         s = self.scheduler.stats()
@@ -231,6 +234,10 @@ class Engine:
         """Run one scheduled forward; returns the requests' new tokens and text (overlapped: those of
         the forward before it)."""
         outputs, self._pending = self._pending, []
+        spec = self.speculator
+        if spec is not None and spec.in_flight:  # launch the round after it, if nothing waits, then read it
+            done = spec.advance(self.scheduler, self.state_of, not self.scheduler.waiting, self.max_model_len)
+            return outputs + self.commit_step(done.batch, done.seqs, done.picks, done.settled)
         prev, self._inflight = self._inflight, None
         batch = self.scheduler.schedule()
         if batch.is_empty:
@@ -240,9 +247,9 @@ class Engine:
             state = self._requests[self.scheduler.get(e.seq_id).request_id]
             if state.scheduled_at is None:
                 state.scheduled_at = now
-        if self.speculator is not None:
-            spec = self.speculator.step(batch, self.scheduler, self.state_of)
-            return outputs + self.commit_step(spec.batch, spec.seqs, spec.picks, spec.settled)
+        if spec is not None:
+            ran = spec.step(batch, self.scheduler, self.state_of, self.overlap)
+            return outputs + ([] if ran is None else self.commit_step(ran.batch, ran.seqs, ran.picks, ran.settled))
         step = forward_step(batch)
         input_ids = prev.input_ids(batch, self.executor.device) if prev is not None else None
         logits = self.runner.run(step, input_ids=input_ids).logits

@@ -289,6 +289,20 @@ class Scheduler:
         if seq is not None and seq.status is SequenceStatus.RUNNING:
             self.blocks.cache_blocks(seq_id, seq, min(seq.num_computed, num_settled))
 
+    def is_running(self, seq_id: int) -> bool:
+        seq = self._seqs.get(seq_id)
+        return seq is not None and seq.status is SequenceStatus.RUNNING
+
+    def reserve_ahead(self, seq_id: int, total: int) -> list[int] | None:
+        """A running sequence's block table made to hold ``total`` slots from the free blocks, preempting nothing
+        (a speculative round launched before the last is read back) -> its table, or None (nothing reserved)
+        where it is not running or too few blocks are free."""
+        seq = self._seqs.get(seq_id)
+        if seq is None or seq.status is not SequenceStatus.RUNNING or not self._can_reserve(seq, total):
+            return None
+        self.blocks.reserve(seq_id, total)
+        return self.blocks.table(seq_id)
+
     def finish(self, seq_id: int, reason: FinishReason) -> Sequence | None:
         """End a sequence (running or waiting) and free what it holds; None if unknown."""
         seq = self._seqs.pop(seq_id, None)

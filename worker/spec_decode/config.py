@@ -68,7 +68,8 @@ class SpeculativeConfig:
     def lookahead_tokens(self) -> int:
         """K/V slots needed beyond the last known token: the verified drafts in the target's
         cache, the nodes of draft steps 1.. in the draft's (same block tables); a chain's also the
-        next round's draft steps, run before this round's acceptance is read back (``SpecDecoder``:
-        after every draft accepted, they reach num_steps - 1 slots past this verify's)."""
-        ahead = self.num_steps - 1 if self.is_chain else 0
+        next round's draft steps and verify, run before this round's acceptance is read back
+        (``SpecDecoder``: after every draft accepted, the verify's rows reach ``verify_tokens`` slots past
+        this verify's, the draft steps num_steps - 1)."""
+        ahead = max(self.verify_tokens, self.num_steps - 1) if self.is_chain else 0
         return max(self.verify_tokens - 1 + ahead, (self.num_steps - 1) * self.topk - 1)

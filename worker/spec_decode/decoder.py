@@ -21,7 +21,8 @@ token, with at least one token already in the cache):
    top-k), with the request's own random stream. The accepted nodes' K/V move to the
    sequence's next slots (the runner's ``copy_kv``); their aux rows wait for the next draft.
 
-On one rank the step waits once: a chain's drafts (``_deferred_verify``) and a tree
+On one rank (an executor alone, or a group's leader without followers: ``Runner.single_rank``, as ``fusedserve
+run`` serves one GPU) the step waits once: a chain's drafts (``_deferred_verify``) and a tree
 (``_deferred_tree``: grown on the device, at captured shapes) stay on the device and the verify is
 queued right behind the draft's replays with them as its inputs; the drafts, or the trees, are read
 back after it with the target's argmax of every row, and a chain's sampled requests whose logits
@@ -34,6 +35,20 @@ that kind at a captured verify (``_greedy_round``) leaves the host no op between
 verify's graph computes its argmax, the acceptance and the read-back row of each sequence and stages the
 next chain's first pass (``verify_program.py``), which the host replays as staged; the host-op path stays
 its reference and runs every other chain round (sampled requests, mixed steps).
+
+Rounds in flight (``step(..., overlap=True)``, the engine's ``overlap_scheduling``: on by default on a GPU):
+such a greedy round is left launched, not read back. The engine's next step calls ``advance``, which first
+launches the round after it (``_follow``) and only then reads it back and accepts it, so the host commits
+round N (acceptance, text, stops) while the GPU runs round N + 1's verify and chain. Round N + 1's verify
+replays on the inputs round N's verify program staged (``stage_next_verify``: each root the token after the
+drafts the device accepted, rows, slots and context moved on by as many) with the chain drafted behind round
+N as its drafts; the host only reserves blocks three verifies ahead and copies the chain in. The device's
+greedy acceptance is the host's by construction (the same drafts, argmax and rule); a sequence that stops
+in round N (EOS, a stop string, its length) or is aborted drops round N + 1's rows, whose K/V lie past its
+kept tokens in blocks it frees. A round follows only while nothing waits to be scheduled, every running
+sequence is in it, no request asks for logprobs (round N + 1's logits replay over N's), the free blocks hold
+the reservation and ``max_len`` leaves room; otherwise the round is read back as it stands and the next step
+is scheduled as usual.
 
 Prefill chunks and a prompt's first sample run as without speculation (and capture aux).
 Preempted sequences lose their draft state and rebuild it from the recomputed prefill. A
@@ -75,7 +90,7 @@ from ..executor.step_shape import StepShape, prefill_shapes
 from .config import SpeculativeConfig, SpeculativeConfigError
 from .draft_model import build_draft, chain_shapes, draft_shapes
 from .draft_tree import Acceptance, DraftTree, accept_greedy, relocation, tree_positions
-from .drafter import Drafter, DraftState, DraftWork, Proposal
+from .drafter import Ahead, Drafter, DraftState, DraftWork, Proposal
 from .rejection_sampler import Uniforms, accept_chains_sampled, verify_chain_sampled, verify_tree_sampled
 from .stats import SpecDecodeCounters, SpecDecodeStats
 from .verify_program import VerifyProgram, verify_stage_kernel
@@ -114,6 +129,29 @@ class Verified:
     drafted: dict[int, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class RoundInFlight:
+    """A greedy chain round launched and not read back (``SpecDecoder._greedy_round``, ``_follow``): its verify
+    and the chain drafted behind it are queued; ``read`` waits for its verdict alone. ``batch`` and ``work``: its
+    sequences' root entries (None for a round launched before the one ahead of it was read: ``_taken`` makes
+    them)."""
+
+    batch: ScheduledBatch | None
+    work: list[DraftWork] | None
+    shape: StepShape  # the verify's captured shape
+    logits: torch.Tensor  # its rows' logits (the static output: the next verify replays over it)
+    aux: torch.Tensor  # its rows' aux states [rows, 3H], copied out of the static output
+    read: Callable[[], list[Any]]  # its verdict [B, 2q] (drafts, argmax, count), flat
+    next_drafts: torch.Tensor | None  # [B, num_steps]: the chain drafted behind it on the device, or None
+    covered: tuple[int, ...]  # per sequence, the slots its block table held in the verify's inputs
+    tables: tuple[tuple[int, ...], ...] | None = None  # per sequence, the block table it was launched with
+
+    @property
+    def follows(self) -> bool:
+        """The round after it can be launched before it is read back (its next chain is drafted)."""
+        return self.next_drafts is not None
+
+
 class SpecDecoder:
     """``target``: the runner of the target's forwards (its executor returns the aux states of
     ``layers`` with every forward); ``draft``: the draft's own executor (leader only)."""
@@ -132,6 +170,7 @@ class SpecDecoder:
                                          "config)")
         self.counters = SpecDecodeCounters(config.num_steps)
         self._states: dict[int, DraftState] = {}
+        self._in_flight: RoundInFlight | None = None
         self.drafter = Drafter(draft, draft_model, sampler, vocab_size, config.num_steps, config.topk,
                                config.verify_tokens)
 
@@ -175,7 +214,7 @@ class SpecDecoder:
         self.draft.capture(shapes, max_blocks, feed=self.drafter.greedy_tokens, grow=self.drafter.grow_tree,
                            sample=self.drafter.sample_tokens)
         target = self.target_shapes(batch_sizes) + prefill_shapes(lengths)
-        if self.target is self.target.local and self.drafter.is_chain:
+        if self.target.single_rank and self.drafter.is_chain:
             program = VerifyProgram(self.sampler.argmax, self._staged, verify_stage_kernel(self.target.local.device))
             self.target.local.capture(target, max_blocks, finish=program)
         else:
@@ -189,8 +228,18 @@ class SpecDecoder:
 
     # --- one engine step ----------------------------------------------------------------------
 
-    def step(self, batch: ScheduledBatch, scheduler: Scheduler, state_of: StateOf) -> SpecStep:
-        """Draft for the decoding sequences, run the step's target forward, accept and sample."""
+    @property
+    def in_flight(self) -> bool:
+        """A round is launched and not yet read back (``advance`` reads it)."""
+        return self._in_flight is not None
+
+    def step(self, batch: ScheduledBatch, scheduler: Scheduler, state_of: StateOf, overlap: bool = False
+             ) -> SpecStep | None:
+        """Draft for the decoding sequences, run the step's target forward, accept and sample. ``overlap``: a
+        greedy round that can be followed before it is read back is left in flight instead (None: nothing to
+        commit yet; ``advance`` goes on from it)."""
+        if self._in_flight is not None:
+            raise RuntimeError("a speculative round is in flight: advance() reads it first")
         live = {s.seq_id for s in scheduler.running}
         for seq_id in [s for s in self._states if s not in live]:
             del self._states[seq_id]
@@ -203,8 +252,13 @@ class SpecDecoder:
                 raise RuntimeError(f"sequence {e.seq_id}: draft state out of step with the target's cache")
         work = [DraftWork(e, s, self._states[e.seq_id], self._draw(state_of(s).generator))
                 for e, s in zip(batch.seqs, seqs) if self._drafts(e, self._states[e.seq_id])]
-        verified = (self._greedy_round(batch, work, state_of) or self._deferred_verify(batch, work, state_of)
-                    or self._deferred_tree(batch, work))
+        launched = self._greedy_round(batch, work, state_of)
+        if launched is not None and overlap and launched.follows and all(w.seq.params.logprobs is None
+                                                                         for w in work):
+            self._in_flight = launched  # its logits rows are not read: the next verify may replay over them
+            return None
+        verified = ((self._verified(launched) if launched is not None else None)
+                    or self._deferred_verify(batch, work, state_of) or self._deferred_tree(batch, work))
         if verified is None:
             proposals = dict(zip((w.entry.seq_id for w in work), self.propose(work)))
             entries = [self._verify_entry(e, proposals[e.seq_id].tree) if e.seq_id in proposals else e
@@ -212,23 +266,48 @@ class SpecDecoder:
             run = ScheduledBatch(seqs=entries, preempted=batch.preempted)
             out = self.target.run(forward_step(run))
             verified = Verified(run, out.logits, torch.cat(out.hidden, dim=-1), proposals)
+        return self._settle(verified, seqs, {w.entry.seq_id: w.draw for w in work}, state_of)
+
+    def _settle(self, verified: Verified, seqs: list[Sequence], draws: dict[int, Uniforms], state_of: StateOf
+                ) -> SpecStep:
+        """Accept a verified step's drafts and sample its other rows -> the step as ``Engine.commit_step`` takes
+        it (sequences finished since it was launched get nothing)."""
         run, entries = verified.run, verified.run.seqs
-        draws = {w.entry.seq_id: w.draw for w in work}
         results = self._accept(verified, seqs, draws, state_of)
-        sampling = [(s, results[i]) for i, (e, s) in enumerate(zip(entries, seqs)) if e.num_logits > 0]
-        settled = {e.seq_id: self._states[e.seq_id].num_bases for e in run.seqs}
+        sampling = [(s, results[i]) for i, (e, s) in enumerate(zip(entries, seqs))
+                    if e.num_logits > 0 and i in results]
+        settled = {e.seq_id: self._states[e.seq_id].num_bases for e, s in zip(run.seqs, seqs) if not s.is_finished}
         return SpecStep(run, [s for s, _ in sampling], [p for _, p in sampling], settled)
 
-    def _greedy_round(self, batch: ScheduledBatch, work: list[DraftWork], state_of: StateOf) -> Verified | None:
+    def advance(self, scheduler: Scheduler, state_of: StateOf, follow: bool, max_len: int) -> SpecStep:
+        """Read back the round in flight and accept it, having first launched the round after it where it can
+        follow (``follow``: nothing waits to be scheduled; see ``_follow``) -> the round read back, for
+        ``Engine.commit_step``; the next is then in flight. Sequences finished meanwhile (a stop, an abort) get
+        nothing from it."""
+        r, self._in_flight = self._in_flight, None
+        assert r is not None and r.work is not None
+        nxt = self._follow(r, scheduler, max_len) if follow else None
+        verified = self._verified(r)
+        seqs = [w.seq for w in r.work]
+        done = self._settle(verified, seqs, {w.entry.seq_id: w.draw for w in r.work}, state_of)
+        for seq in seqs:
+            if seq.is_finished:
+                self._states.pop(seq.seq_id, None)
+        if nxt is not None:
+            self._in_flight = self._taken(nxt, r, done, state_of)
+        return done
+
+    def _greedy_round(self, batch: ScheduledBatch, work: list[DraftWork], state_of: StateOf) -> RoundInFlight | None:
         """A greedy chain round on one rank, every sequence drafting and no request's logits adjusted, at a
-        captured verify: the verify's graph accepts on the device and stages the next chain's first pass
-        (``verify_program.py``); the host replays the verify, queues the read-back of its verdict (drafts,
-        argmax, acceptance counts), replays the staged first pass + chain (``Drafter.chain_after_staged``) and
-        reads — no op of the host's between the forwards. ``_deferred_verify`` with the acceptance and the
-        next chain's inputs made by host ops is its reference (and runs every other chain round).
-        None (nothing run) where this does not apply."""
+        captured verify, launched: the verify's graph accepts on the device and stages the next chain's first
+        pass and its own next inputs (``verify_program.py``); the host replays the verify, queues the read-back
+        of its verdict (drafts, argmax, acceptance counts) and replays the staged first pass + chain
+        (``Drafter.chain_after_staged``) — no op of the host's between the forwards. ``_verified`` reads it
+        back; ``advance`` may first launch the round after it (``_follow``). ``_deferred_verify`` with the
+        acceptance and the next chain's inputs made by host ops is its reference (and runs every other chain
+        round). None (nothing run) where this does not apply."""
         local = self.target.local
-        if (not work or self.target is not local or not self.drafter.is_chain or len(work) != len(batch.seqs)
+        if (not work or not self.target.single_rank or not self.drafter.is_chain or len(work) != len(batch.seqs)
                 or not all(w.seq.params.greedy and not self.tokens.adjusts(w.seq, state_of(w.seq)) for w in work)):
             return None
         n = self.config.verify_tokens - 1
@@ -242,16 +321,93 @@ class SpecDecoder:
         assert ran is not None  # finishes(shape) said so
         out, (aux, verdict) = ran
         read = read_later(verdict.reshape(-1))  # queued behind the verify, before the next chain's replay
-        drafted_ahead = self.drafter.chain_after_staged(work, shape.batch)
-        aux = aux.clone()  # the pending rows outlive the static output (the next verify replays into it)
-        flat = read()  # the step's one wait: the verify and its verdict (not the next chain, queued after)
+        ahead = work[0].state.ahead if self.drafter.chain_after_staged(work, shape.batch) else None
+        bs = local.block_size
+        return RoundInFlight(batch, work, shape, out.logits, aux.clone(), read,
+                             None if ahead is None else ahead.batch,
+                             tuple(len(e.block_table) * bs for e in batch.seqs))
+
+    def _follow(self, r: RoundInFlight, scheduler: Scheduler, max_len: int) -> RoundInFlight | None:
+        """The round after ``r`` launched before ``r`` is read back: its verify replays on the inputs ``r``'s
+        program staged (each root the token after the drafts the device accepted, rows, slots and context moved
+        on by as many), its drafts the next chain's (drafted ahead behind ``r``'s verify), over block tables
+        reserved three verifies past ``r``'s root (the one after it stages its slots from them); then the chain
+        after it, staged by it. Only where ``r``'s sequences are all the running ones and still run, its tables
+        reach the slots staged, and room is left within ``max_len`` and the free blocks; else None (nothing
+        run). Its entries are made once ``r`` is read back (``_taken``)."""
+        q = self.config.verify_tokens
+        bs = self.target.local.block_size
+        assert r.work is not None
+        if r.next_drafts is None or len(scheduler.running) != len(r.work):
+            return None
+        for w, covered in zip(r.work, r.covered):
+            start = w.entry.start
+            if not scheduler.is_running(w.entry.seq_id) or covered < start + 2 * q or start + 3 * q > max_len:
+                return None
+        tables = []
+        for w in r.work:
+            table = scheduler.reserve_ahead(w.entry.seq_id, w.entry.start + 3 * q)
+            if table is None:
+                return None
+            tables.append(table)
+        local = self.target.local
+        inputs = local.static_inputs(r.shape)
+        b = len(r.work)
+        if any(len(t) != len(w.entry.block_table) for t, w in zip(tables, r.work)):  # new blocks: the inputs take them
+            width = max(len(t) for t in tables)
+            flat = [x for t in tables for x in (*t, *[0] * (width - len(t)))]
+            inputs.tables[:b, :width].copy_(to_device(flat, local.device).view(b, width))
+        inputs.ids.view(r.shape.batch, q)[:b, 1:].copy_(r.next_drafts[:, :q - 1])
+        outputs = local.replay_staged(r.shape)
+        logits, aux, verdict = outputs[0], outputs[-2], outputs[-1]
+        read = read_later(verdict[:b].reshape(-1))
+        drafts = self.drafter.replay_staged_chain(b, r.shape.batch)
+        return RoundInFlight(None, None, r.shape, logits[:b * q], aux[:b * q].clone(), read, drafts,
+                             tuple(len(t) * bs for t in tables), tuple(tuple(t) for t in tables))
+
+    def _taken(self, nxt: RoundInFlight, r: RoundInFlight, done: SpecStep, state_of: StateOf) -> RoundInFlight:
+        """``nxt`` (launched before ``r`` was read) with its entries, now that ``r``'s acceptance is known: each
+        sequence's root after its accepted drafts, its table as reserved; its draft state takes the chain
+        ``nxt`` verifies (drafted ahead behind ``r``: the first pass consumed ``r``'s aux rows) and holds the one
+        drafted behind ``nxt``."""
+        assert r.work is not None and nxt.tables is not None
+        picks = dict(zip((s.seq_id for s in done.seqs), done.picks))
+        entries: list[ScheduledSeq] = []
+        work: list[DraftWork] = []
+        for i, (w, table) in enumerate(zip(r.work, nxt.tables)):
+            e, state = w.entry, w.state
+            pick = picks.get(e.seq_id)
+            if pick is None:  # finished while r was in flight: nxt's rows for it are dropped when read
+                entry = replace(e, block_table=list(table))
+            else:
+                ahead = state.ahead
+                start = e.start + len(pick.tokens)
+                if ahead is None or ahead.start != start:
+                    raise RuntimeError(f"sequence {e.seq_id}: the round launched ahead does not follow the one "
+                                       f"read back (host and device acceptance differ)")
+                entry = replace(e, token_ids=[pick.tokens[-1]], start=start, block_table=list(table), admitted=False)
+                state.num_bases, state.pending = start, []
+                state.ahead = None if nxt.next_drafts is None else Ahead(nxt.next_drafts[i], None, None,
+                                                                          batch=nxt.next_drafts, row=i)
+            entries.append(entry)
+            work.append(DraftWork(entry, w.seq, state, w.draw))
+        return replace(nxt, batch=ScheduledBatch(seqs=entries), work=work)
+
+    def _verified(self, r: RoundInFlight) -> Verified:
+        """A launched greedy round read back (its one wait: the verify and its verdict, not what was queued
+        after it): the drafts, the target's argmax of every row and the device's acceptance counts."""
+        assert r.batch is not None and r.work is not None
+        work, batch = r.work, r.batch
+        n = self.config.verify_tokens - 1
+        flat = r.read()
         w = 2 * (n + 1)
         rows = [flat[i * w:i * w + n] for i in range(len(work))]
         argmax = [t for i in range(len(work)) for t in flat[i * w + n:i * w + 2 * n + 1]]
         proposals = dict(zip((w.entry.seq_id for w in work), self.drafter.chain_proposals(work, rows, None)))
         entries = [self._verify_entry(e, proposals[e.seq_id].tree) for e in batch.seqs]
-        drafted = {wk.entry.seq_id: flat[i * w + w - 1] for i, wk in enumerate(work)} if drafted_ahead else {}
-        return Verified(ScheduledBatch(seqs=entries, preempted=batch.preempted), out.logits, aux, proposals,
+        drafted = ({wk.entry.seq_id: flat[i * w + w - 1] for i, wk in enumerate(work)} if r.next_drafts is not None
+                   else {})
+        return Verified(ScheduledBatch(seqs=entries, preempted=batch.preempted), r.logits, r.aux, proposals,
                         argmax, {}, drafted)
 
     def _deferred_verify(self, batch: ScheduledBatch, work: list[DraftWork], state_of: StateOf) -> Verified | None:
@@ -262,7 +418,7 @@ class SpecDecoder:
         is read back after that together with the target's argmax of every logits row (one wait for draft,
         verify and acceptance), so the GPU runs draft, verify and the next draft back to back.
         None where this does not apply (several ranks take the step's token ids as values, a tree)."""
-        if not work or self.target is not self.target.local or not self.drafter.is_chain:
+        if not work or not self.target.single_rank or not self.drafter.is_chain:
             return None
         drafts, q = self.drafter.chain(work)  # [B, num_steps] target ids (and sampled rows' q), on the device
         n = self.config.verify_tokens - 1
@@ -358,7 +514,7 @@ class SpecDecoder:
         inputs (placeholders on the host size the step); the trees are read back after it together with
         the target's argmax of every row (the step's one wait). None where this does not apply (several
         ranks take the step's values, a step with sequences that do not draft, a shape not captured)."""
-        if (not work or self.target is not self.target.local or self.drafter.is_chain
+        if (not work or not self.target.single_rank or self.drafter.is_chain
                 or len(work) != len(batch.seqs)):
             return None
         n = self.config.verify_tokens
@@ -426,6 +582,10 @@ class SpecDecoder:
         bs = self.target.local.block_size
         tok_row = logit_row = 0
         for i, (e, seq) in enumerate(zip(run.seqs, seqs)):
+            if seq.is_finished:  # stopped or aborted while its round was in flight
+                tok_row += e.num_tokens
+                logit_row += e.num_logits
+                continue
             state = self._states[e.seq_id]
             prop = proposals.get(e.seq_id)
             if prop is None:

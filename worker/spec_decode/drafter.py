@@ -294,13 +294,21 @@ class Drafter:
         bs = self.draft.block_size
         if any(len(w.entry.block_table) * bs < w.entry.start + 2 * k for w in work):
             return False
-        staged = self.first_chain_staged(len(work))
-        if staged is None or staged[0].batch != batch:
+        drafts = self.replay_staged_chain(len(work), batch)
+        if drafts is None:
             return False
-        drafts = self.draft.replay_staged(staged[0])[0][:len(work)].clone()
         for i, w in enumerate(work):
             w.state.ahead = Ahead(drafts[i], None, None, batch=drafts, row=i)
         return True
+
+    def replay_staged_chain(self, num_seqs: int, batch: int) -> torch.Tensor | None:
+        """The staged first pass + chain of ``num_seqs`` sequences replayed as a verify at padded ``batch`` staged
+        it -> their drafts [num_seqs, num_steps] (a copy: the replay's output serves the next), or None where no
+        staged shape of that batch is captured. The caller has checked the block tables."""
+        staged = self.first_chain_staged(num_seqs)
+        if staged is None or staged[0].batch != batch:
+            return None
+        return self.draft.replay_staged(staged[0])[0][:num_seqs].clone()
 
     @staticmethod
     def settle_ahead(state: DraftState, start: int, count: int, device_count: int) -> None:

@@ -1,0 +1,125 @@
+"""Speculative rounds in flight (``SpecDecoder.advance``, ``overlap_scheduling`` with speculation): a greedy chain
+round is launched before the one ahead of it is read back, on the inputs that round's verify staged on the device
+(``verify_program.stage_next_verify``), and it gives exactly the tokens, text, stops and acceptance of rounds read
+back one by one. On CPU the captured shapes run eagerly on the same static buffers (``cuda_graphs=True``), so the
+staging, the block tables reserved ahead and the rounds dropped after a stop are checked here as on a GPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fusedserve.worker.engine.config import EngineConfig
+from fusedserve.worker.engine.engine import Engine
+from fusedserve.worker.engine.outputs import RequestOutput
+from fusedserve.worker.engine.sequence import FinishReason, SamplingParams
+from fusedserve.worker.spec_decode.config import SpeculativeConfig
+from fusedserve.worker.spec_decode.decoder import RoundInFlight, SpecDecoder
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET = ROOT / "examples/checkpoints/tiny-code"
+DRAFT = str(ROOT / "examples/checkpoints/tiny-code-eagle3")
+PROMPTS = ["def fib(n):\n    ", "import os\nclass Foo:\n", "for i in range(10):"]
+
+
+def _engine(overlap: bool, steps: int = 3, **config: object) -> Engine:
+    settings: dict[str, object] = {"num_blocks": 48, "block_size": 4, "max_num_seqs": 3,
+                                   "cuda_graph_batch_sizes": (1, 2, 4)}
+    settings.update(config)
+    return Engine(TARGET, EngineConfig(speculative=SpeculativeConfig(DRAFT, num_steps=steps), cuda_graphs=True,
+                                       overlap_scheduling=overlap, **settings))  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def followed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many rounds were launched before the one ahead of them was read back."""
+    count = [0]
+    follow = SpecDecoder._follow
+
+    def counted(self: SpecDecoder, *args: object) -> RoundInFlight | None:
+        nxt = follow(self, *args)  # type: ignore[arg-type]
+        count[0] += nxt is not None
+        return nxt
+
+    monkeypatch.setattr(SpecDecoder, "_follow", counted)
+    return count
+
+
+def _drive(engine: Engine, requests: dict[int, list[tuple[str, SamplingParams]]], abort: dict[int, str] | None = None,
+           max_steps: int = 400) -> dict[str, tuple[list[int], str, FinishReason | None]]:
+    """Run the engine step by step, adding ``requests[k]`` before step k and aborting ``abort[k]`` before it ->
+    per request its streamed tokens, text and finish reason."""
+    got: dict[str, tuple[list[int], str, FinishReason | None]] = {}
+
+    def take(outs: list[RequestOutput]) -> None:
+        for out in outs:
+            tokens, text, _ = got.get(out.request_id, ([], "", None))
+            got[out.request_id] = (tokens + out.new_token_ids, text + out.text_delta, out.finish_reason)
+
+    for k in range(max_steps):
+        for rid, (prompt, params) in enumerate(requests.get(k, [])):
+            engine.add_request(prompt, params, request_id=f"{k}-{rid}")
+        if abort and k in abort:
+            assert engine.abort(abort[k])
+        if k > max(requests) and not engine.has_unfinished():
+            return got
+        take(engine.step())
+    raise AssertionError("the engine did not finish")
+
+
+def test_rounds_in_flight_equal_rounds_read_one_by_one(followed: list[int]) -> None:
+    """Three greedy requests of different lengths (each stop drops the round launched after it), with and without
+    EOS, at chain-3 and chain-5 (rounds crossing block boundaries: block size 4): the same tokens, text, finish
+    reasons and acceptance counts; the in-flight rounds ran."""
+    for steps in (3, 5):
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=eos) for n, eos in
+                  ((13, True), (29, True), (40, False))]
+        runs = {}
+        for overlap in (True, False):
+            followed[0] = 0
+            engine = _engine(overlap, steps)
+            outs = engine.generate(PROMPTS, params)
+            runs[overlap] = ([(c.token_ids, c.text, c.finish_reason) for c in outs], engine.stats().spec)
+            assert (followed[0] > 5) == overlap, (steps, followed)
+            assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+        assert runs[True] == runs[False], steps
+
+
+def test_rounds_in_flight_with_arrivals_aborts_and_stop_strings(followed: list[int]) -> None:
+    """Requests arriving while rounds are in flight (the round read back, nothing launched after it, the newcomer
+    prefilled), an abort of a request whose round is in flight, and stop strings: every request streams what it
+    does when rounds are read one by one, and the engine ends with every block free."""
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    requests = {0: [(PROMPTS[0], greedy), (PROMPTS[1], greedy)],
+                6: [(PROMPTS[2], SamplingParams(temperature=0, max_tokens=20, stop=["\n\n", "):"]))],
+                11: [(PROMPTS[1], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))]}
+    runs = {}
+    for overlap in (True, False):
+        followed[0] = 0
+        engine = _engine(overlap)
+        runs[overlap] = _drive(engine, requests, abort={9: "0-1"})
+        assert (followed[0] > 0) == overlap
+        assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    got, want = runs[True], runs[False]
+    assert set(got) == set(want) == {"0-0", "0-1", "6-0", "11-0"}
+    for rid in ("0-0", "6-0", "11-0"):
+        assert got[rid] == want[rid], rid
+    aborted, whole = got["0-1"], want["0-1"]
+    assert aborted[2] is FinishReason.ABORT and aborted[0] == whole[0][:len(aborted[0])]  # a prefix: aborted earlier
+
+
+def test_rounds_in_flight_near_the_model_length_and_out_of_blocks(followed: list[int]) -> None:
+    """Close to ``max_model_len`` no round is launched past it, and where the free blocks cannot hold a round ahead
+    the rounds are read one by one (the scheduler preempts as it would): the same tokens either way."""
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    for config in ({"max_model_len": 40}, {"num_blocks": 18, "max_model_len": 64}):
+        runs = {}
+        for overlap in (True, False):
+            followed[0] = 0
+            engine = _engine(overlap, **config)
+            runs[overlap] = [(c.token_ids, c.finish_reason) for c in engine.generate(PROMPTS, params)]
+            assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+            assert (followed[0] > 0) == overlap
+        assert runs[True] == runs[False], config
+        assert all(reason is FinishReason.LENGTH for _, reason in runs[True])
