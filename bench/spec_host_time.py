@@ -3,6 +3,7 @@
     python bench/spec_host_time.py [--temperatures 0,1] [--steps 5] [--tokens 200] [--out FILE]
     python bench/spec_host_time.py --replays [--steps 7] [--calls 3000] [--out FILE]
     python bench/spec_host_time.py --noop-rounds [--steps 7] [--tokens 200] [--repeats 3] [--out FILE]
+      (no speculation, chain-N read round by round, chain-N with rounds in flight)
 
 The engine runs the tiny pair (examples/checkpoints/tiny-code + tiny-code-eagle3) with ``cuda_graphs=True``,
 which on CPU runs every captured shape's forward eagerly on its static buffers (``step_graphs.py``); the
@@ -121,11 +122,14 @@ def _noop_replays(engine: Engine) -> None:
             entry.graph = _NoReplay()
 
 
-def noop_rounds(steps: int, tokens: int, repeats: int) -> dict[str, Any]:
+def noop_rounds(steps: int, tokens: int, repeats: int, overlap: bool = False) -> dict[str, Any]:
     """Whole engine steps with every replay a no-op: a round's wall time is its host time (the prompt's eager
-    prefill aside), with no model compute between to blur it. The tokens are meaningless (static logits)."""
+    prefill aside), with no model compute between to blur it. The tokens are meaningless (static logits).
+    ``overlap``: greedy rounds in flight (``SpecDecoder.advance``: each round launched on the inputs the verify
+    staged, no schedule or packing), as on a GPU by default."""
     spec = SpeculativeConfig(DRAFT, num_steps=steps) if steps else None
-    engine = Engine(TARGET, EngineConfig(num_blocks=64, max_num_seqs=1, cuda_graphs=True, speculative=spec))
+    engine = Engine(TARGET, EngineConfig(num_blocks=64, max_num_seqs=1, cuda_graphs=True, speculative=spec,
+                                         overlap_scheduling=overlap))
     _noop_replays(engine)
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     engine.generate(["def fib(n):\n    "], params)  # warm-up
@@ -140,7 +144,7 @@ def noop_rounds(steps: int, tokens: int, repeats: int) -> dict[str, Any]:
         rounds = after.drafts - before.drafts if after and before else len(out.token_ids)
         per.append(1e6 * wall / rounds)
     per.sort()
-    return {"steps": steps, "tokens": tokens, "repeats": repeats, "rounds": rounds,
+    return {"steps": steps, "overlap": overlap, "tokens": tokens, "repeats": repeats, "rounds": rounds,
             "us_per_round_median": round(per[len(per) // 2], 1), "us_per_round_spread": [round(per[0], 1),
                                                                                      round(per[-1], 1)]}
 
@@ -193,10 +197,12 @@ def main() -> None:
     args = ap.parse_args()
     numbers: Any
     if args.noop_rounds:
-        numbers = [noop_rounds(s, args.tokens, args.repeats) for s in (0, args.steps)]
+        numbers = [noop_rounds(s, args.tokens, args.repeats, o) for s, o in
+                   ((0, False), (args.steps, False), (args.steps, True))]
         for row in numbers:
-            print(f"{'chain-' + str(row['steps']) if row['steps'] else 'none':8s}: {row['us_per_round_median']} us a "
-                  f"round (spread {row['us_per_round_spread']}, {row['rounds']} rounds), no-op replays", flush=True)
+            name = ('chain-' + str(row['steps']) if row['steps'] else 'none') + (' in flight' if row['overlap'] else '')
+            print(f"{name:18s}: {row['us_per_round_median']} us a round (spread {row['us_per_round_spread']}, "
+                  f"{row['rounds']} rounds), no-op replays", flush=True)
         what = "engine rounds with no-op replays (host time alone), CPU"
     elif args.replays:
         numbers = replays(args.steps, args.calls)

@@ -188,10 +188,11 @@ def test_spec_host_time_times_whole_rounds_with_no_op_replays(tmp_path: Path) ->
     proc = _bench("spec_host_time.py", "--noop-rounds", "--steps", "3", "--tokens", "12", "--repeats", "1",
                   "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    plain, spec = json.loads(out.read_text())["numbers"]
-    assert (plain["steps"], spec["steps"]) == (0, 3)
-    assert plain["rounds"] == 12 and 0 < spec["rounds"] <= 12
-    assert plain["us_per_round_median"] > 0 and spec["us_per_round_median"] > 0
+    plain, spec, in_flight = json.loads(out.read_text())["numbers"]
+    assert (plain["steps"], spec["steps"], in_flight["steps"]) == (0, 3, 3)
+    assert (plain["overlap"], spec["overlap"], in_flight["overlap"]) == (False, False, True)
+    assert plain["rounds"] == 12 and 0 < spec["rounds"] <= 12 and 0 < in_flight["rounds"] <= 12
+    assert min(row["us_per_round_median"] for row in (plain, spec, in_flight)) > 0
 
 
 def test_detokenize_time_times_pushes_both_ways(tmp_path: Path) -> None:
