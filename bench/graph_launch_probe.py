@@ -46,7 +46,7 @@ import fusedserve.worker  # noqa: F401  (the installed package, before the check
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # bench.*; fusedserve stays the installed one
 
 from bench.common import apply_settings, drop_kernels, profile, record_header  # noqa: E402
-from bench.spec_decode_real import spec_config  # noqa: E402
+from bench.spec_decode_real import overlap_of, spec_config  # noqa: E402
 
 
 def timed_replays(log: list[tuple[int, float, bool]]) -> Any:
@@ -266,7 +266,7 @@ def main() -> None:
     for name in args.configs.split(","):
         engine = Engine(args.target, EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=1,
                                                   speculative=spec_config(args.draft, name), seed=0,
-                                                  kv_memory_fraction=0.2))
+                                                  kv_memory_fraction=0.2, overlap_scheduling=overlap_of(name)))
         tok = engine.tokenizer
         assert tok is not None
         prompt = tok.encode_chat([{"role": "user", "content": "Write a short story about a robot who learns to paint."}])

@@ -15,8 +15,9 @@ the configuration's own first answer. HumanEval: the problem's prompt as the use
 tok/s = generated tokens / wall time of the prompts of a set (after a warm-up on a short prompt and each
 set's first), the same run for every configuration. Configurations: chains of 3/5/7 steps, a tree of topK 4
 over 5 steps verifying 8 tokens; any ``chain-N`` and ``tree-sS-kK-tT`` (S steps, topK K, T verified tokens) by
-name. With other configurations, no speculation runs first and again last (``none-again``) and the speed-ups
-take the faster of its two runs; with ``--interleave`` all the configurations' engines are alive at once and each
+name, each also with ``+sync`` (every step and round read back before the next is launched, the rounds in
+flight's reference). With other configurations, no speculation runs first and again last (``none-again``) and
+the speed-ups take the faster of its two runs; with ``--interleave`` all the configurations' engines are alive at once and each
 prompt runs through every one in turn (``run_engines``), and ``paired_speedup_engine`` gives each speed-up with
 a bootstrap interval over the prompts — the GPU machine's speed drifts between and within runs (an H200 read the
 same code 20-25 % apart minutes later, 2026-12-05), which this cancels and sequential runs do not.
@@ -63,9 +64,20 @@ CONFIGS: dict[str, dict[str, int] | None] = {
 progress = Progress("spec_decode_real")
 
 
+SYNC = "+sync"  # a configuration's suffix: every step read back before the next is launched
+
+
+def overlap_of(name: str) -> bool | None:
+    """The engine's ``overlap_scheduling`` for a configuration: False with the ``+sync`` suffix (plain steps and
+    speculative rounds read back one by one), else the default (on a GPU: steps and greedy chain rounds in
+    flight)."""
+    return False if name.endswith(SYNC) else None
+
+
 def config_of(name: str) -> dict[str, int] | None:
     """A configuration by name: one of ``CONFIGS``, ``chain-N``, or ``tree-sS-kK-tT`` (S steps, topK K, T
-    verified tokens). KeyError for anything else."""
+    verified tokens), each also with the ``+sync`` suffix (``overlap_of``). KeyError for anything else."""
+    name = name.removesuffix(SYNC)
     if name in CONFIGS:
         return CONFIGS[name]
     parts = name.split("-")
@@ -111,7 +123,7 @@ def run_engines(args: argparse.Namespace, names: list[str], temperature: float,
     engines = {name: Engine(args.target, EngineConfig(
         device=args.device, dtype="bfloat16" if cuda else "float32", max_num_seqs=1, num_blocks=args.num_blocks,
         speculative=spec_config(args.draft, name), seed=0, kv_memory_fraction=0.2,
-        prefill_graph_tokens=args.prefill_graphs)) for name in names}
+        prefill_graph_tokens=args.prefill_graphs, overlap_scheduling=overlap_of(name))) for name in names}
     tok = next(iter(engines.values())).tokenizer
     assert tok is not None
 
@@ -411,7 +423,10 @@ def main() -> None:
         except KeyError:
             unknown.append(c)
     if unknown:
-        ap.error(f"unknown configurations {unknown}; known: {', '.join(CONFIGS)}, chain-N, tree-sS-kK-tT")
+        ap.error(f"unknown configurations {unknown}; known: {', '.join(CONFIGS)}, chain-N, tree-sS-kK-tT "
+                 f"(each also +sync)")
+    if any(c.endswith(SYNC) for c in args.http.split(",")):
+        ap.error("--http serves the defaults: +sync is for engine configurations")
     sets = prompt_sets(args)
     progress(f"{args.device}: {', '.join(f'{k} {len(v)}' for k, v in sets.items())} prompts, configs {configs}, "
              f"temperatures {temperatures}")

@@ -131,6 +131,17 @@ def test_the_benchmark_only_capture_is_reachable_from_no_spec_or_cli() -> None:
         check_aux_capture("early")
 
 
+def test_a_sync_configuration_reads_every_round_back() -> None:
+    """``bench/spec_decode_real.py``'s ``+sync`` suffix: the same speculation, rounds read back one by one."""
+    from bench.spec_decode_real import config_of, overlap_of
+
+    assert config_of("chain-7+sync") == config_of("chain-7") == {"num_steps": 7}
+    assert config_of("none+sync") is None and config_of("tree-s5-k4-t8+sync") == config_of("tree-s5-k4-t8")
+    assert (overlap_of("chain-7+sync"), overlap_of("chain-7"), overlap_of("none")) == (False, None, None)
+    with pytest.raises(KeyError):
+        config_of("chain-7+fast")
+
+
 def test_sharegpt_subset_passes_over_the_first_prompts_for_a_fresh_round() -> None:
     """``bench/real_data.py --sharegpt-skip``: the next regeneration round's prompts follow the last round's."""
     from bench.real_data import sharegpt_subset
