@@ -123,3 +123,21 @@ def test_rounds_in_flight_near_the_model_length_and_out_of_blocks(followed: list
             assert (followed[0] > 0) == overlap
         assert runs[True] == runs[False], config
         assert all(reason is FinishReason.LENGTH for _, reason in runs[True])
+
+
+def test_a_one_rank_leader_speculates_in_flight_like_the_engine(followed: list[int]) -> None:
+    """``fusedserve run`` builds its engine on a group leader's runner; with no follower (``single_rank``) the
+    decoder takes the one-rank paths — the verify program, rounds in flight — and gives the plain engine's tokens
+    and acceptance."""
+    from fusedserve.worker.parallel.rank import build_rank, lead_engine
+
+    config = EngineConfig(num_blocks=48, block_size=4, max_num_seqs=3, cuda_graph_batch_sizes=(1, 2, 4),
+                          speculative=SpeculativeConfig(DRAFT, num_steps=3), cuda_graphs=True, overlap_scheduling=True)
+    leader, runner = lead_engine(build_rank(TARGET, config), TARGET, config)
+    assert runner.single_rank and leader.runner is runner
+    params = SamplingParams(temperature=0, max_tokens=21, ignore_eos=True)
+    got = [c.token_ids for c in leader.generate(PROMPTS, params)]
+    assert followed[0] > 0
+    alone = _engine(False)
+    assert got == [c.token_ids for c in alone.generate(PROMPTS, params)]
+    assert leader.stats().spec == alone.stats().spec
