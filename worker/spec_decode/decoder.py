@@ -294,7 +294,7 @@ class SpecDecoder:
             if seq.is_finished:
                 self._states.pop(seq.seq_id, None)
         if nxt is not None:
-            self._in_flight = self._taken(nxt, r, done, state_of)
+            self._in_flight = self._taken(nxt, r, done)
         return done
 
     def _greedy_round(self, batch: ScheduledBatch, work: list[DraftWork], state_of: StateOf) -> RoundInFlight | None:
@@ -365,7 +365,7 @@ class SpecDecoder:
         return RoundInFlight(None, None, r.shape, logits[:b * q], aux[:b * q].clone(), read, drafts,
                              tuple(len(t) * bs for t in tables), tuple(tuple(t) for t in tables))
 
-    def _taken(self, nxt: RoundInFlight, r: RoundInFlight, done: SpecStep, state_of: StateOf) -> RoundInFlight:
+    def _taken(self, nxt: RoundInFlight, r: RoundInFlight, done: SpecStep) -> RoundInFlight:
         """``nxt`` (launched before ``r`` was read) with its entries, now that ``r``'s acceptance is known: each
         sequence's root after its accepted drafts, its table as reserved; its draft state takes the chain
         ``nxt`` verifies (drafted ahead behind ``r``: the first pass consumed ``r``'s aux rows) and holds the one
