@@ -74,6 +74,7 @@ def phase_timers(phases: dict[str, list[float]]) -> list[tuple[Any, str, Any]]:
 
     targets = [("engine.step", Engine, "step"), ("schedule", Scheduler, "schedule"),
                ("commit", Engine, "commit_step"), ("spec.step", SpecDecoder, "step"),
+               ("spec.advance", SpecDecoder, "advance"), ("spec.follow", SpecDecoder, "_follow"),
                ("spec.accept", SpecDecoder, "_accept"), ("draft.first_pass", Drafter, "_first_pass"),
                ("draft.chain", StepExecutor, "run_chain"), ("executor.run", StepExecutor, "run"),
                ("tolist", torch.Tensor, "tolist")]
