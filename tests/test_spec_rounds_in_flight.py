@@ -141,3 +141,20 @@ def test_a_one_rank_leader_speculates_in_flight_like_the_engine(followed: list[i
     alone = _engine(False)
     assert got == [c.token_ids for c in alone.generate(PROMPTS, params)]
     assert leader.stats().spec == alone.stats().spec
+
+
+def test_rounds_stay_in_flight_while_the_queue_cannot_be_admitted(followed: list[int]) -> None:
+    """Five requests on two running slots: while both slots are taken the waiting ones cannot be admitted, so the
+    rounds stay in flight; each stop frees a slot, the round is read back and the next request admitted — the
+    tokens of rounds read one by one."""
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (11, 26, 17, 9, 20)]
+    prompts = [*PROMPTS, PROMPTS[0] + "return", PROMPTS[2] + " x"]
+    runs = {}
+    for overlap in (True, False):
+        followed[0] = 0
+        engine = _engine(overlap, max_num_seqs=2)
+        runs[overlap] = ([(c.token_ids, c.finish_reason) for c in engine.generate(prompts, params)],
+                         engine.stats().spec)
+        assert (followed[0] > 10) == overlap, followed
+        assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert runs[True] == runs[False]

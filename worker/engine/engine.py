@@ -16,7 +16,7 @@ device) and then reads them back and turns them into outputs, while the GPU runs
 returns the previous forward's outputs. A step with a request that needs its tokens on the host
 (logprobs, a grammar, history penalties) runs as before. With speculation the same holds for greedy
 chain rounds (``SpecDecoder``'s rounds in flight): the next ``step`` launches the round after it from
-what the device staged (while nothing waits to be scheduled) and then reads it back.
+what the device staged (while no waiting request could be admitted) and then reads it back.
 
 CUDA graphs (decided once, when the rank is built: ``executor/kernel_set.py``): the target's
 decode steps (or, with speculation, its verify forwards) and the draft's first pass and steps
@@ -235,8 +235,8 @@ class Engine:
         the forward before it)."""
         outputs, self._pending = self._pending, []
         spec = self.speculator
-        if spec is not None and spec.in_flight:  # launch the round after it, if nothing waits, then read it
-            done = spec.advance(self.scheduler, self.state_of, not self.scheduler.waiting, self.max_model_len)
+        if spec is not None and spec.in_flight:  # launch the round after it unless one could be admitted, then read it
+            done = spec.advance(self.scheduler, self.state_of, not self.scheduler.may_admit(), self.max_model_len)
             return outputs + self.commit_step(done.batch, done.seqs, done.picks, done.settled)
         prev, self._inflight = self._inflight, None
         batch = self.scheduler.schedule()

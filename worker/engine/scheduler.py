@@ -289,6 +289,10 @@ class Scheduler:
         if seq is not None and seq.status is SequenceStatus.RUNNING:
             self.blocks.cache_blocks(seq_id, seq, min(seq.num_computed, num_settled))
 
+    def may_admit(self) -> bool:
+        """A waiting sequence could be admitted by the next ``schedule`` (one waits and a running slot is free)."""
+        return bool(self.waiting) and len(self.running) < self.config.max_num_seqs
+
     def is_running(self, seq_id: int) -> bool:
         seq = self._seqs.get(seq_id)
         return seq is not None and seq.status is SequenceStatus.RUNNING

@@ -45,8 +45,8 @@ drafts the device accepted, rows, slots and context moved on by as many) with th
 N as its drafts; the host only reserves blocks three verifies ahead and copies the chain in. The device's
 greedy acceptance is the host's by construction (the same drafts, argmax and rule); a sequence that stops
 in round N (EOS, a stop string, its length) or is aborted drops round N + 1's rows, whose K/V lie past its
-kept tokens in blocks it frees. A round follows only while nothing waits to be scheduled, every running
-sequence is in it, no request asks for logprobs (round N + 1's logits replay over N's), the free blocks hold
+kept tokens in blocks it frees. A round follows only while no waiting request could be admitted (none waits,
+or every running slot is taken: ``Scheduler.may_admit``), every running sequence is in it, no request asks for logprobs (round N + 1's logits replay over N's), the free blocks hold
 the reservation and ``max_len`` leaves room; otherwise the round is read back as it stands and the next step
 is scheduled as usual.
 
@@ -281,7 +281,7 @@ class SpecDecoder:
 
     def advance(self, scheduler: Scheduler, state_of: StateOf, follow: bool, max_len: int) -> SpecStep:
         """Read back the round in flight and accept it, having first launched the round after it where it can
-        follow (``follow``: nothing waits to be scheduled; see ``_follow``) -> the round read back, for
+        follow (``follow``: no waiting request could be admitted now; see ``_follow``) -> the round read back, for
         ``Engine.commit_step``; the next is then in flight. Sequences finished meanwhile (a stop, an abort) get
         nothing from it."""
         r, self._in_flight = self._in_flight, None
