@@ -202,7 +202,8 @@ def test_rounds_in_flight_equal_rounds_read_one_by_one_under_graphs(monkeypatch:
     """Under CUDA graphs (the verify's program in the graph stages the next verify's inputs, the Triton launch on a
     GPU) greedy chain rounds launched before the one ahead is read back (``SpecDecoder.advance``, the default on a
     GPU) give the tokens and acceptance of rounds read one by one, for requests of different lengths (a stop drops
-    the round launched after it) at chain-3 and chain-7, batch 1 and 3 (padded to 4); and they ran."""
+    the round launched after it) at chain-3 and chain-7, batch 1 and 3 (padded to 4; a seeded sampled request among
+    them: the sampled rounds in flight); and they ran."""
     from fusedserve.worker.engine.config import EngineConfig
     from fusedserve.worker.engine.engine import Engine
     from fusedserve.worker.engine.sequence import SamplingParams
@@ -228,6 +229,8 @@ def test_rounds_in_flight_equal_rounds_read_one_by_one_under_graphs(monkeypatch:
                                                      overlap_scheduling=overlap,
                                                      speculative=SpeculativeConfig(DRAFT, num_steps=steps)))
                 params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in lengths[:n]]
+                if n > 1:  # a seeded sampled request beside the greedy ones (the sampled rounds in flight)
+                    params[1] = SamplingParams(temperature=0.9, seed=5, max_tokens=lengths[1], ignore_eos=True)
                 out = [c.token_ids for c in engine.generate(PROMPTS[:n], params)]
                 runs[overlap] = (out, engine.stats().spec)
                 assert (followed[0] > 0) == (overlap is None), (steps, n, followed)

@@ -158,3 +158,59 @@ def test_rounds_stay_in_flight_while_the_queue_cannot_be_admitted(followed: list
         assert (followed[0] > 10) == overlap, followed
         assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     assert runs[True] == runs[False]
+
+
+@pytest.fixture
+def sampled_rounds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many rounds with sampled requests were launched before the one ahead of them was read back."""
+    count = [0]
+    follow = SpecDecoder._follow
+
+    def counted(self: SpecDecoder, r: RoundInFlight, *args: object) -> RoundInFlight | None:
+        nxt = follow(self, r, *args)  # type: ignore[arg-type]
+        count[0] += nxt is not None and bool(r.sampled)
+        return nxt
+
+    monkeypatch.setattr(SpecDecoder, "_follow", counted)
+    return count
+
+
+def test_sampled_rounds_in_flight_draw_what_rounds_read_one_by_one_draw(sampled_rounds: list[int]) -> None:
+    """Seeded requests at temperatures 0.9 and 1.3 beside a greedy one, with and without EOS, at chain-3 and chain-5:
+    rounds in flight (the verify's staged inputs moved to the rejection rule's outcome on the device, the sampled
+    chain replayed on the staged first pass) accept, draw and emit exactly what rounds read one by one do — the
+    same numbers from each request's stream in the same order — and a stop drops the round after it."""
+    for steps in (3, 5):
+        params = [SamplingParams(temperature=0.9, seed=7, max_tokens=31, ignore_eos=True),
+                  SamplingParams(temperature=0, max_tokens=23, ignore_eos=True),
+                  SamplingParams(temperature=1.3, seed=11, max_tokens=40)]
+        runs = {}
+        for overlap in (True, False):
+            sampled_rounds[0] = 0
+            engine = _engine(overlap, steps)
+            outs = engine.generate(PROMPTS, params)
+            runs[overlap] = ([(c.token_ids, c.text, c.finish_reason) for c in outs], engine.stats().spec)
+            assert (sampled_rounds[0] > 3) == overlap, (steps, sampled_rounds)
+            assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+        assert runs[True] == runs[False], steps
+        greedy = _engine(False, steps).generate(PROMPTS[1:2], params[1:2])[0].token_ids
+        assert runs[True][0][1][0] == greedy  # the greedy request beside sampled ones: plain greedy tokens
+
+
+def test_sampled_rounds_in_flight_with_arrivals_and_an_abort(sampled_rounds: list[int]) -> None:
+    """Sampled requests arriving and aborted while rounds are in flight stream what they do read one by one."""
+    hot = SamplingParams(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True)
+    requests = {0: [(PROMPTS[0], hot), (PROMPTS[1], SamplingParams(temperature=0.7, seed=5, max_tokens=30,
+                                                                   ignore_eos=True))],
+                5: [(PROMPTS[2], SamplingParams(temperature=0.8, seed=9, max_tokens=18, ignore_eos=True))]}
+    runs = {}
+    for overlap in (True, False):
+        sampled_rounds[0] = 0
+        engine = _engine(overlap)
+        runs[overlap] = _drive(engine, requests, abort={8: "0-0"})
+        assert (sampled_rounds[0] > 0) == overlap
+        assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    got, want = runs[True], runs[False]
+    for rid in ("0-1", "5-0"):
+        assert got[rid] == want[rid], rid
+    assert got["0-0"][2] is FinishReason.ABORT and got["0-0"][0] == want["0-0"][0][:len(got["0-0"][0])]

@@ -313,11 +313,12 @@ class StepExecutor:
         return self.graphs.static_inputs(shape)
 
     @torch.inference_mode()
-    def replay_staged(self, shape: StepShape) -> tuple[torch.Tensor, ...]:
+    def replay_staged(self, shape: StepShape, sampling: tuple[torch.Tensor, torch.Tensor] | None = None
+                      ) -> tuple[torch.Tensor, ...]:
         """A captured shape replayed on the static inputs another graph staged -> its outputs at the padded
-        batch (``StepGraphs.replay_staged``)."""
+        batch (``StepGraphs.replay_staged``; ``sampling``: a sampled chain's temperatures and numbers)."""
         assert self.graphs is not None
-        return self.graphs.replay_staged(shape)
+        return self.graphs.replay_staged(shape, sampling)
 
     # --- start-up and cache moves -------------------------------------------------------------
 

@@ -428,10 +428,20 @@ class StepGraphs:
         """``shape``'s static inputs, for another graph's program to stage a replay of it (``replay_staged``)."""
         return self._static(self.captured[shape].views)
 
-    def replay_staged(self, shape: StepShape) -> tuple[torch.Tensor, ...]:
+    def replay_staged(self, shape: StepShape, sampling: tuple[torch.Tensor, torch.Tensor] | None = None
+                      ) -> tuple[torch.Tensor, ...]:
         """Replay ``shape`` on its static inputs as they stand (staged on the device by another graph's
-        program, e.g. the verify's: nothing packed or copied here) -> its outputs at the padded batch."""
+        program, e.g. the verify's: nothing packed here) -> its outputs at the padded batch. ``sampling``: a
+        sampled chain's temperatures [n] and uniform numbers [n, drafts] for its first ``n`` sequences, copied
+        in first."""
         entry = self.captured[shape]
+        if sampling is not None:
+            v = entry.views
+            if v.temperatures is None or v.uniforms is None:
+                raise ValueError(f"{shape} is not a sampled chain")
+            temperatures, uniforms = sampling
+            v.temperatures[:temperatures.shape[0]].copy_(temperatures)
+            v.uniforms[:uniforms.shape[0]].copy_(uniforms)
         self.runs += 1
         if entry.graph is None:
             with self.ledger.capture() as again:

@@ -42,8 +42,13 @@ launches the round after it (``_follow``) and only then reads it back and accept
 round N (acceptance, text, stops) while the GPU runs round N + 1's verify and chain. Round N + 1's verify
 replays on the inputs round N's verify program staged (``stage_next_verify``: each root the token after the
 drafts the device accepted, rows, slots and context moved on by as many) with the chain drafted behind round
-N as its drafts; the host only reserves blocks three verifies ahead and copies the chain in. The device's
-greedy acceptance is the host's by construction (the same drafts, argmax and rule); a sequence that stops
+N as its drafts; the host only reserves blocks three verifies ahead and copies the chain in. A round with
+sampled requests (each greedy or temperature-only, none adjusted: ``_sampled_round``) goes the same way: its
+sampled chains are accepted by the rejection rule on the device, the staged inputs are moved from the greedy
+rule's outcome to the device's (``restage_verify``) and the next sampled chain replays on the staged first pass
+with the request's numbers (``Drafter.replay_staged_sampled``), drawn from each stream in the order rounds read
+one by one draw them. The device's acceptance is the host's by construction (the same drafts, argmax, rule
+and numbers); a sequence that stops
 in round N (EOS, a stop string, its length) or is aborted drops round N + 1's rows, whose K/V lie past its
 kept tokens in blocks it frees. A round follows only while no waiting request could be admitted (none waits,
 or every running slot is taken: ``Scheduler.may_admit``), every running sequence is in it, no request asks for logprobs (round N + 1's logits replay over N's), the free blocks hold
@@ -93,7 +98,7 @@ from .draft_tree import Acceptance, DraftTree, accept_greedy, relocation, tree_p
 from .drafter import Ahead, Drafter, DraftState, DraftWork, Proposal
 from .rejection_sampler import Uniforms, accept_chains_sampled, verify_chain_sampled, verify_tree_sampled
 from .stats import SpecDecodeCounters, SpecDecodeStats
-from .verify_program import VerifyProgram, verify_stage_kernel
+from .verify_program import VerifyProgram, restage_verify, verify_stage_kernel
 
 if TYPE_CHECKING:
     from ..engine.engine import Runner
@@ -145,6 +150,13 @@ class RoundInFlight:
     next_drafts: torch.Tensor | None  # [B, num_steps]: the chain drafted behind it on the device, or None
     covered: tuple[int, ...]  # per sequence, the slots its block table held in the verify's inputs
     tables: tuple[tuple[int, ...], ...] | None = None  # per sequence, the block table it was launched with
+    # a round with sampled requests (``_sampled_round``): their indices, accepted by the rejection rule on the device
+    sampled: tuple[int, ...] = ()
+    next_q: torch.Tensor | None = None  # [B, num_steps, vocab]: the next chain's q (its sampled rows')
+    next_uniforms: torch.Tensor | None = None  # [B, num_steps]: the numbers the next chain drew
+    counts: torch.Tensor | None = None  # [B]: each sequence's drafts accepted on the device
+    tokens: torch.Tensor | None = None  # [B, num_steps + 1]: its accepted drafts, then the token emitted after them
+    greedy_counts: torch.Tensor | None = None  # [B]: the greedy rule's counts, which its verify program staged from
 
     @property
     def follows(self) -> bool:
@@ -253,6 +265,8 @@ class SpecDecoder:
         work = [DraftWork(e, s, self._states[e.seq_id], self._draw(state_of(s).generator))
                 for e, s in zip(batch.seqs, seqs) if self._drafts(e, self._states[e.seq_id])]
         launched = self._greedy_round(batch, work, state_of)
+        if launched is None and overlap:
+            launched = self._sampled_round(batch, work, state_of)
         if launched is not None and overlap and launched.follows and all(w.seq.params.logprobs is None
                                                                          for w in work):
             self._in_flight = launched  # its logits rows are not read: the next verify may replay over them
@@ -327,6 +341,61 @@ class SpecDecoder:
                              None if ahead is None else ahead.batch,
                              tuple(len(e.block_table) * bs for e in batch.seqs))
 
+    def _sampled_round(self, batch: ScheduledBatch, work: list[DraftWork], state_of: StateOf) -> RoundInFlight | None:
+        """``_greedy_round`` for a chain round with sampled requests (each greedy or temperature-only, none
+        adjusted): after the verify (its program stages the greedy rule's next inputs) the sampled chains are
+        accepted by the rejection rule on the device (``_accept_on_device``), every chain's outcome made on the
+        device, and the next chains drafted behind it (``Drafter.chain_after``); its read-back is the verdict
+        and the sampled chains' outcomes. ``_follow`` launches the round after it on the verify's staged inputs
+        moved to the sampled outcomes. None (nothing run) where this does not apply (every request greedy:
+        ``_greedy_round``)."""
+        local = self.target.local
+        if (not work or not self.target.single_rank or not self.drafter.is_chain or len(work) != len(batch.seqs)
+                or all(w.seq.params.greedy for w in work)
+                or not all((w.seq.params.greedy or w.seq.params.temperature_only)
+                           and not self.tokens.adjusts(w.seq, state_of(w.seq)) for w in work)):
+            return None
+        n = self.config.verify_tokens - 1
+        placeholder = [replace(e, token_ids=[*e.token_ids, *[0] * n], num_logits=n + 1) for e in batch.seqs]
+        step = forward_step(ScheduledBatch(seqs=placeholder, preempted=batch.preempted))
+        shape = local.graph_shape(step)
+        if shape is None or not local.finishes(shape):
+            return None
+        drafts, q = self.drafter.chain(work)  # [B, num_steps] and the sampled rows' q, on the device
+        assert q is not None  # a request samples
+        ran = local.run_finished(step, later_ids=drafts[:, :n], shape=shape)
+        assert ran is not None  # finishes(shape) said so
+        out, (aux, verdict) = ran
+        sampled = tuple(i for i, w in enumerate(work) if not w.seq.params.greedy)
+        outcome = self._sampled_outcomes(work, sampled, drafts[:, :n], q[:, :n], out.logits, verdict)
+        read = read_later(torch.cat([verdict.reshape(-1), *outcome[:2]]))
+        counts, tokens = outcome[2:]
+        ahead = self.drafter.chain_after(work, tokens.reshape(-1), aux, counts)
+        nxt = [w.state.ahead for w in work] if ahead else []
+        next_drafts = nxt[0].batch if nxt and nxt[0] is not None else None
+        next_q = None
+        if nxt and all(a is not None for a in nxt):
+            given = [a.q for a in nxt if a is not None]
+            some = next(x for x in given if x is not None)
+            next_q = torch.stack([some.new_zeros(some.shape) if x is None else x for x in given])
+        bs = local.block_size
+        return RoundInFlight(batch, work, shape, out.logits, aux.clone(), read, next_drafts,
+                             tuple(len(e.block_table) * bs for e in batch.seqs), None, sampled, next_q, None,
+                             counts, tokens, verdict[:, -1].clone())
+
+    def _sampled_outcomes(self, work: list[DraftWork], sampled: tuple[int, ...], drafts: torch.Tensor,
+                          q: torch.Tensor, logits: torch.Tensor, verdict: torch.Tensor) -> list[torch.Tensor]:
+        """A chain round's outcomes on the device, its sampled rows ``sampled`` accepted by the rejection rule
+        with numbers from their streams: drafts [B, k], their q [B, k, vocab], the verify's logits [B * (k + 1),
+        vocab] and verdict [B, 2k + 2] -> [the sampled rows' accepted drafts [S] and emitted tokens [S], every
+        row's count [B] and tokens after its root [B, k + 1] (``_outcomes``)]."""
+        k = int(drafts.shape[1])
+        pick = to_device(list(sampled), drafts.device)
+        count, token = self._accept_on_device([work[i] for i in sampled], drafts.index_select(0, pick),
+                                              q.index_select(0, pick), logits, [i * (k + 1) for i in sampled])
+        counts, tokens = self._outcomes(drafts, verdict[:, k:2 * k + 1].reshape(-1), pick, [count, token])
+        return [count, token, counts, tokens]
+
     def _follow(self, r: RoundInFlight, scheduler: Scheduler, max_len: int) -> RoundInFlight | None:
         """The round after ``r`` launched before ``r`` is read back: its verify replays on the inputs ``r``'s
         program staged (each root the token after the drafts the device accepted, rows, slots and context moved
@@ -339,6 +408,8 @@ class SpecDecoder:
         bs = self.target.local.block_size
         assert r.work is not None
         if r.next_drafts is None or len(scheduler.running) != len(r.work):
+            return None
+        if r.sampled and (r.next_q is None or self.drafter.first_chain_staged(len(r.work), sampled=True) is None):
             return None
         for w, covered in zip(r.work, r.covered):
             start = w.entry.start
@@ -357,13 +428,27 @@ class SpecDecoder:
             width = max(len(t) for t in tables)
             flat = [x for t in tables for x in (*t, *[0] * (width - len(t)))]
             inputs.tables[:b, :width].copy_(to_device(flat, local.device).view(b, width))
+        if r.sampled:  # the program staged the greedy rule's outcome: move each row to the device's
+            assert r.counts is not None and r.tokens is not None and r.greedy_counts is not None
+            restage_verify(inputs, r.counts - r.greedy_counts, r.tokens.gather(1, r.counts[:, None])[:, 0], b, q)
         inputs.ids.view(r.shape.batch, q)[:b, 1:].copy_(r.next_drafts[:, :q - 1])
         outputs = local.replay_staged(r.shape)
-        logits, aux, verdict = outputs[0], outputs[-2], outputs[-1]
-        read = read_later(verdict[:b].reshape(-1))
-        drafts = self.drafter.replay_staged_chain(b, r.shape.batch)
-        return RoundInFlight(None, None, r.shape, logits[:b * q], aux[:b * q].clone(), read, drafts,
-                             tuple(len(t) * bs for t in tables), tuple(tuple(t) for t in tables))
+        logits, aux, verdict = outputs[0][:b * q], outputs[-2][:b * q], outputs[-1][:b]
+        if not r.sampled:
+            read = read_later(verdict.reshape(-1))
+            drafts = self.drafter.replay_staged_chain(b, r.shape.batch)
+            return RoundInFlight(None, None, r.shape, logits, aux.clone(), read, drafts,
+                                 tuple(len(t) * bs for t in tables), tuple(tuple(t) for t in tables))
+        assert r.next_q is not None
+        outcome = self._sampled_outcomes(r.work, r.sampled, r.next_drafts[:, :q - 1], r.next_q[:, :q - 1], logits,
+                                         verdict)
+        read = read_later(torch.cat([verdict.reshape(-1), *outcome[:2]]))
+        counts, tokens = outcome[2:]
+        chain = self.drafter.replay_staged_sampled(r.work, r.shape.batch, tokens, counts)
+        return RoundInFlight(None, None, r.shape, logits, aux.clone(), read, None if chain is None else chain[0],
+                             tuple(len(t) * bs for t in tables), tuple(tuple(t) for t in tables), r.sampled,
+                             None if chain is None else chain[1], None if chain is None else chain[2], counts, tokens,
+                             verdict[:, -1].clone())
 
     def _taken(self, nxt: RoundInFlight, r: RoundInFlight, done: SpecStep) -> RoundInFlight:
         """``nxt`` (launched before ``r`` was read) with its entries, now that ``r``'s acceptance is known: each
@@ -387,8 +472,10 @@ class SpecDecoder:
                                        f"read back (host and device acceptance differ)")
                 entry = replace(e, token_ids=[pick.tokens[-1]], start=start, block_table=list(table), admitted=False)
                 state.num_bases, state.pending = start, []
-                state.ahead = None if nxt.next_drafts is None else Ahead(nxt.next_drafts[i], None, None,
-                                                                          batch=nxt.next_drafts, row=i)
+                sampled = nxt.next_q is not None and not w.seq.params.greedy
+                state.ahead = None if nxt.next_drafts is None else Ahead(
+                    nxt.next_drafts[i], nxt.next_q[i] if sampled and nxt.next_q is not None else None,
+                    None if nxt.next_uniforms is None else nxt.next_uniforms[i], batch=nxt.next_drafts, row=i)
             entries.append(entry)
             work.append(DraftWork(entry, w.seq, state, w.draw))
         return replace(nxt, batch=ScheduledBatch(seqs=entries), work=work)
@@ -405,10 +492,15 @@ class SpecDecoder:
         argmax = [t for i in range(len(work)) for t in flat[i * w + n:i * w + 2 * n + 1]]
         proposals = dict(zip((w.entry.seq_id for w in work), self.drafter.chain_proposals(work, rows, None)))
         entries = [self._verify_entry(e, proposals[e.seq_id].tree) for e in batch.seqs]
-        drafted = ({wk.entry.seq_id: flat[i * w + w - 1] for i, wk in enumerate(work)} if r.next_drafts is not None
-                   else {})
+        counts = [flat[i * w + w - 1] for i in range(len(work))]  # the greedy rule's; a sampled row's below
+        end, m = len(work) * w, len(r.sampled)
+        accepted: dict[int, Acceptance] = {}
+        for i, c, t in zip(r.sampled, flat[end:end + m], flat[end + m:end + 2 * m]):
+            accepted[work[i].entry.seq_id] = Acceptance(tuple(range(1, c + 1)), (*rows[i][:c], t))
+            counts[i] = c
+        drafted = dict(zip((wk.entry.seq_id for wk in work), counts)) if r.next_drafts is not None else {}
         return Verified(ScheduledBatch(seqs=entries, preempted=batch.preempted), r.logits, r.aux, proposals,
-                        argmax, {}, drafted)
+                        argmax, accepted, drafted)
 
     def _deferred_verify(self, batch: ScheduledBatch, work: list[DraftWork], state_of: StateOf) -> Verified | None:
         """A chain on one rank: the drafts stay on the device, the verify forward is queued right behind
@@ -482,12 +574,19 @@ class SpecDecoder:
                 (w.seq.params.greedy or w.seq.params.temperature_only) and not self.tokens.adjusts(w.seq, state_of(w.seq))
                 for w in work):
             return []
+        return self._outcomes(drafts, argmax, pick if sampled else None, on_device)
+
+    @staticmethod
+    def _outcomes(drafts: torch.Tensor, argmax: torch.Tensor, pick: torch.Tensor | None,
+                  on_device: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every chain's outcome on the device: drafts [B, k], the target's argmax of each sequence's k + 1 rows
+        [B * (k + 1)]; the rows ``pick`` [S] accepted by the rejection rule as ``on_device`` ([count [S], token
+        [S]]) drew, the others by the greedy rule. -> [counts [B], the tokens after each root [B, k + 1]]"""
         b, k = drafts.shape
         targets = argmax.view(b, k + 1)  # every sequence's k + 1 logits rows, in order
         counts = (drafts == targets[:, :k]).long().cumprod(dim=1).sum(dim=1)
         tokens = targets  # a greedy row's accepted drafts equal the argmax before them; then the argmax
-        if sampled:
-            assert pick is not None
+        if pick is not None:
             count, token = on_device
             rows = torch.cat([drafts.index_select(0, pick), token[:, None]], dim=1)
             rows.scatter_(1, count[:, None], token[:, None])  # accepted drafts, then the emitted token

@@ -110,7 +110,7 @@ class Drafter:
         self._argmax_to = model.argmax_to  # the kernel set's table[argmax(row)]
         self._hidden = int(model.config.hidden_size)  # the chained steps' hidden input
         self._aux = int(model.fc.in_features)  # the first pass's hidden input: the target's aux states
-        self._staged: dict[int, tuple[StepShape, StaticInputs] | None] = {}  # ``first_chain_staged``
+        self._staged: dict[tuple[int, bool], tuple[StepShape, StaticInputs] | None] = {}  # ``first_chain_staged``
         self._expand = tree_expand_kernel(draft.device)  # a device tree's step in one kernel (GPU), or None
         self._top_k_rows = top_k_kernel(draft.device, model.draft_vocab)  # the draft's top-k (GPU), or torch's
 
@@ -275,16 +275,26 @@ class Drafter:
                                   None if uniforms is None else uniforms[i], batch=drafts, row=i)
         return True
 
-    def first_chain_staged(self, num_seqs: int) -> tuple[StepShape, StaticInputs] | None:
+    def first_chain_staged(self, num_seqs: int, sampled: bool = False) -> tuple[StepShape, StaticInputs] | None:
         """The greedy first pass + chain of ``chain_after`` that ``num_seqs`` sequences replay at and its static
         inputs, for the verify's program to stage (``verify_program.py``): captured with exactly the verify's
-        rows (the root and ``num_steps`` drafts) per sequence; None where not."""
-        if num_seqs not in self._staged:  # fixed once captured
+        rows (the root and ``num_steps`` drafts) per sequence; None where not. ``sampled``: the sampled chain of
+        the same rows, whose static inputs are the greedy one's (the same layout of the draft's buffers; None
+        where they are not), so what the program stages serves it too once its token ids and dropped rows are
+        the sampled round's (``replay_staged_sampled``)."""
+        key = (num_seqs, sampled)
+        if key not in self._staged:  # fixed once captured
             k = self.num_steps
-            shape = None if k < 2 else self.draft.first_chain_at(num_seqs, k + 1, self._aux, k - 1)
-            self._staged[num_seqs] = (None if shape is None or shape.tokens != k + 1
-                                      else (shape, self.draft.static_inputs(shape)))
-        return self._staged[num_seqs]
+            shape = None if k < 2 else self.draft.first_chain_at(num_seqs, k + 1, self._aux, k - 1, sampled)
+            staged = None if shape is None or shape.tokens != k + 1 else (shape, self.draft.static_inputs(shape))
+            greedy = self.first_chain_staged(num_seqs) if sampled else None
+            if sampled and (staged is None or greedy is None or greedy[0].batch != staged[0].batch
+                            or staged[1].ids.data_ptr() != greedy[1].ids.data_ptr()
+                            or staged[1].drop is None or greedy[1].drop is None
+                            or staged[1].drop.data_ptr() != greedy[1].drop.data_ptr()):
+                staged = None
+            self._staged[key] = staged
+        return self._staged[key]
 
     def chain_after_staged(self, work: list[DraftWork], batch: int) -> bool:
         """``chain_after`` for a greedy round whose verify (at padded ``batch``) staged the first pass's inputs on
@@ -300,6 +310,28 @@ class Drafter:
         for i, w in enumerate(work):
             w.state.ahead = Ahead(drafts[i], None, None, batch=drafts, row=i)
         return True
+
+    def replay_staged_sampled(self, work: list[DraftWork], batch: int, tokens: torch.Tensor, counts: torch.Tensor
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``chain_after`` for a round with sampled requests whose verify (at padded ``batch``) staged the greedy
+        first pass: its token ids become ``tokens`` [B, num_steps + 1] (the accepted drafts, then the token
+        emitted after them) and its dropped rows follow ``counts`` [B] (the device's acceptance), then the sampled
+        chain replays on it with each request's temperature and numbers drawn from its stream (as
+        ``chain_after`` draws them). -> (drafts [B, num_steps], their q over the target's vocabulary
+        [B, num_steps, vocab], the numbers [B, num_steps]), or None (nothing run, nothing drawn) where no such
+        staged shape of that batch is captured. The caller has checked the block tables."""
+        b, k = len(work), self.num_steps
+        staged = self.first_chain_staged(b, sampled=True)
+        if staged is None or staged[0].batch != batch:
+            return None
+        shape, inputs = staged
+        assert inputs.drop is not None
+        inputs.ids[:b * (k + 1)].copy_(tokens.reshape(-1))
+        inputs.drop[:b].copy_(k - counts)
+        device = tokens.device
+        uniforms = torch.stack([w.draw(k) for w in work]).to(device)
+        out = self.draft.replay_staged(shape, (_temperatures([w.seq.params for w in work], device), uniforms))
+        return out[0][:b].clone(), self._on_target(out[1][:b]), uniforms
 
     def replay_staged_chain(self, num_seqs: int, batch: int) -> torch.Tensor | None:
         """The staged first pass + chain of ``num_seqs`` sequences replayed as a verify at padded ``batch`` staged

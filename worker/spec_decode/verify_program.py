@@ -80,6 +80,20 @@ class VerifyProgram:
         return aux, verdict
 
 
+def restage_verify(inputs: StaticInputs, shift: torch.Tensor, roots: torch.Tensor, n: int, q: int) -> None:
+    """The next verify's inputs ``stage_next_verify`` wrote, moved for the first ``n`` sequences to another outcome:
+    each one's rows ``shift`` [n] further (its accepted drafts counted by another rule: the rejection rule of a
+    sampled request), its root ``roots`` [n], the slots through its block table again."""
+    bs = inputs.block_size
+    positions, index = inputs.positions.view(-1, q)[:n], inputs.index.view(-1, q)[:n]
+    positions.add_(shift[:, None])
+    index.add_(shift[:, None])
+    inputs.context_lens[:n].add_(shift)
+    inputs.ids.view(-1, q)[:n, 0].copy_(roots)
+    column = (index // bs).clamp(max=inputs.tables.shape[1] - 1)
+    inputs.slots.view(-1, q)[:n].copy_(inputs.tables[:n].gather(1, column) * bs + index % bs)
+
+
 def stage_next_verify(inputs: StaticInputs, targets: torch.Tensor, counts: torch.Tensor, b: int, q: int) -> None:
     """The verify's own static inputs for the round after it, written over this round's (which its forward has
     read): each real sequence's root = the token emitted after its accepted drafts (``targets[count]``), its rows
