@@ -2,8 +2,8 @@
 
     python bench/spec_host_time.py [--temperatures 0,1] [--steps 5] [--tokens 200] [--out FILE]
     python bench/spec_host_time.py --replays [--steps 7] [--calls 3000] [--out FILE]
-    python bench/spec_host_time.py --noop-rounds [--steps 7] [--tokens 200] [--repeats 3] [--out FILE]
-      (no speculation, chain-N read round by round, chain-N with rounds in flight)
+    python bench/spec_host_time.py --noop-rounds [--temperatures 0,1] [--steps 7] [--tokens 200] [--repeats 3] [--out FILE]
+      (no speculation, chain-N read round by round, chain-N with rounds in flight; per temperature)
 
 The engine runs the tiny pair (examples/checkpoints/tiny-code + tiny-code-eagle3) with ``cuda_graphs=True``,
 which on CPU runs every captured shape's forward eagerly on its static buffers (``step_graphs.py``); the
@@ -122,7 +122,8 @@ def _noop_replays(engine: Engine) -> None:
             entry.graph = _NoReplay()
 
 
-def noop_rounds(steps: int, tokens: int, repeats: int, overlap: bool = False) -> dict[str, Any]:
+def noop_rounds(steps: int, tokens: int, repeats: int, overlap: bool = False, temperature: float = 0.0
+                ) -> dict[str, Any]:
     """Whole engine steps with every replay a no-op: a round's wall time is its host time (the prompt's eager
     prefill aside), with no model compute between to blur it. The tokens are meaningless (static logits).
     ``overlap``: greedy rounds in flight (``SpecDecoder.advance``: each round launched on the inputs the verify
@@ -131,7 +132,7 @@ def noop_rounds(steps: int, tokens: int, repeats: int, overlap: bool = False) ->
     engine = Engine(TARGET, EngineConfig(num_blocks=64, max_num_seqs=1, cuda_graphs=True, speculative=spec,
                                          overlap_scheduling=overlap))
     _noop_replays(engine)
-    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, max_tokens=tokens, ignore_eos=True, seed=1)
     engine.generate(["def fib(n):\n    "], params)  # warm-up
     per = []
     rounds = 0
@@ -144,7 +145,8 @@ def noop_rounds(steps: int, tokens: int, repeats: int, overlap: bool = False) ->
         rounds = after.drafts - before.drafts if after and before else len(out.token_ids)
         per.append(1e6 * wall / rounds)
     per.sort()
-    return {"steps": steps, "overlap": overlap, "tokens": tokens, "repeats": repeats, "rounds": rounds,
+    return {"steps": steps, "overlap": overlap, "temperature": temperature, "tokens": tokens, "repeats": repeats,
+            "rounds": rounds,
             "us_per_round_median": round(per[len(per) // 2], 1), "us_per_round_spread": [round(per[0], 1),
                                                                                      round(per[-1], 1)]}
 
@@ -196,13 +198,14 @@ def main() -> None:
                     help="whole engine rounds with no-op replays (host time alone), with and without speculation")
     args = ap.parse_args()
     numbers: Any
+    temperatures = [float(t) for t in args.temperatures.split(",")]
     if args.noop_rounds:
-        numbers = [noop_rounds(s, args.tokens, args.repeats, o) for s, o in
+        numbers = [noop_rounds(s, args.tokens, args.repeats, o, t) for t in temperatures for s, o in
                    ((0, False), (args.steps, False), (args.steps, True))]
         for row in numbers:
             name = ('chain-' + str(row['steps']) if row['steps'] else 'none') + (' in flight' if row['overlap'] else '')
-            print(f"{name:18s}: {row['us_per_round_median']} us a round (spread {row['us_per_round_spread']}, "
-                  f"{row['rounds']} rounds), no-op replays", flush=True)
+            print(f"T={row['temperature']:g} {name:18s}: {row['us_per_round_median']} us a round (spread "
+                  f"{row['us_per_round_spread']}, {row['rounds']} rounds), no-op replays", flush=True)
         what = "engine rounds with no-op replays (host time alone), CPU"
     elif args.replays:
         numbers = replays(args.steps, args.calls)

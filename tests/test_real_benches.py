@@ -199,11 +199,12 @@ def test_spec_host_time_times_whole_rounds_with_no_op_replays(tmp_path: Path) ->
     proc = _bench("spec_host_time.py", "--noop-rounds", "--steps", "3", "--tokens", "12", "--repeats", "1",
                   "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    plain, spec, in_flight = json.loads(out.read_text())["numbers"]
-    assert (plain["steps"], spec["steps"], in_flight["steps"]) == (0, 3, 3)
-    assert (plain["overlap"], spec["overlap"], in_flight["overlap"]) == (False, False, True)
-    assert plain["rounds"] == 12 and 0 < spec["rounds"] <= 12 and 0 < in_flight["rounds"] <= 12
-    assert min(row["us_per_round_median"] for row in (plain, spec, in_flight)) > 0
+    rows = json.loads(out.read_text())["numbers"]
+    assert [(r["temperature"], r["steps"], r["overlap"]) for r in rows] == [
+        (t, s, o) for t in (0.0, 1.0) for s, o in ((0, False), (3, False), (3, True))]
+    for plain, spec, in_flight in (rows[:3], rows[3:]):
+        assert plain["rounds"] == 12 and 0 < spec["rounds"] <= 12 and 0 < in_flight["rounds"] <= 12
+        assert min(row["us_per_round_median"] for row in (plain, spec, in_flight)) > 0
 
 
 def test_detokenize_time_times_pushes_both_ways(tmp_path: Path) -> None:
