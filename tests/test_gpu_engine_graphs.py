@@ -149,6 +149,7 @@ def test_chains_drafted_ahead_equal_chains_drafted_after_the_read_back(monkeypat
                     patch.setattr(Drafter, "chain_after", lambda self, *a, **k: False)
                 taken[:] = [0, 0]
                 engine = Engine(TARGET, EngineConfig(num_blocks=64, max_num_seqs=4, device="cuda", cuda_graphs=True,
+                                                     overlap_scheduling=False,  # each round read back: its chain
                                                      speculative=SpeculativeConfig(DRAFT, num_steps=steps)))
                 runs[ahead] = [c.token_ids for c in engine.generate(PROMPTS, params)]
                 if ahead:
@@ -189,7 +190,7 @@ def test_greedy_rounds_staged_by_the_verify_equal_the_host_op_rounds(monkeypatch
                         patch.setattr(SpecDecoder, "_greedy_round", lambda self, *a, **k: None)
                     staged[0] = 0
                     engine = Engine(TARGET, EngineConfig(num_blocks=64, max_num_seqs=4, device="cuda",
-                                                         cuda_graphs=True,
+                                                         cuda_graphs=True, overlap_scheduling=False,
                                                          speculative=SpeculativeConfig(DRAFT, num_steps=steps)))
                     out = [c.token_ids for c in engine.generate(prompts, params)]
                     runs[on] = (out, engine.stats().spec)

@@ -67,7 +67,7 @@ class EngineConfig:
     # references on CPU); or a name of models/layers/kernels.py (tests and benchmarks compare sets).
     kernels: str = "auto"
     # Overlapped steps (``inflight_step.py``): the next plain step is scheduled and launched before this
-    # one's tokens are read back; with speculation the next greedy chain round before this one's verdict
+    # one's tokens are read back; with speculation the next chain round before this one's verdict
     # (``SpecDecoder.advance``). None = on with a CUDA device and one rank; True also off CUDA (tests: the
     # same tokens, one step later); False = every step reads its tokens back.
     overlap_scheduling: bool | None = None

@@ -47,13 +47,13 @@ sampled requests (each greedy or temperature-only, none adjusted: ``_sampled_rou
 sampled chains are accepted by the rejection rule on the device, the staged inputs are moved from the greedy
 rule's outcome to the device's (``restage_verify``) and the next sampled chain replays on the staged first pass
 with the request's numbers (``Drafter.replay_staged_sampled``), drawn from each stream in the order rounds read
-one by one draw them. The device's acceptance is the host's by construction (the same drafts, argmax, rule
-and numbers); a sequence that stops
-in round N (EOS, a stop string, its length) or is aborted drops round N + 1's rows, whose K/V lie past its
-kept tokens in blocks it frees. A round follows only while no waiting request could be admitted (none waits,
-or every running slot is taken: ``Scheduler.may_admit``), every running sequence is in it, no request asks for logprobs (round N + 1's logits replay over N's), the free blocks hold
-the reservation and ``max_len`` leaves room; otherwise the round is read back as it stands and the next step
-is scheduled as usual.
+one by one draw them. The device's acceptance is the host's by construction (the same drafts, argmax, rule and
+numbers); a sequence that stops in round N (EOS, a stop string, its length) or is aborted drops round N + 1's
+rows, whose K/V lie past its kept tokens in blocks it frees. A round follows only while no waiting request
+could be admitted (none waits, or every running slot is taken: ``Scheduler.may_admit``), every running sequence
+is in it, no request asks for logprobs (round N + 1's logits replay over N's), the free blocks hold the
+reservation and ``max_len`` leaves room; otherwise the round is read back as it stands and the next step is
+scheduled as usual.
 
 Prefill chunks and a prompt's first sample run as without speculation (and capture aux).
 Preempted sequences lose their draft state and rebuild it from the recomputed prefill. A
