@@ -89,6 +89,15 @@ def config_of(name: str) -> dict[str, int] | None:
     raise KeyError(name)
 
 
+def free_port() -> int:
+    """A loopback port free now, for the server this bench starts (``fusedserve run --port``)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def spec_config(draft: str, name: str) -> Any:
     from fusedserve.worker.spec_decode.config import SpeculativeConfig
 
@@ -266,8 +275,6 @@ def run_http(args: argparse.Namespace, name: str, temperature: float,
     """``fusedserve run`` serving the pair; the prompts' first turns one at a time with the openai client."""
     import httpx
     from openai import OpenAI
-
-    from fusedserve.worker.parallel.local_ranks import free_port
 
     cfg = config_of(name)
     tokens = f", numDraftTokens: {cfg['num_draft_tokens']}" if cfg and "num_draft_tokens" in cfg else ""
