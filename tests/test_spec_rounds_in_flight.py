@@ -31,19 +31,24 @@ def _engine(overlap: bool, steps: int = 3, **config: object) -> Engine:
                                        overlap_scheduling=overlap, **settings))  # type: ignore[arg-type]
 
 
-@pytest.fixture
-def followed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """How many rounds were launched before the one ahead of them was read back."""
+def _count_follows(monkeypatch: pytest.MonkeyPatch, sampled_only: bool) -> list[int]:
+    """How many rounds (with ``sampled_only``: rounds with sampled requests) were launched before the one ahead of
+    them was read back."""
     count = [0]
     follow = SpecDecoder._follow
 
-    def counted(self: SpecDecoder, *args: object) -> RoundInFlight | None:
-        nxt = follow(self, *args)  # type: ignore[arg-type]
-        count[0] += nxt is not None
+    def counted(self: SpecDecoder, r: RoundInFlight, *args: object) -> RoundInFlight | None:
+        nxt = follow(self, r, *args)  # type: ignore[arg-type]
+        count[0] += nxt is not None and (bool(r.sampled) or not sampled_only)
         return nxt
 
     monkeypatch.setattr(SpecDecoder, "_follow", counted)
     return count
+
+
+@pytest.fixture
+def followed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    return _count_follows(monkeypatch, sampled_only=False)
 
 
 def _drive(engine: Engine, requests: dict[int, list[tuple[str, SamplingParams]]], abort: dict[int, str] | None = None,
@@ -68,44 +73,68 @@ def _drive(engine: Engine, requests: dict[int, list[tuple[str, SamplingParams]]]
     raise AssertionError("the engine did not finish")
 
 
-def test_rounds_in_flight_equal_rounds_read_one_by_one(followed: list[int]) -> None:
-    """Three greedy requests of different lengths (each stop drops the round launched after it), with and without
-    EOS, at chain-3 and chain-5 (rounds crossing block boundaries: block size 4): the same tokens, text, finish
-    reasons and acceptance counts; the in-flight rounds ran."""
+GREEDY = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=eos) for n, eos in ((13, True), (29, True), (40, False))]
+SAMPLED = [SamplingParams(temperature=0.9, seed=7, max_tokens=31, ignore_eos=True),
+           SamplingParams(temperature=0, max_tokens=23, ignore_eos=True),
+           SamplingParams(temperature=1.3, seed=11, max_tokens=40)]
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_rounds_in_flight_equal_rounds_read_one_by_one(monkeypatch: pytest.MonkeyPatch,
+                                                       params: list[SamplingParams]) -> None:
+    """Three requests of different lengths (each stop drops the round launched after it), with and without EOS,
+    at chain-3 and chain-5 (rounds crossing block boundaries: block size 4): the same tokens, text, finish reasons
+    and acceptance counts as rounds read one by one; the in-flight rounds ran. Greedy, and seeded requests at
+    temperatures 0.9 and 1.3 beside a greedy one: there the verify's staged inputs are moved to the rejection
+    rule's outcome on the device and the sampled chain replays on the staged first pass, drawing the same numbers
+    from each request's stream in the same order; the greedy request among them gets plain greedy tokens."""
+    sampled = params is SAMPLED
+    follows = _count_follows(monkeypatch, sampled_only=sampled)
     for steps in (3, 5):
-        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=eos) for n, eos in
-                  ((13, True), (29, True), (40, False))]
         runs = {}
         for overlap in (True, False):
-            followed[0] = 0
+            follows[0] = 0
             engine = _engine(overlap, steps)
             outs = engine.generate(PROMPTS, params)
             runs[overlap] = ([(c.token_ids, c.text, c.finish_reason) for c in outs], engine.stats().spec)
-            assert (followed[0] > 5) == overlap, (steps, followed)
+            assert (follows[0] > 3) == overlap, (steps, follows)
             assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
         assert runs[True] == runs[False], steps
+        if sampled:
+            greedy = _engine(False, steps).generate(PROMPTS[1:2], params[1:2])[0].token_ids
+            assert runs[True][0][1][0] == greedy
 
 
-def test_rounds_in_flight_with_arrivals_aborts_and_stop_strings(followed: list[int]) -> None:
-    """Requests arriving while rounds are in flight (the round read back, nothing launched after it, the newcomer
-    prefilled), an abort of a request whose round is in flight, and stop strings: every request streams what it
-    does when rounds are read one by one, and the engine ends with every block free."""
-    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    requests = {0: [(PROMPTS[0], greedy), (PROMPTS[1], greedy)],
+_GREEDY_24 = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+ARRIVALS = {  # requests added before step k, the request aborted and the step before which it is
+    "greedy": ({0: [(PROMPTS[0], _GREEDY_24), (PROMPTS[1], _GREEDY_24)],
                 6: [(PROMPTS[2], SamplingParams(temperature=0, max_tokens=20, stop=["\n\n", "):"]))],
-                11: [(PROMPTS[1], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))]}
+                11: [(PROMPTS[1], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))]}, "0-1", 9),
+    "sampled": ({0: [(PROMPTS[0], SamplingParams(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True)),
+                     (PROMPTS[1], SamplingParams(temperature=0.7, seed=5, max_tokens=30, ignore_eos=True))],
+                 5: [(PROMPTS[2], SamplingParams(temperature=0.8, seed=9, max_tokens=18, ignore_eos=True))]}, "0-0", 8),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ARRIVALS))
+def test_rounds_in_flight_with_arrivals_aborts_and_stop_strings(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """Requests arriving while rounds are in flight (the round read back, nothing launched after it, the newcomer
+    prefilled), an abort of a request whose round is in flight, and stop strings, greedy and sampled: every request
+    streams what it does when rounds are read one by one, and the engine ends with every block free."""
+    requests, victim, at = ARRIVALS[case]
+    follows = _count_follows(monkeypatch, sampled_only=case == "sampled")
     runs = {}
     for overlap in (True, False):
-        followed[0] = 0
+        follows[0] = 0
         engine = _engine(overlap)
-        runs[overlap] = _drive(engine, requests, abort={9: "0-1"})
-        assert (followed[0] > 0) == overlap
+        runs[overlap] = _drive(engine, requests, abort={at: victim})
+        assert (follows[0] > 0) == overlap
         assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     got, want = runs[True], runs[False]
-    assert set(got) == set(want) == {"0-0", "0-1", "6-0", "11-0"}
-    for rid in ("0-0", "6-0", "11-0"):
+    assert set(got) == set(want) == {f"{k}-{i}" for k, added in requests.items() for i in range(len(added))}
+    for rid in set(got) - {victim}:
         assert got[rid] == want[rid], rid
-    aborted, whole = got["0-1"], want["0-1"]
+    aborted, whole = got[victim], want[victim]
     assert aborted[2] is FinishReason.ABORT and aborted[0] == whole[0][:len(aborted[0])]  # a prefix: aborted earlier
 
 
@@ -158,59 +187,3 @@ def test_rounds_stay_in_flight_while_the_queue_cannot_be_admitted(followed: list
         assert (followed[0] > 10) == overlap, followed
         assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     assert runs[True] == runs[False]
-
-
-@pytest.fixture
-def sampled_rounds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """How many rounds with sampled requests were launched before the one ahead of them was read back."""
-    count = [0]
-    follow = SpecDecoder._follow
-
-    def counted(self: SpecDecoder, r: RoundInFlight, *args: object) -> RoundInFlight | None:
-        nxt = follow(self, r, *args)  # type: ignore[arg-type]
-        count[0] += nxt is not None and bool(r.sampled)
-        return nxt
-
-    monkeypatch.setattr(SpecDecoder, "_follow", counted)
-    return count
-
-
-def test_sampled_rounds_in_flight_draw_what_rounds_read_one_by_one_draw(sampled_rounds: list[int]) -> None:
-    """Seeded requests at temperatures 0.9 and 1.3 beside a greedy one, with and without EOS, at chain-3 and chain-5:
-    rounds in flight (the verify's staged inputs moved to the rejection rule's outcome on the device, the sampled
-    chain replayed on the staged first pass) accept, draw and emit exactly what rounds read one by one do — the
-    same numbers from each request's stream in the same order — and a stop drops the round after it."""
-    for steps in (3, 5):
-        params = [SamplingParams(temperature=0.9, seed=7, max_tokens=31, ignore_eos=True),
-                  SamplingParams(temperature=0, max_tokens=23, ignore_eos=True),
-                  SamplingParams(temperature=1.3, seed=11, max_tokens=40)]
-        runs = {}
-        for overlap in (True, False):
-            sampled_rounds[0] = 0
-            engine = _engine(overlap, steps)
-            outs = engine.generate(PROMPTS, params)
-            runs[overlap] = ([(c.token_ids, c.text, c.finish_reason) for c in outs], engine.stats().spec)
-            assert (sampled_rounds[0] > 3) == overlap, (steps, sampled_rounds)
-            assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
-        assert runs[True] == runs[False], steps
-        greedy = _engine(False, steps).generate(PROMPTS[1:2], params[1:2])[0].token_ids
-        assert runs[True][0][1][0] == greedy  # the greedy request beside sampled ones: plain greedy tokens
-
-
-def test_sampled_rounds_in_flight_with_arrivals_and_an_abort(sampled_rounds: list[int]) -> None:
-    """Sampled requests arriving and aborted while rounds are in flight stream what they do read one by one."""
-    hot = SamplingParams(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True)
-    requests = {0: [(PROMPTS[0], hot), (PROMPTS[1], SamplingParams(temperature=0.7, seed=5, max_tokens=30,
-                                                                   ignore_eos=True))],
-                5: [(PROMPTS[2], SamplingParams(temperature=0.8, seed=9, max_tokens=18, ignore_eos=True))]}
-    runs = {}
-    for overlap in (True, False):
-        sampled_rounds[0] = 0
-        engine = _engine(overlap)
-        runs[overlap] = _drive(engine, requests, abort={8: "0-0"})
-        assert (sampled_rounds[0] > 0) == overlap
-        assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
-    got, want = runs[True], runs[False]
-    for rid in ("0-1", "5-0"):
-        assert got[rid] == want[rid], rid
-    assert got["0-0"][2] is FinishReason.ABORT and got["0-0"][0] == want["0-0"][0][:len(got["0-0"][0])]

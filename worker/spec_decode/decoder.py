@@ -82,6 +82,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...models.eagle3 import Eagle3Draft
+from ...models.interface import ModelOutput
 from ..engine.forward_step import forward_step
 from ..engine.request_state import RequestState
 from ..engine.scheduler import ScheduledBatch, ScheduledSeq, Scheduler
@@ -321,8 +322,27 @@ class SpecDecoder:
         acceptance and the next chain's inputs made by host ops is its reference (and runs every other chain
         round). None (nothing run) where this does not apply."""
         local = self.target.local
-        if (not work or not self.target.single_rank or not self.drafter.is_chain or len(work) != len(batch.seqs)
-                or not all(w.seq.params.greedy and not self.tokens.adjusts(w.seq, state_of(w.seq)) for w in work)):
+        if not all(w.seq.params.greedy and not self.tokens.adjusts(w.seq, state_of(w.seq)) for w in work):
+            return None
+        ran = self._chain_verify(batch, work)
+        if ran is None:
+            return None
+        shape, _, _, out, aux, verdict = ran
+        read = read_later(verdict.reshape(-1))  # queued behind the verify, before the next chain's replay
+        ahead = work[0].state.ahead if self.drafter.chain_after_staged(work, shape.batch) else None
+        bs = local.block_size
+        return RoundInFlight(batch, work, shape, out.logits, aux.clone(), read,
+                             None if ahead is None else ahead.batch,
+                             tuple(len(e.block_table) * bs for e in batch.seqs))
+
+    def _chain_verify(self, batch: ScheduledBatch, work: list[DraftWork]) -> tuple[
+            StepShape, torch.Tensor, torch.Tensor | None, ModelOutput, torch.Tensor, torch.Tensor] | None:
+        """A chain round's drafts (``Drafter.chain``) and its verify replayed at a captured shape with the verify's
+        program, the roots packed by the host and the drafts on the device, on one rank with every sequence
+        drafting -> (the shape, drafts [B, num_steps], their q or None, the verify's output, its aux states, its
+        verdict), or None (nothing run) where not."""
+        local = self.target.local
+        if not work or not self.target.single_rank or not self.drafter.is_chain or len(work) != len(batch.seqs):
             return None
         n = self.config.verify_tokens - 1
         placeholder = [replace(e, token_ids=[*e.token_ids, *[0] * n], num_logits=n + 1) for e in batch.seqs]
@@ -330,16 +350,11 @@ class SpecDecoder:
         shape = local.graph_shape(step)
         if shape is None or not local.finishes(shape):
             return None
-        drafts, _ = self.drafter.chain(work)  # [B, num_steps] on the device
-        ran = local.run_finished(step, later_ids=drafts[:, :n], shape=shape)  # the roots packed by the host
+        drafts, q = self.drafter.chain(work)  # [B, num_steps] (and the sampled rows' q), on the device
+        ran = local.run_finished(step, later_ids=drafts[:, :n], shape=shape)
         assert ran is not None  # finishes(shape) said so
         out, (aux, verdict) = ran
-        read = read_later(verdict.reshape(-1))  # queued behind the verify, before the next chain's replay
-        ahead = work[0].state.ahead if self.drafter.chain_after_staged(work, shape.batch) else None
-        bs = local.block_size
-        return RoundInFlight(batch, work, shape, out.logits, aux.clone(), read,
-                             None if ahead is None else ahead.batch,
-                             tuple(len(e.block_table) * bs for e in batch.seqs))
+        return shape, drafts, q, out, aux, verdict
 
     def _sampled_round(self, batch: ScheduledBatch, work: list[DraftWork], state_of: StateOf) -> RoundInFlight | None:
         """``_greedy_round`` for a chain round with sampled requests (each greedy or temperature-only, none
@@ -350,22 +365,16 @@ class SpecDecoder:
         moved to the sampled outcomes. None (nothing run) where this does not apply (every request greedy:
         ``_greedy_round``)."""
         local = self.target.local
-        if (not work or not self.target.single_rank or not self.drafter.is_chain or len(work) != len(batch.seqs)
-                or all(w.seq.params.greedy for w in work)
-                or not all((w.seq.params.greedy or w.seq.params.temperature_only)
-                           and not self.tokens.adjusts(w.seq, state_of(w.seq)) for w in work)):
+        if all(w.seq.params.greedy for w in work) or not all(
+                (w.seq.params.greedy or w.seq.params.temperature_only) and not self.tokens.adjusts(w.seq, state_of(w.seq))
+                for w in work):
             return None
-        n = self.config.verify_tokens - 1
-        placeholder = [replace(e, token_ids=[*e.token_ids, *[0] * n], num_logits=n + 1) for e in batch.seqs]
-        step = forward_step(ScheduledBatch(seqs=placeholder, preempted=batch.preempted))
-        shape = local.graph_shape(step)
-        if shape is None or not local.finishes(shape):
+        ran = self._chain_verify(batch, work)
+        if ran is None:
             return None
-        drafts, q = self.drafter.chain(work)  # [B, num_steps] and the sampled rows' q, on the device
+        shape, drafts, q, out, aux, verdict = ran
         assert q is not None  # a request samples
-        ran = local.run_finished(step, later_ids=drafts[:, :n], shape=shape)
-        assert ran is not None  # finishes(shape) said so
-        out, (aux, verdict) = ran
+        n = self.config.verify_tokens - 1
         sampled = tuple(i for i, w in enumerate(work) if not w.seq.params.greedy)
         outcome = self._sampled_outcomes(work, sampled, drafts[:, :n], q[:, :n], out.logits, verdict)
         read = read_later(torch.cat([verdict.reshape(-1), *outcome[:2]]))
