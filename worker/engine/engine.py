@@ -15,8 +15,9 @@ next ``step`` schedules and launches the following forward first (its rows take 
 device) and then reads them back and turns them into outputs, while the GPU runs. Each ``step`` then
 returns the previous forward's outputs. A step with a request that needs its tokens on the host
 (logprobs, a grammar, history penalties) runs as before. With speculation the same holds for chain
-rounds whose requests are greedy or temperature-sampled (``SpecDecoder``'s rounds in flight): the next ``step`` launches the round after it from
-what the device staged (while no waiting request could be admitted) and then reads it back.
+rounds whose requests are greedy or temperature-sampled (``SpecDecoder``'s rounds in flight): the next
+``step`` launches the round after it from what the device staged (while no waiting request could be
+admitted) and then reads it back.
 
 CUDA graphs (decided once, when the rank is built: ``executor/kernel_set.py``): the target's
 decode steps (or, with speculation, its verify forwards) and the draft's first pass and steps
