@@ -380,13 +380,9 @@ class SpecDecoder:
         read = read_later(torch.cat([verdict.reshape(-1), *outcome[:2]]))
         counts, tokens = outcome[2:]
         ahead = self.drafter.chain_after(work, tokens.reshape(-1), aux, counts)
-        nxt = [w.state.ahead for w in work] if ahead else []
-        next_drafts = nxt[0].batch if nxt and nxt[0] is not None else None
-        next_q = None
-        if nxt and all(a is not None for a in nxt):
-            given = [a.q for a in nxt if a is not None]
-            some = next(x for x in given if x is not None)
-            next_q = torch.stack([some.new_zeros(some.shape) if x is None else x for x in given])
+        nxt = [a for w in work if (a := w.state.ahead) is not None] if ahead else []
+        next_drafts = nxt[0].batch if len(nxt) == len(work) else None
+        next_q = self.drafter.ahead_q(nxt) if next_drafts is not None else None
         bs = local.block_size
         return RoundInFlight(batch, work, shape, out.logits, aux.clone(), read, next_drafts,
                              tuple(len(e.block_table) * bs for e in batch.seqs), None, sampled, next_q, None,
@@ -505,7 +501,7 @@ class SpecDecoder:
         end, m = len(work) * w, len(r.sampled)
         accepted: dict[int, Acceptance] = {}
         for i, c, t in zip(r.sampled, flat[end:end + m], flat[end + m:end + 2 * m]):
-            accepted[work[i].entry.seq_id] = Acceptance(tuple(range(1, c + 1)), (*rows[i][:c], t))
+            accepted[work[i].entry.seq_id] = Acceptance.chain(rows[i], c, t)
             counts[i] = c
         drafted = dict(zip((wk.entry.seq_id for wk in work), counts)) if r.next_drafts is not None else {}
         return Verified(ScheduledBatch(seqs=entries, preempted=batch.preempted), r.logits, r.aux, proposals,
@@ -562,7 +558,7 @@ class SpecDecoder:
                    for e in batch.seqs]
         end = len(work) * n + int(argmax.shape[0])
         counts, tokens = flat[end:end + len(sampled)], flat[end + len(sampled):end + 2 * len(sampled)]
-        accepted = {work[i].entry.seq_id: Acceptance(tuple(range(1, c + 1)), (*rows[i][:c], t))
+        accepted = {work[i].entry.seq_id: Acceptance.chain(rows[i], c, t)
                     for i, c, t in zip(sampled, counts, tokens)}
         drafted = dict(zip((w.entry.seq_id for w in work), flat[end + 2 * len(sampled):])) if drafted_ahead else {}
         return Verified(ScheduledBatch(seqs=entries, preempted=batch.preempted), out.logits, aux, proposals,

@@ -102,6 +102,11 @@ class Acceptance:
     def num_accepted(self) -> int:
         return len(self.path)
 
+    @staticmethod
+    def chain(drafts: list[int], count: int, token: int) -> Acceptance:
+        """A chain's outcome decided elsewhere (on the device): its first ``count`` drafts, then ``token``."""
+        return Acceptance(tuple(range(1, count + 1)), (*drafts[:count], token))
+
 
 def accept_greedy(tree: DraftTree, target_argmax: list[int]) -> Acceptance:
     """Greedy verification. target_argmax[i]: the target's choice after node i (one per node)."""

@@ -190,9 +190,7 @@ class Drafter:
             for w in work:  # the drafted-ahead first pass consumed the pending rows
                 w.state.num_bases, w.state.pending = w.entry.start, []
             done = [a for a in ready if a is not None]
-            given = [a.q for a in done]
-            some = next((x for x in given if x is not None), None)
-            q = None if some is None else torch.stack([some.new_zeros(some.shape) if x is None else x for x in given])
+            q = self.ahead_q(done)
             whole = done[0].batch
             if whole is not None and whole.shape[0] == len(done) and all(
                     a.batch is whole and a.row == i for i, a in enumerate(done)):
@@ -239,6 +237,14 @@ class Drafter:
             drafts = self._chain_steps(work, hidden, [self._sampled(logits, params, uniforms, qs)],
                                        lambda lg: self._sampled(lg, params, uniforms, qs))
         return drafts, self._on_target(torch.cat([q if q.dim() == 3 else q[:, None] for q in qs], dim=1))
+
+    @staticmethod
+    def ahead_q(done: list[Ahead]) -> torch.Tensor | None:
+        """Chains drafted ahead -> their q stacked [B, num_steps, vocab] (zeros for a greedy request's), or None
+        where every request is greedy."""
+        given = [a.q for a in done]
+        some = next((x for x in given if x is not None), None)
+        return None if some is None else torch.stack([some.new_zeros(some.shape) if x is None else x for x in given])
 
     def chain_after(self, work: list[DraftWork], tokens: torch.Tensor, aux: torch.Tensor, counts: torch.Tensor
                     ) -> bool:

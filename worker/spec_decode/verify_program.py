@@ -84,14 +84,12 @@ def restage_verify(inputs: StaticInputs, shift: torch.Tensor, roots: torch.Tenso
     """The next verify's inputs ``stage_next_verify`` wrote, moved for the first ``n`` sequences to another outcome:
     each one's rows ``shift`` [n] further (its accepted drafts counted by another rule: the rejection rule of a
     sampled request), its root ``roots`` [n], the slots through its block table again."""
-    bs = inputs.block_size
     positions, index = inputs.positions.view(-1, q)[:n], inputs.index.view(-1, q)[:n]
     positions.add_(shift[:, None])
     index.add_(shift[:, None])
     inputs.context_lens[:n].add_(shift)
     inputs.ids.view(-1, q)[:n, 0].copy_(roots)
-    column = (index // bs).clamp(max=inputs.tables.shape[1] - 1)
-    inputs.slots.view(-1, q)[:n].copy_(inputs.tables[:n].gather(1, column) * bs + index % bs)
+    inputs.slots.view(-1, q)[:n].copy_(_table_slots(inputs, index))
 
 
 def stage_next_verify(inputs: StaticInputs, targets: torch.Tensor, counts: torch.Tensor, b: int, q: int) -> None:
@@ -100,7 +98,6 @@ def stage_next_verify(inputs: StaticInputs, targets: torch.Tensor, counts: torch
     ``count + 1`` positions, causal indices and context further on, their slots through its block table (the
     host replays that only where the table reaches them: ``SpecDecoder``'s pipelined rounds); its drafts' rows
     are the next chain's, copied in by the host. Padding sequences stay padding."""
-    bs = inputs.block_size
     real = inputs.slots.view(b, q)[:, -1] != inputs.pad_slot
     shift = torch.where(real, counts + 1, torch.zeros_like(counts))
     ids = inputs.ids.view(b, q)
@@ -109,9 +106,15 @@ def stage_next_verify(inputs: StaticInputs, targets: torch.Tensor, counts: torch
     index = inputs.index.view(b, q)
     index.add_(shift[:, None])
     inputs.context_lens[:b].add_(shift)
+    inputs.slots.view(b, q).copy_(torch.where(real[:, None], _table_slots(inputs, index), inputs.slots.view(b, q)))
+
+
+def _table_slots(inputs: StaticInputs, index: torch.Tensor) -> torch.Tensor:
+    """The cache slots of causal indices ``index`` [n, q] through the first ``n`` sequences' block tables (a column
+    past the table clamped: the host replays such inputs only where its table reaches them)."""
+    bs = inputs.block_size
     column = (index // bs).clamp(max=inputs.tables.shape[1] - 1)
-    slots = inputs.tables[:b].gather(1, column) * bs + index % bs
-    inputs.slots.view(b, q).copy_(torch.where(real[:, None], slots, inputs.slots.view(b, q)))
+    return inputs.tables[:index.shape[0]].gather(1, column) * bs + index % bs
 
 
 # The program after the argmax as one launch on a GPU (checked against the torch ops in Triton's interpreter, and
