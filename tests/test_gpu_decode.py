@@ -283,3 +283,52 @@ def test_tp2_engine_graphs_run_the_planned_collectives(tmp_path: Any) -> None:
     for rank, res in enumerate(run_on_ranks(_tp2_rank, 2, str(tmp_path), backend="nccl", timeout_s=600)):
         assert res["fusion"] == "flashinfer" and "flashinfer_fused" in res["paths"], res
         assert res["planned"] == res["executed"] and res["graph_runs"] > 0, (rank, res)
+
+
+@needs_gpu
+def test_sampling_at_temperature_and_the_chain_rule_equal_references() -> None:
+    """The one-launch draw at a temperature (a target's 49 152-token rows, a draft's 16 384 through its table,
+    also inside a CUDA graph) and the two-launch rejection rule for sampled chains equal their torch references
+    on the GPU: the same tokens for every number drawn, the distributions to float32 rounding."""
+    from fusedserve.worker.engine.sample_triton import sample_triton
+    from fusedserve.worker.engine.sampler import sample_at_temperature
+    from fusedserve.worker.spec_decode.chain_accept_triton import accept_chains_triton
+    from fusedserve.worker.spec_decode.rejection_sampler import accept_chains_at_temperature
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    temps = torch.tensor([0.0, 0.6, 1.0, 1.4], device="cuda")
+    for vocab, table in ((49152, None), (16384, torch.randperm(49152, device="cuda", generator=g)[:16384])):
+        logits = (4 * torch.randn(4, vocab, device="cuda", generator=g)).to(torch.bfloat16)
+        for _ in range(50):
+            u = torch.rand(4, device="cuda", generator=g, dtype=torch.float64)
+            want, want_q = sample_at_temperature(logits, temps, u, table, True)
+            got, got_q = sample_triton(logits, temps, u, table, True)
+            assert torch.equal(got, want)
+            assert got_q is not None and want_q is not None and float((got_q - want_q).abs().max()) < 1e-6
+    u = torch.rand(4, device="cuda", generator=g, dtype=torch.float64)
+    graph = torch.cuda.CUDAGraph()
+    sample_triton(logits, temps, u, table, True)  # compiled before the capture
+    with torch.cuda.graph(graph):
+        captured, _ = sample_triton(logits, temps, u, table, True)
+    for _ in range(5):
+        u.copy_(torch.rand(4, device="cuda", generator=g, dtype=torch.float64))
+        graph.replay()
+        assert torch.equal(captured, sample_at_temperature(logits, temps, u, table)[0])
+    chains, k, vocab = 3, 7, 49152
+    first = torch.tensor([0, 8, 17], device="cuda")
+    seen = set()
+    for trial in range(40):
+        logits = (5 * torch.randn(25, vocab, device="cuda", generator=g)).to(torch.bfloat16)
+        t = torch.tensor([0.7, 1.0, 1.3], device="cuda")
+        rows = first[:, None] + torch.arange(k + 1, device="cuda")
+        p = torch.softmax(logits[rows].float() / t[:, None, None], dim=-1)
+        mix = 0.25 * (trial % 5)
+        q = (1 - mix) * p[:, :k] + mix * torch.softmax(3 * torch.randn(chains, k, vocab, device="cuda", generator=g), -1)
+        q = q / q.sum(-1, keepdim=True)
+        drafts = torch.multinomial(q.view(-1, vocab), 1, generator=g).view(chains, k)
+        u = torch.rand(chains, k + 1, device="cuda", generator=g, dtype=torch.float64)
+        want = accept_chains_at_temperature(logits, first, t, drafts, q, u)
+        got = accept_chains_triton(logits, first, t, drafts, q, u)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), trial
+        seen.update(want[0].tolist())
+    assert {0, k} <= seen and len(seen) >= 4

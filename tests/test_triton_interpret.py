@@ -1221,3 +1221,57 @@ def test_interp_mla_assemble_equals_the_reference(dtype: torch.dtype, interleave
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     _close(got_q[..., rank:], want_q[..., rank:], tol)
     _close(got_k, want_k, tol)
+
+
+@inner
+def test_interp_sampling_at_temperature_equals_the_reference() -> None:
+    """Each row's token drawn at its temperature in one launch (greedy rows, -inf logits, a vocabulary of three
+    chunks, a table): the reference's tokens for 40 numbers a row, its distributions to float32 rounding."""
+    from fusedserve.worker.engine.sample_triton import sample_triton
+    from fusedserve.worker.engine.sampler import sample_at_temperature
+
+    g = torch.Generator().manual_seed(0)
+    n, vocab = 5, 9000  # 3 chunks of 4096, the last partial
+    logits = (3 * torch.randn(n, vocab, generator=g)).to(torch.bfloat16)
+    logits[2, ::3] = float("-inf")
+    logits[3, 5000:] = float("-inf")  # the last tokens impossible: the clamp's case at u near 1
+    temps = torch.tensor([0.0, 0.7, 1.0, 1.6, 0.0])
+    table = torch.randperm(vocab, generator=g) + 100
+    for trial in range(40):
+        u = torch.rand(n, generator=g, dtype=torch.float64)
+        if trial == 0:
+            u[3] = 1.0 - 1e-12
+        want, want_q = sample_at_temperature(logits, temps, u, table, True)
+        got, got_q = sample_triton(logits, temps, u, table, True)
+        assert torch.equal(got, want), (trial, got, want)
+        assert got_q is not None and want_q is not None
+        _close(got_q, want_q, 1e-6)
+    assert sample_triton(logits, temps, u)[1] is None
+
+
+@inner
+def test_interp_chain_rejection_rule_equals_the_reference() -> None:
+    """The rejection rule for sampled chains from raw logits in two launches: the reference's accepted counts
+    and emitted tokens, over chains that accept all, none and some of their drafts."""
+    from fusedserve.worker.spec_decode.chain_accept_triton import accept_chains_triton
+    from fusedserve.worker.spec_decode.rejection_sampler import accept_chains_at_temperature
+
+    g = torch.Generator().manual_seed(1)
+    chains, k, vocab = 3, 4, 5000
+    first = torch.tensor([0, 6, 11])  # rows of chain b: first[b] .. first[b] + k (a row between chains unused)
+    counts = set()
+    for trial in range(30):
+        logits = (4 * torch.randn(17, vocab, generator=g)).to(torch.bfloat16)
+        temps = torch.tensor([0.6, 1.0, 1.5])
+        rows = first[:, None] + torch.arange(k + 1)
+        p = torch.softmax(logits[rows].float() / temps[:, None, None], dim=-1)
+        mix = 0.3 * (trial % 4)  # 0: the draft is the target (all accepted) .. 0.9: mostly noise
+        q = (1 - mix) * p[:, :k] + mix * torch.softmax(3 * torch.randn(chains, k, vocab, generator=g), dim=-1)
+        q = q / q.sum(-1, keepdim=True)
+        drafts = torch.multinomial(q.view(-1, vocab), 1, generator=g).view(chains, k)
+        u = torch.rand(chains, k + 1, generator=g, dtype=torch.float64)
+        want = accept_chains_at_temperature(logits, first, temps, drafts, q, u)
+        got = accept_chains_triton(logits, first, temps, drafts, q, u)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (trial, got, want)
+        counts.update(want[0].tolist())
+    assert {0, k} <= counts and len(counts) >= 4  # none, all and some accepted

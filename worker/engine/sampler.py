@@ -68,14 +68,49 @@ def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+# (logits [n, vocab], temperatures [n] float32 (<= 0: the argmax), uniforms [n], table [vocab] int64 | None,
+#  with_probs) -> (tokens [n] int64, through the table; the rows' distributions [n, vocab] float32 | None)
+TemperatureSampleFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", bool],
+                               "tuple[torch.Tensor, torch.Tensor | None]"]
+
+
+def sample_at_temperature(logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor,
+                          table: torch.Tensor | None = None, with_probs: bool = False
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each row's token drawn at its temperature (``Sampler.probs`` of a request that sets nothing else: the
+    softmax of logits / T, one-hot on the argmax where T <= 0) with its uniform number (``sample_from_probs``);
+    graph-safe. The plain reference of ``sample_triton``. -> (tokens [n] int64, through ``table`` when given;
+    the distributions [n, vocab] float32 when ``with_probs``)"""
+    greedy = temperatures <= 0
+    q = torch.softmax(apply_temperature(logits, torch.where(greedy, torch.ones_like(temperatures), temperatures)),
+                      dim=-1)
+    one_hot = torch.zeros_like(q).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    q = torch.where(greedy[:, None], one_hot, q)
+    tokens = sample_from_probs(q, uniforms)
+    return (tokens if table is None else table[tokens]), (q if with_probs else None)
+
+
+def temperature_sampler(device: torch.device | str) -> TemperatureSampleFn:
+    """``sample_triton`` where the hardware runs it (CUDA with Triton), else ``sample_at_temperature``; chosen once."""
+    if torch.device(device).type == "cuda":
+        try:
+            from .sample_triton import sample_triton
+        except ImportError:
+            return sample_at_temperature
+        return sample_triton
+    return sample_at_temperature
+
+
 class Sampler:
     """``argmax``: the greedy choice's kernel ([n, vocab] -> [n] int64; the kernel set's, chosen at
     construction; default torch.argmax)."""
 
     def __init__(self, seed: int | None = None, device: torch.device | str = "cpu",
-                 argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 at_temperature: TemperatureSampleFn | None = None) -> None:
         self.device = torch.device(device)
         self.argmax = argmax or torch_argmax
+        self.at_temperature = at_temperature or temperature_sampler(self.device)
         self.generator = torch.Generator(device=device)
         if seed is not None:
             self.generator.manual_seed(seed)
@@ -131,9 +166,11 @@ class Sampler:
             return torch.zeros(0, dtype=torch.long, device=logits.device)
         if all(p.greedy for p in params):
             return self.argmax(logits)
-        probs = self.probs(logits, params)
         # One uniform per random row from its own stream; greedy rows (one-hot) draw nothing.
-        uniforms = [torch.rand((), generator=g or self.generator, dtype=torch.float64, device=self.device)
-                    if not p.greedy else torch.zeros((), dtype=torch.float64, device=self.device)
-                    for p, g in zip(params, generators)]
-        return sample_from_probs(probs, torch.stack(uniforms).to(probs.device))
+        uniforms = torch.stack([torch.rand((), generator=g or self.generator, dtype=torch.float64, device=self.device)
+                                if not p.greedy else torch.zeros((), dtype=torch.float64, device=self.device)
+                                for p, g in zip(params, generators)]).to(logits.device)
+        if all(p.greedy or p.temperature_only for p in params):  # the fast path (one launch on a GPU)
+            temps = to_device([0.0 if p.greedy else p.temperature for p in params], logits.device, torch.float32)
+            return self.at_temperature(logits, temps, uniforms, None, False)[0]
+        return sample_from_probs(self.probs(logits, params), uniforms)

@@ -97,7 +97,13 @@ from .config import SpeculativeConfig, SpeculativeConfigError
 from .draft_model import build_draft, chain_shapes, draft_shapes
 from .draft_tree import Acceptance, DraftTree, accept_greedy, relocation, tree_positions
 from .drafter import Ahead, Drafter, DraftState, DraftWork, Proposal
-from .rejection_sampler import Uniforms, accept_chains_sampled, verify_chain_sampled, verify_tree_sampled
+from .rejection_sampler import (
+    Uniforms,
+    accept_chains_sampled,
+    chain_acceptor,
+    verify_chain_sampled,
+    verify_tree_sampled,
+)
 from .stats import SpecDecodeCounters, SpecDecodeStats
 from .verify_program import VerifyProgram, restage_verify, verify_stage_kernel
 
@@ -184,6 +190,7 @@ class SpecDecoder:
         self.counters = SpecDecodeCounters(config.num_steps)
         self._states: dict[int, DraftState] = {}
         self._in_flight: RoundInFlight | None = None
+        self._accept_at_temperature = chain_acceptor(target.local.device)
         self.drafter = Drafter(draft, draft_model, sampler, vocab_size, config.num_steps, config.topk,
                                config.verify_tokens)
 
@@ -606,9 +613,15 @@ class SpecDecoder:
         request's own stream. -> [accepted drafts [S], emitted tokens [S]]"""
         k = int(drafts.shape[1])
         device = logits.device
-        rows = to_device([r + j for r in first_rows for j in range(k + 1)], device)
-        probs = self.sampler.probs(logits.index_select(0, rows), [w.seq.params for w in work for _ in range(k + 1)])
+        params = [w.seq.params for w in work]
         uniforms = torch.stack([w.draw(k + 1) for w in work]).to(device)
+        if all(p.temperature_only for p in params):  # the fast path (two launches on a GPU)
+            count, token = self._accept_at_temperature(
+                logits, to_device(first_rows, device), to_device([p.temperature for p in params], device, torch.float32),
+                drafts, q, uniforms)
+            return [count, token]
+        rows = to_device([r + j for r in first_rows for j in range(k + 1)], device)
+        probs = self.sampler.probs(logits.index_select(0, rows), [p for p in params for _ in range(k + 1)])
         count, token = accept_chains_sampled(drafts, q, probs.view(len(work), k + 1, -1), uniforms)
         return [count, token]
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ...models.eagle3 import Eagle3Draft
-from ..engine.sampler import Sampler, apply_temperature, sample_from_probs
+from ..engine.sampler import Sampler, sample_from_probs
 from ..engine.scheduler import ScheduledSeq
 from ..engine.sequence import SamplingParams, Sequence
 from ..executor.executor import StepExecutor
@@ -163,14 +163,12 @@ class Drafter:
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's draft drawn from the draft's distribution at the row's temperature (0: one-hot on the
         argmax), with its uniform number: ``Sampler.probs`` for a request that sets nothing but a
-        temperature, and graph-safe (a sampled chained replay's draw). logits: [rows, draft_vocab];
-        temperatures: [rows]; uniforms: [rows] -> (target ids [rows], q [rows, draft_vocab] float32)"""
-        greedy = temperatures <= 0
-        q = torch.softmax(apply_temperature(logits, torch.where(greedy, torch.ones_like(temperatures),
-                                                                temperatures)), dim=-1)
-        one_hot = torch.zeros_like(q).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
-        q = torch.where(greedy[:, None], one_hot, q)
-        return self._draft_to_target[sample_from_probs(q, uniforms)], q
+        temperature, and graph-safe (a sampled chained replay's draw; one launch on a GPU,
+        ``Sampler.at_temperature``). logits: [rows, draft_vocab]; temperatures: [rows]; uniforms: [rows]
+        -> (target ids [rows], q [rows, draft_vocab] float32)"""
+        tokens, q = self.sampler.at_temperature(logits, temperatures, uniforms, self._draft_to_target, True)
+        assert q is not None
+        return tokens, q
 
     def chain(self, work: list[DraftWork]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A chain's drafts, left on the device: the first pass, then steps 1 .. num_steps - 1 (step j's

@@ -34,6 +34,10 @@ from ..executor.host_copy import to_device
 from .draft_tree import Acceptance, DraftTree
 
 Uniforms = Callable[[int], torch.Tensor]  # n uniform numbers in [0, 1) from the request's stream: [n] float64
+# (logits, first_rows [S], temperatures [S], drafts [S, k], q [S, k, vocab], uniforms [S, k + 1])
+#   -> (accepted drafts [S], emitted tokens [S]): ``accept_chains_at_temperature`` or its one-GPU kernels
+ChainAcceptFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                         tuple[torch.Tensor, torch.Tensor]]
 
 
 def sample_token(probs: torch.Tensor, u: torch.Tensor) -> int:
@@ -123,3 +127,27 @@ def accept_chains_sampled(drafts: torch.Tensor, draft_probs: torch.Tensor, targe
     final = torch.where((count < k)[:, None], residual, p[:, k])
     u = uniforms.gather(-1, (count + 1).clamp(max=k)[:, None])[:, 0]  # the number after the last test
     return count, sample_from_probs(final, u)
+
+
+def accept_chains_at_temperature(logits: torch.Tensor, first_rows: torch.Tensor, temperatures: torch.Tensor,
+                                 drafts: torch.Tensor, q: torch.Tensor, uniforms: torch.Tensor
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``accept_chains_sampled`` for chains of requests that set nothing but a temperature, from the verify's raw
+    logits: chain b's k + 1 rows start at ``first_rows[b]`` of logits [rows, vocab], its target distribution is
+    their softmax at ``temperatures[b]`` (``Sampler.probs``). The plain reference of ``accept_chains_triton``."""
+    k = int(drafts.shape[1])
+    rows = first_rows[:, None] + torch.arange(k + 1, device=first_rows.device)
+    scaled = logits.index_select(0, rows.reshape(-1)).float().view(len(first_rows), k + 1, -1) / temperatures[:, None, None]
+    return accept_chains_sampled(drafts, q, torch.softmax(scaled, dim=-1), uniforms)
+
+
+def chain_acceptor(device: torch.device) -> ChainAcceptFn:
+    """``accept_chains_triton`` where the hardware runs it (CUDA with Triton), else ``accept_chains_at_temperature``;
+    chosen once."""
+    if device.type == "cuda":
+        try:
+            from .chain_accept_triton import accept_chains_triton
+        except ImportError:
+            return accept_chains_at_temperature
+        return accept_chains_triton
+    return accept_chains_at_temperature

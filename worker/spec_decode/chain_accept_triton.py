@@ -1,0 +1,123 @@
+"""The rejection rule for sampled chains of temperature-only requests, from the verify's raw logits, in two
+Triton launches (GPU): the fast path of ``rejection_sampler.accept_chains_at_temperature``.
+
+Plain reference: ``accept_chains_at_temperature`` — each chain's k + 1 target rows turned into probabilities
+(softmax of logits / T, float32), then ``accept_chains_sampled`` in float64: draft i accepted while
+u_i * q_i(x_i) < p_i(x_i); at the first rejection the token drawn from max(0, p - q) at that row (p where that
+is all zero), after k acceptances the bonus from p_k; drawn with the next uniform number by the inverse CDF.
+torch ran that as ~30 kernels a round over float64 copies of [S, k + 1, vocab].
+
+Here the first launch takes every target row's max and sum of exp(logits / T - max) (one program a row,
+``sample_triton.row_stats``); the second, one program a chain, tests its k drafts at once (each needs one
+logit, its row's statistics, q at the draft and u), finds the first rejection and draws the emitted token
+in two passes over that row (the residual's total, then its running sum against u times it; the bonus in one,
+its total known). The weights are float32 where the reference's are float64 (the tests float64 of the float32 probabilities, as there): outcomes differ only
+where u lands within float32 rounding of a test's threshold or of a boundary between two tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...models.layers.pdl import pdl_launch, pdl_open
+from ..engine.sample_triton import BLOCK, draw_scaled, row_stats
+
+
+@triton.jit
+def _stats_kernel(x_ptr, stride_x, first_ptr, temp_ptr, K1, V, m_ptr, s_ptr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_open(PDL)
+    i = tl.program_id(0)
+    b = i // K1
+    row = (tl.load(first_ptr + b) + i % K1).to(tl.int64)
+    m, s, _ = row_stats(x_ptr + row * stride_x, V, tl.load(temp_ptr + b), BLOCK)
+    tl.store(m_ptr + i, m)
+    tl.store(s_ptr + i, s)
+
+
+@triton.jit
+def _residual(x_row, q_row, c, V, t, m, s):
+    """A chunk of max(0, p - q) with p = exp(x / t - m) / s (0 past the row's end)."""
+    z = tl.load(x_row + c, mask=c < V, other=float("-inf")).to(tl.float32) / t
+    p = tl.where(z == float("-inf"), 0.0, tl.exp(z - m)) / s
+    return tl.maximum(p - tl.load(q_row + c, mask=c < V, other=0.0), 0.0)
+
+
+@triton.jit
+def _accept_kernel(x_ptr, stride_x, first_ptr, temp_ptr, d_ptr, stride_db, q_ptr, stride_qb, stride_qk, u_ptr,
+                   m_ptr, s_ptr, count_ptr, tok_ptr, K, V, K_PAD: tl.constexpr, BLOCK: tl.constexpr,
+                   PDL: tl.constexpr):
+    pdl_open(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    first = tl.load(first_ptr + b).to(tl.int64)
+    t = tl.load(temp_ptr + b)
+    i = tl.arange(0, K_PAD)
+    ok = i < K
+    drafts = tl.load(d_ptr + b * stride_db + i, mask=ok, other=0).to(tl.int64)
+    z = tl.load(x_ptr + (first + i) * stride_x + drafts, mask=ok, other=0.0).to(tl.float32) / t
+    m = tl.load(m_ptr + b * (K + 1) + i, mask=ok, other=0.0)
+    s = tl.load(s_ptr + b * (K + 1) + i, mask=ok, other=1.0)
+    p_hit = tl.where(z == float("-inf"), 0.0, tl.exp(z - m)) / s
+    q_hit = tl.load(q_ptr + b * stride_qb + i * stride_qk + drafts, mask=ok, other=0.0)
+    u = tl.load(u_ptr + b * (K + 1) + i, mask=ok, other=1.0).to(tl.float64)
+    rejected = ok & ~(u * q_hit.to(tl.float64) < p_hit.to(tl.float64))
+    count = tl.min(tl.where(rejected, i, K), axis=0)
+    x_row = x_ptr + (first + count) * stride_x
+    mf = tl.load(m_ptr + b * (K + 1) + count)
+    sf = tl.load(s_ptr + b * (K + 1) + count)
+    uf = tl.load(u_ptr + b * (K + 1) + tl.minimum(count + 1, K)).to(tl.float32)
+    cols = tl.arange(0, BLOCK)
+    total = 0.0
+    q_row = q_ptr + b * stride_qb + tl.minimum(count, K - 1) * stride_qk
+    if count < K:
+        for start in range(0, V, BLOCK):
+            total += tl.sum(_residual(x_row, q_row, start + cols, V, t, mf, sf), axis=0)
+    if total > 0.0:
+        target = uf * total
+        carry = 0.0
+        found = V
+        last = 0
+        for start in range(0, V, BLOCK):
+            c = start + cols
+            w = _residual(x_row, q_row, c, V, t, mf, sf)
+            run = tl.cumsum(w, axis=0) + carry
+            found = tl.minimum(found, tl.min(tl.where((run > target) & (c < V), c, V), axis=0))
+            last = tl.maximum(last, tl.max(tl.where(w > 0.0, c, 0), axis=0))
+            carry += tl.sum(w, axis=0)
+        tok = tl.minimum(found, last)
+    else:  # the bonus after k acceptances, or a residual that rounding emptied: p itself
+        tok = draw_scaled(x_row, V, t, mf, uf * sf, x_row, sf, False, BLOCK)
+    tl.store(count_ptr + b, count.to(tl.int64))
+    tl.store(tok_ptr + b, tok.to(tl.int64))
+
+
+def accept_chains_triton(logits: torch.Tensor, first_rows: torch.Tensor, temperatures: torch.Tensor,
+                         drafts: torch.Tensor, q: torch.Tensor, uniforms: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rejection_sampler.accept_chains_at_temperature`` in two launches. logits: [rows, vocab] raw (unit stride
+    along the vocabulary), chain b's k + 1 rows from ``first_rows[b]``; temperatures: [S] float32 (> 0);
+    drafts: [S, k]; q: [S, k, vocab] float32 (unit stride along the vocabulary); uniforms: [S, k + 1]
+    -> (accepted drafts [S] int64 in 0..k, the emitted token after them [S] int64)"""
+    chains, k = drafts.shape
+    vocab = logits.shape[1]
+    device = logits.device
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if drafts.stride(-1) != 1:
+        drafts = drafts.contiguous()
+    uniforms = uniforms.contiguous()
+    count = torch.empty(chains, dtype=torch.int64, device=device)
+    token = torch.empty(chains, dtype=torch.int64, device=device)
+    if not chains:
+        return count, token
+    m = torch.empty(chains * (k + 1), dtype=torch.float32, device=device)
+    s = torch.empty_like(m)
+    _stats_kernel[(chains * (k + 1),)](logits, logits.stride(0), first_rows, temperatures, k + 1, vocab, m, s,
+                                       BLOCK=BLOCK, num_warps=8, **pdl_launch())
+    _accept_kernel[(chains,)](logits, logits.stride(0), first_rows, temperatures, drafts, drafts.stride(0), q,
+                              q.stride(0), q.stride(1), uniforms, m, s, count, token, k, vocab,
+                              K_PAD=max(2, triton.next_power_of_2(k)), BLOCK=BLOCK, num_warps=8, **pdl_launch())
+    return count, token
