@@ -403,8 +403,10 @@ class SpecDecoder:
         row's count [B] and tokens after its root [B, k + 1] (``_outcomes``)]."""
         k = int(drafts.shape[1])
         pick = to_device(list(sampled), drafts.device)
-        count, token = self._accept_on_device([work[i] for i in sampled], drafts.index_select(0, pick),
-                                              q.index_select(0, pick), logits, [i * (k + 1) for i in sampled])
+        every = len(sampled) == len(work)  # (no copies of the rows taken)
+        count, token = self._accept_on_device([work[i] for i in sampled], drafts if every else drafts.index_select(0, pick),
+                                              q if every else q.index_select(0, pick), logits,
+                                              [i * (k + 1) for i in sampled])
         counts, tokens = self._outcomes(drafts, verdict[:, k:2 * k + 1].reshape(-1), pick, [count, token])
         return [count, token, counts, tokens]
 
