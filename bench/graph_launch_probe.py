@@ -1,7 +1,7 @@
 """How long the host spends launching each captured CUDA graph, through the engine (GPU).
 
     python bench/graph_launch_probe.py --target DIR [--draft DIR] [--configs none,chain-3] [--out FILE]
-        [--timeline] [--kernels] [--drop combine,multi_token_attention,...] [--set MODULE.NAME=VALUE]
+        [--temperature T] [--timeline] [--kernels] [--drop combine,multi_token_attention,...] [--set MODULE.NAME=VALUE]
 
 For each configuration: one engine (``Engine`` with its defaults on CUDA, as bench/spec_decode_real.py
 builds it), a warm-up generate, then
@@ -246,6 +246,8 @@ def main() -> None:
     ap.add_argument("--draft", default="")
     ap.add_argument("--configs", default="none,chain-3")
     ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="the generates' temperature (above 0: seeded sampling, the sampled rounds' path)")
     ap.add_argument("--out", default="")
     ap.add_argument("--kernels", action="store_true", help="each long captured graph's kernels by GPU time")
     ap.add_argument("--host-profile", action="store_true", help="cProfile of a generate's host functions")
@@ -262,7 +264,7 @@ def main() -> None:
     from fusedserve.worker.engine.engine import Engine
     from fusedserve.worker.engine.sequence import SamplingParams
 
-    out: dict[str, Any] = {**record_header(), "what": __doc__.split("\n")[0], "settings": settings,
+    out: dict[str, Any] = {**record_header(), "what": __doc__.split("\n")[0], "settings": settings, "temperature": args.temperature,
                            "dropped_kernels": dropped, "configs": {}}
     for name in args.configs.split(","):
         engine = Engine(args.target, EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=1,
@@ -271,7 +273,8 @@ def main() -> None:
         tok = engine.tokenizer
         assert tok is not None
         prompt = tok.encode_chat([{"role": "user", "content": "Write a short story about a robot who learns to paint."}])
-        params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens, ignore_eos=True)
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens, ignore_eos=True,
+                                seed=0 if args.temperature > 0 else None)
         engine.generate([prompt], params)  # warm-up
         log: list[tuple[int, float, bool]] = []
         original = timed_replays(log)
