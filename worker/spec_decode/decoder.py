@@ -617,7 +617,7 @@ class SpecDecoder:
         device = logits.device
         params = [w.seq.params for w in work]
         uniforms = torch.stack([w.draw(k + 1) for w in work]).to(device)
-        if all(p.temperature_only for p in params):  # the fast path (two launches on a GPU)
+        if all(p.temperature_only and not p.greedy for p in params):  # the fast path (two launches on a GPU)
             count, token = self._accept_at_temperature(
                 logits, to_device(first_rows, device), to_device([p.temperature for p in params], device, torch.float32),
                 drafts, q, uniforms)
