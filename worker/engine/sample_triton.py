@@ -58,6 +58,17 @@ def row_stats(x_ptr, V, t, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def scan_chunk(w, c, V, target, carry, found, last):
+    """One chunk of an inverse-CDF draw over weights ``w`` at indices ``c``: the running sum ``carry`` before it,
+    the first index ``found`` whose running sum passes ``target`` (V while none has), the last index ``last`` of
+    non-zero weight. -> the three after it (the draw: min(found, last))"""
+    run = tl.cumsum(w, axis=0) + carry
+    found = tl.minimum(found, tl.min(tl.where((run > target) & (c < V), c, V), axis=0))
+    last = tl.maximum(last, tl.max(tl.where(w > 0.0, c, 0), axis=0))
+    return carry + tl.sum(w, axis=0), found, last
+
+
+@triton.jit
 def draw_scaled(x_ptr, V, t, m, target, q_ptr, s, WRITE_Q: tl.constexpr, BLOCK: tl.constexpr):
     """The first index whose running sum of exp(x / t - m) passes ``target`` (clamped to the last index of
     non-zero weight); ``WRITE_Q``: each weight / s stored at q_ptr."""
@@ -70,10 +81,7 @@ def draw_scaled(x_ptr, V, t, m, target, q_ptr, s, WRITE_Q: tl.constexpr, BLOCK: 
         e = _exp_shifted(_scaled(x_ptr, c, V, t), m)
         if WRITE_Q:
             tl.store(q_ptr + c, e / s, mask=c < V)
-        run = tl.cumsum(e, axis=0) + carry
-        found = tl.minimum(found, tl.min(tl.where((run > target) & (c < V), c, V), axis=0))
-        last = tl.maximum(last, tl.max(tl.where(e > 0.0, c, 0), axis=0))
-        carry += tl.sum(e, axis=0)
+        carry, found, last = scan_chunk(e, c, V, target, carry, found, last)
     return tl.minimum(found, last)
 
 

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from ...models.layers.pdl import pdl_launch, pdl_open
-from ..engine.sample_triton import BLOCK, draw_scaled, row_stats
+from ..engine.sample_triton import BLOCK, draw_scaled, row_stats, scan_chunk
 
 
 @triton.jit
@@ -80,11 +80,7 @@ def _accept_kernel(x_ptr, stride_x, first_ptr, temp_ptr, d_ptr, stride_db, q_ptr
         last = 0
         for start in range(0, V, BLOCK):
             c = start + cols
-            w = _residual(x_row, q_row, c, V, t, mf, sf)
-            run = tl.cumsum(w, axis=0) + carry
-            found = tl.minimum(found, tl.min(tl.where((run > target) & (c < V), c, V), axis=0))
-            last = tl.maximum(last, tl.max(tl.where(w > 0.0, c, 0), axis=0))
-            carry += tl.sum(w, axis=0)
+            carry, found, last = scan_chunk(_residual(x_row, q_row, c, V, t, mf, sf), c, V, target, carry, found, last)
         tok = tl.minimum(found, last)
     else:  # the bonus after k acceptances, or a residual that rounding emptied: p itself
         tok = draw_scaled(x_row, V, t, mf, uf * sf, x_row, sf, False, BLOCK)
