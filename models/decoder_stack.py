@@ -94,6 +94,12 @@ def decoder_forward(batch: ForwardBatch, comm: Communicator, embed: Any, layers:
     return ModelOutput(logits[:, :vocab_size], tuple(aux[i] for i in batch.aux_layers))
 
 
+# HF checkpoint names -> (our parameter, shard id): q/k/v stacked into one projection, gate/up into another.
+QKV_STACKED: Stacked = ((".qkv_proj.", ".q_proj.", "q"), (".qkv_proj.", ".k_proj.", "k"),
+                        (".qkv_proj.", ".v_proj.", "v"))
+GATE_UP_STACKED: Stacked = ((".gate_up_proj.", ".gate_proj.", 0), (".gate_up_proj.", ".up_proj.", 1))
+
+
 def stacked_name(name: str, stacked: Stacked) -> tuple[str, object | None]:
     """An HF tensor name -> our parameter name and shard id (None: loaded whole)."""
     for ours, theirs, shard in stacked:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .decoder_stack import decoder_forward, stacked_name
+from .decoder_stack import GATE_UP_STACKED, Stacked, decoder_forward, stacked_name
 from .forward_batch import ForwardBatch
 from .interface import ModelOutput
 from .layers.experts import parse_expert_name
@@ -155,10 +155,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         return [layer for layer in self.layers if isinstance(layer, DeepseekV3DecoderLayer)]
 
     # HF checkpoint names -> (our parameter, shard id): dense MLPs and shared experts.
-    dense_stacked_params: tuple[tuple[str, str, object], ...] = (
-        (".gate_up_proj.", ".gate_proj.", 0),
-        (".gate_up_proj.", ".up_proj.", 1),
-    )
+    dense_stacked_params: Stacked = GATE_UP_STACKED
 
     def checkpoint_name_to_param(self, name: str) -> tuple[str, object] | None:
         """Our parameter name and shard id for an HF tensor name; None = not ours to load

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .decoder_stack import GATE_UP_STACKED, QKV_STACKED, stacked_name
 from .forward_batch import ForwardBatch
 from .interface import ModelOutput
 from .layers.attention import AttentionBackend
@@ -144,13 +145,7 @@ class Eagle3Draft(nn.Module):
     checkpoint_buffers = ("d2t",)
     optional_params = ("embed_tokens.weight",)  # shared from the target when absent
 
-    stacked_params = (
-        (".qkv_proj.", ".q_proj.", "q"),
-        (".qkv_proj.", ".k_proj.", "k"),
-        (".qkv_proj.", ".v_proj.", "v"),
-        (".gate_up_proj.", ".gate_proj.", 0),
-        (".gate_up_proj.", ".up_proj.", 1),
-    )
+    stacked_params = QKV_STACKED + GATE_UP_STACKED
 
     def checkpoint_name_to_param(self, name: str) -> tuple[str, object] | None:
         name = name.removeprefix("model.")
@@ -159,10 +154,7 @@ class Eagle3Draft(nn.Module):
         name = name.removeprefix("midlayer.")
         if name == "embed_tokens.weight":
             self.has_own_embedding = True
-        for ours, theirs, shard in self.stacked_params:
-            if theirs in name:
-                return name.replace(theirs, ours), shard
-        return name, None
+        return stacked_name(name, self.stacked_params)
 
 
 def load_eagle3_draft(model_dir: str, target_hidden: int, target_embedding: torch.Tensor | None,

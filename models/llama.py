@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .decoder_stack import check_aux_capture, decoder_forward, stacked_name
+from .decoder_stack import GATE_UP_STACKED, QKV_STACKED, check_aux_capture, decoder_forward, stacked_name
 from .forward_batch import ForwardBatch
 from .interface import ModelOutput
 from .layers.attention_layout import AttentionDims
@@ -119,13 +119,7 @@ class LlamaForCausalLM(nn.Module):
         return self.layers[0].self_attn.attention_dims()  # type: ignore[union-attr, operator, no-any-return]
 
     # HF checkpoint names -> (our parameter, shard id) for stacked parameters.
-    stacked_params = (
-        (".qkv_proj.", ".q_proj.", "q"),
-        (".qkv_proj.", ".k_proj.", "k"),
-        (".qkv_proj.", ".v_proj.", "v"),
-        (".gate_up_proj.", ".gate_proj.", 0),
-        (".gate_up_proj.", ".up_proj.", 1),
-    )
+    stacked_params = QKV_STACKED + GATE_UP_STACKED
 
     def checkpoint_name_to_param(self, name: str) -> tuple[str, object] | None:
         """Our parameter name and shard id for an HF tensor name; None = not ours to load."""

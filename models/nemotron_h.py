@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .decoder_stack import decoder_forward, stacked_name
+from .decoder_stack import QKV_STACKED, decoder_forward, stacked_name
 from .forward_batch import ForwardBatch
 from .interface import ModelOutput
 from .layers.experts import parse_expert_name
@@ -50,10 +50,6 @@ from .parallel.layouts import Layout, Unreduced
 _LETTERS = {"linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*",
             "mlp": "-", "moe": "E"}
 MAMBA, ATTENTION, MLP, MOE = "M", "*", "-", "E"
-# HF checkpoint names -> (our parameter, shard id): q/k/v are stacked into one projection.
-QKV_STACKED: tuple[tuple[str, str, object], ...] = (
-    (".qkv_proj.", ".q_proj.", "q"), (".qkv_proj.", ".k_proj.", "k"), (".qkv_proj.", ".v_proj.", "v"),
-)
 
 
 Mixer = Mamba2Mixer | SelfAttention | Relu2MLP | MoE
