@@ -28,9 +28,11 @@ from collections.abc import Iterable
 from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 from .forward_batch import ForwardBatch
 from .interface import ModelOutput
+from .layers.norm import RMSNorm
 from .parallel.communicator import Communicator, ForwardContext, NormWeights
 from .parallel.layouts import Unreduced
 
@@ -58,6 +60,37 @@ class DecoderLayer(Protocol):
 
     def __call__(self, h: torch.Tensor, residual: torch.Tensor, batch: ForwardBatch,
                  ctx: ForwardContext) -> tuple[Unreduced, torch.Tensor]: ...
+
+
+class PreNormLayer(nn.Module):
+    """A Llama-shaped layer (Llama, DeepSeek-V3): boundary 2i completes and norms its input with
+    ``input_layernorm``, attention runs, boundary 2i + 1 completes the attention's sum into the residual
+    and norms it with ``post_attention_layernorm``, then the MLP (``mlp_out``); a subclass builds the
+    four parts."""
+
+    layer_id: int
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+    self_attn: Any  # a subclass's attention: (h, batch) -> its owed sum
+    mlp: Any
+
+    @property
+    def input_boundary(self) -> int:
+        return 2 * self.layer_id
+
+    @property
+    def input_norm(self) -> RMSNorm:
+        return self.input_layernorm
+
+    def mlp_out(self, h: torch.Tensor, ctx: ForwardContext) -> Unreduced:
+        return self.mlp(h)  # type: ignore[no-any-return]
+
+    def forward(self, h: torch.Tensor, residual: torch.Tensor, batch: ForwardBatch,
+                ctx: ForwardContext) -> tuple[Unreduced, torch.Tensor]:
+        # h: [n, hidden] normed input (the decoder stack ran boundary 2i) -> the MLP's owed sum
+        h, residual = ctx.boundary(2 * self.layer_id + 1, self.self_attn(h, batch), residual,
+                                   self.post_attention_layernorm)
+        return self.mlp_out(h, ctx), residual
 
 
 def decoder_forward(batch: ForwardBatch, comm: Communicator, embed: Any, layers: Iterable[Any],

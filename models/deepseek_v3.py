@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .decoder_stack import GATE_UP_STACKED, Stacked, decoder_forward, stacked_name
+from .decoder_stack import GATE_UP_STACKED, PreNormLayer, Stacked, decoder_forward, stacked_name
 from .forward_batch import ForwardBatch
 from .interface import ModelOutput
 from .layers.experts import parse_expert_name
@@ -53,7 +53,9 @@ def is_moe_layer(config: Any, layer_id: int) -> bool:
             and layer_id % freq == 0)
 
 
-class DeepseekV3DecoderLayer(nn.Module):
+class DeepseekV3DecoderLayer(PreNormLayer):
+    self_attn: MLAttention
+
     def __init__(self, config: Any, layer_id: int, groups: ParallelGroups, rotary: MLARotary, scale: float,
                  dtype: torch.dtype, device: torch.device | str | None, kernels: Kernels | None = None,
                  fp8: BlockFP8 | None = None) -> None:
@@ -78,21 +80,9 @@ class DeepseekV3DecoderLayer(nn.Module):
             self.mlp = named(f"layers.{layer_id}.mlp", lambda: GatedMLP(
                 h, config.intermediate_size, groups.tp, dtype=dtype, device=device, act=kernels.silu_and_mul, fp8=fp8))
 
-    @property
-    def input_boundary(self) -> int:
-        return 2 * self.layer_id
-
-    @property
-    def input_norm(self) -> RMSNorm:
-        return self.input_layernorm
-
-    def forward(self, h: torch.Tensor, residual: torch.Tensor, batch: ForwardBatch,
-                ctx: ForwardContext) -> tuple[Unreduced, torch.Tensor]:
-        # h: [n, hidden] normed input (the decoder stack ran boundary 2i) -> the MLP block's owed sum
-        h, residual = ctx.boundary(2 * self.layer_id + 1, self.self_attn(h, batch), residual,
-                                   self.post_attention_layernorm)
-        out = self.mlp(h, ctx.valid_rows) if isinstance(self.mlp, MoE) else self.mlp(h)
-        return out, residual
+    def mlp_out(self, h: torch.Tensor, ctx: ForwardContext) -> Unreduced:
+        # the MoE block takes the rows that are real tokens (DP attention pads); a dense MLP all of them
+        return self.mlp(h, ctx.valid_rows) if isinstance(self.mlp, MoE) else self.mlp(h)
 
 
 class DeepseekV3ForCausalLM(nn.Module):

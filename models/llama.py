@@ -11,7 +11,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from .decoder_stack import GATE_UP_STACKED, QKV_STACKED, check_aux_capture, decoder_forward, stacked_name
+from .decoder_stack import (
+    GATE_UP_STACKED,
+    QKV_STACKED,
+    PreNormLayer,
+    check_aux_capture,
+    decoder_forward,
+    stacked_name,
+)
 from .forward_batch import ForwardBatch
 from .interface import ModelOutput
 from .layers.attention_layout import AttentionDims
@@ -25,16 +32,19 @@ from .layers.self_attention import SelfAttention
 from .layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from .parallel.collectives import Collectives
 from .parallel.comm_plan import BlockSpec, plan_communication, vocab_group
-from .parallel.communicator import Communicator, ForwardContext
+from .parallel.communicator import Communicator
 from .parallel.groups import ParallelGroups
-from .parallel.layouts import Layout, Unreduced
+from .parallel.layouts import Layout
 
 
 def head_dim_of(config: Any) -> int:
     return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(PreNormLayer):
+    self_attn: SelfAttention
+    mlp: GatedMLP
+
     def __init__(self, config: Any, layer_id: int, groups: ParallelGroups, rotary: RotaryEmbedding,
                  dtype: torch.dtype, device: torch.device | str | None, kernels: Kernels | None = None) -> None:
         super().__init__()
@@ -50,21 +60,6 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps, dtype, device)
         self.mlp = GatedMLP(h, config.intermediate_size, groups.tp, getattr(config, "mlp_bias", False),
                             dtype, device, act=kernels.silu_and_mul, gate_up_act=kernels.gate_up_act)
-
-    @property
-    def input_boundary(self) -> int:
-        return 2 * self.layer_id
-
-    @property
-    def input_norm(self) -> RMSNorm:
-        return self.input_layernorm
-
-    def forward(self, h: torch.Tensor, residual: torch.Tensor, batch: ForwardBatch,
-                ctx: ForwardContext) -> tuple[Unreduced, torch.Tensor]:
-        # h: [n, hidden] normed input (the decoder stack ran boundary 2i) -> the MLP's owed sum
-        h, residual = ctx.boundary(2 * self.layer_id + 1, self.self_attn(h, batch), residual,
-                                   self.post_attention_layernorm)
-        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
