@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from fusedserve.models.deepseek_v3 import DeepseekV3ForCausalLM
-from fusedserve.models.forward_batch import ForwardBatch, KVCache, KVShape
+from fusedserve.models.forward_batch import KVShape
 from fusedserve.models.layers.moe import MoE
 from fusedserve.models.parallel.comm_plan import BlockSpec
 from fusedserve.models.parallel.groups import (
@@ -36,6 +36,7 @@ from fusedserve.models.parallel.groups import (
     rank_coordinates,
 )
 from fusedserve.models.parallel.layouts import Layout
+from tests.schedule_replay import Schedule, check_logits
 
 ATOL = 1e-4
 BLOCK = 4
@@ -50,6 +51,7 @@ SEQS: list[list[int]] = [
 # on DP group s % 2), forward 3 leaves DP group 1 without tokens.
 SCHEDULE: list[dict[int, int]] = [{0: 17, 1: 1, 2: 9}, {0: 5, 1: 1, 2: 1}, {0: 1, 1: 1}, {0: 1, 2: 1},
                                   {1: 1, 2: 1}]
+REPLAY = Schedule(SEQS, SCHEDULE, BLOCK, BLOCKS_PER_SEQ)
 VARIANTS: dict[str, dict[str, Any]] = {
     "base": {},
     "kimi": {"n_group": 1, "topk_group": 1, "num_experts_per_tok": 3, "routed_scaling_factor": 2.827,
@@ -87,8 +89,6 @@ def fake_groups(tp: int, dp: int, ep: int, rank: int) -> ParallelGroups:
     return ParallelGroups(config=config, coords=rank_coordinates(config, rank), **mine)
 
 
-def _done_tokens() -> list[int]:
-    return [sum(step.get(s, 0) for step in SCHEDULE) for s in range(len(SEQS))]
 
 
 @pytest.fixture(scope="module")
@@ -107,63 +107,12 @@ def hf_logits(checkpoints: dict[str, Path]) -> dict[str, list[torch.Tensor]]:
     for name, path in checkpoints.items():
         hf = HF.from_pretrained(str(path), dtype=torch.float32).eval()
         with torch.no_grad():
-            out[name] = [hf(torch.tensor([seq[:n]])).logits[0].float() for seq, n in zip(SEQS, _done_tokens())]
+            out[name] = [hf(torch.tensor([seq[:n]])).logits[0].float() for seq, n in zip(SEQS, REPLAY.done_tokens())]
     return out
 
 
-def _step_batch(step: dict[int, int], done: list[int], mine: list[int], kv: KVCache,
-                dp: int) -> tuple[ForwardBatch, list[tuple[int, int]]]:
-    """The forward of this DP group's sequences ``mine``; returns it and (sequence, tokens) rows."""
-    ids: list[int] = []
-    pos: list[int] = []
-    slots: list[int] = []
-    qlens: list[int] = []
-    clens: list[int] = []
-    tables: list[list[int]] = []
-    rows: list[tuple[int, int]] = []
-    for s in mine:
-        n = step.get(s, 0)
-        if not n:
-            continue
-        table = list(range(s * BLOCKS_PER_SEQ, (s + 1) * BLOCKS_PER_SEQ))
-        span = range(done[s], done[s] + n)
-        ids += SEQS[s][span.start : span.stop]
-        pos += span
-        slots += [table[p // BLOCK] * BLOCK + p % BLOCK for p in span]
-        qlens.append(n)
-        clens.append(span.stop)
-        tables.append(table)
-        rows.append((s, n))
-    dp_tokens = [sum(step.get(s, 0) for s in range(d, len(SEQS), dp)) for d in range(dp)]
-    batch = ForwardBatch(
-        input_ids=torch.tensor(ids, dtype=torch.long), positions=torch.tensor(pos, dtype=torch.long),
-        query_lens=qlens, context_lens=clens, slot_mapping=torch.tensor(slots, dtype=torch.long),
-        block_tables=tables, kv_cache=kv, dp_num_tokens=dp_tokens if dp > 1 else None,
-    )
-    return batch, rows
 
 
-def run_schedule(model: Any, dp: int, dp_rank: int) -> tuple[dict[int, torch.Tensor], list[str]]:
-    """Every forward of SCHEDULE for this DP group's sequences: each sequence's logits (all its
-    tokens, in order) and, per forward, any difference between executed and planned collectives."""
-    kv = KVCache.allocate(model.kv_shapes(), len(SEQS) * BLOCKS_PER_SEQ, BLOCK, torch.float32)
-    mine = list(range(dp_rank, len(SEQS), dp))
-    done = [0] * len(SEQS)
-    out: dict[int, list[torch.Tensor]] = {s: [] for s in mine}
-    mismatches: list[str] = []
-    for i, step in enumerate(SCHEDULE):
-        batch, rows = _step_batch(step, done, mine, kv, dp)
-        logits = model(batch).logits
-        executed = [r.key for r in model.comm.ledger.forward_records()]
-        planned = model.comm.ledger.forward_plan()
-        if executed != planned:
-            mismatches.append(f"forward {i}: executed {executed} planned {planned}")
-        start = 0
-        for s, n in rows:
-            out[s].append(logits[start : start + n])
-            start += n
-            done[s] += n
-    return {s: torch.cat(parts) for s, parts in out.items()}, mismatches
 
 
 def _rank_main(rank: int, world: int, backend: str, model_dirs: dict[str, str],
@@ -179,20 +128,13 @@ def _rank_main(rank: int, world: int, backend: str, model_dirs: dict[str, str],
         groups = build_groups(ParallelConfig(tp, dp, ep), rank, backend)
         collectives = Collectives(backend, fused=fused_kernel(FusionMode(fusion), groups, 0, torch.float32))
         model = load_model(model_dirs[variant], groups, collectives, kernels=Kernels.named(*kernel_set or ["reference"]))
-        logits, mismatches = run_schedule(model, dp, groups.coords.dp_rank)
+        logits, mismatches = REPLAY.run(model, dp, groups.coords.dp_rank)
         lead = groups.coords.attn_tp_rank == 0  # one rank per DP group reports logits
         folded = [isinstance(layer.mlp, MoE) and layer.mlp.shared_experts is None for layer in model.layers]
         results.append({"logits": logits if lead else {}, "mismatches": mismatches, "folded": folded})
     return results
 
 
-def _check(logits: dict[int, torch.Tensor], hf: list[torch.Tensor], what: str) -> float:
-    worst = 0.0
-    for s, got in logits.items():
-        assert got.shape == hf[s].shape, f"{what}: sequence {s} logits {tuple(got.shape)} vs {tuple(hf[s].shape)}"
-        worst = max(worst, float((got - hf[s]).abs().max()))
-    assert worst <= ATOL, f"{what}: max abs diff {worst:.2e} > {ATOL}"
-    return worst
 
 
 def _load_tp1(path: Path) -> DeepseekV3ForCausalLM:
@@ -208,9 +150,9 @@ def _load_tp1(path: Path) -> DeepseekV3ForCausalLM:
 def test_tp1_prefill_chunked_prefill_and_decode_equal_hf(variant: str, checkpoints: dict[str, Path],
                                                          hf_logits: dict[str, list[torch.Tensor]]) -> None:
     model = _load_tp1(checkpoints[variant])
-    logits, mismatches = run_schedule(model, dp=1, dp_rank=0)
+    logits, mismatches = REPLAY.run(model, dp=1, dp_rank=0)
     assert not mismatches
-    _check(logits, hf_logits[variant], f"tp1 {variant}")
+    check_logits(logits, hf_logits[variant], f"tp1 {variant}", ATOL)
 
 
 @pytest.mark.parametrize("world", sorted(CASES))
@@ -230,7 +172,7 @@ def test_ranks_equal_hf_and_run_the_plan(world: int, checkpoints: dict[str, Path
         for res in per_rank:
             logits.update(res[c]["logits"])
         assert sorted(logits) == list(range(len(SEQS)))
-        _check(logits, hf_logits[variant], what)
+        check_logits(logits, hf_logits[variant], what, ATOL)
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -255,9 +197,9 @@ def test_tp1_fused_moe_folds_one_shared_expert_and_equals_hf(variant: str, check
             "layers.1.mlp.experts.gate_up_proj", ("up_proj", e))
         assert model.checkpoint_name_to_param("model.layers.1.mlp.shared_experts.down_proj.weight") == (
             "layers.1.mlp.experts.down_proj", ("down_proj", e))
-    logits, mismatches = run_schedule(model, dp=1, dp_rank=0)
+    logits, mismatches = REPLAY.run(model, dp=1, dp_rank=0)
     assert not mismatches
-    _check(logits, hf_logits[variant], f"tp1 {variant} torch kernels")
+    check_logits(logits, hf_logits[variant], f"tp1 {variant} torch kernels", ATOL)
 
 
 def test_a_folded_shared_expert_missing_from_the_checkpoint_is_named(checkpoints: dict[str, Path],
@@ -289,7 +231,7 @@ def test_the_correction_bias_is_not_hidden(checkpoints: dict[str, Path],
     for layer in model.layers:
         if isinstance(layer.mlp, MoE) and layer.mlp.gate.e_score_correction_bias is not None:
             layer.mlp.gate.e_score_correction_bias.zero_()
-    logits, _ = run_schedule(model, dp=1, dp_rank=0)
+    logits, _ = REPLAY.run(model, dp=1, dp_rank=0)
     worst = max(float((logits[s] - hf_logits["base"][s]).abs().max()) for s in logits)
     assert worst > 10 * ATOL
 
@@ -388,5 +330,5 @@ def test_kimi_k2_config_json_loads(checkpoints: dict[str, Path], hf_logits: dict
                             "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"})
     (tmp_path / "kimi-k2" / "config.json").write_text(json.dumps(config))
     model = _load_tp1(tmp_path / "kimi-k2")
-    logits, _ = run_schedule(model, dp=1, dp_rank=0)
-    _check(logits, hf_logits["kimi"], "kimi_k2 config.json")
+    logits, _ = REPLAY.run(model, dp=1, dp_rank=0)
+    check_logits(logits, hf_logits["kimi"], "kimi_k2 config.json", ATOL)

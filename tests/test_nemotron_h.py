@@ -23,6 +23,7 @@ from fusedserve.models.nemotron_h import NemotronHForCausalLM, layer_pattern
 from fusedserve.models.parallel.comm_plan import BlockSpec
 from fusedserve.models.parallel.groups import Group, ParallelConfig, ParallelGroups, rank_coordinates
 from fusedserve.models.parallel.layouts import Layout
+from tests.schedule_replay import Schedule, check_logits
 
 ATOL = 1e-4
 BLOCK = 4
@@ -38,6 +39,7 @@ SEQS: list[list[int]] = [
 # Under dp=2 (sequence s on DP group s % 2), forward 3 leaves DP group 1 without tokens.
 SCHEDULE: list[dict[int, int]] = [{0: 17, 1: 1, 2: 9}, {0: 5, 1: 1, 2: 1}, {0: 1, 1: 1}, {0: 1, 2: 1},
                                   {1: 1, 2: 1}]
+REPLAY = Schedule(SEQS, SCHEDULE, BLOCK, BLOCKS_PER_SEQ)
 # (tp, dp, ep, fusion) per world size; one spawn each.
 CASES: dict[int, list[tuple[int, int, int, str]]] = {
     2: [(2, 1, 1, "off"), (2, 1, 1, "reference"), (2, 1, 2, "off"), (2, 1, 2, "reference")],
@@ -46,8 +48,6 @@ CASES: dict[int, list[tuple[int, int, int, str]]] = {
 }
 
 
-def _done_tokens() -> list[int]:
-    return [sum(step.get(s, 0) for step in SCHEDULE) for s in range(len(SEQS))]
 
 
 @pytest.fixture(scope="module")
@@ -67,66 +67,11 @@ def hf_model(tiny_nemotron: Path) -> Any:
 @pytest.fixture(scope="module")
 def hf_logits(hf_model: Any) -> list[torch.Tensor]:
     with torch.no_grad():
-        return [hf_model(torch.tensor([seq[:n]])).logits[0].float() for seq, n in zip(SEQS, _done_tokens())]
+        return [hf_model(torch.tensor([seq[:n]])).logits[0].float() for seq, n in zip(SEQS, REPLAY.done_tokens())]
 
 
-def _step_batch(step: dict[int, int], done: list[int], mine: list[int], kv: KVCache, state: MambaStateCache,
-                dp: int) -> tuple[ForwardBatch, list[tuple[int, int]]]:
-    """The forward of this DP group's sequences ``mine``; returns it and (sequence, tokens) rows."""
-    ids: list[int] = []
-    pos: list[int] = []
-    slots: list[int] = []
-    qlens: list[int] = []
-    clens: list[int] = []
-    tables: list[list[int]] = []
-    rows: list[tuple[int, int]] = []
-    for s in mine:
-        n = step.get(s, 0)
-        if not n:
-            continue
-        table = list(range(s * BLOCKS_PER_SEQ, (s + 1) * BLOCKS_PER_SEQ))
-        span = range(done[s], done[s] + n)
-        ids += SEQS[s][span.start : span.stop]
-        pos += span
-        slots += [table[p // BLOCK] * BLOCK + p % BLOCK for p in span]
-        qlens.append(n)
-        clens.append(span.stop)
-        tables.append(table)
-        rows.append((s, n))
-    dp_tokens = [sum(step.get(s, 0) for s in range(d, len(SEQS), dp)) for d in range(dp)]
-    batch = ForwardBatch(
-        input_ids=torch.tensor(ids, dtype=torch.long), positions=torch.tensor(pos, dtype=torch.long),
-        query_lens=qlens, context_lens=clens, slot_mapping=torch.tensor(slots, dtype=torch.long),
-        block_tables=tables, kv_cache=kv, state_slots=[s for s, _ in rows], state_cache=state,
-        dp_num_tokens=dp_tokens if dp > 1 else None,
-    )
-    return batch, rows
 
 
-def run_schedule(model: Any, dp: int, dp_rank: int) -> tuple[dict[int, torch.Tensor], list[str]]:
-    """Every forward of SCHEDULE for this DP group's sequences.
-
-    Returns each sequence's logits (all its tokens, in order) and, per forward, any difference
-    between the collectives this rank executed and the plan."""
-    kv = KVCache.allocate(model.kv_shapes(), len(SEQS) * BLOCKS_PER_SEQ, BLOCK, torch.float32)
-    state = MambaStateCache.allocate(model.state_shapes(), len(SEQS), torch.float32)
-    mine = list(range(dp_rank, len(SEQS), dp))
-    done = [0] * len(SEQS)
-    out: dict[int, list[torch.Tensor]] = {s: [] for s in mine}
-    mismatches: list[str] = []
-    for i, step in enumerate(SCHEDULE):
-        batch, rows = _step_batch(step, done, mine, kv, state, dp)
-        logits = model(batch).logits
-        executed = [r.key for r in model.comm.ledger.forward_records()]
-        planned = model.comm.ledger.forward_plan()
-        if executed != planned:
-            mismatches.append(f"forward {i}: executed {executed} planned {planned}")
-        start = 0
-        for s, n in rows:
-            out[s].append(logits[start : start + n])
-            start += n
-            done[s] += n
-    return {s: torch.cat(parts) for s, parts in out.items()}, mismatches
 
 
 def _rank_main(rank: int, world: int, backend: str, model_dir: str,
@@ -141,20 +86,13 @@ def _rank_main(rank: int, world: int, backend: str, model_dir: str,
         groups = build_groups(ParallelConfig(tp, dp, ep), rank, backend)
         collectives = Collectives(backend, fused=fused_kernel(FusionMode(fusion), groups, 0, torch.float32))
         model = load_model(model_dir, groups, collectives)
-        logits, mismatches = run_schedule(model, dp, groups.coords.dp_rank)
+        logits, mismatches = REPLAY.run(model, dp, groups.coords.dp_rank)
         lead = groups.coords.attn_tp_rank == 0  # one rank per DP group reports logits
         results.append({"case": (tp, dp, ep, fusion), "logits": logits if lead else {},
                         "mismatches": mismatches})
     return results
 
 
-def _check(logits: dict[int, torch.Tensor], hf: list[torch.Tensor], what: str) -> float:
-    worst = 0.0
-    for s, got in logits.items():
-        assert got.shape == hf[s].shape, f"{what}: sequence {s} logits {tuple(got.shape)} vs {tuple(hf[s].shape)}"
-        worst = max(worst, float((got - hf[s]).abs().max()))
-    assert worst <= ATOL, f"{what}: max abs diff {worst:.2e} > {ATOL}"
-    return worst
 
 
 def test_tp1_prefill_chunked_prefill_and_decode_equal_hf(tiny_nemotron: Path, hf_logits: list[torch.Tensor]) -> None:
@@ -162,12 +100,12 @@ def test_tp1_prefill_chunked_prefill_and_decode_equal_hf(tiny_nemotron: Path, hf
     from fusedserve.models.parallel.collectives import Collectives
 
     model = load_model(tiny_nemotron, ParallelGroups.single_rank(), Collectives("gloo"))
-    logits, mismatches = run_schedule(model, dp=1, dp_rank=0)
+    logits, mismatches = REPLAY.run(model, dp=1, dp_rank=0)
     assert not mismatches
-    _check(logits, hf_logits, "tp1")
+    check_logits(logits, hf_logits, "tp1", ATOL)
     # The same tokens in one prefill per sequence give the same logits (state cache = recompute).
     kv = KVCache.allocate(model.kv_shapes(), 16, BLOCK, torch.float32)
-    full = ForwardBatch.prefill([seq[:n] for seq, n in zip(SEQS, _done_tokens())], kv)
+    full = ForwardBatch.prefill([seq[:n] for seq, n in zip(SEQS, REPLAY.done_tokens())], kv)
     full.state_slots, full.state_cache = [0, 1, 2], MambaStateCache.allocate(model.state_shapes(), 3, torch.float32)
     torch.testing.assert_close(torch.cat([logits[s] for s in range(len(SEQS))]), model(full).logits, atol=1e-5, rtol=0)
 
@@ -181,10 +119,10 @@ def test_fused_expert_checkpoint_layout_loads(hf_model: Any, hf_logits: list[tor
     hf_model.save_pretrained(str(tmp_path), save_original_format=False)
     model = load_model(tmp_path, ParallelGroups.single_rank(), Collectives("gloo"))
     kv = KVCache.allocate(model.kv_shapes(), BLOCKS_PER_SEQ, BLOCK, torch.float32)
-    n = _done_tokens()[0]
+    n = REPLAY.done_tokens()[0]
     batch = ForwardBatch.prefill([SEQS[0][:n]], kv)
     batch.state_slots, batch.state_cache = [0], MambaStateCache.allocate(model.state_shapes(), 1, torch.float32)
-    _check({0: model(batch).logits}, hf_logits, "fused expert layout")
+    check_logits({0: model(batch).logits}, hf_logits, "fused expert layout", ATOL)
 
 
 @pytest.mark.parametrize("world", sorted(CASES))
@@ -199,7 +137,7 @@ def test_ranks_equal_hf_and_run_the_plan(world: int, tiny_nemotron: Path, hf_log
         for res in per_rank:
             logits.update(res[c]["logits"])
         assert sorted(logits) == list(range(len(SEQS)))
-        _check(logits, hf_logits, f"tp={case[0]} dp={case[1]} ep={case[2]} fusion={case[3]}")
+        check_logits(logits, hf_logits, f"tp={case[0]} dp={case[1]} ep={case[2]} fusion={case[3]}", ATOL)
 
 
 def _fake_groups(tp: int, rank: int) -> ParallelGroups:
