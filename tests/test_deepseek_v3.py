@@ -28,12 +28,9 @@ from fusedserve.models.forward_batch import KVShape
 from fusedserve.models.layers.moe import MoE
 from fusedserve.models.parallel.comm_plan import BlockSpec
 from fusedserve.models.parallel.groups import (
-    GROUP_NAMES,
-    Group,
     ParallelConfig,
     ParallelGroups,
-    plan_group_ranks,
-    rank_coordinates,
+    unconnected_groups,
 )
 from fusedserve.models.parallel.layouts import Layout
 from tests.schedule_replay import Schedule, check_logits
@@ -78,15 +75,6 @@ CASES: dict[int, list[tuple[Any, ...]]] = {
 }
 
 
-def fake_groups(tp: int, dp: int, ep: int, rank: int) -> ParallelGroups:
-    """Groups as ``rank`` sees them, without process groups (construction and loading only)."""
-    config = ParallelConfig(tp, dp, ep)
-    grid = plan_group_ranks(config)
-    mine = {}
-    for name in GROUP_NAMES:
-        ranks = next(r for r in grid[name] if rank in r)
-        mine[name] = Group(name, ranks.index(rank), tuple(ranks))
-    return ParallelGroups(config=config, coords=rank_coordinates(config, rank), **mine)
 
 
 
@@ -246,7 +234,8 @@ def test_blocks_layers_and_cache_shapes(checkpoints: dict[str, Path]) -> None:
     assert blocks[0] == BlockSpec("layers.0.attn", Layout.ATTN_TP_FULL, "attn_tp")
     assert blocks[3] == BlockSpec("layers.1.mlp", Layout.FULL, "tp")
     # Built (not loaded) on rank 3 of tp=4, ep=2: no process group is needed to construct it.
-    model = DeepseekV3ForCausalLM(config, fake_groups(4, 1, 2, 3), Collectives("gloo"), device="meta")
+    model = DeepseekV3ForCausalLM(config, unconnected_groups(ParallelConfig(4, 1, 2), 3), Collectives("gloo"),
+                                  device="meta")
     assert not isinstance(model.layers[0].mlp, MoE) and isinstance(model.layers[1].mlp, MoE)
     # The latent cache, whatever the heads per rank: one KV head of [latent 32 | rope 8], V = the latent
     assert model.kv_shapes() == {i: KVShape(1, 40, 32, v_in_k=True) for i in range(3)}
@@ -262,7 +251,7 @@ def test_ep_sharded_loading_reads_only_local_experts(checkpoints: dict[str, Path
 
     path = checkpoints["base"]
     config = load_config(path)
-    model = DeepseekV3ForCausalLM(config, fake_groups(2, 1, 2, 1), Collectives("gloo"))
+    model = DeepseekV3ForCausalLM(config, unconnected_groups(ParallelConfig(2, 1, 2), 1), Collectives("gloo"))
     read: list[str] = []
 
     class Spy:
@@ -304,7 +293,8 @@ def test_missing_local_expert_is_reported(checkpoints: dict[str, Path]) -> None:
     from fusedserve.models.parallel.collectives import Collectives
 
     path = checkpoints["base"]
-    model = DeepseekV3ForCausalLM(load_config(path), fake_groups(2, 1, 2, 0), Collectives("gloo"))
+    model = DeepseekV3ForCausalLM(load_config(path), unconnected_groups(ParallelConfig(2, 1, 2), 0),
+                                  Collectives("gloo"))
     dropped = "model.layers.2.mlp.experts.3.down_proj.weight"
     sources = (s for s in iter_checkpoint(checkpoint_files(path)) if s.name != dropped)
     with pytest.raises(CheckpointError, match=r"layers\.2\.mlp\.experts\.3\.down_proj\.weight"):

@@ -32,6 +32,7 @@ from fusedserve.models.layers.fp8_block import (
     quantize_activation,
     quantize_weight,
 )
+from fusedserve.models.parallel.groups import ParallelConfig, unconnected_groups
 from fusedserve.verify import VerifyOptions, default_prompts
 
 pytest.importorskip("accelerate")  # transformers' FP8 loading needs it (a dev dependency)
@@ -163,20 +164,6 @@ def test_quantization_choice() -> None:
 # --- loading -------------------------------------------------------------------------------------
 
 
-def _fake_groups(tp: int, dp: int, ep: int, rank: int) -> Any:
-    from fusedserve.models.parallel.groups import (
-        GROUP_NAMES,
-        Group,
-        ParallelConfig,
-        ParallelGroups,
-        plan_group_ranks,
-        rank_coordinates,
-    )
-
-    config = ParallelConfig(tp, dp, ep)
-    grid = plan_group_ranks(config)
-    mine = {name: Group(name, r.index(rank), tuple(r)) for name in GROUP_NAMES for r in grid[name] if rank in r}
-    return ParallelGroups(config=config, coords=rank_coordinates(config, rank), **mine)
 
 
 def test_shards_that_cut_a_block_are_refused_with_the_reason(checkpoints: dict[str, Path]) -> None:
@@ -191,7 +178,8 @@ def test_shards_that_cut_a_block_are_refused_with_the_reason(checkpoints: dict[s
     fmt = BlockFP8(16, 16)
 
     def build(tp: int, ep: int) -> DeepseekV3ForCausalLM:
-        return DeepseekV3ForCausalLM(config, _fake_groups(tp, 1, ep, 0), Collectives("gloo"), device="meta", fp8=fmt)
+        return DeepseekV3ForCausalLM(config, unconnected_groups(ParallelConfig(tp, 1, ep), 0), Collectives("gloo"),
+                                     device="meta", fp8=fmt)
 
     model = build(2, 1)  # 48-row q_b shards, experts' 16-row intermediate slices: whole blocks
     # kv_a_proj_with_mqa's 40 rows end in a partial block after q_a_proj's 48 in their merged matmul: 3 + 3 scale rows
@@ -266,8 +254,8 @@ def test_ep_rank_reads_only_its_experts_and_their_scales(checkpoints: dict[str, 
     from fusedserve.models.loader import load_config
     from fusedserve.models.parallel.collectives import Collectives
 
-    model = DeepseekV3ForCausalLM(load_config(checkpoints["b8"]), _fake_groups(2, 1, 2, 1), Collectives("gloo"),
-                                  device="meta", fp8=BlockFP8(8, 8))
+    model = DeepseekV3ForCausalLM(load_config(checkpoints["b8"]), unconnected_groups(ParallelConfig(2, 1, 2), 1),
+                                  Collectives("gloo"), device="meta", fp8=BlockFP8(8, 8))
     assert model.checkpoint_name_to_param("model.layers.1.mlp.experts.1.up_proj.weight_scale_inv") is None
     assert model.checkpoint_name_to_param("model.layers.1.mlp.experts.5.up_proj.weight_scale_inv") == (
         "layers.1.mlp.experts.gate_up_proj_scale_inv", ("up_proj", 5))

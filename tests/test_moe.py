@@ -17,25 +17,10 @@ from fusedserve.models.layers.moe import MoE, expert_stacked_params
 from fusedserve.models.layers.router import RouterConfig, TopKRouter, select_experts
 from fusedserve.models.layers.weight_source import TensorSource
 from fusedserve.models.parallel.groups import (
-    GROUP_NAMES,
-    Group,
     ParallelConfig,
     ParallelGroups,
-    plan_group_ranks,
-    rank_coordinates,
+    unconnected_groups,
 )
-
-
-def fake_groups(tp: int, dp: int, ep: int, rank: int) -> ParallelGroups:
-    """Groups as ``rank`` sees them, without process groups (construction and loading only)."""
-    config = ParallelConfig(tp, dp, ep)
-    grid = plan_group_ranks(config)
-    mine = {}
-    for name in GROUP_NAMES:
-        ranks = next(r for r in grid[name] if rank in r)
-        mine[name] = Group(name, ranks.index(rank), tuple(ranks))
-    return ParallelGroups(config=config, coords=rank_coordinates(config, rank), **mine)
-
 
 # --- routers against brute force ------------------------------------------------------------
 
@@ -317,7 +302,7 @@ def test_rank_partials_sum_to_the_whole_moe(kind: str, layout: str, tp: int, ep:
     load_moe(whole, w)
     total = torch.zeros(9, H)
     for rank in range(tp):
-        groups = fake_groups(tp, 1, ep, rank)
+        groups = unconnected_groups(ParallelConfig(tp, 1, ep), rank)
         moe = build_moe(kind, groups)
         loaded = load_moe(moe, w)
         # Exactly this rank's experts: E/ep of them, global ids from moe_ep_rank * E/ep.
@@ -331,7 +316,7 @@ def test_rank_partials_sum_to_the_whole_moe(kind: str, layout: str, tp: int, ep:
 
 
 def test_other_ranks_experts_are_skipped_by_name() -> None:
-    groups = fake_groups(4, 1, 2, rank=2)  # moe_ep rank 1: experts 4..7, moe_tp rank 0
+    groups = unconnected_groups(ParallelConfig(4, 1, 2), 2)  # moe_ep rank 1: experts 4..7, moe_tp rank 0
     experts = RoutedExperts(E, H, I_EXPERT, groups.moe_ep, groups.moe_tp)
     assert experts.checkpoint_target(parse_expert_name("layers.1.mlp.experts.3.gate_proj.weight")) is None
     assert experts.checkpoint_target(parse_expert_name("layers.1.mlp.experts.4.up_proj.weight")) == (

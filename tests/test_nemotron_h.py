@@ -21,7 +21,11 @@ from fusedserve.models.forward_batch import ForwardBatch, KVCache
 from fusedserve.models.layers.mamba_state import MambaStateCache
 from fusedserve.models.nemotron_h import NemotronHForCausalLM, layer_pattern
 from fusedserve.models.parallel.comm_plan import BlockSpec
-from fusedserve.models.parallel.groups import Group, ParallelConfig, ParallelGroups, rank_coordinates
+from fusedserve.models.parallel.groups import (
+    ParallelConfig,
+    ParallelGroups,
+    unconnected_groups,
+)
 from fusedserve.models.parallel.layouts import Layout
 from tests.schedule_replay import Schedule, check_logits
 
@@ -140,12 +144,6 @@ def test_ranks_equal_hf_and_run_the_plan(world: int, tiny_nemotron: Path, hf_log
         check_logits(logits, hf_logits, f"tp={case[0]} dp={case[1]} ep={case[2]} fusion={case[3]}", ATOL)
 
 
-def _fake_groups(tp: int, rank: int) -> ParallelGroups:
-    config = ParallelConfig(tp)
-    ranks = tuple(range(tp))
-    return ParallelGroups(config=config, coords=rank_coordinates(config, rank),
-                          tp=Group("tp", rank, ranks), attn_tp=Group("attn_tp", rank, ranks),
-                          dp=Group.single("dp"), moe_ep=Group.single("moe_ep"), moe_tp=Group("moe_tp", rank, ranks))
 
 
 def test_pattern_blocks_and_cache_shapes(tiny_nemotron: Path) -> None:
@@ -162,7 +160,8 @@ def test_pattern_blocks_and_cache_shapes(tiny_nemotron: Path) -> None:
     assert blocks[2] == BlockSpec("layers.2.mixer", Layout.FULL, "tp")
     assert blocks[3] == BlockSpec("layers.3.mixer", Layout.FULL, "tp")
     # Built (not loaded) on rank 1 of tp=2: no process group is needed to construct it.
-    model = NemotronHForCausalLM(config, _fake_groups(2, 1), Collectives("gloo"), device="meta")
+    model = NemotronHForCausalLM(config, unconnected_groups(ParallelConfig(2), 1), Collectives("gloo"),
+                                 device="meta")
     assert model.kv_shapes() == {1: (1, 16)}  # 2 KV heads over 2 ranks
     shapes = model.state_shapes()
     assert sorted(shapes) == [0, 4]
