@@ -33,8 +33,9 @@ from torch import nn
 from .forward_batch import ForwardBatch
 from .interface import ModelOutput
 from .layers.norm import RMSNorm
+from .parallel.comm_plan import BlockSpec
 from .parallel.communicator import Communicator, ForwardContext, NormWeights
-from .parallel.layouts import Unreduced
+from .parallel.layouts import Layout, Unreduced
 
 Stacked = tuple[tuple[str, str, object], ...]  # (our fused name part, HF name part, shard id)
 
@@ -91,6 +92,16 @@ class PreNormLayer(nn.Module):
         h, residual = ctx.boundary(2 * self.layer_id + 1, self.self_attn(h, batch), residual,
                                    self.post_attention_layernorm)
         return self.mlp_out(h, ctx), residual
+
+
+def pre_norm_blocks(num_layers: int) -> list[BlockSpec]:
+    """The comm plan's blocks of a stack of ``PreNormLayer``: per layer its attention (over attn_tp, the
+    sum owed at boundary 2i + 1) and its MLP (over tp, owed at the next layer's boundary 2i + 2)."""
+    out: list[BlockSpec] = []
+    for i in range(num_layers):
+        out.append(BlockSpec(f"layers.{i}.attn", Layout.ATTN_TP_FULL, "attn_tp"))
+        out.append(BlockSpec(f"layers.{i}.mlp", Layout.FULL, "tp"))
+    return out
 
 
 def decoder_forward(batch: ForwardBatch, comm: Communicator, embed: Any, layers: Iterable[Any],

@@ -23,7 +23,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from .decoder_stack import GATE_UP_STACKED, PreNormLayer, Stacked, decoder_forward, stacked_name
+from .decoder_stack import (
+    GATE_UP_STACKED,
+    PreNormLayer,
+    Stacked,
+    decoder_forward,
+    pre_norm_blocks,
+    stacked_name,
+)
 from .forward_batch import ForwardBatch
 from .interface import ModelOutput
 from .layers.experts import parse_expert_name
@@ -44,7 +51,7 @@ from .parallel.collectives import Collectives
 from .parallel.comm_plan import BlockSpec, plan_communication, vocab_group
 from .parallel.communicator import Communicator, ForwardContext
 from .parallel.groups import ParallelGroups
-from .parallel.layouts import Layout, Unreduced
+from .parallel.layouts import Unreduced
 
 
 def is_moe_layer(config: Any, layer_id: int) -> bool:
@@ -129,11 +136,7 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     @staticmethod
     def blocks(config: Any) -> list[BlockSpec]:
-        out: list[BlockSpec] = []
-        for i in range(config.num_hidden_layers):
-            out.append(BlockSpec(f"layers.{i}.attn", Layout.ATTN_TP_FULL, "attn_tp"))
-            out.append(BlockSpec(f"layers.{i}.mlp", Layout.FULL, "tp"))
-        return out
+        return pre_norm_blocks(config.num_hidden_layers)
 
     def kv_shapes(self) -> dict[int, tuple[int, ...]]:
         return {layer.layer_id: layer.self_attn.kv_shape() for layer in self.decoder_layers()}

@@ -17,6 +17,7 @@ from .decoder_stack import (
     PreNormLayer,
     check_aux_capture,
     decoder_forward,
+    pre_norm_blocks,
     stacked_name,
 )
 from .forward_batch import ForwardBatch
@@ -34,7 +35,6 @@ from .parallel.collectives import Collectives
 from .parallel.comm_plan import BlockSpec, plan_communication, vocab_group
 from .parallel.communicator import Communicator
 from .parallel.groups import ParallelGroups
-from .parallel.layouts import Layout
 
 
 def head_dim_of(config: Any) -> int:
@@ -97,11 +97,7 @@ class LlamaForCausalLM(nn.Module):
 
     @staticmethod
     def blocks(config: Any) -> list[BlockSpec]:
-        out: list[BlockSpec] = []
-        for i in range(config.num_hidden_layers):
-            out.append(BlockSpec(f"layers.{i}.attn", Layout.ATTN_TP_FULL, "attn_tp"))
-            out.append(BlockSpec(f"layers.{i}.mlp", Layout.FULL, "tp"))
-        return out
+        return pre_norm_blocks(config.num_hidden_layers)
 
     def kv_shapes(self) -> dict[int, tuple[int, int]]:
         layers: list[LlamaDecoderLayer] = list(self.layers)  # type: ignore[arg-type]
