@@ -10,15 +10,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import httpx
 import yaml
 
-from tests.kube.api_server import KubeAPI, KubeAPIError, object_path
+from tests.eventually import eventually
+from tests.kube.api_server import KubeAPI, object_path
 from tests.kube.fixtures import CRDS_DIR
 from tests.serve_process import free_port
 
@@ -26,18 +24,6 @@ ROOT = Path(__file__).resolve().parents[1]
 TP2 = "tiny-code-tp2"
 
 
-def eventually(check: Callable[[], Any], timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = check()
-            if last:
-                return last
-        except (httpx.HTTPError, KeyError, RuntimeError, KubeAPIError) as e:
-            last = e
-        time.sleep(0.3)
-    raise AssertionError(f"not true within {timeout}s: last {last!r}")
 
 
 class Operator:
@@ -57,7 +43,8 @@ class Operator:
                  "--metrics-port", str(self.metrics_port), "--status-interval", "1",
                  "--status-url-template", status_url],
                 cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
-        eventually(lambda: httpx.get(f"http://127.0.0.1:{health}/healthz", timeout=2).status_code == 200)
+        eventually(lambda: httpx.get(f"http://127.0.0.1:{health}/healthz", timeout=2).status_code == 200,
+                   timeout=60)
 
     def apply(self, tmp: Path) -> None:
         """examples/02 (reaches Ready: the test plays KubeRay) and one with an invalid spec (a permanent error)."""
@@ -72,7 +59,7 @@ class Operator:
                                           label_selector=f"fusedserve.io/deployment={TP2}")
             return str(found[0]["metadata"]["name"]) if len(found) == 1 else None
 
-        path = object_path("ray.io", "v1", "rayclusters", "default", eventually(cluster))
+        path = object_path("ray.io", "v1", "rayclusters", "default", eventually(cluster, timeout=60))
         self.api.patch(path + "/status", {"status": {"state": "ready", "desiredWorkerReplicas": 1,
                                                      "readyWorkerReplicas": 1}})
 

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # `tests.kube` importable under a bare `pytest` too
     sys.path.append(str(REPO_ROOT))
 
+from tests.eventually import eventually
 from tests.kube import fixtures
 from tests.kube.api_server import KubeAPI, KubeAPIError, object_path
 
@@ -49,20 +49,6 @@ def table(text: str) -> list[dict[str, str]]:
     return [{lines[0][a:b].strip(): line[a:b].strip() for a, b in bounds} for line in lines[1:]]
 
 
-def eventually(check: Callable[[], Any], timeout: float = 15.0, interval: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            result = check()
-        except (AssertionError, KubeAPIError):
-            if time.monotonic() > deadline:
-                raise
-        else:
-            if result:
-                return result
-            if time.monotonic() > deadline:
-                raise AssertionError(f"not true within {timeout}s: {check}")
-        time.sleep(interval)
 
 
 def test_apply_examples_and_print_columns(kube_api: KubeAPI) -> None:

@@ -19,6 +19,7 @@ import pytest
 import yaml
 from typing_extensions import Self
 
+from tests.eventually import eventually
 from tests.kube.api_server import KubeAPI, object_path
 from tests.kube.cluster_player import ClusterPlayer
 from tests.serve_process import free_port
@@ -30,7 +31,6 @@ from tests.test_operator_e2e import (
     child,
     conditions,
     events,
-    eventually,
     infd,
     kube_api,  # noqa: F401  (fixture)
     operator_env,  # noqa: F401  (fixture)

@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +28,9 @@ if str(REPO) not in sys.path:  # `tests.*` importable under a bare `pytest` too
     sys.path.append(str(REPO))
 os.environ.setdefault("FUSEDSERVE_OPERATOR_STATUS_INTERVAL", "1")  # read when the handlers are declared
 
+from tests.eventually import eventually
 from tests.kube import fixtures
-from tests.kube.api_server import KubeAPI, KubeAPIError, object_path
+from tests.kube.api_server import KubeAPI, object_path
 from tests.serve_process import Server, free_port
 
 pytestmark = pytest.mark.e2e
@@ -42,18 +43,6 @@ CHILDREN = {"RayCluster": ("ray.io", "v1", "rayclusters"), "ConfigMap": ("", "v1
             "PodDisruptionBudget": ("policy", "v1", "poddisruptionbudgets")}
 
 
-def eventually(check: Callable[[], Any], timeout: float = 30.0, interval: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = check()
-            if last:
-                return last
-        except (AssertionError, KubeAPIError, KeyError, httpx.HTTPError) as e:
-            last = e
-        time.sleep(interval)
-    raise AssertionError(f"not true within {timeout}s: {check.__name__}: last {last!r}")
 
 
 def infd(api: KubeAPI, name: str) -> dict[str, Any]:

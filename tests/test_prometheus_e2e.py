@@ -47,7 +47,8 @@ if str(ROOT) not in sys.path:  # `tests.*` importable under a bare `pytest` too
 
 from tests import prometheus_server
 from tests.chart_queries import alert_rules, boards, dashboard_queries, panel_expr, render_rules, substituted
-from tests.operator_process import TP2, Operator, eventually
+from tests.eventually import eventually
+from tests.operator_process import TP2, Operator
 from tests.planted_target import PlantedTarget
 from tests.prometheus_server import PrometheusServer, file_sd_job
 from tests.serve_process import ExampleServers, Server, free_port
