@@ -289,7 +289,8 @@ def test_tp2_engine_graphs_run_the_planned_collectives(tmp_path: Any) -> None:
 def test_sampling_at_temperature_and_the_chain_rule_equal_references() -> None:
     """The one-launch draw at a temperature (a target's 49 152-token rows, a draft's 16 384 through its table,
     also inside a CUDA graph) and the two-launch rejection rule for sampled chains equal their torch references
-    on the GPU: the same tokens for every number drawn, the distributions to float32 rounding."""
+    on the GPU: the same tokens for every number drawn (also from a column of a chain's numbers, a strided view),
+    the distributions to float32 rounding."""
     from fusedserve.worker.engine.sample_triton import sample_triton
     from fusedserve.worker.engine.sampler import sample_at_temperature
     from fusedserve.worker.spec_decode.chain_accept_triton import accept_chains_triton
@@ -300,7 +301,7 @@ def test_sampling_at_temperature_and_the_chain_rule_equal_references() -> None:
     for vocab, table in ((49152, None), (16384, torch.randperm(49152, device="cuda", generator=g)[:16384])):
         logits = (4 * torch.randn(4, vocab, device="cuda", generator=g)).to(torch.bfloat16)
         for _ in range(50):
-            u = torch.rand(4, device="cuda", generator=g, dtype=torch.float64)
+            u = torch.rand(4, 3, device="cuda", generator=g, dtype=torch.float64)[:, 1]
             want, want_q = sample_at_temperature(logits, temps, u, table, True)
             got, got_q = sample_triton(logits, temps, u, table, True)
             assert torch.equal(got, want)

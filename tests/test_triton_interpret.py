@@ -1226,7 +1226,8 @@ def test_interp_mla_assemble_equals_the_reference(dtype: torch.dtype, interleave
 @inner
 def test_interp_sampling_at_temperature_equals_the_reference() -> None:
     """Each row's token drawn at its temperature in one launch (greedy rows, -inf logits, a vocabulary of three
-    chunks, a table): the reference's tokens for 40 numbers a row, its distributions to float32 rounding."""
+    chunks, a table; the numbers and temperatures strided views, as a chain's column of numbers is): the
+    reference's tokens for 40 numbers a row, its distributions to float32 rounding."""
     from fusedserve.worker.engine.sample_triton import sample_triton
     from fusedserve.worker.engine.sampler import sample_at_temperature
 
@@ -1235,10 +1236,10 @@ def test_interp_sampling_at_temperature_equals_the_reference() -> None:
     logits = (3 * torch.randn(n, vocab, generator=g)).to(torch.bfloat16)
     logits[2, ::3] = float("-inf")
     logits[3, 5000:] = float("-inf")  # the last tokens impossible: the clamp's case at u near 1
-    temps = torch.tensor([0.0, 0.7, 1.0, 1.6, 0.0])
+    temps = torch.tensor([[0.0, 0.7, 1.0, 1.6, 0.0], [9.0] * 5]).t()[:, 0]  # stride 2
     table = torch.randperm(vocab, generator=g) + 100
     for trial in range(40):
-        u = torch.rand(n, generator=g, dtype=torch.float64)
+        u = torch.rand(n, 3, generator=g, dtype=torch.float64)[:, trial % 3]  # stride 3
         if trial == 0:
             u[3] = 1.0 - 1e-12
         want, want_q = sample_at_temperature(logits, temps, u, table, True)

@@ -86,13 +86,13 @@ def draw_scaled(x_ptr, V, t, m, target, q_ptr, s, WRITE_Q: tl.constexpr, BLOCK: 
 
 
 @triton.jit
-def _sample_kernel(x_ptr, stride_x, V, temp_ptr, u_ptr, table_ptr, tok_ptr, q_ptr, stride_q, BLOCK: tl.constexpr,
-                   HAS_TABLE: tl.constexpr, WRITE_Q: tl.constexpr, PDL: tl.constexpr):
+def _sample_kernel(x_ptr, stride_x, V, temp_ptr, stride_t, u_ptr, stride_u, table_ptr, tok_ptr, q_ptr, stride_q,
+                   BLOCK: tl.constexpr, HAS_TABLE: tl.constexpr, WRITE_Q: tl.constexpr, PDL: tl.constexpr):
     pdl_open(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     q_row = q_ptr + row * stride_q
-    t = tl.load(temp_ptr + row)
+    t = tl.load(temp_ptr + row * stride_t)
     greedy = t <= 0.0
     t = tl.where(greedy, 1.0, t)
     m, s, at = row_stats(x_row, V, t, BLOCK)
@@ -104,7 +104,7 @@ def _sample_kernel(x_ptr, stride_x, V, temp_ptr, u_ptr, table_ptr, tok_ptr, q_pt
                 c = start + cols
                 tl.store(q_row + c, tl.where(c == at, 1.0, 0.0), mask=c < V)
     else:
-        u = tl.load(u_ptr + row).to(tl.float32)
+        u = tl.load(u_ptr + row * stride_u).to(tl.float32)
         tok = draw_scaled(x_row, V, t, m, u * s, q_row, s, WRITE_Q, BLOCK).to(tl.int64)
     if HAS_TABLE:
         tok = tl.load(table_ptr + tok)
@@ -115,15 +115,19 @@ def sample_triton(logits: torch.Tensor, temperatures: torch.Tensor, uniforms: to
                   table: torch.Tensor | None = None, with_probs: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``sampler.sample_at_temperature`` in one launch. logits: [n, vocab] (any float dtype, unit stride along
-    the vocabulary); temperatures: [n] float32 (<= 0: the argmax); uniforms: [n]; table: [vocab] int64 or None
+    the vocabulary); temperatures: [n] float32 (<= 0: the argmax); uniforms: [n] (both any stride: a column of
+    a chain's numbers is one); table: [vocab] int64 or None
     -> (tokens [n] int64 (through the table), each row's distribution [n, vocab] float32 or None)"""
     n, vocab = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
+    if table is not None:
+        table = table.contiguous()
     tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
     q = torch.empty((n, vocab), dtype=torch.float32, device=logits.device) if with_probs else None
     if n:
-        _sample_kernel[(n,)](logits, logits.stride(0), vocab, temperatures, uniforms,
+        _sample_kernel[(n,)](logits, logits.stride(0), vocab, temperatures, temperatures.stride(0), uniforms,
+                             uniforms.stride(0),
                              table if table is not None else tokens, tokens, q if q is not None else tokens,
                              vocab, BLOCK=BLOCK, HAS_TABLE=table is not None, WRITE_Q=with_probs, num_warps=8,
                              **pdl_launch())

@@ -104,7 +104,7 @@ def accept_chains_triton(logits: torch.Tensor, first_rows: torch.Tensor, tempera
         q = q.contiguous()
     if drafts.stride(-1) != 1:
         drafts = drafts.contiguous()
-    uniforms = uniforms.contiguous()
+    uniforms, first_rows, temperatures = uniforms.contiguous(), first_rows.contiguous(), temperatures.contiguous()
     count = torch.empty(chains, dtype=torch.int64, device=device)
     token = torch.empty(chains, dtype=torch.int64, device=device)
     if not chains:
