@@ -333,3 +333,45 @@ def test_sampling_at_temperature_and_the_chain_rule_equal_references() -> None:
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), trial
         seen.update(want[0].tolist())
     assert {0, k} <= seen and len(seen) >= 4
+
+
+@needs_gpu
+def test_sampled_round_outcomes_and_restage_equal_references() -> None:
+    """A sampled round's outcome over every chain (``chain_outcomes_triton``) and the next verify's inputs restaged
+    to it (``restage_triton``) equal their torch references on the GPU (targets and greedy counts strided slices
+    of a verdict, as the engine passes them)."""
+    from dataclasses import replace
+
+    from fusedserve.worker.executor.step_graphs import StaticInputs
+    from fusedserve.worker.spec_decode.chain_accept_triton import chain_outcomes_triton
+    from fusedserve.worker.spec_decode.rejection_sampler import chain_outcomes
+    from fusedserve.worker.spec_decode.verify_program import restage_sampled
+    from fusedserve.worker.spec_decode.verify_stage_triton import restage_triton
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    b, k = 4, 7
+    q = k + 1
+    verdict = torch.randint(0, 6, (b, 2 * q), device="cuda", generator=g)
+    drafts = torch.randint(0, 6, (b, k), device="cuda", generator=g)
+    drafts[0] = verdict[0, k:2 * k]
+    for pick in ([], [2], [0, 1, 2, 3]):
+        p = torch.tensor(pick, device="cuda") if pick else None
+        count = torch.randint(0, q, (len(pick),), device="cuda", generator=g) if pick else None
+        token = torch.randint(50, 90, (len(pick),), device="cuda", generator=g) if pick else None
+        want = chain_outcomes(drafts, verdict[:, k:2 * k + 1], p, count, token)
+        got = chain_outcomes_triton(drafts, verdict[:, k:2 * k + 1], p, count, token)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), pick
+    counts, tokens = want
+    blocks, bs = 6, 16
+    index = (torch.arange(q, device="cuda") + torch.tensor([20, 9, 30, 12], device="cuda")[:, None]).reshape(-1)
+    base = StaticInputs(torch.zeros(b * q, dtype=torch.long, device="cuda"), index + 1, index * 0, index,
+                        index.view(b, q)[:, -1] + 1, torch.randperm(b * blocks, device="cuda", generator=g).view(b, blocks),
+                        None, None, 10 ** 6, bs)
+    out = []
+    for fn in (restage_sampled, restage_triton):
+        inputs = replace(base, **{n: getattr(base, n).clone() for n in ("ids", "positions", "slots", "index",
+                                                                        "context_lens")})
+        fn(inputs, counts, verdict[:, -1], tokens, drafts, b, q)
+        out.append(inputs)
+    for name in ("ids", "positions", "slots", "index", "context_lens"):
+        assert torch.equal(getattr(out[0], name), getattr(out[1], name)), name

@@ -1276,3 +1276,67 @@ def test_interp_chain_rejection_rule_equals_the_reference() -> None:
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (trial, got, want)
         counts.update(want[0].tolist())
     assert {0, k} <= counts and len(counts) >= 4  # none, all and some accepted
+
+
+@inner
+def test_interp_chain_outcomes_equal_the_reference() -> None:
+    """Every chain's outcome in one launch (``chain_outcomes_triton``): the reference's counts and tokens for
+    greedy rows that accept all, some and none of their drafts, sampled rows among them (their count and token
+    from the rejection rule), every row sampled, none; the targets a strided slice of a verdict."""
+    from fusedserve.worker.spec_decode.chain_accept_triton import chain_outcomes_triton
+    from fusedserve.worker.spec_decode.rejection_sampler import chain_outcomes
+
+    g = torch.Generator().manual_seed(3)
+    b, k = 5, 7
+    verdict = torch.randint(0, 9, (b, 2 * (k + 1)), generator=g)
+    targets = verdict[:, k:2 * k + 1]  # [b, k + 1], row stride 2(k + 1)
+    drafts = torch.randint(0, 9, (b, k), generator=g)
+    drafts[0] = targets[0, :k]  # all accepted
+    drafts[1, :3] = targets[1, :3]  # three, then a miss
+    drafts[1, 3] = targets[1, 3] + 1
+    drafts[2, 0] = targets[2, 0] + 1  # none
+    for pick in ([], [1, 3], [0, 1, 2, 3, 4], [4]):
+        s = len(pick)
+        count = torch.randint(0, k + 1, (s,), generator=g)
+        token = torch.randint(100, 200, (s,), generator=g)
+        p = torch.tensor(pick, dtype=torch.long) if pick else None
+        want = chain_outcomes(drafts, targets, p, count if pick else None, token if pick else None)
+        got = chain_outcomes_triton(drafts, targets, p, count if pick else None, token if pick else None)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (pick, got, want)
+        if not pick:
+            assert want[0][:3].tolist() == [k, 3, 0]
+
+
+@inner
+def test_interp_restage_equals_the_reference() -> None:
+    """The next verify's inputs moved to a sampled round's outcome and its drafts copied in, in one launch
+    (``restage_triton``): the reference's (``restage_sampled``) ids, positions, slots through the block tables,
+    causal index and context lengths, for the first sequences of a padded batch (the rest untouched)."""
+    from dataclasses import replace
+
+    from fusedserve.worker.executor.step_graphs import StaticInputs
+    from fusedserve.worker.spec_decode.verify_program import restage_sampled
+    from fusedserve.worker.spec_decode.verify_stage_triton import restage_triton
+
+    g = torch.Generator().manual_seed(5)
+    b, n, q, blocks, bs = 4, 3, 8, 6, 4
+    rows = b * q
+    index = (torch.arange(q) + torch.tensor([12, 9, 8, 5])[:, None]).reshape(-1)  # staged at least q - 1 on
+    base = StaticInputs(torch.randint(0, 500, (rows,), generator=g), index + 1, torch.randint(0, 99, (rows,), generator=g),
+                        index, index.view(b, q)[:, -1] + 1, torch.randperm(b * blocks, generator=g).view(b, blocks),
+                        None, None, 999, bs)
+    verdict = torch.randint(0, q, (b, 2 * q), generator=g)
+    greedy = verdict[:, -1]  # a strided column
+    counts = torch.tensor([q - 1, 0, 3])
+    tokens = torch.randint(0, 50, (n, q), generator=g)
+    drafts = torch.randint(0, 50, (n, q + 2), generator=g)  # wider than the verify's drafts
+    got = []
+    for fn in (restage_sampled, restage_triton):
+        inputs = replace(base, **{name: getattr(base, name).clone() for name in
+                                  ("ids", "positions", "slots", "index", "context_lens")})
+        fn(inputs, counts, greedy[:n], tokens, drafts, n, q)
+        got.append(inputs)
+    for name in ("ids", "positions", "slots", "index", "context_lens"):
+        assert torch.equal(getattr(got[0], name), getattr(got[1], name)), name
+    assert torch.equal(got[1].ids.view(b, q)[n:], base.ids.view(b, q)[n:])
+    assert torch.equal(got[1].ids.view(b, q)[:n, 1:], drafts[:, :q - 1])

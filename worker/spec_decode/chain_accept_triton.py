@@ -13,6 +13,10 @@ logit, its row's statistics, q at the draft and u), finds the first rejection an
 in two passes over that row (the residual's total, then its running sum against u times it; the bonus in one,
 its total known). The weights are float32 where the reference's are float64 (the tests float64 of the float32 probabilities, as there): outcomes differ only
 where u lands within float32 rounding of a test's threshold or of a boundary between two tokens.
+
+``chain_outcomes_triton`` then spreads the outcome over every chain of the round in one launch (one program a
+chain), the fast path of ``rejection_sampler.chain_outcomes`` (about fourteen torch kernels and views: the greedy
+rule's compare, scan and sum, the sampled rows' concatenation, scatter and two index copies).
 """
 
 from __future__ import annotations
@@ -117,3 +121,48 @@ def accept_chains_triton(logits: torch.Tensor, first_rows: torch.Tensor, tempera
                               q.stride(0), q.stride(1), uniforms, m, s, count, token, k, vocab,
                               K_PAD=max(2, triton.next_power_of_2(k)), BLOCK=BLOCK, num_warps=8, **pdl_launch())
     return count, token
+
+
+@triton.jit
+def _outcomes_kernel(d_ptr, stride_d, t_ptr, stride_t, pick_ptr, S, cnt_ptr, tok_ptr, counts_ptr, tokens_ptr, K,
+                     K_PAD: tl.constexpr, S_PAD: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, K_PAD)
+    drafts = tl.load(d_ptr + b * stride_d + j, mask=j < K, other=0)
+    targets = tl.load(t_ptr + b * stride_t + j, mask=j <= K, other=0)
+    greedy = tl.min(tl.where((j < K) & (drafts != targets), j, K), axis=0)
+    i = tl.arange(0, S_PAD)
+    hit = tl.load(pick_ptr + i, mask=i < S, other=-1) == b
+    sampled = tl.max(hit.to(tl.int32), axis=0) > 0
+    at = tl.sum(tl.where(hit, i, 0), axis=0)  # the row's place among the sampled (0 where none: then unused)
+    count = tl.where(sampled, tl.load(cnt_ptr + at, mask=S > 0, other=0), greedy).to(tl.int64)
+    token = tl.load(tok_ptr + at, mask=S > 0, other=0)
+    row = tl.where(sampled, tl.where((j < K) & (j != count), drafts, token), targets)
+    tl.store(counts_ptr + b, count)
+    tl.store(tokens_ptr + b * (K + 1) + j, row.to(tl.int64), mask=j <= K)
+
+
+def chain_outcomes_triton(drafts: torch.Tensor, targets: torch.Tensor, pick: torch.Tensor | None,
+                          count: torch.Tensor | None, token: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rejection_sampler.chain_outcomes`` in one launch. drafts [B, k] and targets [B, k + 1]: int64, unit
+    stride along a row (any row stride: a slice of the verdict is one); pick [S] (or None: every chain greedy),
+    count / token [S] int64 -> (counts [B], tokens [B, k + 1])"""
+    b, k = drafts.shape
+    if drafts.stride(-1) != 1:
+        drafts = drafts.contiguous()
+    if targets.stride(-1) != 1:
+        targets = targets.contiguous()
+    counts = torch.empty(b, dtype=torch.int64, device=drafts.device)
+    tokens = torch.empty((b, k + 1), dtype=torch.int64, device=drafts.device)
+    if not b:
+        return counts, tokens
+    if pick is None or count is None or token is None:
+        pick = count = token = counts  # (S = 0: never read)
+        s = 0
+    else:
+        pick, count, token = pick.contiguous(), count.contiguous(), token.contiguous()
+        s = int(pick.shape[0])
+    _outcomes_kernel[(b,)](drafts, drafts.stride(0), targets, targets.stride(0), pick, s, count, token, counts,
+                           tokens, k, K_PAD=triton.next_power_of_2(k + 1), S_PAD=max(2, triton.next_power_of_2(s)),
+                           num_warps=1)
+    return counts, tokens

@@ -86,7 +86,7 @@ from ...models.interface import ModelOutput
 from ..engine.forward_step import forward_step
 from ..engine.request_state import RequestState
 from ..engine.scheduler import ScheduledBatch, ScheduledSeq, Scheduler
-from ..engine.sequence import Sequence
+from ..engine.sequence import SamplingParams, Sequence
 from ..engine.token_sampler import Pick, TokenSampler
 from ..executor.executor import StepExecutor
 from ..executor.host_copy import read_later, to_device
@@ -101,11 +101,12 @@ from .rejection_sampler import (
     Uniforms,
     accept_chains_sampled,
     chain_acceptor,
+    chain_outcomes_fn,
     verify_chain_sampled,
     verify_tree_sampled,
 )
 from .stats import SpecDecodeCounters, SpecDecodeStats
-from .verify_program import VerifyProgram, restage_verify, verify_stage_kernel
+from .verify_program import VerifyProgram, restage_fn, verify_stage_kernel
 
 if TYPE_CHECKING:
     from ..engine.engine import Runner
@@ -142,6 +143,20 @@ class Verified:
 
 
 @dataclass(frozen=True)
+class SampledRows:
+    """A chain round's sampled requests as the device takes them, made once for the rounds in flight that follow
+    it (the same sequences): their indices in the batch (``indices``, and on the device ``pick`` [S]), each
+    chain's first logits row
+    ``first_rows`` [S] (``i * (num_steps + 1)``), and their temperatures [S] where every one sets nothing but a
+    temperature (the chain rule's fast path), else None."""
+
+    indices: tuple[int, ...]
+    pick: torch.Tensor
+    first_rows: torch.Tensor
+    temperatures: torch.Tensor | None
+
+
+@dataclass(frozen=True)
 class RoundInFlight:
     """A greedy chain round launched and not read back (``SpecDecoder._greedy_round``, ``_follow``): its verify
     and the chain drafted behind it are queued; ``read`` waits for its verdict alone. ``batch`` and ``work``: its
@@ -164,6 +179,7 @@ class RoundInFlight:
     counts: torch.Tensor | None = None  # [B]: each sequence's drafts accepted on the device
     tokens: torch.Tensor | None = None  # [B, num_steps + 1]: its accepted drafts, then the token emitted after them
     greedy_counts: torch.Tensor | None = None  # [B]: the greedy rule's counts, which its verify program staged from
+    rows: SampledRows | None = None  # its sampled requests on the device
 
     @property
     def follows(self) -> bool:
@@ -191,6 +207,8 @@ class SpecDecoder:
         self._states: dict[int, DraftState] = {}
         self._in_flight: RoundInFlight | None = None
         self._accept_at_temperature = chain_acceptor(target.local.device)
+        self._chain_outcomes = chain_outcomes_fn(target.local.device)
+        self._restage = restage_fn(target.local.device)
         self.drafter = Drafter(draft, draft_model, sampler, vocab_size, config.num_steps, config.topk,
                                config.verify_tokens)
 
@@ -383,7 +401,8 @@ class SpecDecoder:
         assert q is not None  # a request samples
         n = self.config.verify_tokens - 1
         sampled = tuple(i for i, w in enumerate(work) if not w.seq.params.greedy)
-        outcome = self._sampled_outcomes(work, sampled, drafts[:, :n], q[:, :n], out.logits, verdict)
+        rows = self._sampled_rows(work, sampled, n)
+        outcome = self._sampled_outcomes(work, rows, drafts[:, :n], q[:, :n], out.logits, verdict)
         read = read_later(torch.cat([verdict.reshape(-1), *outcome[:2]]))
         counts, tokens = outcome[2:]
         ahead = self.drafter.chain_after(work, tokens.reshape(-1), aux, counts)
@@ -393,21 +412,37 @@ class SpecDecoder:
         bs = local.block_size
         return RoundInFlight(batch, work, shape, out.logits, aux.clone(), read, next_drafts,
                              tuple(len(e.block_table) * bs for e in batch.seqs), None, sampled, next_q, None,
-                             counts, tokens, verdict[:, -1].clone())
+                             counts, tokens, verdict[:, -1].clone(), rows)
 
-    def _sampled_outcomes(self, work: list[DraftWork], sampled: tuple[int, ...], drafts: torch.Tensor,
+    def _sampled_rows(self, work: list[DraftWork], sampled: tuple[int, ...], k: int) -> SampledRows:
+        """The ``SampledRows`` of a chain round of ``k`` drafts a chain with the requests ``sampled`` sampling."""
+        device = self.target.local.device
+        params = [work[i].seq.params for i in sampled]
+        return SampledRows(sampled, to_device(list(sampled), device), to_device([i * (k + 1) for i in sampled], device),
+                           self._chain_temperatures(params, device))
+
+    @staticmethod
+    def _chain_temperatures(params: list[SamplingParams], device: torch.device) -> torch.Tensor | None:
+        """The requests' temperatures [S] on the device where each sets nothing but one (the chain rule's fast
+        path), else None."""
+        if all(p.temperature_only and not p.greedy for p in params):
+            return to_device([p.temperature for p in params], device, torch.float32)
+        return None
+
+    def _sampled_outcomes(self, work: list[DraftWork], rows: SampledRows, drafts: torch.Tensor,
                           q: torch.Tensor, logits: torch.Tensor, verdict: torch.Tensor) -> list[torch.Tensor]:
-        """A chain round's outcomes on the device, its sampled rows ``sampled`` accepted by the rejection rule
+        """A chain round's outcomes on the device, its sampled rows ``rows`` accepted by the rejection rule
         with numbers from their streams: drafts [B, k], their q [B, k, vocab], the verify's logits [B * (k + 1),
         vocab] and verdict [B, 2k + 2] -> [the sampled rows' accepted drafts [S] and emitted tokens [S], every
-        row's count [B] and tokens after its root [B, k + 1] (``_outcomes``)]."""
+        row's count [B] and tokens after its root [B, k + 1] (``chain_outcomes``)]."""
         k = int(drafts.shape[1])
-        pick = to_device(list(sampled), drafts.device)
-        every = len(sampled) == len(work)  # (no copies of the rows taken)
-        count, token = self._accept_on_device([work[i] for i in sampled], drafts if every else drafts.index_select(0, pick),
-                                              q if every else q.index_select(0, pick), logits,
-                                              [i * (k + 1) for i in sampled])
-        counts, tokens = self._outcomes(drafts, verdict[:, k:2 * k + 1].reshape(-1), pick, [count, token])
+        pick = rows.pick
+        every = len(rows.indices) == len(work)  # (no copies of the rows taken)
+        count, token = self._accept_on_device([work[i] for i in rows.indices],
+                                              drafts if every else drafts.index_select(0, pick),
+                                              q if every else q.index_select(0, pick), logits, rows.first_rows,
+                                              rows.temperatures)
+        counts, tokens = self._chain_outcomes(drafts, verdict[:, k:2 * k + 1], pick, count, token)
         return [count, token, counts, tokens]
 
     def _follow(self, r: RoundInFlight, scheduler: Scheduler, max_len: int) -> RoundInFlight | None:
@@ -444,8 +479,9 @@ class SpecDecoder:
             inputs.tables[:b, :width].copy_(to_device(flat, local.device).view(b, width))
         if r.sampled:  # the program staged the greedy rule's outcome: move each row to the device's
             assert r.counts is not None and r.tokens is not None and r.greedy_counts is not None
-            restage_verify(inputs, r.counts - r.greedy_counts, r.tokens.gather(1, r.counts[:, None])[:, 0], b, q)
-        inputs.ids.view(r.shape.batch, q)[:b, 1:].copy_(r.next_drafts[:, :q - 1])
+            self._restage(inputs, r.counts, r.greedy_counts, r.tokens, r.next_drafts, b, q)
+        else:
+            inputs.ids.view(r.shape.batch, q)[:b, 1:].copy_(r.next_drafts[:, :q - 1])
         outputs = local.replay_staged(r.shape)
         logits, aux, verdict = outputs[0][:b * q], outputs[-2][:b * q], outputs[-1][:b]
         if not r.sampled:
@@ -453,8 +489,8 @@ class SpecDecoder:
             drafts = self.drafter.replay_staged_chain(b, r.shape.batch)
             return RoundInFlight(None, None, r.shape, logits, aux.clone(), read, drafts,
                                  tuple(len(t) * bs for t in tables), tuple(tuple(t) for t in tables))
-        assert r.next_q is not None
-        outcome = self._sampled_outcomes(r.work, r.sampled, r.next_drafts[:, :q - 1], r.next_q[:, :q - 1], logits,
+        assert r.next_q is not None and r.rows is not None
+        outcome = self._sampled_outcomes(r.work, r.rows, r.next_drafts[:, :q - 1], r.next_q[:, :q - 1], logits,
                                          verdict)
         read = read_later(torch.cat([verdict.reshape(-1), *outcome[:2]]))
         counts, tokens = outcome[2:]
@@ -462,7 +498,7 @@ class SpecDecoder:
         return RoundInFlight(None, None, r.shape, logits, aux.clone(), read, None if chain is None else chain[0],
                              tuple(len(t) * bs for t in tables), tuple(tuple(t) for t in tables), r.sampled,
                              None if chain is None else chain[1], None if chain is None else chain[2], counts, tokens,
-                             verdict[:, -1].clone())
+                             verdict[:, -1].clone(), r.rows)
 
     def _taken(self, nxt: RoundInFlight, r: RoundInFlight, done: SpecStep) -> RoundInFlight:
         """``nxt`` (launched before ``r`` was read) with its entries, now that ``r``'s acceptance is known: each
@@ -553,7 +589,10 @@ class SpecDecoder:
             pick = to_device(sampled, local.device)
             on_device = self._accept_on_device([work[i] for i in sampled], drafts.index_select(0, pick)[:, :n],
                                                q.index_select(0, pick)[:, :n], out.logits,
-                                               [first_row[work[i].entry.seq_id] for i in sampled])
+                                               to_device([first_row[work[i].entry.seq_id] for i in sampled],
+                                                         local.device),
+                                               self._chain_temperatures([work[i].seq.params for i in sampled],
+                                                                        local.device))
         argmax = self.tokens.sampler.argmax(out.logits)
         aux = torch.cat(out.hidden, dim=-1)  # [num_tokens, 3H]: the layers' complete input streams
         ahead = self._acceptance_on_device(batch, work, drafts[:, :n], argmax, sampled, pick, on_device, state_of)
@@ -588,41 +627,24 @@ class SpecDecoder:
                 (w.seq.params.greedy or w.seq.params.temperature_only) and not self.tokens.adjusts(w.seq, state_of(w.seq))
                 for w in work):
             return []
-        return self._outcomes(drafts, argmax, pick if sampled else None, on_device)
-
-    @staticmethod
-    def _outcomes(drafts: torch.Tensor, argmax: torch.Tensor, pick: torch.Tensor | None,
-                  on_device: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Every chain's outcome on the device: drafts [B, k], the target's argmax of each sequence's k + 1 rows
-        [B * (k + 1)]; the rows ``pick`` [S] accepted by the rejection rule as ``on_device`` ([count [S], token
-        [S]]) drew, the others by the greedy rule. -> [counts [B], the tokens after each root [B, k + 1]]"""
-        b, k = drafts.shape
-        targets = argmax.view(b, k + 1)  # every sequence's k + 1 logits rows, in order
-        counts = (drafts == targets[:, :k]).long().cumprod(dim=1).sum(dim=1)
-        tokens = targets  # a greedy row's accepted drafts equal the argmax before them; then the argmax
-        if pick is not None:
-            count, token = on_device
-            rows = torch.cat([drafts.index_select(0, pick), token[:, None]], dim=1)
-            rows.scatter_(1, count[:, None], token[:, None])  # accepted drafts, then the emitted token
-            counts = counts.index_copy(0, pick, count)
-            tokens = targets.index_copy(0, pick, rows)
-        return [counts, tokens]
+        count, token = on_device if sampled else (None, None)
+        return list(self._chain_outcomes(drafts, argmax.view(len(work), -1), pick if sampled else None, count, token))
 
     def _accept_on_device(self, work: list[DraftWork], drafts: torch.Tensor, q: torch.Tensor, logits: torch.Tensor,
-                          first_rows: list[int]) -> list[torch.Tensor]:
+                          first_rows: torch.Tensor, temperatures: torch.Tensor | None) -> list[torch.Tensor]:
         """The standard rule for sampled chains, on the device (nothing read back): drafts [S, k], their q
-        [S, k, vocab] and each chain's k + 1 logits rows from ``first_rows``; the uniform numbers from each
-        request's own stream. -> [accepted drafts [S], emitted tokens [S]]"""
+        [S, k, vocab] and each chain's k + 1 logits rows from ``first_rows`` [S] (on the device); the uniform
+        numbers from each request's own stream; ``temperatures`` [S] where every request sets nothing but one
+        (``_chain_temperatures``: the fast path). -> [accepted drafts [S], emitted tokens [S]]"""
         k = int(drafts.shape[1])
         device = logits.device
-        params = [w.seq.params for w in work]
-        uniforms = torch.stack([w.draw(k + 1) for w in work]).to(device)
-        if all(p.temperature_only and not p.greedy for p in params):  # the fast path (two launches on a GPU)
-            count, token = self._accept_at_temperature(
-                logits, to_device(first_rows, device), to_device([p.temperature for p in params], device, torch.float32),
-                drafts, q, uniforms)
+        uniforms = (work[0].draw(k + 1)[None] if len(work) == 1 else torch.stack([w.draw(k + 1) for w in work])
+                    ).to(device)
+        if temperatures is not None:  # the fast path (two launches on a GPU)
+            count, token = self._accept_at_temperature(logits, first_rows, temperatures, drafts, q, uniforms)
             return [count, token]
-        rows = to_device([r + j for r in first_rows for j in range(k + 1)], device)
+        params = [w.seq.params for w in work]
+        rows = (first_rows.to(device)[:, None] + torch.arange(k + 1, device=device)).reshape(-1)
         probs = self.sampler.probs(logits.index_select(0, rows), [p for p in params for _ in range(k + 1)])
         count, token = accept_chains_sampled(drafts, q, probs.view(len(work), k + 1, -1), uniforms)
         return [count, token]

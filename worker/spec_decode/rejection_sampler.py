@@ -38,6 +38,10 @@ Uniforms = Callable[[int], torch.Tensor]  # n uniform numbers in [0, 1) from the
 #   -> (accepted drafts [S], emitted tokens [S]): ``accept_chains_at_temperature`` or its one-GPU kernels
 ChainAcceptFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
                          tuple[torch.Tensor, torch.Tensor]]
+# (drafts [B, k], targets [B, k + 1], pick [S], count [S], token [S]) -> (counts [B], tokens [B, k + 1]):
+#   ``chain_outcomes`` or its one-launch GPU kernel
+ChainOutcomesFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+                            torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
 
 
 def sample_token(probs: torch.Tensor, u: torch.Tensor) -> int:
@@ -151,3 +155,34 @@ def chain_acceptor(device: torch.device) -> ChainAcceptFn:
             return accept_chains_at_temperature
         return accept_chains_triton
     return accept_chains_at_temperature
+
+
+def chain_outcomes(drafts: torch.Tensor, targets: torch.Tensor, pick: torch.Tensor | None,
+                   count: torch.Tensor | None, token: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every chain's outcome on the device: drafts [B, k]; the target's argmax of each sequence's k + 1 rows
+    ``targets`` [B, k + 1]; the rows ``pick`` [S] accepted by the rejection rule as ``count`` [S] / ``token`` [S]
+    (``accept_chains_sampled``) drew, the others by the greedy rule (drafts up to the first that differs from the
+    argmax before it, then that argmax). The plain reference of ``chain_outcomes_triton``.
+    -> (counts [B], the tokens after each root [B, k + 1]: its accepted drafts, then the token emitted after them)"""
+    k = drafts.shape[1]
+    counts = (drafts == targets[:, :k]).long().cumprod(dim=1).sum(dim=1)
+    tokens = targets  # a greedy row's accepted drafts equal the argmax before them; then the argmax
+    if pick is not None:
+        assert count is not None and token is not None
+        rows = torch.cat([drafts.index_select(0, pick), token[:, None]], dim=1)
+        rows.scatter_(1, count[:, None], token[:, None])  # accepted drafts, then the emitted token
+        counts = counts.index_copy(0, pick, count)
+        tokens = targets.index_copy(0, pick, rows)
+    return counts, tokens
+
+
+def chain_outcomes_fn(device: torch.device) -> ChainOutcomesFn:
+    """``chain_outcomes_triton`` where the hardware runs it (CUDA with Triton), else ``chain_outcomes``; chosen
+    once."""
+    if device.type == "cuda":
+        try:
+            from .chain_accept_triton import chain_outcomes_triton
+        except ImportError:
+            return chain_outcomes
+        return chain_outcomes_triton
+    return chain_outcomes

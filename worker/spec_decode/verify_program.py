@@ -92,6 +92,32 @@ def restage_verify(inputs: StaticInputs, shift: torch.Tensor, roots: torch.Tenso
     inputs.slots.view(-1, q)[:n].copy_(_table_slots(inputs, index))
 
 
+# (the verify's static inputs, counts [n], greedy counts [n], tokens [n, q], next drafts [n, >= q - 1], n, q):
+#   ``restage_sampled`` or its one-launch GPU kernel
+RestageFn = Callable[[StaticInputs, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int], None]
+
+
+def restage_sampled(inputs: StaticInputs, counts: torch.Tensor, greedy_counts: torch.Tensor, tokens: torch.Tensor,
+                    next_drafts: torch.Tensor, n: int, q: int) -> None:
+    """The next verify of a round with sampled requests, launched before that round is read back: the inputs
+    ``stage_next_verify`` wrote from the greedy rule's ``greedy_counts`` [n] moved to the device's outcome (each
+    sequence's ``counts`` [n] and ``tokens`` [n, q] after its root: ``restage_verify``), and its drafts' rows
+    ``next_drafts[:, :q - 1]`` (the chain drafted behind it). The plain reference of ``restage_triton``."""
+    restage_verify(inputs, counts - greedy_counts, tokens.gather(1, counts[:, None])[:, 0], n, q)
+    inputs.ids.view(-1, q)[:n, 1:].copy_(next_drafts[:, :q - 1])
+
+
+def restage_fn(device: torch.device | str) -> RestageFn:
+    """``restage_triton`` where the hardware runs it (CUDA with Triton), else ``restage_sampled``; chosen once."""
+    if torch.device(device).type != "cuda":
+        return restage_sampled
+    try:
+        from .verify_stage_triton import restage_triton
+    except ImportError:
+        return restage_sampled
+    return restage_triton
+
+
 def stage_next_verify(inputs: StaticInputs, targets: torch.Tensor, counts: torch.Tensor, b: int, q: int) -> None:
     """The verify's own static inputs for the round after it, written over this round's (which its forward has
     read): each real sequence's root = the token emitted after its accepted drafts (``targets[count]``), its rows

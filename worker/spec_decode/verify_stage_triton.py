@@ -12,6 +12,10 @@ causal index, context length, block table row, hidden = the aux row, and the row
 for a real sequence, one whose last row does not write ``pad_slot``; 0 for padding); and (``NEXT``, where the
 inputs give the block size) the verify's own inputs for the round after it, as ``stage_next_verify`` writes them.
 Launched with PDL where on (it reads the argmax kernel's output: it waits first).
+
+``restage_triton`` is ``verify_program.restage_sampled`` in one launch (one program per sequence): the next
+verify's inputs moved from the greedy rule's outcome to a sampled round's, and the next chain's drafts copied
+in — some thirty torch kernels and views between two replays of a sampled round in flight.
 """
 
 from __future__ import annotations
@@ -133,3 +137,43 @@ def verify_stage_triton(argmax: torch.Tensor, inputs: StaticInputs, hidden: tupl
         BLOCK_H=min(1024, triton.next_power_of_2(width)), BLOCK_W=min(1024, triton.next_power_of_2(max(1, tables.shape[1]))),
         STAGE=stage, NEXT=inputs.block_size > 0, num_warps=4, **pdl_launch())
     return aux, verdict
+
+
+@triton.jit
+def _restage_kernel(ids_ptr, pos_ptr, slots_ptr, index_ptr, ctx_ptr, tables_ptr, counts_ptr, g_ptr, stride_g,
+                    tok_ptr, stride_tok, nxt_ptr, stride_nxt, W, bs, Q: tl.constexpr, Q_PAD: tl.constexpr):
+    s = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, Q_PAD)
+    rows = j < Q
+    r = s * Q + j
+    count = tl.load(counts_ptr + s)
+    shift = count - tl.load(g_ptr + s * stride_g)
+    root = tl.load(tok_ptr + s * stride_tok + count)
+    idx = tl.load(index_ptr + r, mask=rows) + shift
+    block = tl.load(tables_ptr + s * W + tl.minimum(idx // bs, W - 1), mask=rows, other=0)
+    drafts = tl.load(nxt_ptr + s * stride_nxt + j - 1, mask=rows & (j > 0), other=0)
+    tl.store(pos_ptr + r, tl.load(pos_ptr + r, mask=rows) + shift, mask=rows)
+    tl.store(index_ptr + r, idx, mask=rows)
+    tl.store(slots_ptr + r, block * bs + idx % bs, mask=rows)
+    tl.store(ctx_ptr + s, tl.load(ctx_ptr + s) + shift)
+    tl.store(ids_ptr + r, tl.where(j == 0, root, drafts), mask=rows)
+
+
+def restage_triton(inputs: StaticInputs, counts: torch.Tensor, greedy_counts: torch.Tensor, tokens: torch.Tensor,
+                   next_drafts: torch.Tensor, n: int, q: int) -> None:
+    """``verify_program.restage_sampled`` in one launch (the inputs' int64 contiguous metadata, as the verify's
+    static inputs are; the counts, tokens and drafts int64 with unit stride along a row)."""
+    if not n:
+        return
+    counts = counts.contiguous()
+    if greedy_counts.dim() != 1:
+        greedy_counts = greedy_counts.reshape(-1)
+    if tokens.stride(-1) != 1:
+        tokens = tokens.contiguous()
+    if next_drafts.stride(-1) != 1:
+        next_drafts = next_drafts.contiguous()
+    tables = inputs.tables
+    _restage_kernel[(n,)](inputs.ids, inputs.positions, inputs.slots, inputs.index, inputs.context_lens, tables,
+                          counts, greedy_counts, greedy_counts.stride(0), tokens, tokens.stride(0), next_drafts,
+                          next_drafts.stride(0), tables.shape[1], inputs.block_size, Q=q,
+                          Q_PAD=triton.next_power_of_2(q), num_warps=1)
