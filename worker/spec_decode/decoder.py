@@ -44,10 +44,11 @@ replays on the inputs round N's verify program staged (``stage_next_verify``: ea
 drafts the device accepted, rows, slots and context moved on by as many) with the chain drafted behind round
 N as its drafts; the host only reserves blocks three verifies ahead and copies the chain in. A round with
 sampled requests (each greedy or temperature-only, none adjusted: ``_sampled_round``) goes the same way: its
-sampled chains are accepted by the rejection rule on the device, the staged inputs are moved from the greedy
-rule's outcome to the device's (``restage_verify``) and the next sampled chain replays on the staged first pass
-with the request's numbers (``Drafter.replay_staged_sampled``), drawn from each stream in the order rounds read
-one by one draw them. The device's acceptance is the host's by construction (the same drafts, argmax, rule and
+sampled chains are accepted by the rejection rule on the device, every chain's outcome is made there
+(``chain_outcomes``), the staged inputs are moved from the greedy rule's outcome to the device's and take the next
+chain (``restage_sampled``; on a GPU each of these one Triton launch) and the next sampled chain replays on the
+staged first pass with the request's numbers (``Drafter.replay_staged_sampled``), drawn from each stream in the
+order rounds read one by one draw them. The device's acceptance is the host's by construction (the same drafts, argmax, rule and
 numbers); a sequence that stops in round N (EOS, a stop string, its length) or is aborted drops round N + 1's
 rows, whose K/V lie past its kept tokens in blocks it frees. A round follows only while no waiting request
 could be admitted (none waits, or every running slot is taken: ``Scheduler.may_admit``), every running sequence
