@@ -80,18 +80,6 @@ class VerifyProgram:
         return aux, verdict
 
 
-def restage_verify(inputs: StaticInputs, shift: torch.Tensor, roots: torch.Tensor, n: int, q: int) -> None:
-    """The next verify's inputs ``stage_next_verify`` wrote, moved for the first ``n`` sequences to another outcome:
-    each one's rows ``shift`` [n] further (its accepted drafts counted by another rule: the rejection rule of a
-    sampled request), its root ``roots`` [n], the slots through its block table again."""
-    positions, index = inputs.positions.view(-1, q)[:n], inputs.index.view(-1, q)[:n]
-    positions.add_(shift[:, None])
-    index.add_(shift[:, None])
-    inputs.context_lens[:n].add_(shift)
-    inputs.ids.view(-1, q)[:n, 0].copy_(roots)
-    inputs.slots.view(-1, q)[:n].copy_(_table_slots(inputs, index))
-
-
 # (the verify's static inputs, counts [n], greedy counts [n], tokens [n, q], next drafts [n, >= q - 1], n, q):
 #   ``restage_sampled`` or its one-launch GPU kernel
 RestageFn = Callable[[StaticInputs, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int], None]
@@ -100,11 +88,20 @@ RestageFn = Callable[[StaticInputs, torch.Tensor, torch.Tensor, torch.Tensor, to
 def restage_sampled(inputs: StaticInputs, counts: torch.Tensor, greedy_counts: torch.Tensor, tokens: torch.Tensor,
                     next_drafts: torch.Tensor, n: int, q: int) -> None:
     """The next verify of a round with sampled requests, launched before that round is read back: the inputs
-    ``stage_next_verify`` wrote from the greedy rule's ``greedy_counts`` [n] moved to the device's outcome (each
-    sequence's ``counts`` [n] and ``tokens`` [n, q] after its root: ``restage_verify``), and its drafts' rows
+    ``stage_next_verify`` wrote from the greedy rule's ``greedy_counts`` [n] moved, for the first ``n`` sequences,
+    to the device's outcome — each one's rows ``counts - greedy_counts`` further (positions, causal index,
+    context), its root the token after its accepted drafts (``tokens`` [n, q]: the accepted drafts, then the
+    token emitted after them), the slots through its block table again — and its drafts' rows
     ``next_drafts[:, :q - 1]`` (the chain drafted behind it). The plain reference of ``restage_triton``."""
-    restage_verify(inputs, counts - greedy_counts, tokens.gather(1, counts[:, None])[:, 0], n, q)
-    inputs.ids.view(-1, q)[:n, 1:].copy_(next_drafts[:, :q - 1])
+    shift = counts - greedy_counts
+    positions, index = inputs.positions.view(-1, q)[:n], inputs.index.view(-1, q)[:n]
+    positions.add_(shift[:, None])
+    index.add_(shift[:, None])
+    inputs.context_lens[:n].add_(shift)
+    ids = inputs.ids.view(-1, q)[:n]
+    ids[:, 0].copy_(tokens.gather(1, counts[:, None])[:, 0])
+    ids[:, 1:].copy_(next_drafts[:, :q - 1])
+    inputs.slots.view(-1, q)[:n].copy_(_table_slots(inputs, index))
 
 
 def restage_fn(device: torch.device | str) -> RestageFn:
