@@ -100,7 +100,7 @@ def test_interp_rope_on_strided_views() -> None:
     g = torch.Generator().manual_seed(1)
     qkv = torch.randn(5, (4 + 2 + 2) * 16, generator=g).to(torch.bfloat16)
     q, k = qkv[:, :64].view(5, 4, 16), qkv[:, 64:96].view(5, 2, 16)
-    pos = torch.tensor([0, 3, 17, 200, 4095])
+    pos = torch.tensor([[0, 3, 17, 200, 4095], [1] * 5]).t().contiguous()[:, 0]  # the positions a strided view too
     inv = rope_inv_freq(16, 500000.0, None)
     (q1, k1), (q2, k2) = rope_triton(pos, q, k, inv), rope_reference(pos, q, k, inv)
     _close(q1, q2, 1e-2)
@@ -219,7 +219,7 @@ def _check_qkv_rope(fn: Callable[..., tuple[torch.Tensor, ...]], m: int, head_di
     w = torch.randn(q_size + 2 * kv_size, k, generator=g).to(torch.bfloat16)
     b = torch.randn(q_size + 2 * kv_size, generator=g).to(torch.bfloat16) if bias else None
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-    positions = torch.randint(0, 5000, (m,), generator=g)
+    positions = torch.randint(0, 5000, (m, 2), generator=g)[:, 1]  # a strided view (read at its stride)
     inv_freq = rope_inv_freq(head_dim, 500000.0, None)
     y = F.linear(x.float(), w.float(), None if b is None else b.float())
     q, k_, v = y.split([q_size, kv_size, kv_size], dim=-1)
@@ -401,7 +401,7 @@ def test_interp_draft_input_equals_the_ops() -> None:
         table = torch.randn(100, width, generator=g).to(dtype)
         hidden = (3 * torch.randn(5, width, generator=g)).to(dtype)
         we, wh = (torch.rand(width, generator=g) + 0.5).to(dtype), (torch.rand(width, generator=g) + 0.5).to(dtype)
-        ids = torch.tensor([3, 99, 0, 3, 42])
+        ids = torch.tensor([[3, 99, 0, 3, 42], [7] * 5]).t().contiguous()[:, 0]  # a column of drafts: a strided view
         want = draft_input(ids, table, hidden, we, wh, 1e-5)
         got = draft_input_triton(ids, table, hidden, we, wh, 1e-5)
         assert got.shape == (5, 2 * width)
@@ -1236,7 +1236,7 @@ def test_interp_sampling_at_temperature_equals_the_reference() -> None:
     logits = (3 * torch.randn(n, vocab, generator=g)).to(torch.bfloat16)
     logits[2, ::3] = float("-inf")
     logits[3, 5000:] = float("-inf")  # the last tokens impossible: the clamp's case at u near 1
-    temps = torch.tensor([[0.0, 0.7, 1.0, 1.6, 0.0], [9.0] * 5]).t()[:, 0]  # stride 2
+    temps = torch.tensor([[0.0, 0.7, 1.0, 1.6, 0.0], [9.0] * 5]).t().contiguous()[:, 0]  # stride 2
     table = torch.randperm(vocab, generator=g) + 100
     for trial in range(40):
         u = torch.rand(n, 3, generator=g, dtype=torch.float64)[:, trial % 3]  # stride 3

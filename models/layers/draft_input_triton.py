@@ -51,6 +51,7 @@ def draft_input_triton(ids: torch.Tensor, table: torch.Tensor, hidden: torch.Ten
     if (table.stride(-1) != 1 or hidden.stride(-1) != 1 or hidden.dtype != table.dtype or table.shape[1] != width
             or ids.dim() != 1 or ids.shape[0] != n):
         return draft_input(ids, table, hidden, w_embed, w_hidden, eps)
+    ids = ids.contiguous()  # read at unit stride (a chain's column of drafts would not be)
     out = torch.empty((n, 2 * width), dtype=hidden.dtype, device=hidden.device)
     if n:
         block = triton.next_power_of_2(width)

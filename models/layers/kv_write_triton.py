@@ -37,6 +37,7 @@ def write_kv_triton(kc: torch.Tensor, vc: torch.Tensor | None, slot_mapping: tor
     t = k.shape[0]
     if t == 0:
         return
+    slot_mapping = slot_mapping.contiguous()  # read at unit stride (a no-op for the engine's buffers)
     k2 = k.reshape(t, -1).to(kc.dtype)
     if k2.stride(-1) != 1:
         k2 = k2.contiguous()

@@ -145,6 +145,8 @@ def _launch_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                  rope: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
     m, k = x.shape
     positions, inv_freq, rope_width = rope if rope is not None else (weight, weight, 0)
+    if rope is not None:
+        positions = positions.contiguous()  # read at unit stride (a no-op for the engine's buffers)
     _gemv_kernel[(weight.shape[0] // block_n,)](
         x, weight, bias if bias is not None else weight, y, positions, inv_freq, m, k, inter, rope_width, x.stride(0),
         weight.stride(0), y.stride(0), M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
@@ -414,6 +416,8 @@ def _launch_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         splits, counters = 1, weight
     ws = torch.empty((splits, n, block_m), dtype=torch.float32, device=x.device) if splits > 1 else weight
     positions, inv_freq, rope_width = rope if rope is not None else (weight, weight, 0)
+    if rope is not None:
+        positions = positions.contiguous()  # read at unit stride (a no-op for the engine's buffers)
     line = LINE_BYTES // weight.element_size()  # elements a 128-byte line
     prefetch = (0 if _DOT_FP32 or m > 16 or k > L2_PREFETCH_K_MAX or block_k >= k
                 else triton.next_power_of_2(-(-(k // splits) // line)))

@@ -80,6 +80,7 @@ def mla_assemble_triton(q_abs: torch.Tensor, q_rope: torch.Tensor, latent: torch
     if (rank & (rank - 1) or half & (half - 1) or rotary.inv_freq.shape[0] != half
             or any(t.stride(-1) != 1 for t in (q_abs, q_rope, latent, k_rope))):
         return mla_assemble(q_abs, q_rope, latent, k_rope, positions, rotary, norm)
+    positions = positions.contiguous()  # read at unit stride (a no-op for the engine's buffers)
     q = torch.empty(n, heads, rank + rope, dtype=q_abs.dtype, device=q_abs.device)
     k = torch.empty(n, 1, rank + rope, dtype=q_abs.dtype, device=q_abs.device)
     if n:

@@ -48,6 +48,7 @@ def rope_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     if 2 * half != dim or half & (half - 1) or q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError(f"rope_triton rotates whole power-of-two heads with unit stride; got head_dim {dim}, "
                          f"rotary_dim {2 * half}")
+    positions = positions.contiguous()  # read at unit stride (a no-op for the engine's buffers)
     qo = torch.empty((n, q_heads, dim), dtype=q.dtype, device=q.device)
     ko = torch.empty((n, k.shape[1], dim), dtype=k.dtype, device=k.device)
     if n:
