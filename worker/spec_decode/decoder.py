@@ -97,7 +97,7 @@ from ..executor.step_shape import StepShape, prefill_shapes
 from .config import SpeculativeConfig, SpeculativeConfigError
 from .draft_model import build_draft, chain_shapes, draft_shapes
 from .draft_tree import Acceptance, DraftTree, accept_greedy, relocation, tree_positions
-from .drafter import Ahead, Drafter, DraftState, DraftWork, Proposal
+from .drafter import Ahead, Drafter, DraftState, DraftWork, Proposal, draft_temperatures, draws
 from .rejection_sampler import (
     Uniforms,
     accept_chains_sampled,
@@ -147,14 +147,15 @@ class Verified:
 class SampledRows:
     """A chain round's sampled requests as the device takes them, made once for the rounds in flight that follow
     it (the same sequences): their indices in the batch (``indices``, and on the device ``pick`` [S]), each
-    chain's first logits row
-    ``first_rows`` [S] (``i * (num_steps + 1)``), and their temperatures [S] where every one sets nothing but a
-    temperature (the chain rule's fast path), else None."""
+    chain's first logits row ``first_rows`` [S] (``i * (num_steps + 1)``), their temperatures [S] where every one
+    sets nothing but a temperature (the chain rule's fast path), else None, and every request's temperature as
+    the draft's sampled chain takes it (``draft_temperatures`` [B]: 0 for a greedy one)."""
 
     indices: tuple[int, ...]
     pick: torch.Tensor
     first_rows: torch.Tensor
     temperatures: torch.Tensor | None
+    draft_temperatures: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -420,7 +421,8 @@ class SpecDecoder:
         device = self.target.local.device
         params = [work[i].seq.params for i in sampled]
         return SampledRows(sampled, to_device(list(sampled), device), to_device([i * (k + 1) for i in sampled], device),
-                           self._chain_temperatures(params, device))
+                           self._chain_temperatures(params, device),
+                           draft_temperatures([w.seq.params for w in work], device))
 
     @staticmethod
     def _chain_temperatures(params: list[SamplingParams], device: torch.device) -> torch.Tensor | None:
@@ -495,7 +497,7 @@ class SpecDecoder:
                                          verdict)
         read = read_later(torch.cat([verdict.reshape(-1), *outcome[:2]]))
         counts, tokens = outcome[2:]
-        chain = self.drafter.replay_staged_sampled(r.work, r.shape.batch, tokens, counts)
+        chain = self.drafter.replay_staged_sampled(r.work, r.shape.batch, tokens, counts, r.rows.draft_temperatures)
         return RoundInFlight(None, None, r.shape, logits, aux.clone(), read, None if chain is None else chain[0],
                              tuple(len(t) * bs for t in tables), tuple(tuple(t) for t in tables), r.sampled,
                              None if chain is None else chain[1], None if chain is None else chain[2], counts, tokens,
@@ -639,8 +641,7 @@ class SpecDecoder:
         (``_chain_temperatures``: the fast path). -> [accepted drafts [S], emitted tokens [S]]"""
         k = int(drafts.shape[1])
         device = logits.device
-        uniforms = (work[0].draw(k + 1)[None] if len(work) == 1 else torch.stack([w.draw(k + 1) for w in work])
-                    ).to(device)
+        uniforms = draws(work, k + 1, device)
         if temperatures is not None:  # the fast path (two launches on a GPU)
             count, token = self._accept_at_temperature(logits, first_rows, temperatures, drafts, q, uniforms)
             return [count, token]

@@ -205,7 +205,7 @@ class Drafter:
             [w.draw(self.num_steps) if d is None else d for d, w in zip(drawn, work)]).to(aux.device)
         temperatures = None
         if not greedy and all(p.greedy or p.temperature_only for p in params):
-            temperatures = _temperatures(params, aux.device)
+            temperatures = draft_temperatures(params, aux.device)
         if rest and (greedy or temperatures is not None):
             sampling = None if temperatures is None or uniforms is None else (temperatures, uniforms)
             fused = self.draft.run_first_chain(Step(seqs), aux, rest, sampling)
@@ -267,7 +267,7 @@ class Drafter:
             return False
         sampling = None
         if not all(p.greedy for p in params):
-            sampling = (_temperatures(params, aux.device), torch.stack([w.draw(k) for w in work]).to(aux.device))
+            sampling = (draft_temperatures(params, aux.device), draws(work, k, aux.device))
         uniforms = None if sampling is None else sampling[1]
         out = self.draft.run_first_chain(seqs, aux, k - 1, sampling, drop=k - counts, input_ids=tokens)
         assert out is not None  # first_chain_shape said one fits
@@ -315,13 +315,13 @@ class Drafter:
             w.state.ahead = Ahead(drafts[i], None, None, batch=drafts, row=i)
         return True
 
-    def replay_staged_sampled(self, work: list[DraftWork], batch: int, tokens: torch.Tensor, counts: torch.Tensor
-                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def replay_staged_sampled(self, work: list[DraftWork], batch: int, tokens: torch.Tensor, counts: torch.Tensor,
+                              temperatures: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """``chain_after`` for a round with sampled requests whose verify (at padded ``batch``) staged the greedy
         first pass: its token ids become ``tokens`` [B, num_steps + 1] (the accepted drafts, then the token
         emitted after them) and its dropped rows follow ``counts`` [B] (the device's acceptance), then the sampled
-        chain replays on it with each request's temperature and numbers drawn from its stream (as
-        ``chain_after`` draws them). -> (drafts [B, num_steps], their q over the target's vocabulary
+        chain replays on it with each request's temperature (``temperatures`` [B], ``draft_temperatures``) and
+        numbers drawn from its stream (as ``chain_after`` draws them). -> (drafts [B, num_steps], their q over the target's vocabulary
         [B, num_steps, vocab], the numbers [B, num_steps]), or None (nothing run, nothing drawn) where no such
         staged shape of that batch is captured. The caller has checked the block tables."""
         b, k = len(work), self.num_steps
@@ -333,8 +333,8 @@ class Drafter:
         inputs.ids[:b * (k + 1)].copy_(tokens.reshape(-1))
         inputs.drop[:b].copy_(k - counts)
         device = tokens.device
-        uniforms = torch.stack([w.draw(k) for w in work]).to(device)
-        out = self.draft.replay_staged(shape, (_temperatures([w.seq.params for w in work], device), uniforms))
+        uniforms = draws(work, k, device)
+        out = self.draft.replay_staged(shape, (temperatures, uniforms))
         return out[0][:b].clone(), self._on_target(out[1][:b]), uniforms
 
     def replay_staged_chain(self, num_seqs: int, batch: int) -> torch.Tensor | None:
@@ -492,7 +492,13 @@ class Drafter:
         return tuple(mask)
 
 
-def _temperatures(params: list[SamplingParams], device: torch.device) -> torch.Tensor:
+def draws(work: list[DraftWork], n: int, device: torch.device) -> torch.Tensor:
+    """``n`` uniform numbers from each request's stream, on the device: [len(work), n] (one request's a view, no
+    stacking kernel)."""
+    return (work[0].draw(n)[None] if len(work) == 1 else torch.stack([w.draw(n) for w in work])).to(device)
+
+
+def draft_temperatures(params: list[SamplingParams], device: torch.device) -> torch.Tensor:
     """Each request's temperature as a chained replay draws with it (0: the argmax), on the device."""
     return to_device([0.0 if p.greedy else p.temperature for p in params], device, torch.float32)
 
