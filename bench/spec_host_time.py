@@ -4,6 +4,7 @@
     python bench/spec_host_time.py --replays [--steps 7] [--calls 3000] [--out FILE]
     python bench/spec_host_time.py --noop-rounds [--temperatures 0,1] [--steps 7] [--tokens 200] [--repeats 3] [--out FILE]
       (no speculation, chain-N read round by round, chain-N with rounds in flight; per temperature)
+    python bench/spec_host_time.py --op-counts [--temperatures 0,1] [--steps 7] [--tokens 200] [--out FILE]
 
 The engine runs the tiny pair (examples/checkpoints/tiny-code + tiny-code-eagle3) with ``cuda_graphs=True``,
 which on CPU runs every captured shape's forward eagerly on its static buffers (``step_graphs.py``); the
@@ -22,6 +23,12 @@ layout, the metadata copy, the device inputs' index copies, the ledger, the outp
 calls (spread ~2 %). ``--noop-rounds`` runs whole engine rounds with every replay a no-op: the round's wall
 time is then all host time (schedule, packing, acceptance ops, bookkeeping, commit), per speculative round and
 per plain step, without the model's CPU compute to blur it (the tokens are meaningless: static logits).
+``--op-counts`` counts instead of timing (exact, no spread): the torch ops a round dispatches outside its graph
+replays (views included: each is a host dispatch; on a GPU the others are kernel launches), rounds in flight as
+on a GPU, every replay a no-op. Where the GPU runs a Triton fast path instead of the CPU's torch reference (the
+draw at a temperature, the chain rule, a sampled round's outcomes and restaging) the call counts as its
+launches on the GPU, not as the reference's ops; a package without some of those paths (an older commit on
+``PYTHONPATH``) is counted as it runs.
 """
 
 from __future__ import annotations
@@ -151,6 +158,66 @@ def noop_rounds(steps: int, tokens: int, repeats: int, overlap: bool = False, te
                                                                                      round(per[-1], 1)]}
 
 
+class OpCount:
+    """Counts the torch ops dispatched while on; ``launches`` wraps a function so that it counts as the kernel
+    launches its GPU path makes (its own ops on CPU not counted)."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                if not counter.paused:
+                    counter.ops += 1
+                return func(*args, **(kwargs or {}))
+
+        self.mode = _Mode()
+        self.ops = 0
+        self.paused = 0
+
+    def launches(self, fn: Any, n: int) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.ops += n
+            self.paused += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.paused -= 1
+
+        return counted
+
+
+# the GPU fast paths chosen at construction: (owner, attribute, kernel launches on a GPU)
+GPU_PATHS = (("sampler", "at_temperature", 1), ("speculator", "_accept_at_temperature", 2),
+             ("speculator", "_chain_outcomes", 1), ("speculator", "_restage", 1))
+
+
+def op_counts(steps: int, tokens: int, temperature: float) -> dict[str, Any]:
+    """Ops per round outside the replays (``--op-counts``), rounds in flight, batch 1, seeded at ``temperature``."""
+    spec = SpeculativeConfig(DRAFT, num_steps=steps) if steps else None
+    engine = Engine(TARGET, EngineConfig(num_blocks=64, max_num_seqs=1, cuda_graphs=True, speculative=spec,
+                                         overlap_scheduling=True))
+    _noop_replays(engine)
+    count = OpCount()
+    counted = []
+    for owner_name, attr, n in GPU_PATHS:
+        owner = getattr(engine, owner_name, None)
+        if owner is not None and hasattr(owner, attr):
+            setattr(owner, attr, count.launches(getattr(owner, attr), n))
+            counted.append(f"{owner_name}.{attr}")
+    params = SamplingParams(temperature=temperature, max_tokens=tokens, ignore_eos=True, seed=1)
+    engine.generate(["def fib(n):\n    "], params)  # warm-up
+    before = engine.stats().spec
+    with count.mode:
+        [out] = engine.generate(["import os\nx = 1\n"], params)
+    after = engine.stats().spec
+    rounds = after.drafts - before.drafts if after and before else len(out.token_ids)
+    return {"steps": steps, "temperature": temperature, "tokens": len(out.token_ids), "rounds": rounds,
+            "ops": count.ops, "ops_per_round": round(count.ops / rounds, 1), "counted_as_launches": counted}
+
+
 def replays(steps: int, calls: int = 3000, repeats: int = 5) -> dict[str, Any]:
     import statistics
 
@@ -196,10 +263,19 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=3000, help="--replays: calls per timed repeat")
     ap.add_argument("--noop-rounds", action="store_true",
                     help="whole engine rounds with no-op replays (host time alone), with and without speculation")
+    ap.add_argument("--op-counts", action="store_true",
+                    help="torch ops a round dispatches outside its replays (rounds in flight, no-op replays)")
     args = ap.parse_args()
     numbers: Any
     temperatures = [float(t) for t in args.temperatures.split(",")]
-    if args.noop_rounds:
+    if args.op_counts:
+        numbers = [op_counts(s, args.tokens, t) for t in temperatures for s in (0, args.steps)]
+        for row in numbers:
+            print(f"T={row['temperature']:g} {'chain-' + str(row['steps']) if row['steps'] else 'none':8s}: "
+                  f"{row['ops_per_round']} ops a round ({row['rounds']} rounds)", flush=True)
+        what = ("torch ops dispatched per round outside the graph replays (rounds in flight, no-op replays), CPU; "
+                f"package {Path(fusedserve.worker.__file__).parent}")
+    elif args.noop_rounds:
         numbers = [noop_rounds(s, args.tokens, args.repeats, o, t) for t in temperatures for s, o in
                    ((0, False), (args.steps, False), (args.steps, True))]
         for row in numbers:
@@ -212,7 +288,7 @@ def main() -> None:
         print(f"chain-{args.steps}: verify StepExecutor.run {numbers['verify_run_us']} us, draft run_first_chain "
               f"{numbers['draft_run_first_chain_us']} us (host path, no-op replays)", flush=True)
         what = "host path of a round's two replays (no-op replays), CPU"
-    if args.noop_rounds or args.replays:
+    if args.noop_rounds or args.replays or args.op_counts:
         if args.out:
             write_record({**record_header(), "what": what, "numbers": numbers}, args.out)
         return
