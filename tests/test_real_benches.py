@@ -207,6 +207,17 @@ def test_spec_host_time_times_whole_rounds_with_no_op_replays(tmp_path: Path) ->
         assert min(row["us_per_round_median"] for row in (plain, spec, in_flight)) > 0
 
 
+def test_spec_host_time_counts_the_ops_outside_the_replays(tmp_path: Path) -> None:
+    out = tmp_path / "ops.json"
+    proc = _bench("spec_host_time.py", "--op-counts", "--steps", "3", "--tokens", "12", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {(r["temperature"], r["steps"]): r for r in json.loads(out.read_text())["numbers"]}
+    assert set(rows) == {(t, s) for t in (0.0, 1.0) for s in (0, 3)}
+    assert all(r["ops_per_round"] > 0 for r in rows.values())
+    assert rows[(1.0, 3)]["ops_per_round"] > rows[(0.0, 3)]["ops_per_round"]  # a sampled round does more on the host
+    assert "speculator._restage" in rows[(1.0, 3)]["counted_as_launches"]  # the GPU's fast paths as their launches
+
+
 def test_detokenize_time_times_pushes_both_ways(tmp_path: Path) -> None:
     out = tmp_path / "detok.json"
     proc = _bench("detokenize_time.py", "--model", "examples/checkpoints/tiny-code", "--tokens", "120", "--repeats", "1",
