@@ -48,10 +48,10 @@ sampled chains are accepted by the rejection rule on the device, every chain's o
 (``chain_outcomes``), the staged inputs are moved from the greedy rule's outcome to the device's and take the next
 chain (``restage_sampled``; on a GPU each of these one Triton launch) and the next sampled chain replays on the
 staged first pass with the request's numbers (``Drafter.replay_staged_sampled``), drawn from each stream in the
-order rounds read one by one draw them. The device's acceptance is the host's by construction (the same drafts, argmax, rule and
-numbers); a sequence that stops in round N (EOS, a stop string, its length) or is aborted drops round N + 1's
-rows, whose K/V lie past its kept tokens in blocks it frees. A round follows only while no waiting request
-could be admitted (none waits, or every running slot is taken: ``Scheduler.may_admit``), every running sequence
+order rounds read one by one draw them. The device's acceptance is the host's by construction (the same drafts,
+argmax, rule and numbers); a sequence that stops in round N (EOS, a stop string, its length) or is aborted drops
+round N + 1's rows, whose K/V lie past its kept tokens in blocks it frees. A round follows only while no waiting
+request could be admitted (none waits, or every running slot is taken: ``Scheduler.may_admit``), every running sequence
 is in it, no request asks for logprobs (round N + 1's logits replay over N's), the free blocks hold the
 reservation and ``max_len`` leaves room; otherwise the round is read back as it stands and the next step is
 scheduled as usual.
@@ -417,7 +417,8 @@ class SpecDecoder:
                              counts, tokens, verdict[:, -1].clone(), rows)
 
     def _sampled_rows(self, work: list[DraftWork], sampled: tuple[int, ...], k: int) -> SampledRows:
-        """The ``SampledRows`` of a chain round of ``k`` drafts a chain with the requests ``sampled`` sampling."""
+        """The ``SampledRows`` of a chain round of ``k`` drafts a sequence, ``sampled`` the indices in ``work`` of
+        the requests that sample."""
         device = self.target.local.device
         params = [work[i].seq.params for i in sampled]
         return SampledRows(sampled, to_device(list(sampled), device), to_device([i * (k + 1) for i in sampled], device),
