@@ -127,3 +127,21 @@ def test_sampling_params_normalise_stop_lists() -> None:
     p = SamplingParams(stop="END", stop_token_ids=[3, 4])  # type: ignore[arg-type]
     assert p.stop == ("END",) and p.stop_token_ids == (3, 4)
     assert SamplingParams(top_k=-1).top_k_or_none is None and SamplingParams(top_k=5).top_k_or_none == 5
+
+
+def test_the_fast_paths_are_the_references_off_cuda_and_where_triton_is_missing() -> None:
+    """Every sampling and acceptance chooser gives its torch reference on CPU; ``gpu_kernel`` gives a kernel's
+    wrapper only on CUDA and only where its module imports."""
+    from fusedserve.worker.engine.sampler import sample_at_temperature, temperature_sampler
+    from fusedserve.worker.executor.gpu_kernel import gpu_kernel
+    from fusedserve.worker.spec_decode import rejection_sampler as rs
+    from fusedserve.worker.spec_decode import verify_program as vp
+
+    cpu = torch.device("cpu")
+    assert temperature_sampler(cpu) is sample_at_temperature
+    assert rs.chain_acceptor(cpu) is rs.accept_chains_at_temperature
+    assert rs.chain_outcomes_fn(cpu) is rs.chain_outcomes
+    assert vp.restage_fn(cpu) is vp.restage_sampled and vp.verify_stage_kernel(cpu) is None
+    assert gpu_kernel("cpu", "math", "sqrt") is None
+    assert gpu_kernel("cuda", "math", "sqrt") is math.sqrt  # (a CUDA device named; nothing runs on it)
+    assert gpu_kernel("cuda", "fusedserve.no_such_kernels", "kernel") is None

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from typing import cast
 
 import torch
 
+from ..executor.gpu_kernel import gpu_kernel
 from ..executor.host_copy import to_device
 from .sequence import SamplingParams
 
@@ -92,13 +94,8 @@ def sample_at_temperature(logits: torch.Tensor, temperatures: torch.Tensor, unif
 
 def temperature_sampler(device: torch.device | str) -> TemperatureSampleFn:
     """``sample_triton`` where the hardware runs it (CUDA with Triton), else ``sample_at_temperature``; chosen once."""
-    if torch.device(device).type == "cuda":
-        try:
-            from .sample_triton import sample_triton
-        except ImportError:
-            return sample_at_temperature
-        return sample_triton
-    return sample_at_temperature
+    fast = gpu_kernel(device, f"{__package__}.sample_triton", "sample_triton")
+    return cast(TemperatureSampleFn, fast or sample_at_temperature)
 
 
 class Sampler:

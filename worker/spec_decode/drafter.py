@@ -33,6 +33,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import cast
 
 import torch
 
@@ -41,6 +42,7 @@ from ..engine.sampler import Sampler, sample_from_probs
 from ..engine.scheduler import ScheduledSeq
 from ..engine.sequence import SamplingParams, Sequence
 from ..executor.executor import StepExecutor
+from ..executor.gpu_kernel import gpu_kernel
 from ..executor.host_copy import to_device
 from ..executor.step import SeqRows, Step
 from ..executor.step_graphs import StaticInputs, TreeForward
@@ -321,8 +323,8 @@ class Drafter:
         first pass: its token ids become ``tokens`` [B, num_steps + 1] (the accepted drafts, then the token
         emitted after them) and its dropped rows follow ``counts`` [B] (the device's acceptance), then the sampled
         chain replays on it with each request's temperature (``temperatures`` [B], ``draft_temperatures``) and
-        numbers drawn from its stream (as ``chain_after`` draws them). -> (drafts [B, num_steps], their q over the target's vocabulary
-        [B, num_steps, vocab], the numbers [B, num_steps]), or None (nothing run, nothing drawn) where no such
+        numbers drawn from its stream (as ``chain_after`` draws them). -> (drafts [B, num_steps], their q over the
+        target's vocabulary [B, num_steps, vocab], the numbers [B, num_steps]), or None (nothing run, nothing drawn) where no such
         staged shape of that batch is captured. The caller has checked the block tables."""
         b, k = len(work), self.num_steps
         staged = self.first_chain_staged(b, sampled=True)
@@ -505,13 +507,7 @@ def draft_temperatures(params: list[SamplingParams], device: torch.device) -> to
 
 def tree_expand_kernel(device: torch.device) -> ExpandKernel | None:
     """The fused tree-growth step where the hardware runs it (CUDA with Triton), else None (torch ops)."""
-    if device.type != "cuda":
-        return None
-    try:
-        from .tree_expand_triton import tree_expand_triton
-    except ImportError:
-        return None
-    return tree_expand_triton
+    return cast("ExpandKernel | None", gpu_kernel(device, f"{__package__}.tree_expand_triton", "tree_expand_triton"))
 
 
 def top_k_torch(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -523,10 +519,8 @@ def top_k_torch(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
 def top_k_kernel(device: torch.device, vocab: int) -> Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]:
     """The draft's per-row top-k: one Triton kernel where the hardware runs it (CUDA, a vocabulary one
     program holds), else torch's log-softmax and top-k."""
-    if device.type != "cuda":
+    module = f"{__package__}.topk_logprobs_triton"
+    fast, limit = gpu_kernel(device, module, "topk_logprobs_triton"), gpu_kernel(device, module, "MAX_VOCAB")
+    if fast is None or limit is None or vocab > limit:
         return top_k_torch
-    try:
-        from .topk_logprobs_triton import MAX_VOCAB, topk_logprobs_triton
-    except ImportError:
-        return top_k_torch
-    return topk_logprobs_triton if vocab <= MAX_VOCAB else top_k_torch
+    return cast(Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]], fast)

@@ -26,10 +26,12 @@ other values).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
 from ..engine.sampler import sample_from_probs
+from ..executor.gpu_kernel import gpu_kernel
 from ..executor.host_copy import to_device
 from .draft_tree import Acceptance, DraftTree
 
@@ -148,13 +150,8 @@ def accept_chains_at_temperature(logits: torch.Tensor, first_rows: torch.Tensor,
 def chain_acceptor(device: torch.device) -> ChainAcceptFn:
     """``accept_chains_triton`` where the hardware runs it (CUDA with Triton), else ``accept_chains_at_temperature``;
     chosen once."""
-    if device.type == "cuda":
-        try:
-            from .chain_accept_triton import accept_chains_triton
-        except ImportError:
-            return accept_chains_at_temperature
-        return accept_chains_triton
-    return accept_chains_at_temperature
+    fast = gpu_kernel(device, f"{__package__}.chain_accept_triton", "accept_chains_triton")
+    return cast(ChainAcceptFn, fast or accept_chains_at_temperature)
 
 
 def chain_outcomes(drafts: torch.Tensor, targets: torch.Tensor, pick: torch.Tensor | None,
@@ -179,10 +176,5 @@ def chain_outcomes(drafts: torch.Tensor, targets: torch.Tensor, pick: torch.Tens
 def chain_outcomes_fn(device: torch.device) -> ChainOutcomesFn:
     """``chain_outcomes_triton`` where the hardware runs it (CUDA with Triton), else ``chain_outcomes``; chosen
     once."""
-    if device.type == "cuda":
-        try:
-            from .chain_accept_triton import chain_outcomes_triton
-        except ImportError:
-            return chain_outcomes
-        return chain_outcomes_triton
-    return chain_outcomes
+    return cast(ChainOutcomesFn, gpu_kernel(device, f"{__package__}.chain_accept_triton", "chain_outcomes_triton")
+                or chain_outcomes)

@@ -25,10 +25,12 @@ interpreter), where the torch ops were some twenty kernels.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
 from ...models.interface import ModelOutput
+from ..executor.gpu_kernel import gpu_kernel
 from ..executor.step_graphs import StaticInputs
 from ..executor.step_shape import StepShape
 
@@ -106,13 +108,7 @@ def restage_sampled(inputs: StaticInputs, counts: torch.Tensor, greedy_counts: t
 
 def restage_fn(device: torch.device | str) -> RestageFn:
     """``restage_triton`` where the hardware runs it (CUDA with Triton), else ``restage_sampled``; chosen once."""
-    if torch.device(device).type != "cuda":
-        return restage_sampled
-    try:
-        from .verify_stage_triton import restage_triton
-    except ImportError:
-        return restage_sampled
-    return restage_triton
+    return cast(RestageFn, gpu_kernel(device, f"{__package__}.verify_stage_triton", "restage_triton") or restage_sampled)
 
 
 def stage_next_verify(inputs: StaticInputs, targets: torch.Tensor, counts: torch.Tensor, b: int, q: int) -> None:
@@ -150,10 +146,6 @@ ONE_LAUNCH = True
 
 def verify_stage_kernel(device: torch.device) -> StageKernel | None:
     """The program's one-launch kernel where the hardware runs it (CUDA with Triton), else None (torch ops)."""
-    if not ONE_LAUNCH or torch.device(device).type != "cuda":
+    if not ONE_LAUNCH:
         return None
-    try:
-        from .verify_stage_triton import verify_stage_triton
-    except ImportError:
-        return None
-    return verify_stage_triton
+    return cast("StageKernel | None", gpu_kernel(device, f"{__package__}.verify_stage_triton", "verify_stage_triton"))
