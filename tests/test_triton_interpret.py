@@ -1225,17 +1225,19 @@ def test_interp_mla_assemble_equals_the_reference(dtype: torch.dtype, interleave
 
 @inner
 def test_interp_sampling_at_temperature_equals_the_reference() -> None:
-    """Each row's token drawn at its temperature in one launch (greedy rows, -inf logits, a vocabulary of three
-    chunks, a table; the numbers and temperatures strided views, as a chain's column of numbers is): the
+    """Each row's token drawn at its temperature in two launches of a program per row and chunk (greedy rows,
+    one with its max in two chunks, -inf logits, whole chunks of them, a vocabulary of nine chunks, the last
+    partial, a table; the numbers and temperatures strided views, as a chain's column of numbers is): the
     reference's tokens for 40 numbers a row, its distributions to float32 rounding."""
     from fusedserve.worker.engine.sample_triton import sample_triton
     from fusedserve.worker.engine.sampler import sample_at_temperature
 
     g = torch.Generator().manual_seed(0)
-    n, vocab = 5, 9000  # 3 chunks of 4096, the last partial
+    n, vocab = 5, 9000  # 9 chunks of 1024, the last partial
     logits = (3 * torch.randn(n, vocab, generator=g)).to(torch.bfloat16)
     logits[2, ::3] = float("-inf")
     logits[3, 5000:] = float("-inf")  # the last tokens impossible: the clamp's case at u near 1
+    logits[0, 2100] = logits[0, 5100] = 40.0  # a greedy row's max in two chunks: the first index
     temps = torch.tensor([[0.0, 0.7, 1.0, 1.6, 0.0], [9.0] * 5]).t().contiguous()[:, 0]  # stride 2
     table = torch.randperm(vocab, generator=g) + 100
     for trial in range(40):

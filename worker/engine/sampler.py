@@ -167,7 +167,7 @@ class Sampler:
         uniforms = torch.stack([torch.rand((), generator=g or self.generator, dtype=torch.float64, device=self.device)
                                 if not p.greedy else torch.zeros((), dtype=torch.float64, device=self.device)
                                 for p, g in zip(params, generators)]).to(logits.device)
-        if all(p.greedy or p.temperature_only for p in params):  # the fast path (one launch on a GPU)
+        if all(p.greedy or p.temperature_only for p in params):  # the fast path (two launches on a GPU)
             temps = to_device([0.0 if p.greedy else p.temperature for p in params], logits.device, torch.float32)
             return self.at_temperature(logits, temps, uniforms, None, False)[0]
         return sample_from_probs(self.probs(logits, params), uniforms)

@@ -165,7 +165,7 @@ class Drafter:
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's draft drawn from the draft's distribution at the row's temperature (0: one-hot on the
         argmax), with its uniform number: ``Sampler.probs`` for a request that sets nothing but a
-        temperature, and graph-safe (a sampled chained replay's draw; one launch on a GPU,
+        temperature, and graph-safe (a sampled chained replay's draw; two launches on a GPU,
         ``Sampler.at_temperature``). logits: [rows, draft_vocab]; temperatures: [rows]; uniforms: [rows]
         -> (target ids [rows], q [rows, draft_vocab] float32)"""
         tokens, q = self.sampler.at_temperature(logits, temperatures, uniforms, self._draft_to_target, True)
