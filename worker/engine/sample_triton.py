@@ -14,9 +14,9 @@ row (a few dozen): the row's max M, each chunk's weight at M and their total S; 
 probabilities exp(z - M) / S (``with_probs``: a draft's q), and the one program of the chunk where u * S falls
 (the first whose running weight passes it; none, u within rounding of 1: the last chunk with weight) scans its
 chunk with the chunks before as its carry. Greedy rows take the first chunk holding M and its first argmax.
-``table`` maps the drawn index (a draft's vocabulary to the target's ids). One program a row, reading it twice
-in 4096-wide steps, took 12.9 / 37.2 us a row on an H100 at 16 384 / 49 152 tokens (with probabilities,
-graph-captured; bench/results/2026-12-06-sampler-chunks-h100.json).
+``table`` maps the drawn index (a draft's vocabulary to the target's ids). On an H100, graph-captured, with
+probabilities: 3.4 / 4.4 us a row at 16 384 / 49 152 tokens, where one program a row, reading it twice in
+4096-wide steps, took 12.8 / 37.0 (bench/results/2026-12-06-sampler-chunks-h100.json).
 
 The scan is float32 where the reference's is float64, and the carry is the chunks' sums where the reference
 sums token by token, so the two may pick neighbouring tokens when u falls within float32 rounding (~1e-6
