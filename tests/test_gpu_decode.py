@@ -375,29 +375,3 @@ def test_sampled_round_outcomes_and_restage_equal_references() -> None:
         out.append(inputs)
     for name in ("ids", "positions", "slots", "index", "context_lens"):
         assert torch.equal(getattr(out[0], name), getattr(out[1], name)), name
-
-
-@needs_gpu
-def test_read_later_reuses_its_pinned_buffers_and_refuses_a_stale_read() -> None:
-    """``read_later`` takes its pinned buffers in turn: two copies outstanding of each of two sizes (as rounds in
-    flight keep), each read gives its own values behind work queued after it; a read after its buffer was
-    taken again (more than ``SLOTS`` copies of one size outstanding) raises instead of returning another's."""
-    from fusedserve.worker.executor import host_copy
-    from fusedserve.worker.executor.host_copy import SLOTS, read_later
-
-    x = torch.randn(512, 512, device="cuda")
-    pending = []
-    for i in range(3 * SLOTS):
-        for n in (5, 17):
-            pending.append((read_later(torch.arange(n, device="cuda") * 1000 + i), n, i))
-        _ = x @ x  # queued after the copies
-        while len(pending) > 4:
-            read, n, j = pending.pop(0)
-            assert read() == [k * 1000 + j for k in range(n)]
-    assert read_later(torch.tensor([[1, 2], [3, 4]], device="cuda"))() == [[1, 2], [3, 4]]
-    stale = read_later(torch.zeros(3, device="cuda", dtype=torch.int32))
-    for _ in range(SLOTS):
-        read_later(torch.ones(3, device="cuda", dtype=torch.int32))
-    with pytest.raises(RuntimeError, match="reused before it was read"):
-        stale()
-    assert len(host_copy._slots) >= 3
