@@ -190,7 +190,7 @@ class OpCount:
 
 
 # the GPU fast paths chosen at construction: (owner, attribute, kernel launches on a GPU)
-GPU_PATHS = (("sampler", "at_temperature", 2), ("speculator", "_accept_at_temperature", 2),
+GPU_PATHS = (("sampler", "at_temperature", 2), ("speculator", "_accept_at_temperature", 1),
              ("speculator", "_chain_outcomes", 1), ("speculator", "_restage", 1))
 
 

@@ -287,8 +287,8 @@ def test_tp2_engine_graphs_run_the_planned_collectives(tmp_path: Any) -> None:
 
 @needs_gpu
 def test_sampling_at_temperature_and_the_chain_rule_equal_references() -> None:
-    """The one-launch draw at a temperature (a target's 49 152-token rows, a draft's 16 384 through its table,
-    also inside a CUDA graph) and the two-launch rejection rule for sampled chains equal their torch references
+    """The draw at a temperature (a target's 49 152-token rows, a draft's 16 384 through its table, also inside a
+    CUDA graph) and the one-launch rejection rule for sampled chains equal their torch references
     on the GPU: the same tokens for every number drawn (also from a column of a chain's numbers, a strided view),
     the distributions to float32 rounding."""
     from fusedserve.worker.engine.sample_triton import sample_triton

@@ -1,5 +1,5 @@
-"""The rejection rule for sampled chains of temperature-only requests, from the verify's raw logits, in two
-Triton launches (GPU): the fast path of ``rejection_sampler.accept_chains_at_temperature``.
+"""The rejection rule for sampled chains of temperature-only requests, from the verify's raw logits, in one
+Triton launch (GPU): the fast path of ``rejection_sampler.accept_chains_at_temperature``.
 
 Plain reference: ``accept_chains_at_temperature`` — each chain's k + 1 target rows turned into probabilities
 (softmax of logits / T, float32), then ``accept_chains_sampled`` in float64: draft i accepted while
@@ -7,12 +7,16 @@ u_i * q_i(x_i) < p_i(x_i); at the first rejection the token drawn from max(0, p 
 is all zero), after k acceptances the bonus from p_k; drawn with the next uniform number by the inverse CDF.
 torch ran that as ~30 kernels a round over float64 copies of [S, k + 1, vocab].
 
-Here the first launch takes every target row's max and sum of exp(logits / T - max) (one program a row,
-``sample_triton.row_stats``); the second, one program a chain, tests its k drafts at once (each needs one
-logit, its row's statistics, q at the draft and u), finds the first rejection and draws the emitted token
-in two passes over that row (the residual's total, then its running sum against u times it; the bonus in one,
-its total known). The weights are float32 where the reference's are float64 (the tests float64 of the float32 probabilities, as there): outcomes differ only
-where u lands within float32 rounding of a test's threshold or of a boundary between two tokens.
+Here a program per target row takes its max and sum of exp(logits / T - max) (``sample_triton.row_stats``);
+the last of a chain's k + 1 programs to finish (``arrival_counters``, as the split attention's last split
+combines) tests the chain's k drafts at once (each needs one logit, its row's statistics, q at the draft and
+u), finds the first rejection and draws the emitted token in two passes over that row (the residual's total,
+then its running sum against u times it; the bonus in one, its total known). The weights are float32 where the
+reference's are float64 (the tests float64 of the float32 probabilities, as there): outcomes differ only where
+u lands within float32 rounding of a test's threshold or of a boundary between two tokens. It was two launches
+(the statistics, then a program a chain) until the fourteenth session: on the GPU machine's host a Triton
+launch outside a graph costs ~44-60 us, and a sampled round is host-bound there
+(bench/results/2026-12-06-round-host-time-h100.json).
 
 ``chain_outcomes_triton`` then spreads the outcome over every chain of the round in one launch (one program a
 chain), the fast path of ``rejection_sampler.chain_outcomes`` (about fourteen torch kernels and views: the greedy
@@ -25,19 +29,30 @@ import torch
 import triton
 import triton.language as tl
 
+from ...models.layers.arrival_counters import arrival_counters
 from ...models.layers.pdl import pdl_launch, pdl_open
 from ..engine.sample_triton import BLOCK, draw_scaled, row_stats, scan_chunk
 
 
 @triton.jit
-def _stats_kernel(x_ptr, stride_x, first_ptr, temp_ptr, K1, V, m_ptr, s_ptr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _rule_kernel(x_ptr, stride_x, first_ptr, temp_ptr, d_ptr, stride_db, q_ptr, stride_qb, stride_qk, u_ptr, m_ptr,
+                 s_ptr, cnt_ptr, count_ptr, tok_ptr, K, V, K_PAD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """A program per target row of every chain (chain b's k + 1 rows from first_rows[b]): the row's max and sum of
+    exp(logits / T - max) stored; the last of a chain's rows to arrive (its count, acquire-release, GPU scope)
+    tests the chain's drafts and draws its token (``_accept_chain``), then sets the count back to 0."""
     pdl_open(PDL)
     i = tl.program_id(0)
-    b = i // K1
-    row = (tl.load(first_ptr + b) + i % K1).to(tl.int64)
+    b = i // (K + 1)
+    row = (tl.load(first_ptr + b) + i % (K + 1)).to(tl.int64)
     m, s, _ = row_stats(x_ptr + row * stride_x, V, tl.load(temp_ptr + b), BLOCK)
     tl.store(m_ptr + i, m)
     tl.store(s_ptr + i, s)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr + b, 1, sem="acq_rel", scope="gpu")
+    if arrived == K:
+        _accept_chain(b.to(tl.int64), x_ptr, stride_x, first_ptr, temp_ptr, d_ptr, stride_db, q_ptr, stride_qb,
+                      stride_qk, u_ptr, m_ptr, s_ptr, count_ptr, tok_ptr, K, V, K_PAD, BLOCK)
+        tl.atomic_xchg(cnt_ptr + b, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -49,27 +64,28 @@ def _residual(x_row, q_row, c, V, t, m, s):
 
 
 @triton.jit
-def _accept_kernel(x_ptr, stride_x, first_ptr, temp_ptr, d_ptr, stride_db, q_ptr, stride_qb, stride_qk, u_ptr,
-                   m_ptr, s_ptr, count_ptr, tok_ptr, K, V, K_PAD: tl.constexpr, BLOCK: tl.constexpr,
-                   PDL: tl.constexpr):
-    pdl_open(PDL)
-    b = tl.program_id(0).to(tl.int64)
+def _accept_chain(b, x_ptr, stride_x, first_ptr, temp_ptr, d_ptr, stride_db, q_ptr, stride_qb, stride_qk, u_ptr,
+                  m_ptr, s_ptr, count_ptr, tok_ptr, K, V, K_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """Chain b's rule: its k drafts tested at once (each needs one logit, its row's statistics, q at the draft
+    and u), the first rejection, and the emitted token drawn in two passes over that row (the residual's total,
+    then its running sum against u times it; the bonus in one, its total known). The rows' statistics were
+    stored by other programs: read past L1 (``.cg``)."""
     first = tl.load(first_ptr + b).to(tl.int64)
     t = tl.load(temp_ptr + b)
     i = tl.arange(0, K_PAD)
     ok = i < K
     drafts = tl.load(d_ptr + b * stride_db + i, mask=ok, other=0).to(tl.int64)
     z = tl.load(x_ptr + (first + i) * stride_x + drafts, mask=ok, other=0.0).to(tl.float32) / t
-    m = tl.load(m_ptr + b * (K + 1) + i, mask=ok, other=0.0)
-    s = tl.load(s_ptr + b * (K + 1) + i, mask=ok, other=1.0)
+    m = tl.load(m_ptr + b * (K + 1) + i, mask=ok, other=0.0, cache_modifier=".cg")
+    s = tl.load(s_ptr + b * (K + 1) + i, mask=ok, other=1.0, cache_modifier=".cg")
     p_hit = tl.where(z == float("-inf"), 0.0, tl.exp(z - m)) / s
     q_hit = tl.load(q_ptr + b * stride_qb + i * stride_qk + drafts, mask=ok, other=0.0)
     u = tl.load(u_ptr + b * (K + 1) + i, mask=ok, other=1.0).to(tl.float64)
     rejected = ok & ~(u * q_hit.to(tl.float64) < p_hit.to(tl.float64))
     count = tl.min(tl.where(rejected, i, K), axis=0)
     x_row = x_ptr + (first + count) * stride_x
-    mf = tl.load(m_ptr + b * (K + 1) + count)
-    sf = tl.load(s_ptr + b * (K + 1) + count)
+    mf = tl.load(m_ptr + b * (K + 1) + count, cache_modifier=".cg")
+    sf = tl.load(s_ptr + b * (K + 1) + count, cache_modifier=".cg")
     uf = tl.load(u_ptr + b * (K + 1) + tl.minimum(count + 1, K)).to(tl.float32)
     cols = tl.arange(0, BLOCK)
     total = 0.0
@@ -95,7 +111,7 @@ def _accept_kernel(x_ptr, stride_x, first_ptr, temp_ptr, d_ptr, stride_db, q_ptr
 def accept_chains_triton(logits: torch.Tensor, first_rows: torch.Tensor, temperatures: torch.Tensor,
                          drafts: torch.Tensor, q: torch.Tensor, uniforms: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rejection_sampler.accept_chains_at_temperature`` in two launches. logits: [rows, vocab] raw (unit stride
+    """``rejection_sampler.accept_chains_at_temperature`` in one launch. logits: [rows, vocab] raw (unit stride
     along the vocabulary), chain b's k + 1 rows from ``first_rows[b]``; temperatures: [S] float32 (> 0);
     drafts: [S, k]; q: [S, k, vocab] float32 (unit stride along the vocabulary); uniforms: [S, k + 1]
     -> (accepted drafts [S] int64 in 0..k, the emitted token after them [S] int64)"""
@@ -115,11 +131,14 @@ def accept_chains_triton(logits: torch.Tensor, first_rows: torch.Tensor, tempera
         return count, token
     m = torch.empty(chains * (k + 1), dtype=torch.float32, device=device)
     s = torch.empty_like(m)
-    _stats_kernel[(chains * (k + 1),)](logits, logits.stride(0), first_rows, temperatures, k + 1, vocab, m, s,
-                                       BLOCK=BLOCK, num_warps=8, **pdl_launch())
-    _accept_kernel[(chains,)](logits, logits.stride(0), first_rows, temperatures, drafts, drafts.stride(0), q,
-                              q.stride(0), q.stride(1), uniforms, m, s, count, token, k, vocab,
-                              K_PAD=max(2, triton.next_power_of_2(k)), BLOCK=BLOCK, num_warps=8, **pdl_launch())
+    counters = arrival_counters(device, chains)
+    if counters is None:
+        raise RuntimeError("accept_chains_triton: its arrival counts are made outside a CUDA-graph capture; "
+                           "call it once before capturing it")
+    _rule_kernel[(chains * (k + 1),)](logits, logits.stride(0), first_rows, temperatures, drafts, drafts.stride(0), q,
+                                      q.stride(0), q.stride(1), uniforms, m, s, counters, count, token, k, vocab,
+                                      K_PAD=max(2, triton.next_power_of_2(k)), BLOCK=BLOCK, num_warps=8,
+                                      **pdl_launch())
     return count, token
 
 

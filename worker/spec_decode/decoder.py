@@ -643,7 +643,7 @@ class SpecDecoder:
         k = int(drafts.shape[1])
         device = logits.device
         uniforms = draws(work, k + 1, device)
-        if temperatures is not None:  # the fast path (two launches on a GPU)
+        if temperatures is not None:  # the fast path (one launch on a GPU)
             count, token = self._accept_at_temperature(logits, first_rows, temperatures, drafts, q, uniforms)
             return [count, token]
         params = [w.seq.params for w in work]
