@@ -330,7 +330,7 @@ def test_sampling_at_temperature_and_the_chain_rule_equal_references() -> None:
         u = torch.rand(chains, k + 1, device="cuda", generator=g, dtype=torch.float64)
         want = accept_chains_at_temperature(logits, first, t, drafts, q, u)
         got = accept_chains_triton(logits, first, t, drafts, q, u)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), trial
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and torch.equal(got[2], want[2]), trial
         seen.update(want[0].tolist())
     assert {0, k} <= seen and len(seen) >= 4
 

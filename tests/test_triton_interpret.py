@@ -1255,8 +1255,9 @@ def test_interp_sampling_at_temperature_equals_the_reference() -> None:
 @inner
 def test_interp_chain_rejection_rule_equals_the_reference() -> None:
     """The rejection rule for sampled chains from raw logits in one launch (a program a row, the last of a chain's
-    rows to finish testing the chain): the reference's accepted counts and emitted tokens, over chains that
-    accept all, none and some of their drafts; the arrival counts back at 0 after each launch."""
+    rows to finish testing the chain): the reference's accepted counts, emitted tokens and rows of tokens after
+    each root, over chains that accept all, none and some of their drafts; the arrival counts back at 0 after
+    each launch."""
     import fusedserve.models.layers.arrival_counters as arrival
     from fusedserve.worker.spec_decode.chain_accept_triton import accept_chains_triton
     from fusedserve.worker.spec_decode.rejection_sampler import accept_chains_at_temperature
@@ -1278,6 +1279,7 @@ def test_interp_chain_rejection_rule_equals_the_reference() -> None:
         want = accept_chains_at_temperature(logits, first, temps, drafts, q, u)
         got = accept_chains_triton(logits, first, temps, drafts, q, u)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (trial, got, want)
+        assert torch.equal(got[2], want[2]), (trial, got[2], want[2])  # each chain's tokens after its root
         assert int(arrival._COUNTERS[torch.device("cpu")].abs().sum()) == 0
         counts.update(want[0].tolist())
     assert {0, k} <= counts and len(counts) >= 4  # none, all and some accepted

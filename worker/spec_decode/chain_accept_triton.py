@@ -36,7 +36,8 @@ from ..engine.sample_triton import BLOCK, draw_scaled, row_stats, scan_chunk
 
 @triton.jit
 def _rule_kernel(x_ptr, stride_x, first_ptr, temp_ptr, d_ptr, stride_db, q_ptr, stride_qb, stride_qk, u_ptr, m_ptr,
-                 s_ptr, cnt_ptr, count_ptr, tok_ptr, K, V, K_PAD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                 s_ptr, cnt_ptr, count_ptr, tok_ptr, rows_ptr, K, V, K_PAD: tl.constexpr, K1_PAD: tl.constexpr,
+                 BLOCK: tl.constexpr, PDL: tl.constexpr):
     """A program per target row of every chain (chain b's k + 1 rows from first_rows[b]): the row's max and sum of
     exp(logits / T - max) stored; the last of a chain's rows to arrive (its count, acquire-release, GPU scope)
     tests the chain's drafts and draws its token (``_accept_chain``), then sets the count back to 0."""
@@ -51,7 +52,7 @@ def _rule_kernel(x_ptr, stride_x, first_ptr, temp_ptr, d_ptr, stride_db, q_ptr, 
     arrived = tl.atomic_add(cnt_ptr + b, 1, sem="acq_rel", scope="gpu")
     if arrived == K:
         _accept_chain(b.to(tl.int64), x_ptr, stride_x, first_ptr, temp_ptr, d_ptr, stride_db, q_ptr, stride_qb,
-                      stride_qk, u_ptr, m_ptr, s_ptr, count_ptr, tok_ptr, K, V, K_PAD, BLOCK)
+                      stride_qk, u_ptr, m_ptr, s_ptr, count_ptr, tok_ptr, rows_ptr, K, V, K_PAD, K1_PAD, BLOCK)
         tl.atomic_xchg(cnt_ptr + b, 0, sem="relaxed", scope="gpu")
 
 
@@ -65,11 +66,13 @@ def _residual(x_row, q_row, c, V, t, m, s):
 
 @triton.jit
 def _accept_chain(b, x_ptr, stride_x, first_ptr, temp_ptr, d_ptr, stride_db, q_ptr, stride_qb, stride_qk, u_ptr,
-                  m_ptr, s_ptr, count_ptr, tok_ptr, K, V, K_PAD: tl.constexpr, BLOCK: tl.constexpr):
+                  m_ptr, s_ptr, count_ptr, tok_ptr, rows_ptr, K, V, K_PAD: tl.constexpr, K1_PAD: tl.constexpr,
+                  BLOCK: tl.constexpr):
     """Chain b's rule: its k drafts tested at once (each needs one logit, its row's statistics, q at the draft
     and u), the first rejection, and the emitted token drawn in two passes over that row (the residual's total,
     then its running sum against u times it; the bonus in one, its total known). The rows' statistics were
-    stored by other programs: read past L1 (``.cg``)."""
+    stored by other programs: read past L1 (``.cg``). Its row of tokens after the root (``chain_rows``): the
+    drafts with the emitted token at the count and last."""
     first = tl.load(first_ptr + b).to(tl.int64)
     t = tl.load(temp_ptr + b)
     i = tl.arange(0, K_PAD)
@@ -106,15 +109,20 @@ def _accept_chain(b, x_ptr, stride_x, first_ptr, temp_ptr, d_ptr, stride_db, q_p
         tok = draw_scaled(x_row, V, t, mf, uf * sf, x_row, sf, False, BLOCK)
     tl.store(count_ptr + b, count.to(tl.int64))
     tl.store(tok_ptr + b, tok.to(tl.int64))
+    j = tl.arange(0, K1_PAD)
+    row = tl.load(d_ptr + b * stride_db + j, mask=j < K, other=0).to(tl.int64)
+    row = tl.where((j < K) & (j != count), row, tok.to(tl.int64))
+    tl.store(rows_ptr + b * (K + 1) + j, row, mask=j <= K)
 
 
 def accept_chains_triton(logits: torch.Tensor, first_rows: torch.Tensor, temperatures: torch.Tensor,
                          drafts: torch.Tensor, q: torch.Tensor, uniforms: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``rejection_sampler.accept_chains_at_temperature`` in one launch. logits: [rows, vocab] raw (unit stride
     along the vocabulary), chain b's k + 1 rows from ``first_rows[b]``; temperatures: [S] float32 (> 0);
     drafts: [S, k]; q: [S, k, vocab] float32 (unit stride along the vocabulary); uniforms: [S, k + 1]
-    -> (accepted drafts [S] int64 in 0..k, the emitted token after them [S] int64)"""
+    -> (accepted drafts [S] int64 in 0..k, the emitted token after them [S] int64, each chain's tokens after its
+    root [S, k + 1] int64 (``rejection_sampler.chain_rows``))"""
     chains, k = drafts.shape
     vocab = logits.shape[1]
     device = logits.device
@@ -127,8 +135,9 @@ def accept_chains_triton(logits: torch.Tensor, first_rows: torch.Tensor, tempera
     uniforms, first_rows, temperatures = uniforms.contiguous(), first_rows.contiguous(), temperatures.contiguous()
     count = torch.empty(chains, dtype=torch.int64, device=device)
     token = torch.empty(chains, dtype=torch.int64, device=device)
+    rows = torch.empty((chains, k + 1), dtype=torch.int64, device=device)
     if not chains:
-        return count, token
+        return count, token, rows
     m = torch.empty(chains * (k + 1), dtype=torch.float32, device=device)
     s = torch.empty_like(m)
     counters = arrival_counters(device, chains)
@@ -136,10 +145,10 @@ def accept_chains_triton(logits: torch.Tensor, first_rows: torch.Tensor, tempera
         raise RuntimeError("accept_chains_triton: its arrival counts are made outside a CUDA-graph capture; "
                            "call it once before capturing it")
     _rule_kernel[(chains * (k + 1),)](logits, logits.stride(0), first_rows, temperatures, drafts, drafts.stride(0), q,
-                                      q.stride(0), q.stride(1), uniforms, m, s, counters, count, token, k, vocab,
-                                      K_PAD=max(2, triton.next_power_of_2(k)), BLOCK=BLOCK, num_warps=8,
-                                      **pdl_launch())
-    return count, token
+                                      q.stride(0), q.stride(1), uniforms, m, s, counters, count, token, rows, k, vocab,
+                                      K_PAD=max(2, triton.next_power_of_2(k)), K1_PAD=triton.next_power_of_2(k + 1),
+                                      BLOCK=BLOCK, num_warps=8, **pdl_launch())
+    return count, token, rows
 
 
 @triton.jit

@@ -45,8 +45,9 @@ drafts the device accepted, rows, slots and context moved on by as many) with th
 N as its drafts; the host only reserves blocks three verifies ahead and copies the chain in. A round with
 sampled requests (each greedy or temperature-only, none adjusted: ``_sampled_round``) goes the same way: its
 sampled chains are accepted by the rejection rule on the device, every chain's outcome is made there
-(``chain_outcomes``), the staged inputs are moved from the greedy rule's outcome to the device's and take the next
-chain (``restage_sampled``; on a GPU each of these one Triton launch) and the next sampled chain replays on the
+(``chain_outcomes``; where every chain samples, the rule's own rows of tokens: no launch more), the staged inputs
+are moved from the greedy rule's outcome to the device's and take the next chain (``restage_sampled``; on a GPU
+each of these one Triton launch) and the next sampled chain replays on the
 staged first pass with the request's numbers (``Drafter.replay_staged_sampled``), drawn from each stream in the
 order rounds read one by one draw them. The device's acceptance is the host's by construction (the same drafts,
 argmax, rule and numbers); a sequence that stops in round N (EOS, a stop string, its length) or is aborted drops
@@ -103,6 +104,7 @@ from .rejection_sampler import (
     accept_chains_sampled,
     chain_acceptor,
     chain_outcomes_fn,
+    chain_rows,
     verify_chain_sampled,
     verify_tree_sampled,
 )
@@ -442,10 +444,12 @@ class SpecDecoder:
         k = int(drafts.shape[1])
         pick = rows.pick
         every = len(rows.indices) == len(work)  # (no copies of the rows taken)
-        count, token = self._accept_on_device([work[i] for i in rows.indices],
-                                              drafts if every else drafts.index_select(0, pick),
-                                              q if every else q.index_select(0, pick), logits, rows.first_rows,
-                                              rows.temperatures)
+        count, token, sampled_rows = self._accept_on_device([work[i] for i in rows.indices],
+                                                            drafts if every else drafts.index_select(0, pick),
+                                                            q if every else q.index_select(0, pick), logits,
+                                                            rows.first_rows, rows.temperatures)
+        if every:  # every chain's outcome is the rule's (no greedy row to merge: no launch more)
+            return [count, token, count, sampled_rows]
         counts, tokens = self._chain_outcomes(drafts, verdict[:, k:2 * k + 1], pick, count, token)
         return [count, token, counts, tokens]
 
@@ -591,12 +595,12 @@ class SpecDecoder:
             first_row = dict(zip((e.seq_id for e in placeholder),
                                  itertools.accumulate((e.num_logits for e in placeholder), initial=0)))
             pick = to_device(sampled, local.device)
-            on_device = self._accept_on_device([work[i] for i in sampled], drafts.index_select(0, pick)[:, :n],
-                                               q.index_select(0, pick)[:, :n], out.logits,
-                                               to_device([first_row[work[i].entry.seq_id] for i in sampled],
-                                                         local.device),
-                                               self._chain_temperatures([work[i].seq.params for i in sampled],
-                                                                        local.device))
+            on_device = list(self._accept_on_device([work[i] for i in sampled], drafts.index_select(0, pick)[:, :n],
+                                                    q.index_select(0, pick)[:, :n], out.logits,
+                                                    to_device([first_row[work[i].entry.seq_id] for i in sampled],
+                                                              local.device),
+                                                    self._chain_temperatures([work[i].seq.params for i in sampled],
+                                                                             local.device))[:2])
         argmax = self.tokens.sampler.argmax(out.logits)
         aux = torch.cat(out.hidden, dim=-1)  # [num_tokens, 3H]: the layers' complete input streams
         ahead = self._acceptance_on_device(batch, work, drafts[:, :n], argmax, sampled, pick, on_device, state_of)
@@ -635,22 +639,23 @@ class SpecDecoder:
         return list(self._chain_outcomes(drafts, argmax.view(len(work), -1), pick if sampled else None, count, token))
 
     def _accept_on_device(self, work: list[DraftWork], drafts: torch.Tensor, q: torch.Tensor, logits: torch.Tensor,
-                          first_rows: torch.Tensor, temperatures: torch.Tensor | None) -> list[torch.Tensor]:
+                          first_rows: torch.Tensor, temperatures: torch.Tensor | None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The standard rule for sampled chains, on the device (nothing read back): drafts [S, k], their q
         [S, k, vocab] and each chain's k + 1 logits rows from ``first_rows`` [S] (on the device); the uniform
         numbers from each request's own stream; ``temperatures`` [S] where every request sets nothing but one
-        (``_chain_temperatures``: the fast path). -> [accepted drafts [S], emitted tokens [S]]"""
+        (``_chain_temperatures``: the fast path). -> (accepted drafts [S], emitted tokens [S], each chain's tokens
+        after its root [S, k + 1] (``chain_rows``))"""
         k = int(drafts.shape[1])
         device = logits.device
         uniforms = draws(work, k + 1, device)
         if temperatures is not None:  # the fast path (one launch on a GPU)
-            count, token = self._accept_at_temperature(logits, first_rows, temperatures, drafts, q, uniforms)
-            return [count, token]
+            return self._accept_at_temperature(logits, first_rows, temperatures, drafts, q, uniforms)
         params = [w.seq.params for w in work]
         rows = (first_rows.to(device)[:, None] + torch.arange(k + 1, device=device)).reshape(-1)
         probs = self.sampler.probs(logits.index_select(0, rows), [p for p in params for _ in range(k + 1)])
         count, token = accept_chains_sampled(drafts, q, probs.view(len(work), k + 1, -1), uniforms)
-        return [count, token]
+        return count, token, chain_rows(drafts, count, token)
 
     def _deferred_tree(self, batch: ScheduledBatch, work: list[DraftWork]) -> Verified | None:
         """A tree on one rank: the draft trees are grown on the device (``Drafter.tree_on_device``) and the

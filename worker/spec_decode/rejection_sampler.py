@@ -37,9 +37,10 @@ from .draft_tree import Acceptance, DraftTree
 
 Uniforms = Callable[[int], torch.Tensor]  # n uniform numbers in [0, 1) from the request's stream: [n] float64
 # (logits, first_rows [S], temperatures [S], drafts [S, k], q [S, k, vocab], uniforms [S, k + 1])
-#   -> (accepted drafts [S], emitted tokens [S]): ``accept_chains_at_temperature`` or its one-GPU kernels
+#   -> (accepted drafts [S], emitted tokens [S], each chain's tokens after its root [S, k + 1] (``chain_rows``)):
+#   ``accept_chains_at_temperature`` or its one-launch GPU kernel
 ChainAcceptFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-                         tuple[torch.Tensor, torch.Tensor]]
+                         tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 # (drafts [B, k], targets [B, k + 1], pick [S], count [S], token [S]) -> (counts [B], tokens [B, k + 1]):
 #   ``chain_outcomes`` or its one-launch GPU kernel
 ChainOutcomesFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None,
@@ -137,14 +138,24 @@ def accept_chains_sampled(drafts: torch.Tensor, draft_probs: torch.Tensor, targe
 
 def accept_chains_at_temperature(logits: torch.Tensor, first_rows: torch.Tensor, temperatures: torch.Tensor,
                                  drafts: torch.Tensor, q: torch.Tensor, uniforms: torch.Tensor
-                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``accept_chains_sampled`` for chains of requests that set nothing but a temperature, from the verify's raw
     logits: chain b's k + 1 rows start at ``first_rows[b]`` of logits [rows, vocab], its target distribution is
-    their softmax at ``temperatures[b]`` (``Sampler.probs``). The plain reference of ``accept_chains_triton``."""
+    their softmax at ``temperatures[b]`` (``Sampler.probs``). The plain reference of ``accept_chains_triton``.
+    -> (accepted drafts [S], emitted tokens [S], each chain's tokens after its root [S, k + 1]: ``chain_rows``)"""
     k = int(drafts.shape[1])
     rows = first_rows[:, None] + torch.arange(k + 1, device=first_rows.device)
     scaled = logits.index_select(0, rows.reshape(-1)).float().view(len(first_rows), k + 1, -1) / temperatures[:, None, None]
-    return accept_chains_sampled(drafts, q, torch.softmax(scaled, dim=-1), uniforms)
+    count, token = accept_chains_sampled(drafts, q, torch.softmax(scaled, dim=-1), uniforms)
+    return count, token, chain_rows(drafts, count, token)
+
+
+def chain_rows(drafts: torch.Tensor, count: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """Sampled chains' tokens after their roots: drafts [S, k] with the emitted token [S] at each chain's count
+    [S] and last (its accepted drafts, then the token emitted after them; the drafts past it left as they are)
+    -> [S, k + 1]"""
+    rows = torch.cat([drafts, token[:, None]], dim=1)
+    return rows.scatter_(1, count[:, None], token[:, None])
 
 
 def chain_acceptor(device: torch.device) -> ChainAcceptFn:
@@ -166,10 +177,8 @@ def chain_outcomes(drafts: torch.Tensor, targets: torch.Tensor, pick: torch.Tens
     tokens = targets  # a greedy row's accepted drafts equal the argmax before them; then the argmax
     if pick is not None:
         assert count is not None and token is not None
-        rows = torch.cat([drafts.index_select(0, pick), token[:, None]], dim=1)
-        rows.scatter_(1, count[:, None], token[:, None])  # accepted drafts, then the emitted token
         counts = counts.index_copy(0, pick, count)
-        tokens = targets.index_copy(0, pick, rows)
+        tokens = targets.index_copy(0, pick, chain_rows(drafts.index_select(0, pick), count, token))
     return counts, tokens
 
 
