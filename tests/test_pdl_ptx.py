@@ -34,7 +34,8 @@ from fusedserve.models.layers import (  # noqa: E402
     rope_triton,
     silu_mul_triton,
 )
-from fusedserve.worker.spec_decode import verify_stage_triton  # noqa: E402
+from fusedserve.worker.engine import sample_triton  # noqa: E402
+from fusedserve.worker.spec_decode import chain_accept_triton, verify_stage_triton  # noqa: E402
 
 # Triton 3.9 warns, once, that its FP-fusion default will change; nothing here depends on it
 pytestmark = pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION:UserWarning")
@@ -143,8 +144,24 @@ KERNELS: dict[str, tuple[Any, dict[str, Any], dict[str, str]]] = {
     "gemv_silu": (linear_triton._gemv_kernel,
                   {"M_PAD": 1, "BLOCK_N": 4, "BLOCK_K": 2048, "EVEN_K": True, "HAS_BIAS": False,
                    "EPILOGUE": linear_triton.EPILOGUE_SILU, "HEAD_DIM": 2}, {}),
+    # 8 rows a row at a time (a bench candidate; SmolLM2's K 576 in one masked tile of 1024)
+    "gemv_rows": (linear_triton._gemv_kernel,
+                  {"M_PAD": 8, "BLOCK_N": 4, "BLOCK_K": 1024, "EVEN_K": False, "HAS_BIAS": False,
+                   "EPILOGUE": linear_triton.EPILOGUE_PLAIN, "HEAD_DIM": 2}, {}),
+    # the draw at a temperature: each chunk's statistics, then each chunk's q and the draw (a draft's table)
+    "sample_chunk_stats": (sample_triton._chunk_stats_kernel, {"CHUNK": 1024},
+                           {"temp_ptr": "*fp32", "stats_ptr": "*fp32"}),
+    "sample_chunk_draw": (sample_triton._chunk_draw_kernel,
+                          {"CHUNK": 1024, "C_PAD": 64, "HAS_TABLE": True, "WRITE_Q": True},
+                          {"temp_ptr": "*fp32", "u_ptr": "*fp64", "stats_ptr": "*fp32", "table_ptr": "*i64",
+                           "tok_ptr": "*i64", "q_ptr": "*fp32"}),
+    # the rejection rule for sampled chains: a program a row, the chain's last row program testing its drafts
+    "chain_rule": (chain_accept_triton._rule_kernel, {"K_PAD": 8, "K1_PAD": 8, "BLOCK": 4096},
+                   {"first_ptr": "*i64", "temp_ptr": "*fp32", "d_ptr": "*i64", "q_ptr": "*fp32", "u_ptr": "*fp64",
+                    "m_ptr": "*fp32", "s_ptr": "*fp32", "cnt_ptr": "*i32", "count_ptr": "*i64", "tok_ptr": "*i64",
+                    "rows_ptr": "*i64"}),
 }
-READS_BEFORE_WAIT = {"gemv", "gemv_rope", "gemv_silu", "decode_gemm_one_tile", "draft_input"}  # their (first) weight tile; the norm weights
+READS_BEFORE_WAIT = {"gemv", "gemv_rope", "gemv_silu", "gemv_rows", "decode_gemm_one_tile", "draft_input"}  # their (first) weight tile; the norm weights
 
 
 def hopper_ptx(fn: Any, constexprs: dict[str, Any], types: dict[str, str]) -> list[str]:

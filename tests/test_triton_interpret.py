@@ -138,6 +138,7 @@ def test_interp_decode_gemv_equals_f_linear() -> None:
             xm = torch.randn(m, k, generator=g).to(torch.bfloat16)
             _close(gemv_triton(xm, w, b, 4, 256), F.linear(xm, w, b), 1e-2)
             _close(gemv_triton(xm, w, None, 2, 64, 2), F.linear(xm, w), 1e-2)
+            _close(gemv_triton(xm, w, None, *gemv_tile(k)), F.linear(xm, w), 1e-2)  # one masked tile at 576
             assert torch.equal(decode_linear(xm, w), F.linear(xm, w))
     w = torch.randn(10, 576, generator=g).to(torch.bfloat16)  # 10 outputs: no multiple of 4
     x = torch.randn(1, 576, generator=g).to(torch.bfloat16)

@@ -115,23 +115,31 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, pos_ptr, inv_ptr, M, K, INTER, ROPE
         else:
             _store_tile(tl.reshape(acc, (BLOCK_N, 1)), rn, is_rope, first, tl.arange(0, 1), 1, y_ptr, b_ptr, pos_ptr,
                         inv_ptr, stride_ym, BLOCK_N // 2, 1, HAS_BIAS, EPILOGUE, HEAD_DIM)
-    else:
+    else:  # a row at a time against the tile in registers (a [rows, BLOCK_N, BLOCK_K] product spilled)
         rows = rm[:, None] < M
-        x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
         acc2 = tl.zeros((M_PAD, BLOCK_N), tl.float32)
         for k in range(BLOCK_K, K, BLOCK_K):
             if EVEN_K:
                 w_next = tl.load(w_ptrs + k)
             else:
                 w_next = tl.load(w_ptrs + k, mask=rk[None, :] + k < K, other=0.0)
-            x2 = tl.load(x_ptrs + (k - BLOCK_K), mask=rows, other=0.0).to(tl.float32)
-            acc2 += tl.sum(x2[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+            acc2 = _rows_times_tile(acc2, w, x_ptr, stride_xm, k - BLOCK_K, rk, rm, M, K, M_PAD)
             w = w_next
-        x2 = tl.load(x_ptrs + last, mask=rows & (rk[None, :] + last < K), other=0.0).to(tl.float32)
-        acc2 += tl.sum(x2[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        acc2 = _rows_times_tile(acc2, w, x_ptr, stride_xm, last, rk, rm, M, K, M_PAD)
         if HAS_BIAS:
             acc2 += tl.load(b_ptr + rn).to(tl.float32)[None, :]
         tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc2.to(y_ptr.dtype.element_ty), mask=rows)
+
+
+@triton.jit
+def _rows_times_tile(acc, w, x_ptr, stride_xm, k0, rk, rm, M, K, M_PAD: tl.constexpr):
+    """``acc`` [M_PAD, BLOCK_N] plus each row of x's columns k0.. times the [BLOCK_N, BLOCK_K] weight tile ``w``,
+    one row at a time (fp32)."""
+    wf = w.to(tl.float32)
+    for r in tl.static_range(M_PAD):
+        x = tl.load(x_ptr + r * stride_xm + k0 + rk, mask=(rk + k0 < K) & (rk * 0 + r < M), other=0.0).to(tl.float32)
+        acc += tl.where(rm[:, None] == r, tl.sum(wf * x[None, :], axis=1)[None, :], 0.0)
+    return acc
 
 
 def _gemv_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block_n: int) -> bool:
