@@ -163,8 +163,33 @@ def profile(fn: Callable[[], Any], device: torch.device, reps: int = 3, top: int
         kind = kernel_kind(r["name"], kinds or KINDS)
         by_kind[kind] = by_kind.get(kind, 0.0) + r["us_per_step"]
     total = sum(r["us_per_step"] for r in rows)
+    marginal = marginal_times(prof.events(), reps)
+    by_kind_marginal: dict[str, float] = {}
+    for name, us in marginal.items():
+        kind = kernel_kind(name, kinds or KINDS)
+        by_kind_marginal[kind] = by_kind_marginal.get(kind, 0.0) + us
     return {"kernel_us_per_step": total, "kernels_per_step": sum(r["calls_per_step"] for r in rows),
-            "by_kind_us": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])), "top": rows[:top]}
+            "by_kind_us": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])), "top": rows[:top],
+            "marginal_us_per_step": sum(marginal.values()),
+            "marginal_by_kind_us": dict(sorted(by_kind_marginal.items(), key=lambda kv: -kv[1])),
+            "top_marginal": sorted(([us, name[:120]] for name, us in marginal.items()), reverse=True)[:top]}
+
+
+def marginal_times(events: Any, reps: int = 1) -> dict[str, float]:
+    """Each kernel name's time on the critical path per call: a kernel's end minus the end of the kernel that
+    ended before it (its own duration where the GPU was idle in between, that gap counted as "(idle)"). Under PDL a kernel starts before the
+    one ahead of it ends and waits, so its duration counts that wait too; the ends do not overlap."""
+    spans = sorted((e.time_range.end, e.time_range.start, e.name) for e in events
+                   if "CUDA" in str(getattr(e, "device_type", "")))
+    out: dict[str, float] = {}
+    last_end = None
+    for end, start, name in spans:
+        begin = start if last_end is None or last_end < start else last_end
+        if last_end is not None and last_end < start:
+            out["(idle)"] = out.get("(idle)", 0.0) + (start - last_end) / reps
+        out[name] = out.get(name, 0.0) + (end - begin) / reps
+        last_end = end
+    return out
 
 
 KINDS: Kinds = (

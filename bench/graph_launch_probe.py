@@ -119,7 +119,10 @@ def idle_launches(graphs: Any, label: str, repeats: int = 20, kernels: bool = Fa
             rows[-1]["kernels"] = {"kernels_per_replay": round(p["kernels_per_step"], 1),
                                    "by_kind_us": {k: round(v, 1) for k, v in p["by_kind_us"].items()},
                                    "top_us_calls": [[round(r["us_per_step"], 1), r["calls_per_step"], r["name"][:90]]
-                                                    for r in p["top"]]}
+                                                    for r in p["top"]],
+                                   "marginal_us": round(p["marginal_us_per_step"], 1),
+                                   "marginal_by_kind_us": {k: round(v, 1) for k, v in p["marginal_by_kind_us"].items()},
+                                   "top_marginal_us": [[round(us, 1), name[:90]] for us, name in p["top_marginal"]]}
     return rows
 
 

@@ -302,3 +302,18 @@ def test_probe_table_groups_alternated_variants_and_takes_medians(tmp_path: Path
     assert "records of 2 machines" in done.stderr and "(defaults)" in done.stdout
     table = json.loads((tmp_path / "table.json").read_text())
     assert len(table["machines"]) == 2 and set(table["variants"]) == set(rows)
+
+
+def test_marginal_kernel_times_count_overlap_once_and_idle_apart() -> None:
+    """Under PDL a kernel starts before the one ahead ends: each kernel is charged from the previous end to its
+    own, an idle gap goes to "(idle)", host events are left out, per call of ``reps``."""
+    from types import SimpleNamespace
+
+    from bench.common import marginal_times
+
+    def event(name: str, start: float, end: float, device: str = "DeviceType.CUDA") -> SimpleNamespace:
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), device_type=device)
+
+    events = [event("b", 1, 5), event("a", 0, 3), event("c", 7, 9), event("a", 9, 12), event("host", 0, 99, "CPU")]
+    assert marginal_times(events, reps=1) == {"a": 6.0, "b": 2.0, "(idle)": 2.0, "c": 2.0}
+    assert marginal_times(events, reps=2) == {"a": 3.0, "b": 1.0, "(idle)": 1.0, "c": 1.0}
