@@ -42,6 +42,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION:UserWar
 HOPPER = GPUTarget("cuda", 90, 32)
 LOADS = ("ld.global", "cp.async.cg", "cp.async.ca", "cp.async.bulk")
 
+DECODE_POINTERS = {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "bt_ptr": "*i32",
+                   "ctx_ptr": "*i32", "slot_ptr": "*i64", "cnt_ptr": "*i32", "seq_ptr": "*i64", "index_ptr": "*i64",
+                   "qstart_ptr": "*i32"}
 # name -> (kernel, compile-time constants, argument types other than bf16 pointers / i32 / fp32 eps and scale)
 KERNELS: dict[str, tuple[Any, dict[str, Any], dict[str, str]]] = {
     "add_rms_norm": (rms_norm_triton._rms_norm_kernel, {"HAS_RESIDUAL": True, "BLOCK": 4096}, {}),
@@ -62,23 +65,23 @@ KERNELS: dict[str, tuple[Any, dict[str, Any], dict[str, str]]] = {
     "decode_attention": (decode_attention_triton._decode_kernel,
                          {"HEADS": 32, "GROUP": 4, "BLOCK_H": 4, "HEAD_BLOCKS": 1, "H_PAD": 16, "DA": 128, "DA_PAD": 128,
                           "DB": 0, "DB_PAD": 16, "VDIM": 128, "VDIM_PAD": 128, "V_IN_K": False, "PAGE": 16,
-                          "BLOCK_N": 32, "SPLITS": 4, "COMBINE": False, "DOT_FP32": False, "PREFETCH": False},
-                         {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "bt_ptr": "*i32",
-                          "ctx_ptr": "*i32", "slot_ptr": "*i64", "cnt_ptr": "*i32"}),
+                          "BLOCK_N": 32, "SPLITS": 4, "COMBINE": False, "DOT_FP32": False, "PREFETCH": False,
+                          "ROWS": False}, DECODE_POINTERS),
     "decode_attention_read_ahead": (decode_attention_triton._decode_kernel,
                                     {"HEADS": 32, "GROUP": 4, "BLOCK_H": 4, "HEAD_BLOCKS": 1, "H_PAD": 16, "DA": 128,
                                      "DA_PAD": 128, "DB": 0, "DB_PAD": 16, "VDIM": 128, "VDIM_PAD": 128,
                                      "V_IN_K": False, "PAGE": 16, "BLOCK_N": 32, "SPLITS": 32, "COMBINE": True,
-                                     "DOT_FP32": False, "PREFETCH": True},
-                                    {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
-                                     "bt_ptr": "*i32", "ctx_ptr": "*i32", "slot_ptr": "*i64", "cnt_ptr": "*i32"}),
+                                     "DOT_FP32": False, "PREFETCH": True, "ROWS": False}, DECODE_POINTERS),
+    "decode_attention_rows": (decode_attention_triton._decode_kernel,  # a chain verify's rows (SmolLM2's heads)
+                              {"HEADS": 9, "GROUP": 3, "BLOCK_H": 3, "HEAD_BLOCKS": 1, "H_PAD": 16, "DA": 64,
+                               "DA_PAD": 64, "DB": 0, "DB_PAD": 16, "VDIM": 64, "VDIM_PAD": 64, "V_IN_K": False,
+                               "PAGE": 16, "BLOCK_N": 32, "SPLITS": 8, "COMBINE": True, "DOT_FP32": False,
+                               "PREFETCH": True, "ROWS": True}, DECODE_POINTERS),
     "decode_attention_combine": (decode_attention_triton._decode_kernel,
                                  {"HEADS": 32, "GROUP": 4, "BLOCK_H": 4, "HEAD_BLOCKS": 1, "H_PAD": 16, "DA": 128,
                                   "DA_PAD": 128, "DB": 0, "DB_PAD": 16, "VDIM": 128, "VDIM_PAD": 128, "V_IN_K": False,
                                   "PAGE": 16, "BLOCK_N": 32, "SPLITS": 4, "COMBINE": True, "DOT_FP32": False,
-                                  "PREFETCH": False},
-                                 {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
-                                  "bt_ptr": "*i32", "ctx_ptr": "*i32", "slot_ptr": "*i64", "cnt_ptr": "*i32"}),
+                                  "PREFETCH": False, "ROWS": False}, DECODE_POINTERS),
     "combine": (attention_splits_triton._combine_kernel, {"SPLITS_PAD": 32, "VDIM": 128, "VDIM_PAD": 128},
                 {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32"}),
     "decode_gemm": (linear_triton._decode_gemm_kernel,

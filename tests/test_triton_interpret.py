@@ -710,6 +710,77 @@ def test_interp_prefill_attention_on_a_graph_padded_verify_layout_equals_torch(w
 
 
 @inner
+@pytest.mark.parametrize(("width", "front"), [(3, "pad"), (3, "copies"), (40, "pad"), (40, "copies"), (160, "long")],
+                         ids=["one-split-pad", "one-split-copies", "splits-pad", "splits-copies", "pipelined-splits"])
+def test_interp_chain_verify_as_decode_rows_equals_torch(width: int, front: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A few new tokens per sequence (a chain verify) through the decode entry point run as decode rows, a
+    program per row (``ROWS_AS_DECODE``), not the prefill kernel: each row sees its sequence's cache up to its
+    causal limit, the sequence's new keys from k / v. StepGraphs' padded layout (``front`` "pad": leading rows
+    share the first real row's limit and write the pad slot; "copies": they copy the first real row, its K/V
+    to its slot), block tables 3 wide (one split) or 40 (splits, read ahead in registers: 24 programs); "long":
+    contexts 300 / 37 / 6 over 160-page tables, 6 rows each (36 programs: the pipelined loop, splits combined in
+    the kernel). Equal to the torch path; the cache as the torch path leaves it; the arrival counters reset."""
+    from fusedserve.models.forward_batch import ForwardBatch, KVCache, PagedAttentionMetadata
+    from fusedserve.models.layers import decode_attention_triton
+    from fusedserve.models.layers.paged_attention_torch import paged_attention_torch
+
+    def refuse(*args: object) -> None:
+        raise AssertionError("a chain verify went to the prefill kernel")
+
+    monkeypatch.setattr(decode_attention_triton, "paged_prefill_attention_triton", refuse)
+    g = torch.Generator().manual_seed(17 + width)
+    block = 4
+    if front == "long":
+        n, ctx, pad_slot = 6, [300, 37, 6], 799
+        kv = KVCache.allocate({0: (2, 16)}, 200, block, torch.bfloat16)
+        perm = torch.randperm(199, generator=g)
+        tables, used = torch.zeros(3, width, dtype=torch.int32), 0
+        for i, c in enumerate(ctx):
+            tables[i, : -(-c // block)] = perm[used:used + -(-c // block)]
+            used += -(-c // block)
+        index = torch.tensor([c - n + j for c in ctx for j in range(n)])
+        slots = torch.tensor([int(tables[i, p // block]) * block + p % block for i, c in enumerate(ctx)
+                              for p in range(c - n, c)])
+    else:
+        n, ctx, pad_slot = 4, [9, 6, 1], 47
+        kv = KVCache.allocate({0: (2, 16)}, 12, block, torch.bfloat16)
+        tables = torch.zeros(3, width, dtype=torch.int32)
+        tables[0, :3] = torch.tensor([5, 2, 7])
+        tables[1, :2] = torch.tensor([3, 9])
+        index = torch.tensor([5, 6, 7, 8, 4, 4, 4, 5, 0, 0, 0, 0])
+        front_slot = pad_slot if front == "pad" else 36
+        slots = torch.tensor([9, 10, 11, 28, front_slot, front_slot, 36, 37] + [pad_slot] * 4)
+    kv.k[0].copy_(torch.randn(kv.k[0].shape, generator=g))
+    kv.v[0].copy_(torch.randn(kv.v[0].shape, generator=g))
+    b = len(ctx)
+    meta = PagedAttentionMetadata(
+        block_tables=tables, context_lens=torch.tensor(ctx, dtype=torch.int32),
+        token_seq=torch.arange(b).repeat_interleave(n), token_index=index,
+        query_start=torch.arange(b + 1, dtype=torch.int32) * n, max_query_len=n)
+    q = torch.randn(b * n, 8, 16, generator=g).to(torch.bfloat16)
+    k = torch.randn(b * n, 2, 16, generator=g).to(torch.bfloat16)
+    v = torch.randn(b * n, 2, 16, generator=g).to(torch.bfloat16)
+    if front == "copies":
+        q[4:6], k[4:6], v[4:6] = q[6], k[6], v[6]
+
+    def batch(cache: KVCache) -> ForwardBatch:
+        zeros = torch.zeros(b * n, dtype=torch.long)
+        return ForwardBatch(zeros, zeros, [n] * b, ctx, slots, [[0]] * b, cache, paged=meta)
+
+    ref_kv = KVCache({0: kv.k[0].clone()}, {0: kv.v[0].clone()}, block, kv.num_blocks)
+    got = decode_attention_triton.paged_decode_attention_triton(q, k, v, 0, batch(kv), 0.25)
+    again = decode_attention_triton.paged_decode_attention_triton(q, k, v, 0, batch(kv), 0.25)
+    want = paged_attention_torch(q, k, v, 0, batch(ref_kv), 0.25)
+    real = b * n if front == "long" else 2 * n  # the padding sequence's rows are dropped
+    assert torch.isfinite(got).all()
+    _close(got[:real], want[:real], 1e-2)
+    assert torch.equal(got, again)
+    assert torch.equal(kv.k[0][:pad_slot], ref_kv.k[0][:pad_slot])  # the pad slot: whichever row wrote last
+    assert torch.equal(kv.v[0][:pad_slot], ref_kv.v[0][:pad_slot])
+
+
+@inner
 @pytest.mark.parametrize("rows", [6, 1])
 def test_interp_tree_tail_masks_in_the_prefill_kernel_equal_torch(rows: int) -> None:
     """A captured tree step's layout: the metadata's tail mask ([T, 6]) over each context's last 6 indices.

@@ -1,9 +1,11 @@
 """Paged GQA decode attention in Triton that also stores the new token's K/V (GPU; split-KV).
 
 Plain reference: ``paged_attention_torch.paged_attention_torch`` (itself checked against
-``attention.paged_attention_reference``). Steps that are not decode-shaped (more than one new
-token per sequence: prefill, chunked prefill, chain verify, mixed batches) go to the paged flash
-attention of ``prefill_attention_triton.py``, and so do trees given as a metadata ``tail_mask``; trees
+``attention.paged_attention_reference``). A step of a few new tokens per sequence (a chain verify, a
+draft's first pass: ``ROWS_AS_DECODE``) runs here too, a program per new token (row) whose context is its
+causal limit, the sequence's new keys read from ``k`` / ``v``. Other steps of several new tokens per
+sequence (prefill, chunked prefill, mixed batches) go to the paged flash attention of
+``prefill_attention_triton.py``, and so do trees given as a metadata ``tail_mask``; trees
 given as ``batch.attn_masks`` (eager) to the torch path. A program per (sequence, KV head, block of its query
 heads, split) handles up to ``heads_per_program`` heads of the KV head's query group (padded to 16
 rows for ``tl.dot``; a large group, e.g. MLA's 128 heads over one latent KV head, is cut into
@@ -31,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..forward_batch import ForwardBatch
+from ..forward_batch import ForwardBatch, PagedAttentionMetadata
 from .arrival_counters import arrival_counters
 from .attention_splits_triton import combine_splits, num_splits, split_partials, store_partial
 from .paged_attention_torch import paged_attention_torch
@@ -43,6 +45,15 @@ from .prefill_attention_triton import paged_prefill_attention_triton
 # 4.33, batch 64 within noise, batch 1 4.07 vs 4.00 (2026-12-03-decode-rows-fused-combine-ab-h200.json).
 # False: the separate combine (bench/decode_engine.py --separate-combine, the A/B).
 FUSED_COMBINE = True
+# A step of a few new tokens per sequence (a chain verify, a draft's first pass: at most ROWS_AS_DECODE per
+# sequence and ROWS_AS_DECODE_TOTAL in all, causal, K/V not in K) runs here with a program per row (``ROWS``)
+# instead of the prefill kernel's query tiles with the splits combined by a launch after: each row's context is
+# small next to what one program can take, and the split-KV decode launch combines in-kernel. Why: on SmolLM2's
+# 8-row chain verify (H100) the prefill kernel and its combine took 161 + 59 us of GPU time on the critical path
+# a verify against 82 us for the one-row step's decode attention (bench/graph_launch_probe.py --kernels,
+# 2026-12-06-verify-kernel-marginals-smollm2-h100.json). 0: off (the prefill kernel; the A/B through --set).
+ROWS_AS_DECODE = 16
+ROWS_AS_DECODE_TOTAL = 64
 # Accumulator elements of one program ([heads, V dim] fp32): bounds the heads a program takes.
 ACC_ELEMENTS = 8192
 # Triton's CPU interpreter (TRITON_INTERPRET=1, used by the CPU tests) multiplies bf16 matrices
@@ -115,23 +126,64 @@ def _attend_tile(q_a, q_b, kt, kb, vt, is_new, in_range, k_a_new, k_b_new, v_new
 
 
 @triton.jit
+def _fresh_rows(kt, kb, vt, k_ptr, v_ptr, rows_new, fresh, h, stride_kt, stride_kh, stride_vt, stride_vh,
+                DA: tl.constexpr, DA_PAD: tl.constexpr, DB: tl.constexpr, DB_PAD: tl.constexpr,
+                VDIM: tl.constexpr, VDIM_PAD: tl.constexpr, V_IN_K: tl.constexpr):
+    """A tile's keys and values at the step's new indices (``fresh``) from k / v rows ``rows_new`` in place of
+    the cache's (written in this launch by other programs)."""
+    da = tl.arange(0, DA_PAD)
+    ka = tl.load(k_ptr + rows_new[:, None] * stride_kt + h * stride_kh + da[None, :],
+                 mask=fresh[:, None] & (da < DA)[None, :], other=0.0)
+    kt = tl.where(fresh[:, None], ka.to(kt.dtype), kt)
+    if DB > 0:
+        db = DA + tl.arange(0, DB_PAD)
+        kbn = tl.load(k_ptr + rows_new[:, None] * stride_kt + h * stride_kh + db[None, :],
+                      mask=fresh[:, None] & (db < DA + DB)[None, :], other=0.0)
+        kb = tl.where(fresh[:, None], kbn.to(kb.dtype), kb)
+    if V_IN_K:
+        vt = kt
+    else:
+        dv = tl.arange(0, VDIM_PAD)
+        vn = tl.load(v_ptr + rows_new[:, None] * stride_vt + h * stride_vh + dv[None, :],
+                     mask=fresh[:, None] & (dv < VDIM)[None, :], other=0.0)
+        vt = tl.where(fresh[:, None], vn.to(vt.dtype), vt)
+    return kt, kb, vt
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-                   bt_ptr, ctx_ptr, slot_ptr, cnt_ptr,
+                   bt_ptr, ctx_ptr, slot_ptr, cnt_ptr, seq_ptr, index_ptr, qstart_ptr,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                    stride_kcs, stride_kch, stride_vcs, stride_vch, stride_ot, stride_oh, stride_bt,
                    scale, HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
                    HEAD_BLOCKS: tl.constexpr, H_PAD: tl.constexpr, DA: tl.constexpr, DA_PAD: tl.constexpr,
                    DB: tl.constexpr, DB_PAD: tl.constexpr, VDIM: tl.constexpr, VDIM_PAD: tl.constexpr,
                    V_IN_K: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                   COMBINE: tl.constexpr, DOT_FP32: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                   COMBINE: tl.constexpr, DOT_FP32: tl.constexpr, PREFETCH: tl.constexpr, ROWS: tl.constexpr,
+                   PDL: tl.constexpr):
     pdl_open(PDL)
     # K's columns are part A (0..DA) and part B (DA..DA+DB, none when DB = 0); V_IN_K: V is part A.
-    ctx = tl.load(ctx_ptr + tl.program_id(0))
+    # ROWS: a program per new token (row) of a step with a few per sequence (a chain verify), each row's
+    # context its causal limit + 1; the sequence's new indices (from its first row's limit on) are read from
+    # k / v (rows_new: the last row holds ctx - 1), the older ones from the cache. Else one row per sequence.
     b = tl.program_id(0).to(tl.int64)
+    if ROWS:
+        seq = tl.load(seq_ptr + b)
+        last = tl.load(index_ptr + b)
+        ctx = (last + 1).to(tl.int32)
+        q_start = tl.load(qstart_ptr + seq)
+        new0 = tl.load(index_ptr + q_start)
+        row_shift = tl.load(qstart_ptr + seq + 1) - tl.load(ctx_ptr + seq)  # the row of new index n: row_shift + n
+        bt_row = seq.to(tl.int64)
+    else:
+        ctx = tl.load(ctx_ptr + b)
+        bt_row = b
     h = tl.program_id(1) // HEAD_BLOCKS  # KV head
     hb = tl.program_id(1) % HEAD_BLOCKS  # block of its query heads
     split = tl.program_id(2)
-    last = ctx - 1
+    if not ROWS:
+        last = ctx - 1
+        new0 = last
     # The splits share this sequence's real context (whole tiles each): a captured batch's SPLITS follow its
     # longest possible context, the work the context it has.
     split_tokens = tl.cdiv(tl.cdiv(ctx, BLOCK_N), SPLITS) * BLOCK_N
@@ -176,32 +228,45 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, p
     l_sum = tl.zeros((H_PAD,), tl.float32)
     acc = tl.zeros((H_PAD, VDIM_PAD), tl.float32)
     ar = tl.arange(0, BLOCK_N)
-    stop = tl.minimum(end, last)  # cached keys of this split end here; the new token comes from k / v
-    slots_nxt = _tile_slots(bt_ptr + b * stride_bt, first + ar, end, PAGE)
+    stop = tl.minimum(end, new0)  # cached keys of this split end here; the new tokens come from k / v
+    if ROWS:
+        own = -1  # no key is taken from this row's k / v alone: _fresh_rows reads every new one
+    else:
+        own = last
+    bt_row_ptr = bt_ptr + bt_row * stride_bt
+    slots_nxt = _tile_slots(bt_row_ptr, first + ar, end, PAGE)
     if PREFETCH:
         # The loads run ahead of the math by hand, in registers: a tile's K/V are loaded one tile before they
         # are used and its cache slots (the block-table lookup) two tiles before, so no load waits on a load.
         kt_cur, kb_cur, vt_cur = _tile_kv(kc_ptr, vc_ptr, slots_nxt, first + ar < stop, h, stride_kcs, stride_kch,
                                           stride_vcs, stride_vch, DA, DA_PAD, DB, DB_PAD, VDIM, VDIM_PAD, V_IN_K)
-        slots_nxt = _tile_slots(bt_ptr + b * stride_bt, first + BLOCK_N + ar, end, PAGE)
+        slots_nxt = _tile_slots(bt_row_ptr, first + BLOCK_N + ar, end, PAGE)
         for start in range(first, end, BLOCK_N):
             n = start + ar
             kt_nxt, kb_nxt, vt_nxt = _tile_kv(kc_ptr, vc_ptr, slots_nxt, n + BLOCK_N < stop, h, stride_kcs,
                                               stride_kch, stride_vcs, stride_vch, DA, DA_PAD, DB, DB_PAD, VDIM,
                                               VDIM_PAD, V_IN_K)
-            slots_nxt = _tile_slots(bt_ptr + b * stride_bt, n + 2 * BLOCK_N, end, PAGE)
-            m, l_sum, acc = _attend_tile(q_a, q_b, kt_cur, kb_cur, vt_cur, n == last, n < end, k_a_new, k_b_new,
-                                         v_new, m, l_sum, acc, scale, DB, V_IN_K, DOT_FP32)
+            slots_nxt = _tile_slots(bt_row_ptr, n + 2 * BLOCK_N, end, PAGE)
+            if ROWS:
+                kt_cur, kb_cur, vt_cur = _fresh_rows(kt_cur, kb_cur, vt_cur, k_ptr, v_ptr, row_shift + n,
+                                                     (n >= new0) & (n < end), h, stride_kt, stride_kh, stride_vt,
+                                                     stride_vh, DA, DA_PAD, DB, DB_PAD, VDIM, VDIM_PAD, V_IN_K)
+            m, l_sum, acc = _attend_tile(q_a, q_b, kt_cur, kb_cur, vt_cur, n == own, n < end,
+                                         k_a_new, k_b_new, v_new, m, l_sum, acc, scale, DB, V_IN_K, DOT_FP32)
             kt_cur, kb_cur, vt_cur = kt_nxt, kb_nxt, vt_nxt
     else:  # the block-table lookup one tile ahead, so Triton's pipelined K/V copies wait on no load
         for start in range(first, end, BLOCK_N):
             n = start + ar
             slots = slots_nxt
-            slots_nxt = _tile_slots(bt_ptr + b * stride_bt, n + BLOCK_N, end, PAGE)
+            slots_nxt = _tile_slots(bt_row_ptr, n + BLOCK_N, end, PAGE)
             kt, kb, vt = _tile_kv(kc_ptr, vc_ptr, slots, n < stop, h, stride_kcs, stride_kch, stride_vcs,
                                   stride_vch, DA, DA_PAD, DB, DB_PAD, VDIM, VDIM_PAD, V_IN_K)
-            m, l_sum, acc = _attend_tile(q_a, q_b, kt, kb, vt, n == last, n < end, k_a_new, k_b_new, v_new, m,
-                                         l_sum, acc, scale, DB, V_IN_K, DOT_FP32)
+            if ROWS:
+                kt, kb, vt = _fresh_rows(kt, kb, vt, k_ptr, v_ptr, row_shift + n, (n >= new0) & (n < end), h,
+                                         stride_kt, stride_kh, stride_vt, stride_vh, DA, DA_PAD, DB, DB_PAD, VDIM,
+                                         VDIM_PAD, V_IN_K)
+            m, l_sum, acc = _attend_tile(q_a, q_b, kt, kb, vt, n == own, n < end, k_a_new,
+                                         k_b_new, v_new, m, l_sum, acc, scale, DB, V_IN_K, DOT_FP32)
     do = tl.arange(0, VDIM_PAD)
     if SPLITS == 1:
         out = acc / l_sum[:, None]
@@ -265,9 +330,15 @@ class DecodeLaunch:
 # registers, and the programs with splits it then aims at (more programs: ``num_splits``'s default, 512).
 FEW_PROGRAMS = 32
 PREFETCH_PROGRAMS = 256
+# The same for a launch of decode rows (``ROWS_AS_DECODE``): fewer splits, each row's context shared by fewer
+# programs. SmolLM2's 8-row chain verify (24 programs before splits: 2 splits at 64, 8 at 256) took 678 us of GPU
+# time a round at 64, 683 at 128 and 725 at 256, and 732 through the prefill kernel (bench/graph_launch_probe.py
+# --timeline in a generate, alternated twice in one lease on an H100; the one-row step 508-521 us in all:
+# 2026-12-06-verify-rows-as-decode-smollm2-h100.json).
+ROWS_PREFETCH_PROGRAMS = 64
 
 
-def decode_launch(programs: int, max_context: int, wide: bool = False) -> DecodeLaunch:
+def decode_launch(programs: int, max_context: int, wide: bool = False, rows: bool = False) -> DecodeLaunch:
     """The launch of a decode batch of ``programs`` programs without splits (sequences x KV heads x head
     blocks) whose contexts reach ``max_context`` tokens (a captured batch: its maximum): 32 keys per tile on
     4 warps; up to ``FEW_PROGRAMS`` (batch <= 4 at GQA 32/8) read ahead in registers with splits up to
@@ -289,7 +360,8 @@ def decode_launch(programs: int, max_context: int, wide: bool = False) -> Decode
     if wide:
         return DecodeLaunch(32, 4, 2, num_splits(programs, max_context, 32), combine_in_kernel=False)
     if programs <= FEW_PROGRAMS:
-        return DecodeLaunch(32, 4, 2, num_splits(programs, max_context, 32, PREFETCH_PROGRAMS), prefetch=True)
+        target = ROWS_PREFETCH_PROGRAMS if rows else PREFETCH_PROGRAMS
+        return DecodeLaunch(32, 4, 2, num_splits(programs, max_context, 32, target), prefetch=True)
     return DecodeLaunch(32, 4, 3, num_splits(programs, max_context, 32))
 
 
@@ -312,8 +384,9 @@ def paged_decode_attention_triton(
     batch: ForwardBatch,
     scale: float,
 ) -> torch.Tensor:
-    """Decode: store each sequence's new K/V and attend over its context; steps of several new tokens
-    per sequence and trees in the metadata (``tail_mask``): ``paged_prefill_attention_triton``; eager trees
+    """Decode: store each sequence's new K/V and attend over its context; a few new tokens per sequence
+    (``rows_as_decode``: a chain verify) as decode rows, a program per row; more, and trees in the metadata
+    (``tail_mask``): ``paged_prefill_attention_triton``; eager trees
     (``batch.attn_masks``): the torch path. A layer whose V is in K
     (``KVCache.v_in_k``) stores K alone and takes V from the K tiles (``v`` must then be K's first
     columns, as MLA passes it).
@@ -324,17 +397,24 @@ def paged_decode_attention_triton(
     cache = batch.kv_cache
     if cache is None or (batch.attn_masks is not None and any(m is not None for m in batch.attn_masks)):
         return paged_attention_torch(q, k, v, layer_id, batch, scale)
-    if meta.max_query_len != 1 or meta.tail_mask is not None:
-        return paged_prefill_attention_triton(q, k, v, layer_id, batch, scale)
     n, heads, dim = q.shape
+    if meta.tail_mask is not None or (meta.max_query_len != 1 and not rows_as_decode(meta, n, layer_id in cache.v_in_k)):
+        return paged_prefill_attention_triton(q, k, v, layer_id, batch, scale)
     kv_heads, vdim = k.shape[1], v.shape[2]
     group = heads // kv_heads
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("decode attention kernel needs unit-stride head dims")
     block_h = heads_per_program(group, _pad(vdim))
     context = meta.block_tables.shape[1] * cache.block_size
-    launch = decode_launch(n * kv_heads * -(-group // block_h), context, wide=max(_pad(dim), _pad(vdim)) > 128)
+    launch = decode_launch(n * kv_heads * -(-group // block_h), context, wide=max(_pad(dim), _pad(vdim)) > 128,
+                           rows=meta.max_query_len != 1)
     return decode_attention_launch(q, k, v, layer_id, batch, scale, launch)
+
+
+def rows_as_decode(meta: PagedAttentionMetadata, rows: int, v_in_k: bool) -> bool:
+    """Whether a step of several new tokens per sequence runs as decode rows (``ROWS_AS_DECODE``)."""
+    return (meta.tail_mask is None and not v_in_k and 1 < meta.max_query_len <= ROWS_AS_DECODE
+            and rows <= ROWS_AS_DECODE_TOTAL)
 
 
 def decode_attention_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch,
@@ -366,14 +446,15 @@ def decode_attention_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
         part_acc = part_m = part_l = out  # unused
     _decode_kernel[(n, kv_heads * head_blocks, splits)](
         q, k, v, kc, vc, out, part_acc, part_m, part_l, meta.block_tables, meta.context_lens, batch.slot_mapping,
-        counters if counters is not None else meta.context_lens,
+        counters if counters is not None else meta.context_lens, meta.token_seq, meta.token_index, meta.query_start,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), out.stride(0), out.stride(1),
         meta.block_tables.stride(0), scale,
         HEADS=heads, GROUP=group, BLOCK_H=block_h, HEAD_BLOCKS=head_blocks, H_PAD=_pad(block_h), DA=da,
         DA_PAD=_pad(da), DB=dim - da, DB_PAD=_pad(dim - da), VDIM=vdim, VDIM_PAD=vdim_pad, V_IN_K=v_in_k,
         PAGE=cache.block_size, BLOCK_N=launch.block_n, SPLITS=splits, COMBINE=counters is not None,
-        DOT_FP32=_DOT_FP32, PREFETCH=launch.prefetch, num_warps=launch.warps, num_stages=launch.stages, **pdl_launch())
+        DOT_FP32=_DOT_FP32, PREFETCH=launch.prefetch, ROWS=meta.max_query_len != 1, num_warps=launch.warps,
+        num_stages=launch.stages, **pdl_launch())
     if splits > 1 and counters is None:
         combine_splits(part_acc, part_m, part_l, out)
     return out

@@ -1,7 +1,8 @@
 """Paged causal flash attention in Triton for steps with several new tokens per sequence (GPU).
 
-Prefill, chunked prefill (a cached prefix before the new tokens), chain verify of speculative
-decoding and mixed batches (decode rows beside prefill rows). Plain reference:
+Prefill, chunked prefill (a cached prefix before the new tokens), mixed batches (decode rows beside
+prefill rows) and trees; a chain verify of speculative decoding where the decode kernel does not take it
+as rows (``decode_attention_triton.ROWS_AS_DECODE``: a few new tokens per sequence run there). Plain reference:
 ``paged_attention_torch.paged_attention_torch`` (same signature and result; it gathers the whole
 padded context for every token, this kernel reads only what each token may see).
 
