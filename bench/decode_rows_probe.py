@@ -9,8 +9,8 @@ as the engine launches them (PDL where on): cuBLAS, the engine's cut (``decode_g
 ``decode_gemm_splits``) and each ``GEMM_CUTS`` cut (block_n, block_k, stages, warps, K splits; ``SMALL_CUTS``
 for other ``--shapes``), in µs per matmul and TB/s of weights, with each cut's relative error against fp32.
 SmolLM2's verify shapes: ``--no-attention --rows 8 --shapes qkv:960:576,o:576:576,gate_up:3072:576,down:576:1536``
-(the 8B names' cuts then apply: name them otherwise, e.g. ``s_qkv``, for ``SMALL_CUTS``); at up to
-``GEMV_ROWS`` rows also the GEMV at each ``GEMV_CUTS`` tile (``gemv_cuts``, ``gemv_best``).
+(the 8B names' cuts then apply: name them otherwise, e.g. ``s_qkv``, for ``SMALL_CUTS``); at one row also the
+GEMV at each ``GEMV_CUTS`` tile (``gemv_cuts``, ``gemv_best``).
 
 Attention: the engine's decode kernel (``decode_attention_launch``) at batch 16 / 64, context ``--ctx``,
 32 calls per graph each on its own layer's cache (what a step reads: 42 MB a layer at batch 64 fits the
@@ -53,9 +53,9 @@ GEMM_CUTS: dict[str, tuple[tuple[int, int, int, int, int], ...]] = {
 # one tile of all of K (block_k >= k: the kernel's ONE_TILE, its weights read before the PDL wait)
 SMALL_CUTS = (tuple((bn, bk, 6, 4, sp) for bn in (16, 32, 64) for bk in (64, 128) for sp in (1, 2, 3))
               + ((16, 1024, 1, 4, 1), (16, 1024, 1, 8, 1), (32, 1024, 1, 8, 1), (16, 2048, 1, 8, 1), (16, 2048, 1, 4, 1)))
-# the GEMV (no tensor cores: every row against each [block_n, block_k] weight tile in registers) at the rows it
-# takes (linear_triton.GEMV_ROWS), as (block_n, block_k, warps): a few rows of a latency-bound small model (SmolLM2's
-# 8-row verify) may not need the tensor cores' 16-row tiles
+# the one-row GEMV (no tensor cores: the row against each [block_n, block_k] weight tile in registers), as (block_n,
+# block_k, warps); at 2-8 rows a row at a time it was 3.4-4.2x slower than the decode GEMM on SmolLM2's shapes
+# (2026-12-06-verify-kernel-marginals-smollm2-h100.json) and was taken out of linear_triton
 GEMV_CUTS = ((4, 64, 4), (4, 128, 4), (4, 256, 4), (8, 64, 4), (8, 128, 4), (2, 128, 2), (2, 256, 4), (16, 64, 4))
 # (keys per tile, warps, stages, splits, read ahead in registers)
 ATTENTION_CUTS = tuple((bn, w, st, sp, ahead) for bn, w in ((32, 4), (64, 8), (16, 2)) for sp in (1, 2, 4, 8, 16, 32)
@@ -67,7 +67,6 @@ WIDTH = 8192 // BLOCK  # pages per block table in the 8B engine's captured batch
 
 def gemms(rows: int, reps: int, bw: float, shapes: tuple[tuple[str, int, int], ...] = SHAPES) -> dict[str, Any]:
     from fusedserve.models.layers.linear_triton import (
-        GEMV_ROWS,
         decode_gemm_splits,
         decode_gemm_tile,
         gemm_triton,
@@ -112,7 +111,7 @@ def gemms(rows: int, reps: int, bw: float, shapes: tuple[tuple[str, int, int], .
         row["cuts"] = cuts
         timed = [c for c in cuts if "us" in c]
         row["best"] = min(timed, key=lambda c: c["us"]) if timed else None
-        if rows <= GEMV_ROWS:
+        if rows == 1:
             gemv_cuts = []
             for bn, bk, warps in GEMV_CUTS:
                 if n % bn:

@@ -17,8 +17,8 @@ change a bit). The GEMV is the engine's (``linear_triton._gemv_kernel``, with ``
 had the same kernel written here: cuBLAS 4.09 ms, Triton GEMV 3.76, with PDL 3.50 (97 % of the weights'
 roofline), bit-equal.
 
-``--gemv-rows`` (default 2, 4): the GEMV at a few rows, each tile of a small sweep, against cuBLAS (1.5-3x
-slower everywhere on an H200: the engine's GEMV takes one row only).
+(The GEMV at 2-4 rows was 1.5-3x slower than cuBLAS at every tile on an H200, 2026-12-03-pdl-gemv-probe-rows-h200.json,
+and 3.4-4.2x slower than the decode GEMM at 8 rows on SmolLM2's shapes: it takes one row, and that sweep was removed.)
 ``--dot-rows`` (default 16, 64): the engine's decode GEMM for 2..64 rows (``linear_triton._decode_gemm_kernel``,
 operands swapped so the weight's rows fill the MMA) against cuBLAS per shape at each DOT_CFGS tile, the best
 again with PDL (and whether one GEMM with PDL is bit-equal to without), and the tile the engine picks
@@ -53,7 +53,6 @@ from fusedserve.models.layers.linear_triton import (
     _decode_gemm_kernel,
     _gemv_kernel,
     decode_gemm_tile,
-    gemv_triton,
 )
 from fusedserve.models.layers.pdl import HAVE_GDC, pdl_open
 
@@ -92,33 +91,6 @@ def dot(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: tuple[int, int, 
                                                 HAS_BIAS=False, DOT_FP32=False, EPILOGUE=0, HEAD_DIM=2,
                                                 ONE_TILE=bk >= w.shape[1], PREFETCH_LINES=0, LINE=64, PDL=pdl,
                                                 num_stages=stages, num_warps=warps, **_pdl(pdl))
-
-
-GEMV_ROW_TILES = ((4, 256, 4), (4, 512, 4), (4, 512, 8), (8, 256, 4), (2, 512, 4), (4, 1024, 8))
-
-
-def gemv_rows_sweep(weights: list[dict[str, torch.Tensor]], m: int, dev: torch.device) -> dict[str, Any]:
-    """us per matmul at 2..4 rows: cuBLAS and the GEMV launcher (``gemv_triton``, PDL where on) at each
-    GEMV_ROW_TILES tile. Found on an H200 (2026-12-03-pdl-gemv-probe-rows-h200.json): 1.5-3x slower than
-    cuBLAS at every tile (the [rows, 4, block_k] product in registers), so the engine's GEMV takes one row."""
-    out: dict[str, Any] = {}
-    for name, n, k in SHAPES:
-        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-        ws = [w[name] for w in weights]
-        per = 1000 / len(ws)
-        cub = graph_ms(lambda: [F.linear(x, w) for w in ws], 10)["ms"] * per
-        rows: dict[str, Any] = {}
-        for tile in GEMV_ROW_TILES:
-            try:
-                rows[str(tile)] = round(graph_ms(lambda t=tile: [gemv_triton(x, w, None, *t) for w in ws], 10)["ms"]
-                                        * per, 2)
-            except Exception as e:  # a tile that does not compile or fit here is said in the record
-                rows[str(tile)] = f"{type(e).__name__}: {e}"[:200]
-        ref = F.linear(x.float(), ws[0].float())
-        err = ((gemv_triton(x, ws[0], None, 4, 512).float() - ref).norm() / ref.norm()).item()
-        out[name] = {"cublas_us": round(cub, 2), "tiles_us": rows, "rel_err_vs_fp32_tile_4x512": err}
-        progress(f"gemv rows {m} {name}: {out[name]}")
-    return out
 
 
 def dot_sweep(weights: list[dict[str, torch.Tensor]], m: int, dev: torch.device) -> dict[str, Any]:
@@ -165,9 +137,9 @@ def _pdl(on: bool) -> dict[str, bool]:
 
 def gemv(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, tile: tuple[int, int, int], pdl: bool) -> None:
     bn, bk, warps = tile
-    _gemv_kernel[(w.shape[0] // bn,)](x, w, w, y, w, w, 1, w.shape[1], 0, 0, 0, w.stride(0), 0, M_PAD=1, BLOCK_N=bn,
-                                      BLOCK_K=bk, EVEN_K=True, HAS_BIAS=False, EPILOGUE=0, HEAD_DIM=2, PDL=pdl,
-                                      num_warps=warps, **_pdl(pdl))
+    _gemv_kernel[(w.shape[0] // bn,)](x, w, w, y, w, w, w.shape[1], 0, 0, w.stride(0), 0, BLOCK_N=bn, BLOCK_K=bk,
+                                      EVEN_K=True, HAS_BIAS=False, EPILOGUE=0, HEAD_DIM=2, PDL=pdl, num_warps=warps,
+                                      **_pdl(pdl))
 
 
 def copy(x: torch.Tensor, y: torch.Tensor, n: int, pdl: bool) -> None:
@@ -331,7 +303,6 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--dot-rows", default="16,64", help="row counts for the tensor-core candidate's sweep")
-    ap.add_argument("--gemv-rows", default="2,4", help="row counts for the GEMV's multi-row tile sweep")
     ap.add_argument("--no-batch1", action="store_true", help="skip the batch-1 GEMV step (tiles, chains)")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -348,10 +319,6 @@ def main() -> None:
     record["roofline_ms"] = step_bytes / bw * 1e3
     if not args.no_batch1:
         batch1(weights, dev, record, args)
-    record["gemv_rows_sweep"] = {}
-    for m in [int(r) for r in args.gemv_rows.split(",") if r]:
-        record["gemv_rows_sweep"][str(m)] = gemv_rows_sweep(weights, m, dev)
-        write_record(record, args.out)
     record["dot_sweep"] = {}
     record["chain_rows"] = []
     for m in [int(r) for r in args.dot_rows.split(",") if r]:

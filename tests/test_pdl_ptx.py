@@ -139,18 +139,14 @@ KERNELS: dict[str, tuple[Any, dict[str, Any], dict[str, str]]] = {
                                         "ctx_ptr": "*i32", "tail_ptr": "*i64", "slot_ptr": "*i64", "cnt_ptr": "*i32",
                                         "qk_scale": "fp32"}),
     "gemv": (linear_triton._gemv_kernel,
-             {"M_PAD": 1, "BLOCK_N": 4, "BLOCK_K": 2048, "EVEN_K": True, "HAS_BIAS": False,
+             {"BLOCK_N": 4, "BLOCK_K": 2048, "EVEN_K": True, "HAS_BIAS": False,
               "EPILOGUE": linear_triton.EPILOGUE_PLAIN, "HEAD_DIM": 2}, {}),
     "gemv_rope": (linear_triton._gemv_kernel,
-                  {"M_PAD": 1, "BLOCK_N": 4, "BLOCK_K": 1024, "EVEN_K": False, "HAS_BIAS": False,
+                  {"BLOCK_N": 4, "BLOCK_K": 1024, "EVEN_K": False, "HAS_BIAS": False,
                    "EPILOGUE": linear_triton.EPILOGUE_ROPE, "HEAD_DIM": 64}, {"pos_ptr": "*i64", "inv_ptr": "*fp32"}),
     "gemv_silu": (linear_triton._gemv_kernel,
-                  {"M_PAD": 1, "BLOCK_N": 4, "BLOCK_K": 2048, "EVEN_K": True, "HAS_BIAS": False,
+                  {"BLOCK_N": 4, "BLOCK_K": 2048, "EVEN_K": True, "HAS_BIAS": False,
                    "EPILOGUE": linear_triton.EPILOGUE_SILU, "HEAD_DIM": 2}, {}),
-    # 8 rows a row at a time (a bench candidate; SmolLM2's K 576 in one masked tile of 1024)
-    "gemv_rows": (linear_triton._gemv_kernel,
-                  {"M_PAD": 8, "BLOCK_N": 4, "BLOCK_K": 1024, "EVEN_K": False, "HAS_BIAS": False,
-                   "EPILOGUE": linear_triton.EPILOGUE_PLAIN, "HEAD_DIM": 2}, {}),
     # the draw at a temperature: each chunk's statistics, then each chunk's q and the draw (a draft's table)
     "sample_chunk_stats": (sample_triton._chunk_stats_kernel, {"CHUNK": 1024},
                            {"temp_ptr": "*fp32", "stats_ptr": "*fp32"}),
@@ -164,7 +160,7 @@ KERNELS: dict[str, tuple[Any, dict[str, Any], dict[str, str]]] = {
                     "m_ptr": "*fp32", "s_ptr": "*fp32", "cnt_ptr": "*i32", "count_ptr": "*i64", "tok_ptr": "*i64",
                     "rows_ptr": "*i64"}),
 }
-READS_BEFORE_WAIT = {"gemv", "gemv_rope", "gemv_silu", "gemv_rows", "decode_gemm_one_tile", "draft_input"}  # their (first) weight tile; the norm weights
+READS_BEFORE_WAIT = {"gemv", "gemv_rope", "gemv_silu", "decode_gemm_one_tile", "draft_input"}  # their (first) weight tile; the norm weights
 
 
 def hopper_ptx(fn: Any, constexprs: dict[str, Any], types: dict[str, str]) -> list[str]:

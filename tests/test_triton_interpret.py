@@ -120,7 +120,7 @@ def test_interp_silu_and_mul() -> None:
 def test_interp_decode_gemv_equals_f_linear() -> None:
     """The fast set's one-row matmul (``decode_linear``: the GEMV at every tile ``gemv_tile`` picks, with a
     bias, a masked last tile where none divides the width) equals F.linear; an output count the kernels do
-    not take goes to F.linear itself; the GEMV at 2-8 rows (``gemv_triton``, a bench candidate) too."""
+    not take goes to F.linear itself; ``gemv_triton`` (the GEMV at a given tile) too, and F.linear at 2-8 rows."""
     import torch.nn.functional as F
 
     from fusedserve.models.layers.linear_triton import decode_linear, gemv_tile, gemv_triton
@@ -134,11 +134,12 @@ def test_interp_decode_gemv_equals_f_linear() -> None:
         x = torch.randn(1, k, generator=g).to(torch.bfloat16)
         _close(decode_linear(x, w), F.linear(x, w), 1e-2)
         _close(decode_linear(x, w, b), F.linear(x, w, b), 1e-2)
-        for m in (2, 3, 8):
+        _close(gemv_triton(x, w, b, 4, 256), F.linear(x, w, b), 1e-2)
+        _close(gemv_triton(x, w, None, 2, 64, 2), F.linear(x, w), 1e-2)
+        _close(gemv_triton(x, w, None, *gemv_tile(k)), F.linear(x, w), 1e-2)  # one masked tile at 576
+        for m in (2, 8):
             xm = torch.randn(m, k, generator=g).to(torch.bfloat16)
-            _close(gemv_triton(xm, w, b, 4, 256), F.linear(xm, w, b), 1e-2)
-            _close(gemv_triton(xm, w, None, 2, 64, 2), F.linear(xm, w), 1e-2)
-            _close(gemv_triton(xm, w, None, *gemv_tile(k)), F.linear(xm, w), 1e-2)  # one masked tile at 576
+            assert torch.equal(gemv_triton(xm, w, b), F.linear(xm, w, b))
             assert torch.equal(decode_linear(xm, w), F.linear(xm, w))
     w = torch.randn(10, 576, generator=g).to(torch.bfloat16)  # 10 outputs: no multiple of 4
     x = torch.randn(1, 576, generator=g).to(torch.bfloat16)

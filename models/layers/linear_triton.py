@@ -31,15 +31,12 @@ K splits were slower (2026-12-05-decode-gemm-narrow-tiles-ab-smollm2-h100.json);
 16 rows the GEMM takes all of K in one masked tile whose weights it reads before the PDL wait (``ONE_TILE``,
 ``decode_gemm_tile``).
 
-``gemv_triton`` also takes 2..8 rows at any tile (a bench candidate: at 2-4 rows of the 8B shapes 1.5-3x slower
-than cuBLAS on an H200, bench/results/2026-12-03-pdl-gemv-probe-rows-h200.json; at SmolLM2's 8-row verify, where
-the decode GEMM takes 4.4 us a matmul in the graph against the one-row GEMV's 3.0, every ``GEMV_CUTS`` tile of
-decode_rows_probe was 2-11x slower than the decode GEMM at 8 rows, which alone costs about what one row costs
-on the GEMV: 2026-12-05-prefill-graphs-ab-smollm2-h200.json; the engine route that sent such rows to it,
-``SMALL_ROWS_GEMV``, was removed). An earlier [16-row, 16-output] tensor-core kernel, a split-K variant and a
-per-shape tuner that timed them against cuBLAS at engine construction were removed: the tuner gave 4.536
-against 4.540 ms per 8B batch-1 step for 8 s more start-up (2026-12-02-decode-engine-tuned-matmuls-h200.json),
-and the swapped-operand GEMM replaced the kernels.
+``gemv_triton`` takes one row (the GEMV at 2-8 rows was 1.5-3x slower than cuBLAS at 2-4 rows of the 8B shapes on
+an H200, 2026-12-03-pdl-gemv-probe-rows-h200.json, and 3.4-4.2x slower than the decode GEMM at SmolLM2's 8-row
+verify, 2026-12-06-verify-kernel-marginals-smollm2-h100.json; taken out). An earlier [16-row, 16-output]
+tensor-core kernel, a split-K variant and a per-shape tuner that timed them against cuBLAS at engine construction
+were removed: the tuner gave 4.536 against 4.540 ms per 8B batch-1 step for 8 s more start-up
+(2026-12-02-decode-engine-tuned-matmuls-h200.json), and the swapped-operand GEMM replaced the kernels.
 """
 
 from __future__ import annotations
@@ -55,7 +52,9 @@ import triton.language as tl
 from .arrival_counters import arrival_counters
 from .pdl import pdl_launch, pdl_release, pdl_wait
 
-GEMV_ROWS = 8  # the GEMV's rows: one in the engine; up to 8 a bench candidate (bench/decode_rows_probe.py)
+# The GEMV takes one row. At 2-8 rows a row at a time against its tile in registers (c357932) was 3.4-4.2x slower
+# than the decode GEMM at 8 rows on SmolLM2's shapes (8.3 / 8.2 / 10.5 / 16.1 against 2.5 / 2.3 / 3.4 / 3.9 us, H100:
+# bench/results/2026-12-06-verify-kernel-marginals-smollm2-h100.json) and was taken out.
 EPILOGUE_PLAIN, EPILOGUE_SILU, EPILOGUE_ROPE = 0, 1, 2
 # One row (a batch-1 decode step, a draft's chain step) with RoPE / SiLU-and-mul in the GEMV's epilogue, as the
 # decode GEMM finishes them for 2..64 rows: two kernels fewer a layer, the same tile. On the H200 SmolLM2's plain
@@ -68,23 +67,21 @@ GEMV_EPILOGUES = True
 _DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU interpreter mis-multiplies bf16 matrices
 
 
-@triton.jit(do_not_specialize=["M"])  # counts that change call to call: one compile for all
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, pos_ptr, inv_ptr, M, K, INTER, ROPE_WIDTH, stride_xm, stride_wn,
-                 stride_ym, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, pos_ptr, inv_ptr, K, INTER, ROPE_WIDTH, stride_wn, stride_ym,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 EPILOGUE: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
     """No tensor cores: a program per BLOCK_N outputs multiplies its [BLOCK_N, BLOCK_K] tiles of W with
-    every row of x (M <= M_PAD <= GEMV_ROWS) in fp32 registers, the next tile loaded while one is multiplied
-    (EVEN_K: BLOCK_K divides K, else the last tile is masked). Under PDL (``pdl.py``) the first weight
-    tile is loaded before waiting on the kernel before. One row (M_PAD 1) may finish the next op in its
-    epilogue as the decode GEMM's does (``_tile_rows`` / ``_store_tile``: SwiGLU over gate and up rows, or
-    RoPE over rotate-half partners)."""
+    the one row of x in fp32 registers, the next tile loaded while one is multiplied (EVEN_K: BLOCK_K
+    divides K, else the last tile is masked). Under PDL (``pdl.py``) the first weight tile is loaded before
+    waiting on the kernel before. It may finish the next op in its epilogue as the decode GEMM's does
+    (``_tile_rows`` / ``_store_tile``: SwiGLU over gate and up rows, or RoPE over rotate-half partners)."""
     if EPILOGUE == 0:
         rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     else:
         rn, is_rope, first = _tile_rows(tl.program_id(0), BLOCK_N // 2, BLOCK_N, EPILOGUE, INTER, ROPE_WIDTH,
                                         HEAD_DIM)
     rk = tl.arange(0, BLOCK_K)
-    rm = tl.arange(0, M_PAD)
     w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
     last = (tl.cdiv(K, BLOCK_K) - 1) * BLOCK_K
     if EVEN_K:
@@ -93,72 +90,44 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, pos_ptr, inv_ptr, M, K, INTER, ROPE
         w = tl.load(w_ptrs, mask=rk[None, :] < K, other=0.0)
     pdl_release(PDL)
     pdl_wait(PDL)
-    if M_PAD == 1:
-        acc = tl.zeros((BLOCK_N,), tl.float32)
-        for k in range(BLOCK_K, K, BLOCK_K):
-            if EVEN_K:
-                w_next = tl.load(w_ptrs + k)
-            else:
-                w_next = tl.load(w_ptrs + k, mask=rk[None, :] + k < K, other=0.0)
-            x = tl.load(x_ptr + (k - BLOCK_K) + rk).to(tl.float32)
-            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-            w = w_next
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    for k in range(BLOCK_K, K, BLOCK_K):
         if EVEN_K:
-            x = tl.load(x_ptr + last + rk).to(tl.float32)
+            w_next = tl.load(w_ptrs + k)
         else:
-            x = tl.load(x_ptr + last + rk, mask=rk + last < K, other=0.0).to(tl.float32)
+            w_next = tl.load(w_ptrs + k, mask=rk[None, :] + k < K, other=0.0)
+        x = tl.load(x_ptr + (k - BLOCK_K) + rk).to(tl.float32)
         acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-        if EPILOGUE == 0:
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + rn).to(tl.float32)
-            tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty))
-        else:
-            _store_tile(tl.reshape(acc, (BLOCK_N, 1)), rn, is_rope, first, tl.arange(0, 1), 1, y_ptr, b_ptr, pos_ptr,
-                        inv_ptr, stride_ym, BLOCK_N // 2, 1, HAS_BIAS, EPILOGUE, HEAD_DIM)
-    else:  # a row at a time against the tile in registers ([rows, BLOCK_N, BLOCK_K] products took 254 registers
-        # a thread at 8 rows, 4 x 1024 tiles on sm_90 by ptxas; this 166)
-        rows = rm[:, None] < M
-        acc2 = tl.zeros((M_PAD, BLOCK_N), tl.float32)
-        for k in range(BLOCK_K, K, BLOCK_K):
-            if EVEN_K:
-                w_next = tl.load(w_ptrs + k)
-            else:
-                w_next = tl.load(w_ptrs + k, mask=rk[None, :] + k < K, other=0.0)
-            acc2 = _rows_times_tile(acc2, w, x_ptr, stride_xm, k - BLOCK_K, rk, rm, M, K, M_PAD)
-            w = w_next
-        acc2 = _rows_times_tile(acc2, w, x_ptr, stride_xm, last, rk, rm, M, K, M_PAD)
+        w = w_next
+    if EVEN_K:
+        x = tl.load(x_ptr + last + rk).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + last + rk, mask=rk + last < K, other=0.0).to(tl.float32)
+    acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    if EPILOGUE == 0:
         if HAS_BIAS:
-            acc2 += tl.load(b_ptr + rn).to(tl.float32)[None, :]
-        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc2.to(y_ptr.dtype.element_ty), mask=rows)
-
-
-@triton.jit
-def _rows_times_tile(acc, w, x_ptr, stride_xm, k0, rk, rm, M, K, M_PAD: tl.constexpr):
-    """``acc`` [M_PAD, BLOCK_N] plus each row of x's columns k0.. times the [BLOCK_N, BLOCK_K] weight tile ``w``,
-    one row at a time (fp32)."""
-    wf = w.to(tl.float32)
-    for r in tl.static_range(M_PAD):
-        x = tl.load(x_ptr + r * stride_xm + k0 + rk, mask=(rk + k0 < K) & (rk * 0 + r < M), other=0.0).to(tl.float32)
-        acc += tl.where(rm[:, None] == r, tl.sum(wf * x[None, :], axis=1)[None, :], 0.0)
-    return acc
+            acc += tl.load(b_ptr + rn).to(tl.float32)
+        tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty))
+    else:
+        _store_tile(tl.reshape(acc, (BLOCK_N, 1)), rn, is_rope, first, tl.arange(0, 1), 1, y_ptr, b_ptr, pos_ptr,
+                    inv_ptr, stride_ym, BLOCK_N // 2, 1, HAS_BIAS, EPILOGUE, HEAD_DIM)
 
 
 def _gemv_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block_n: int) -> bool:
-    m = x.shape[0]
-    return not (m == 0 or m > GEMV_ROWS or weight.shape[0] % block_n or x.stride(-1) != 1 or weight.stride(-1) != 1
+    return not (x.shape[0] != 1 or weight.shape[0] % block_n or x.stride(-1) != 1 or weight.stride(-1) != 1
                 or x.dtype != weight.dtype or (bias is not None and (bias.dtype != x.dtype or bias.stride(-1) != 1)))
 
 
 def _launch_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, block_n: int,
                  block_k: int, num_warps: int, epilogue: int = EPILOGUE_PLAIN, inter: int = 0,
                  rope: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
-    m, k = x.shape
+    k = x.shape[1]
     positions, inv_freq, rope_width = rope if rope is not None else (weight, weight, 0)
     if rope is not None:
         positions = positions.contiguous()  # read at unit stride (a no-op for the engine's buffers)
     _gemv_kernel[(weight.shape[0] // block_n,)](
-        x, weight, bias if bias is not None else weight, y, positions, inv_freq, m, k, inter, rope_width, x.stride(0),
-        weight.stride(0), y.stride(0), M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
+        x, weight, bias if bias is not None else weight, y, positions, inv_freq, k, inter, rope_width,
+        weight.stride(0), y.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None, EPILOGUE=epilogue,
         HEAD_DIM=2 * inv_freq.shape[0] if rope is not None else 2, num_warps=num_warps, **pdl_launch())
     return y
@@ -166,7 +135,7 @@ def _launch_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int = 4,
                 block_k: int = 1024, num_warps: int = 4) -> torch.Tensor:
-    """x: [m, K] (m <= GEMV_ROWS); weight: [N, K] -> [m, N] with ``_gemv_kernel``; F.linear otherwise."""
+    """x: [1, K]; weight: [N, K] -> [1, N] with ``_gemv_kernel``; F.linear otherwise (other row counts too)."""
     if not _gemv_fits(x, weight, bias, block_n):
         return F.linear(x, weight, bias)
     y = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
