@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -650,87 +650,16 @@ def test_interp_prefill_attention_stores_kv_and_equals_reference(layout: str, dt
     assert torch.equal(kv.k[0], ref_kv.k[0]) and torch.equal(kv.v[0], ref_kv.v[0])
 
 
-@inner
-@pytest.mark.parametrize(("width", "front", "stores", "combines"), [
-    (3, "pad", True, False), (3, "copies", True, False),  # one launch (unsplit: the split modes do not apply)
-    (40, "pad", True, False), (40, "copies", True, False), (40, "pad", True, True), (40, "copies", True, True),
-    (40, "pad", False, False), (40, "copies", False, False),  # 2 splits
-], ids=["unsplit-pad", "unsplit-copies", "split-pad-stores", "split-copies-stores", "split-pad-stores-combines",
-        "split-copies-stores-combines", "split-pad-write-then-combine", "split-copies-write-then-combine"])
-def test_interp_prefill_attention_on_a_graph_padded_verify_layout_equals_torch(width: int, front: str, stores: bool,
-                                                                               combines: bool) -> None:
-    """StepGraphs' padded layout: every sequence 4 rows, real rows last; the leading rows share the first
-    real row's causal limit and write the pad slot (``front`` "pad") or are copies of the first real row,
-    its K/V to its slot (a first pass's dropped rows); a padding sequence's rows (dropped: only finite) see
-    one slot of block 0, or with the kernel reading new keys from k / v its last row's key. Block
-    tables 3 wide (one launch) or 40 (160 tokens: 2 splits, where the kernel stores the new K/V itself and
-    reads them from k / v unless ``SPLIT_STORES_KV`` is off, and combines the splits itself with
-    ``SPLIT_COMBINES``)."""
+def _verify_layout(width: int, front: str, seed: int) -> tuple[Any, ...]:
+    """A chain verify's batch as ``StepGraphs`` lays it out, GQA 8/2, head dim 16, 4-token pages: ``front`` "pad"
+    or "copies": 3 sequences of 4 rows, real rows last (sequence 0: 4 real rows, context 9 in blocks [5, 2, 7];
+    1: 2 real rows, context 6 in [3, 9]; 2: padding), the leading rows sharing the first real row's causal limit
+    and writing the pad slot ("pad") or copying the first real row, its K/V to its slot (a first pass's dropped
+    rows); block tables ``width`` wide. "long": contexts 140 / 37 / 6, 6 new rows each, shuffled pages.
+    -> (cache, a copy of it, q, k, v, batch(cache), the rows compared, the pad slot)"""
     from fusedserve.models.forward_batch import ForwardBatch, KVCache, PagedAttentionMetadata
-    from fusedserve.models.layers import prefill_attention_triton
-    from fusedserve.models.layers.paged_attention_torch import paged_attention_torch
 
-    g = torch.Generator().manual_seed(11)
-    block, num_blocks, b, n, pad_slot = 4, 12, 3, 4, 47
-    kv = KVCache.allocate({0: (2, 16)}, num_blocks, block, torch.bfloat16)
-    kv.k[0].copy_(torch.randn(kv.k[0].shape, generator=g))
-    kv.v[0].copy_(torch.randn(kv.v[0].shape, generator=g))
-    # sequence 0: 4 real rows, context 9 in blocks [5, 2, 7]; 1: 2 real rows, context 6 in [3, 9]; 2: padding
-    tables = torch.zeros(b, width, dtype=torch.int32)
-    tables[0, :3] = torch.tensor([5, 2, 7])
-    tables[1, :2] = torch.tensor([3, 9])
-    meta = PagedAttentionMetadata(
-        block_tables=tables, context_lens=torch.tensor([9, 6, 1], dtype=torch.int32),
-        token_seq=torch.arange(b).repeat_interleave(n),
-        token_index=torch.tensor([5, 6, 7, 8, 4, 4, 4, 5, 0, 0, 0, 0]),
-        query_start=torch.arange(b + 1, dtype=torch.int32) * n, max_query_len=n)
-    front_slot = pad_slot if front == "pad" else 36
-    slots = torch.tensor([9, 10, 11, 28, front_slot, front_slot, 36, 37] + [pad_slot] * 4)  # block * 4 + offset
-    q = torch.randn(b * n, 8, 16, generator=g).to(torch.bfloat16)
-    k = torch.randn(b * n, 2, 16, generator=g).to(torch.bfloat16)
-    v = torch.randn(b * n, 2, 16, generator=g).to(torch.bfloat16)
-    if front == "copies":
-        q[4:6], k[4:6], v[4:6] = q[6], k[6], v[6]
-
-    def batch(cache: KVCache) -> ForwardBatch:
-        zeros = torch.zeros(b * n, dtype=torch.long)
-        return ForwardBatch(zeros, zeros, [n] * b, [n] * b, slots, [[0]] * b, cache, paged=meta)
-
-    ref_kv = KVCache({0: kv.k[0].clone()}, {0: kv.v[0].clone()}, block, num_blocks)
-    before = prefill_attention_triton.SPLIT_STORES_KV, prefill_attention_triton.SPLIT_COMBINES
-    prefill_attention_triton.SPLIT_STORES_KV, prefill_attention_triton.SPLIT_COMBINES = stores, combines
-    try:
-        got = prefill_attention_triton.paged_prefill_attention_triton(q, k, v, 0, batch(kv), 0.25)
-    finally:
-        prefill_attention_triton.SPLIT_STORES_KV, prefill_attention_triton.SPLIT_COMBINES = before
-    want = paged_attention_torch(q, k, v, 0, batch(ref_kv), 0.25)
-    assert torch.isfinite(got).all()
-    _close(got[: 2 * n], want[: 2 * n], 1e-2)  # the padding sequence's rows are dropped
-    assert torch.equal(kv.k[0][:pad_slot], ref_kv.k[0][:pad_slot])  # the pad slot: whichever row wrote last
-    assert torch.equal(kv.v[0][:pad_slot], ref_kv.v[0][:pad_slot])
-
-
-@inner
-@pytest.mark.parametrize(("width", "front"), [(3, "pad"), (3, "copies"), (40, "pad"), (40, "copies"), (48, "long")],
-                         ids=["one-split-pad", "one-split-copies", "splits-pad", "splits-copies", "pipelined-splits"])
-def test_interp_chain_verify_as_decode_rows_equals_torch(width: int, front: str,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A few new tokens per sequence (a chain verify) through the decode entry point run as decode rows, a
-    program per row (``ROWS_AS_DECODE``), not the prefill kernel: each row sees its sequence's cache up to its
-    causal limit, the sequence's new keys from k / v. StepGraphs' padded layout (``front`` "pad": leading rows
-    share the first real row's limit and write the pad slot; "copies": they copy the first real row, its K/V
-    to its slot), block tables 3 wide (one split) or 40 (splits, read ahead in registers: 24 programs); "long":
-    contexts 140 / 37 / 6 over 48-page tables, 6 rows each (36 programs: the pipelined loop, 4 splits combined in
-    the kernel, the last one empty). Equal to the torch path; the cache as the torch path leaves it; the arrival counters reset."""
-    from fusedserve.models.forward_batch import ForwardBatch, KVCache, PagedAttentionMetadata
-    from fusedserve.models.layers import decode_attention_triton
-    from fusedserve.models.layers.paged_attention_torch import paged_attention_torch
-
-    def refuse(*args: object) -> None:
-        raise AssertionError("a chain verify went to the prefill kernel")
-
-    monkeypatch.setattr(decode_attention_triton, "paged_prefill_attention_triton", refuse)
-    g = torch.Generator().manual_seed(17 + width)
+    g = torch.Generator().manual_seed(seed)
     block = 4
     if front == "long":
         n, ctx, pad_slot = 6, [140, 37, 6], 239
@@ -751,7 +680,7 @@ def test_interp_chain_verify_as_decode_rows_equals_torch(width: int, front: str,
         tables[1, :2] = torch.tensor([3, 9])
         index = torch.tensor([5, 6, 7, 8, 4, 4, 4, 5, 0, 0, 0, 0])
         front_slot = pad_slot if front == "pad" else 36
-        slots = torch.tensor([9, 10, 11, 28, front_slot, front_slot, 36, 37] + [pad_slot] * 4)
+        slots = torch.tensor([9, 10, 11, 28, front_slot, front_slot, 36, 37] + [pad_slot] * 4)  # block * 4 + offset
     kv.k[0].copy_(torch.randn(kv.k[0].shape, generator=g))
     kv.v[0].copy_(torch.randn(kv.v[0].shape, generator=g))
     b = len(ctx)
@@ -770,10 +699,67 @@ def test_interp_chain_verify_as_decode_rows_equals_torch(width: int, front: str,
         return ForwardBatch(zeros, zeros, [n] * b, ctx, slots, [[0]] * b, cache, paged=meta)
 
     ref_kv = KVCache({0: kv.k[0].clone()}, {0: kv.v[0].clone()}, block, kv.num_blocks)
+    real = b * n if front == "long" else 2 * n  # a padding sequence's rows are dropped
+    return kv, ref_kv, q, k, v, batch, real, pad_slot
+
+
+@inner
+@pytest.mark.parametrize(("width", "front", "stores", "combines"), [
+    (3, "pad", True, False), (3, "copies", True, False),  # one launch (unsplit: the split modes do not apply)
+    (40, "pad", True, False), (40, "copies", True, False), (40, "pad", True, True), (40, "copies", True, True),
+    (40, "pad", False, False), (40, "copies", False, False),  # 2 splits
+], ids=["unsplit-pad", "unsplit-copies", "split-pad-stores", "split-copies-stores", "split-pad-stores-combines",
+        "split-copies-stores-combines", "split-pad-write-then-combine", "split-copies-write-then-combine"])
+def test_interp_prefill_attention_on_a_graph_padded_verify_layout_equals_torch(width: int, front: str, stores: bool,
+                                                                               combines: bool) -> None:
+    """StepGraphs' padded layout: every sequence 4 rows, real rows last; the leading rows share the first
+    real row's causal limit and write the pad slot (``front`` "pad") or are copies of the first real row,
+    its K/V to its slot (a first pass's dropped rows); a padding sequence's rows (dropped: only finite) see
+    one slot of block 0, or with the kernel reading new keys from k / v its last row's key. Block
+    tables 3 wide (one launch) or 40 (160 tokens: 2 splits, where the kernel stores the new K/V itself and
+    reads them from k / v unless ``SPLIT_STORES_KV`` is off, and combines the splits itself with
+    ``SPLIT_COMBINES``)."""
+    from fusedserve.models.layers import prefill_attention_triton
+    from fusedserve.models.layers.paged_attention_torch import paged_attention_torch
+
+    kv, ref_kv, q, k, v, batch, real, pad_slot = _verify_layout(width, front, 11)
+    before = prefill_attention_triton.SPLIT_STORES_KV, prefill_attention_triton.SPLIT_COMBINES
+    prefill_attention_triton.SPLIT_STORES_KV, prefill_attention_triton.SPLIT_COMBINES = stores, combines
+    try:
+        got = prefill_attention_triton.paged_prefill_attention_triton(q, k, v, 0, batch(kv), 0.25)
+    finally:
+        prefill_attention_triton.SPLIT_STORES_KV, prefill_attention_triton.SPLIT_COMBINES = before
+    want = paged_attention_torch(q, k, v, 0, batch(ref_kv), 0.25)
+    assert torch.isfinite(got).all()
+    _close(got[:real], want[:real], 1e-2)  # the padding sequence's rows are dropped
+    assert torch.equal(kv.k[0][:pad_slot], ref_kv.k[0][:pad_slot])  # the pad slot: whichever row wrote last
+    assert torch.equal(kv.v[0][:pad_slot], ref_kv.v[0][:pad_slot])
+
+
+@inner
+@pytest.mark.parametrize(("width", "front"), [(3, "pad"), (3, "copies"), (40, "pad"), (40, "copies"), (48, "long")],
+                         ids=["one-split-pad", "one-split-copies", "splits-pad", "splits-copies", "pipelined-splits"])
+def test_interp_chain_verify_as_decode_rows_equals_torch(width: int, front: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A few new tokens per sequence (a chain verify) through the decode entry point run as decode rows, a
+    program per row (``ROWS_AS_DECODE``), not the prefill kernel: each row sees its sequence's cache up to its
+    causal limit, the sequence's new keys from k / v. StepGraphs' padded layout (``front`` "pad": leading rows
+    share the first real row's limit and write the pad slot; "copies": they copy the first real row, its K/V
+    to its slot), block tables 3 wide (one split) or 40 (splits, read ahead in registers: 24 programs); "long":
+    contexts 140 / 37 / 6 over 48-page tables, 6 rows each (36 programs: the pipelined loop, 4 splits combined in
+    the kernel, the last one empty). Equal to the torch path; the cache as the torch path leaves it; the arrival
+    counters reset."""
+    from fusedserve.models.layers import decode_attention_triton
+    from fusedserve.models.layers.paged_attention_torch import paged_attention_torch
+
+    def refuse(*args: object) -> None:
+        raise AssertionError("a chain verify went to the prefill kernel")
+
+    monkeypatch.setattr(decode_attention_triton, "paged_prefill_attention_triton", refuse)
+    kv, ref_kv, q, k, v, batch, real, pad_slot = _verify_layout(width, front, 17 + width)
     got = decode_attention_triton.paged_decode_attention_triton(q, k, v, 0, batch(kv), 0.25)
     again = decode_attention_triton.paged_decode_attention_triton(q, k, v, 0, batch(kv), 0.25)
     want = paged_attention_torch(q, k, v, 0, batch(ref_kv), 0.25)
-    real = b * n if front == "long" else 2 * n  # the padding sequence's rows are dropped
     assert torch.isfinite(got).all()
     _close(got[:real], want[:real], 1e-2)
     assert torch.equal(got, again)
