@@ -7,6 +7,7 @@ tests/test_gpu_decode.py. The outer test re-runs this file in a subprocess with 
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -655,51 +656,54 @@ def _verify_layout(width: int, front: str, seed: int) -> tuple[Any, ...]:
     or "copies": 3 sequences of 4 rows, real rows last (sequence 0: 4 real rows, context 9 in blocks [5, 2, 7];
     1: 2 real rows, context 6 in [3, 9]; 2: padding), the leading rows sharing the first real row's causal limit
     and writing the pad slot ("pad") or copying the first real row, its K/V to its slot (a first pass's dropped
-    rows); block tables ``width`` wide. "long": contexts 140 / 37 / 6, 6 new rows each, shuffled pages.
+    rows); block tables ``width`` wide. "long": contexts 140 / 37 / 6, 6 new rows each, shuffled pages; "mixed": a
+    decode row, a 5-token chunk after 4 cached tokens and a 3-token prompt (contexts 20 / 9 / 3).
     -> (cache, a copy of it, q, k, v, batch(cache), the rows compared, the pad slot)"""
     from fusedserve.models.forward_batch import ForwardBatch, KVCache, PagedAttentionMetadata
 
     g = torch.Generator().manual_seed(seed)
     block = 4
-    if front == "long":
-        n, ctx, pad_slot = 6, [140, 37, 6], 239
+    if front in ("long", "mixed"):
+        lens, ctx = ([6, 6, 6], [140, 37, 6]) if front == "long" else ([1, 5, 3], [20, 9, 3])
+        n, pad_slot = max(lens), 239
         kv = KVCache.allocate({0: (2, 16)}, 60, block, torch.bfloat16)
         perm = torch.randperm(59, generator=g)
         tables, used = torch.zeros(3, width, dtype=torch.int32), 0
         for i, c in enumerate(ctx):
             tables[i, : -(-c // block)] = perm[used:used + -(-c // block)]
             used += -(-c // block)
-        index = torch.tensor([c - n + j for c in ctx for j in range(n)])
-        slots = torch.tensor([int(tables[i, p // block]) * block + p % block for i, c in enumerate(ctx)
-                              for p in range(c - n, c)])
+        index = torch.tensor([c - q + j for q, c in zip(lens, ctx) for j in range(q)])
+        slots = torch.tensor([int(tables[i, p // block]) * block + p % block for i, (q, c) in enumerate(zip(lens, ctx))
+                              for p in range(c - q, c)])
     else:
         n, ctx, pad_slot = 4, [9, 6, 1], 47
         kv = KVCache.allocate({0: (2, 16)}, 12, block, torch.bfloat16)
         tables = torch.zeros(3, width, dtype=torch.int32)
         tables[0, :3] = torch.tensor([5, 2, 7])
         tables[1, :2] = torch.tensor([3, 9])
+        lens = [n] * 3
         index = torch.tensor([5, 6, 7, 8, 4, 4, 4, 5, 0, 0, 0, 0])
         front_slot = pad_slot if front == "pad" else 36
         slots = torch.tensor([9, 10, 11, 28, front_slot, front_slot, 36, 37] + [pad_slot] * 4)  # block * 4 + offset
     kv.k[0].copy_(torch.randn(kv.k[0].shape, generator=g))
     kv.v[0].copy_(torch.randn(kv.v[0].shape, generator=g))
-    b = len(ctx)
+    b, t = len(ctx), sum(lens)
     meta = PagedAttentionMetadata(
         block_tables=tables, context_lens=torch.tensor(ctx, dtype=torch.int32),
-        token_seq=torch.arange(b).repeat_interleave(n), token_index=index,
-        query_start=torch.arange(b + 1, dtype=torch.int32) * n, max_query_len=n)
-    q = torch.randn(b * n, 8, 16, generator=g).to(torch.bfloat16)
-    k = torch.randn(b * n, 2, 16, generator=g).to(torch.bfloat16)
-    v = torch.randn(b * n, 2, 16, generator=g).to(torch.bfloat16)
+        token_seq=torch.arange(b).repeat_interleave(torch.tensor(lens)), token_index=index,
+        query_start=torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32), max_query_len=n)
+    q = torch.randn(t, 8, 16, generator=g).to(torch.bfloat16)
+    k = torch.randn(t, 2, 16, generator=g).to(torch.bfloat16)
+    v = torch.randn(t, 2, 16, generator=g).to(torch.bfloat16)
     if front == "copies":
         q[4:6], k[4:6], v[4:6] = q[6], k[6], v[6]
 
     def batch(cache: KVCache) -> ForwardBatch:
-        zeros = torch.zeros(b * n, dtype=torch.long)
-        return ForwardBatch(zeros, zeros, [n] * b, ctx, slots, [[0]] * b, cache, paged=meta)
+        zeros = torch.zeros(t, dtype=torch.long)
+        return ForwardBatch(zeros, zeros, lens, ctx, slots, [[0]] * b, cache, paged=meta)
 
     ref_kv = KVCache({0: kv.k[0].clone()}, {0: kv.v[0].clone()}, block, kv.num_blocks)
-    real = b * n if front == "long" else 2 * n  # a padding sequence's rows are dropped
+    real = t if front in ("long", "mixed") else 2 * n  # a padding sequence's rows are dropped
     return kv, ref_kv, q, k, v, batch, real, pad_slot
 
 
@@ -737,8 +741,10 @@ def test_interp_prefill_attention_on_a_graph_padded_verify_layout_equals_torch(w
 
 
 @inner
-@pytest.mark.parametrize(("width", "front"), [(3, "pad"), (3, "copies"), (40, "pad"), (40, "copies"), (48, "long")],
-                         ids=["one-split-pad", "one-split-copies", "splits-pad", "splits-copies", "pipelined-splits"])
+@pytest.mark.parametrize(("width", "front"), [(3, "pad"), (3, "copies"), (40, "pad"), (40, "copies"), (48, "long"),
+                                              (8, "mixed")],
+                         ids=["one-split-pad", "one-split-copies", "splits-pad", "splits-copies", "pipelined-splits",
+                              "mixed-rows"])
 def test_interp_chain_verify_as_decode_rows_equals_torch(width: int, front: str,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A few new tokens per sequence (a chain verify) through the decode entry point run as decode rows, a
@@ -747,7 +753,7 @@ def test_interp_chain_verify_as_decode_rows_equals_torch(width: int, front: str,
     share the first real row's limit and write the pad slot; "copies": they copy the first real row, its K/V
     to its slot), block tables 3 wide (one split) or 40 (splits, read ahead in registers: 24 programs); "long":
     contexts 140 / 37 / 6 over 48-page tables, 6 rows each (36 programs: the pipelined loop, 4 splits combined in
-    the kernel, the last one empty). Equal to the torch path; the cache as the torch path leaves it; the arrival
+    the kernel, the last one empty); "mixed": a decode row beside a chunk and a prompt. Equal to the torch path; the cache as the torch path leaves it; the arrival
     counters reset."""
     from fusedserve.models.layers import decode_attention_triton
     from fusedserve.models.layers.paged_attention_torch import paged_attention_torch
