@@ -237,3 +237,37 @@ def test_rounds_in_flight_equal_rounds_read_one_by_one_under_graphs(monkeypatch:
                 assert (followed[0] > 0) == (overlap is None), (steps, n, followed)
                 assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
             assert runs[None] == runs[False], (steps, n)
+
+
+@needs_gpu
+def test_first_pass_layout_in_one_launch_keeps_the_chains_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``step_graphs.FIRST_PASS_KERNEL``: the draft's first pass and its chain laid out by one Triton launch
+    (``chain_layout_triton``) give the greedy tokens of the torch layout, with chain-3 under graphs, and the
+    launch equals ``chain_layout.first_pass`` on the device's own inputs."""
+    from fusedserve.worker.executor import step_graphs
+    from fusedserve.worker.executor.chain_layout import first_pass
+    from fusedserve.worker.executor.chain_layout_triton import first_pass_triton
+    from fusedserve.worker.spec_decode.config import SpeculativeConfig
+
+    spec = SpeculativeConfig(DRAFT, num_steps=3)
+    torch_layout, _ = _generate(spec, True)
+    monkeypatch.setattr(step_graphs, "FIRST_PASS_KERNEL", True)
+    fused, engine = _generate(spec, True)
+    draft = engine.speculator.draft  # type: ignore[attr-defined]
+    assert draft.graphs.first_pass is first_pass_triton
+    assert fused == torch_layout
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, b, page, pad = 8, 3, 16, 64 * 16 - 1
+    tables = torch.randperm(60, device="cuda", generator=g)[:30].view(b, 10)
+    ctx = torch.tensor([40, 12, 1], device="cuda")
+    index = torch.cat([c - q + torch.arange(q, device="cuda") for c in (40, 12)] + [torch.zeros(q, device="cuda")]).long()
+    slots = torch.cat([tables[i, index[i * q:(i + 1) * q] // page] * page + index[i * q:(i + 1) * q] % page
+                       for i in range(2)] + [torch.full((q,), pad, device="cuda")])
+    args = (torch.arange(b * q, device="cuda"), index + 1, slots, index, ctx,
+            torch.randn(b * q, 96, device="cuda", generator=g), torch.tensor([0, 5, 0], device="cuda"), tables, q, 3,
+            page, pad)
+    want, got = first_pass(*args), first_pass_triton(*args)
+    for name in ("ids", "positions", "slots", "index", "hidden", "context_lens"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    for name in ("positions", "index", "context_lens", "slots"):
+        assert torch.equal(getattr(got.steps, name), getattr(want.steps, name)), name

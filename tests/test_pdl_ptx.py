@@ -35,6 +35,7 @@ from fusedserve.models.layers import (  # noqa: E402
     silu_mul_triton,
 )
 from fusedserve.worker.engine import sample_triton  # noqa: E402
+from fusedserve.worker.executor import chain_layout_triton  # noqa: E402
 from fusedserve.worker.spec_decode import chain_accept_triton, verify_stage_triton  # noqa: E402
 
 # Triton 3.9 warns, once, that its FP-fusion default will change; nothing here depends on it
@@ -147,6 +148,14 @@ KERNELS: dict[str, tuple[Any, dict[str, Any], dict[str, str]]] = {
     "gemv_silu": (linear_triton._gemv_kernel,
                   {"BLOCK_N": 4, "BLOCK_K": 2048, "EVEN_K": True, "HAS_BIAS": False,
                    "EPILOGUE": linear_triton.EPILOGUE_SILU, "HEAD_DIM": 2}, {}),
+    # a chain's first pass layout and its steps' (SmolLM2's draft: 8 rows, 1 728-wide aux states, 6 steps)
+    "first_pass_layout": (chain_layout_triton._first_pass_kernel,
+                          {"Q": 8, "Q_PAD": 8, "CHAIN": 6, "CHAIN_PAD": 8, "H": 1728, "BLOCK_H": 1024, "PAGE": 16},
+                          {**{name: "*i64" for name in ("ids_ptr", "pos_ptr", "slots_ptr", "index_ptr", "ctx_ptr",
+                                                        "drop_ptr", "tables_ptr", "o_ids_ptr", "o_pos_ptr",
+                                                        "o_slots_ptr", "o_index_ptr", "o_ctx_ptr", "s_pos_ptr",
+                                                        "s_index_ptr", "s_ctx_ptr", "s_slots_ptr")},
+                           "pad_slot": "i64"}),
     # the draw at a temperature: each chunk's statistics, then each chunk's q and the draw (a draft's table)
     "sample_chunk_stats": (sample_triton._chunk_stats_kernel, {"CHUNK": 1024},
                            {"temp_ptr": "*fp32", "stats_ptr": "*fp32"}),

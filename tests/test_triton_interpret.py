@@ -392,6 +392,36 @@ def test_interp_verify_stage_equals_the_torch_program(stage: bool, block_size: i
 
 
 @inner
+@pytest.mark.parametrize(("q", "chain"), [(8, 6), (6, 7), (1, 3)])
+def test_interp_first_pass_layout_in_one_launch_equals_the_torch_layout(q: int, chain: int) -> None:
+    """``chain_layout_triton.first_pass_triton`` (one launch) equals ``chain_layout.first_pass`` (torch): three
+    sequences of ``q`` packed rows dropping 0, all but one and some of them (the front rows copies of the first
+    real row), a padding sequence on the pad slot, hidden inputs 1 728 wide (two column blocks), and the chain
+    steps after the last rows crossing a page of the block tables."""
+    from fusedserve.worker.executor.chain_layout import first_pass
+    from fusedserve.worker.executor.chain_layout_triton import first_pass_triton
+
+    g = torch.Generator().manual_seed(q * 10 + chain)
+    b, page, width, pad_slot = 4, 4, 11, 191  # block 47 holds the pad slot
+    tables = torch.randperm(47, generator=g)[: b * width].view(b, width).long()
+    ctx = torch.tensor([30, 9, 2 + q, 1])
+    drop = torch.tensor([0, q - 1, min(2, q - 1), 0])
+    index = torch.cat([c - q + torch.arange(q) for c in ctx.tolist()[:3]] + [torch.zeros(q, dtype=torch.long)])
+    positions = index + 3
+    slots = torch.cat([tables[i, index[i * q:(i + 1) * q] // page] * page + index[i * q:(i + 1) * q] % page
+                       for i in range(3)] + [torch.full((q,), pad_slot)])
+    ids = torch.randint(0, 1000, (b * q,), generator=g)
+    hidden = torch.randn(b * q, 1728, generator=g).to(torch.bfloat16)
+    args = (ids, positions, slots, index, ctx, hidden, drop, tables, q, chain, page, pad_slot)
+    want, got = first_pass(*args), first_pass_triton(*args)
+    for name in ("ids", "positions", "slots", "index", "hidden", "context_lens"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    for name in ("positions", "index", "context_lens", "slots"):
+        assert torch.equal(getattr(got.steps, name), getattr(want.steps, name)), name
+    assert (want.steps.slots[:, 3] == pad_slot).all() and (want.steps.slots[:, :3] != pad_slot).all()
+
+
+@inner
 def test_interp_draft_input_equals_the_ops() -> None:
     """An EAGLE3 draft step's input row in one kernel (``draft_input_triton``): the token's embedding and the
     hidden state, each RMS-normed, side by side, equal the reference (bf16: the same rounding steps; a width

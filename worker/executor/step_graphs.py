@@ -65,11 +65,18 @@ from ...models.interface import ModelOutput
 from ...models.layers.attention_layout import AttentionPlanner
 from ...models.parallel.dp_geometry import Padding
 from ...models.parallel.ledger import CapturedForward, CollectiveLedger
+from .chain_layout import ChainSteps, FirstPass, chain_steps, first_pass
+from .gpu_kernel import gpu_kernel
 from .step_shape import ShapeKey, StepShape
 
 log = logging.getLogger(__name__)
 
 WARMUP_RUNS = 2
+# A chain's first pass layout and its steps' in one Triton launch on a GPU (``chain_layout_triton``) instead of
+# ``chain_layout.first_pass``'s ~25 small torch kernels (~40-48 us of a SmolLM2 chain-7 draft graph's 239 us on an
+# H100: bench/results/2026-12-06-verify-kernel-marginals-smollm2-h100.json). Off until a GPU times it (the A/B:
+# bench/graph_launch_probe.py --set worker.executor.step_graphs.FIRST_PASS_KERNEL=True).
+FIRST_PASS_KERNEL = False
 StepFn = Callable[[ForwardBatch], ModelOutput]
 FeedFn = Callable[[torch.Tensor], torch.Tensor]  # a chained forward's logits [rows, vocab] -> next tokens [rows]
 # a tree chain's forward j: (j, leaf tokens [rows], hidden [rows, H], mask rows [rows, j * tokens]) -> (logits, hidden)
@@ -201,6 +208,8 @@ class StepGraphs:
         self.pad_slot = kv_cache.num_blocks * kv_cache.block_size - 1
         device = next(iter(kv_cache.k.values())).device
         self.device = device
+        fused = gpu_kernel(device, "fusedserve.worker.executor.chain_layout_triton", "first_pass_triton")
+        self.first_pass: Callable[..., FirstPass] = fused if FIRST_PASS_KERNEL and fused is not None else first_pass
         self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
         if self.use_graphs and device.type != "cuda":
             raise ValueError("CUDA graphs need the model and its KV cache on a CUDA device")
@@ -316,23 +325,18 @@ class StepGraphs:
             assert v.drop is not None
             # each sequence's last ``drop`` rows are not real: its rows shift to the end, its front rows all
             # copies of its first real row (the same K/V to the same slot, outputs dropped)
-            q = shape.tokens
-            row = torch.arange(q, device=v.ids.device)
-            src = (v.one_row_seq[:, None] * q + (row[None, :] - v.drop[:, None]).clamp(min=0)).view(-1)
-            positions, slots, index = v.positions[src], v.slots[src], v.index[src]
-            context_lens = v.context_lens - v.drop
-            batch = replace(batch, input_ids=v.ids[src], positions=positions, slot_mapping=slots,
-                            input_hidden=v.hidden[src],
-                            paged=replace(batch.paged, context_lens=context_lens, token_index=index))
+            fp = self.first_pass(v.ids, v.positions, v.slots, v.index, v.context_lens, v.hidden, v.drop, v.tables,
+                                 shape.tokens, shape.chain, self.kv_cache.block_size, self.pad_slot)
+            batch = replace(batch, input_ids=fp.ids, positions=fp.positions, slot_mapping=fp.slots,
+                            input_hidden=fp.hidden,
+                            paged=replace(batch.paged, context_lens=fp.context_lens, token_index=fp.index))
             assert batch.paged is not None
             first = self.fn(batch)
-            last = v.last_rows
-            ids, hidden = draw(first.logits), first.hidden[0].index_select(0, last)
+            ids, hidden = draw(first.logits), first.hidden[0].index_select(0, v.last_rows)
             one_row = replace(batch, query_lens=[1] * b, context_lens=[1] * b, logits_indices=None,
                               paged=replace(batch.paged, token_seq=v.one_row_seq, query_start=v.one_row_start,
                                             max_query_len=1))
-            step = self._chain_steps(b, 1, shape.chain, positions[last] + 1, index[last] + 1, context_lens + 1,
-                                     slots[last], v.tables, one_row)
+            step = self._steps(fp.steps, one_row)
         else:
             ids, hidden = v.ids, v.hidden
             step = self._chain_steps(b, shape.tokens, shape.chain, v.positions, v.index, v.context_lens, v.slots,
@@ -352,21 +356,18 @@ class StepGraphs:
         (``positions``, causal limits ``index`` and ``slots`` [b * q], ``context_lens`` [b], the block
         ``tables``; ``batch`` the step's template); every step's positions, causal limits, context lengths and
         cache slots made at once (padding rows keep ``pad_slot``)."""
-        bs = self.kv_cache.block_size
+        return self._steps(chain_steps(b, q, chain, positions, index, context_lens, slots, tables,
+                                       self.kv_cache.block_size, self.pad_slot), batch)
+
+    @staticmethod
+    def _steps(steps: ChainSteps, batch: ForwardBatch) -> Callable[[int, torch.Tensor, torch.Tensor], ForwardBatch]:
+        """Forward j's batch: ``batch`` at row j - 1 of ``steps``, fed these token ids and hidden inputs."""
         assert batch.paged is not None
         paged = batch.paged
-        on = torch.arange(chain, device=positions.device)[:, None]  # [chain, 1]: steps after the first
-        first_slots = slots
-        positions = positions + on  # [chain, rows]
-        index = index + on * q
-        context_lens = context_lens + on * q  # [chain, batch]
-        per_seq = (index // bs).view(chain, b, q).transpose(0, 1).reshape(b, chain * q)
-        block = tables.gather(1, per_seq).view(b, chain, q).transpose(0, 1).reshape(chain, b * q)
-        slots = torch.where(first_slots != self.pad_slot, block * bs + index % bs, self.pad_slot)
 
         def step(j: int, ids: torch.Tensor, hidden: torch.Tensor) -> ForwardBatch:
-            meta = replace(paged, context_lens=context_lens[j - 1], token_index=index[j - 1])
-            return replace(batch, input_ids=ids, positions=positions[j - 1], slot_mapping=slots[j - 1],
+            meta = replace(paged, context_lens=steps.context_lens[j - 1], token_index=steps.index[j - 1])
+            return replace(batch, input_ids=ids, positions=steps.positions[j - 1], slot_mapping=steps.slots[j - 1],
                            input_hidden=hidden, paged=meta)
 
         return step
