@@ -266,7 +266,9 @@ def test_first_pass_layout_in_one_launch_keeps_the_chains_tokens(monkeypatch: py
     args = (torch.arange(b * q, device="cuda"), index + 1, slots, index, ctx,
             torch.randn(b * q, 96, device="cuda", generator=g), torch.tensor([0, 5, 0], device="cuda"), tables, q, 3,
             page, pad)
-    want, got = first_pass(*args), first_pass_triton(*args)
+    arange = torch.arange(b, device="cuda")
+    want = first_pass(*args, (torch.arange(q, device="cuda"), arange, arange * q + q - 1))
+    got = first_pass_triton(*args)
     for name in ("ids", "positions", "slots", "index", "hidden", "context_lens"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     for name in ("positions", "index", "context_lens", "slots"):

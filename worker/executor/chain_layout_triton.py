@@ -57,9 +57,10 @@ def _first_pass_kernel(ids_ptr, pos_ptr, slots_ptr, index_ptr, ctx_ptr, hidden_p
 
 def first_pass_triton(ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, index: torch.Tensor,
                       context_lens: torch.Tensor, hidden: torch.Tensor, drop: torch.Tensor, tables: torch.Tensor,
-                      q: int, chain: int, block_size: int, pad_slot: int) -> FirstPass:
-    """``chain_layout.first_pass`` in one launch (same arguments and result; int64 index tensors, contiguous
-    rows; ``hidden`` rows at unit stride)."""
+                      q: int, chain: int, block_size: int, pad_slot: int,
+                      consts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> FirstPass:
+    """``chain_layout.first_pass`` in one launch (same arguments and result, ``consts`` not needed; int64 index
+    tensors, contiguous rows; ``hidden`` rows at unit stride)."""
     b = context_lens.shape[0]
     width = hidden.shape[1]
     o_hidden = torch.empty((b * q, width), dtype=hidden.dtype, device=hidden.device)

@@ -148,6 +148,7 @@ class _Views:
     drop: torch.Tensor | None  # [batch] a first pass's rows that are not real after all (``run``'s drop; packed 0)
     one_row_seq: torch.Tensor | None  # [batch] constant: the chain's rows after a first pass, one per sequence
     one_row_start: torch.Tensor | None  # [batch + 1] constant (int32)
+    pass_rows: torch.Tensor | None  # [tokens] constant: arange(tokens), a first pass's rows of a sequence
 
 
 @dataclass(frozen=True)
@@ -279,7 +280,8 @@ class StepGraphs:
                       uniforms=(self._uniforms[:b, :_drafts(shape)] if shape.sampled and self._uniforms is not None
                                 else None),
                       one_row_seq=torch.arange(b, device=dev) if shape.has_first_pass else None,
-                      one_row_start=torch.arange(b + 1, dtype=torch.int32, device=dev) if shape.has_first_pass else None)
+                      one_row_start=torch.arange(b + 1, dtype=torch.int32, device=dev) if shape.has_first_pass else None,
+                      pass_rows=torch.arange(q, device=dev) if shape.has_first_pass else None)
 
     def _forward(self, shape: StepShape, v: _Views, attention: Any = None) -> tuple[torch.Tensor, ...]:
         """The padded forward on the static views (captured: everything here is replayed)."""
@@ -322,11 +324,12 @@ class StepGraphs:
         assert v.hidden is not None
         if shape.has_first_pass:  # the first pass, then one row per sequence after each one's last row
             assert v.one_row_seq is not None and v.one_row_start is not None and batch.paged is not None
-            assert v.drop is not None
+            assert v.drop is not None and v.pass_rows is not None
             # each sequence's last ``drop`` rows are not real: its rows shift to the end, its front rows all
             # copies of its first real row (the same K/V to the same slot, outputs dropped)
             fp = self.first_pass(v.ids, v.positions, v.slots, v.index, v.context_lens, v.hidden, v.drop, v.tables,
-                                 shape.tokens, shape.chain, self.kv_cache.block_size, self.pad_slot)
+                                 shape.tokens, shape.chain, self.kv_cache.block_size, self.pad_slot,
+                                 (v.pass_rows, v.one_row_seq, v.last_rows))
             batch = replace(batch, input_ids=fp.ids, positions=fp.positions, slot_mapping=fp.slots,
                             input_hidden=fp.hidden,
                             paged=replace(batch.paged, context_lens=fp.context_lens, token_index=fp.index))
