@@ -209,7 +209,7 @@ class StepGraphs:
         self.pad_slot = kv_cache.num_blocks * kv_cache.block_size - 1
         device = next(iter(kv_cache.k.values())).device
         self.device = device
-        fused = gpu_kernel(device, "fusedserve.worker.executor.chain_layout_triton", "first_pass_triton")
+        fused = gpu_kernel(device, f"{__package__}.chain_layout_triton", "first_pass_triton")
         self.first_pass: Callable[..., FirstPass] = fused if FIRST_PASS_KERNEL and fused is not None else first_pass
         self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
         if self.use_graphs and device.type != "cuda":
