@@ -250,11 +250,12 @@ def test_first_pass_layout_in_one_launch_keeps_the_chains_tokens(monkeypatch: py
     from fusedserve.worker.spec_decode.config import SpeculativeConfig
 
     spec = SpeculativeConfig(DRAFT, num_steps=3)
-    torch_layout, _ = _generate(spec, True)
-    monkeypatch.setattr(step_graphs, "FIRST_PASS_KERNEL", True)
     fused, engine = _generate(spec, True)
     draft = engine.speculator.draft  # type: ignore[attr-defined]
-    assert draft.graphs.first_pass is first_pass_triton
+    assert draft.graphs.first_pass is first_pass_triton  # the default on a GPU
+    monkeypatch.setattr(step_graphs, "FIRST_PASS_KERNEL", False)
+    torch_layout, engine = _generate(spec, True)
+    assert engine.speculator.draft.graphs.first_pass is first_pass  # type: ignore[attr-defined]
     assert fused == torch_layout
     g = torch.Generator(device="cuda").manual_seed(3)
     q, b, page, pad = 8, 3, 16, 64 * 16 - 1

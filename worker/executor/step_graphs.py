@@ -73,10 +73,11 @@ log = logging.getLogger(__name__)
 
 WARMUP_RUNS = 2
 # A chain's first pass layout and its steps' in one Triton launch on a GPU (``chain_layout_triton``) instead of
-# ``chain_layout.first_pass``'s ~25 small torch kernels (~40-48 us of a SmolLM2 chain-7 draft graph's 239 us on an
-# H100: bench/results/2026-12-06-verify-kernel-marginals-smollm2-h100.json). Off until a GPU times it (the A/B:
-# bench/graph_launch_probe.py --set worker.executor.step_graphs.FIRST_PASS_KERNEL=True).
-FIRST_PASS_KERNEL = False
+# ``chain_layout.first_pass``'s ~25 small torch kernels (the reference and the CPU path). On an H100 the SmolLM2
+# chain-7 draft graph takes 213 us against 254 and a round ~3 % less through the engine
+# (bench/results/2026-12-06-first-pass-kernel-smollm2-h100.json; the A/B: bench/graph_launch_probe.py --set
+# worker.executor.step_graphs.FIRST_PASS_KERNEL=False).
+FIRST_PASS_KERNEL = True
 StepFn = Callable[[ForwardBatch], ModelOutput]
 FeedFn = Callable[[torch.Tensor], torch.Tensor]  # a chained forward's logits [rows, vocab] -> next tokens [rows]
 # a tree chain's forward j: (j, leaf tokens [rows], hidden [rows, H], mask rows [rows, j * tokens]) -> (logits, hidden)
