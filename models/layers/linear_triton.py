@@ -150,7 +150,14 @@ def gemv_tile(k: int) -> tuple[int, int, int]:
     for block_k, warps in ((2048, 8), (1024, 4), (512, 4), (256, 4)):
         if k % block_k == 0:
             return 4, block_k, warps
-    return 4, min(1024, triton.next_power_of_2(k)), 4
+    block_n, block_k, warps = GEMV_NARROW_TILE
+    return block_n, min(block_k, triton.next_power_of_2(k)), warps
+
+
+# (block_n, block_k at most, num_warps) of the GEMV where no power of two from 256 divides k (SmolLM2's 576): one
+# masked tile. A 256-wide K loop, (4, 256, 4), the fastest one-row cut back to back in bench/decode_rows_probe.py, made
+# SmolLM2's plain step 629.2 us of GPU time against 510.2 in a generate (2026-12-06-matmul-cuts-k576-kernels-smollm2-h100.json).
+GEMV_NARROW_TILE = (4, 1024, 4)
 
 
 @triton.jit
@@ -314,6 +321,10 @@ GEMM_ROWS = 64
 # models.layers.linear_triton.ONE_TILE_K_MAX=0). Below ONE_TILE_K_MIN the loop's table was as fast or faster.
 ONE_TILE_K_MIN = 1024
 ONE_TILE_K_MAX = 2048
+# A one-tile program's outputs. One tile at SmolLM2's K = 576 too (ONE_TILE_K_MIN = 512) made its chain-7 verify graph
+# 768.8 us with 16 outputs, 685.8 with 32, against 670.8 with the K loop (a generate's graphs, alternated twice in one
+# H100 lease: bench/results/2026-12-06-matmul-cuts-k576-kernels-smollm2-h100.json).
+ONE_TILE_BLOCK_N = 16
 # A decode GEMM of at most 16 rows over K <= L2_PREFETCH_K_MAX (a small model's widths: SmolLM2's 576 and 1536)
 # asks L2 for its program's whole [BLOCK_N, K] weight slice before the PDL wait — one prefetch instruction a
 # 128-byte line, nothing held in registers, so Triton's pipelined K loop stays as it is — and the loop after the
@@ -345,8 +356,8 @@ def decode_gemm_tile(m: int, n: int, k: int) -> tuple[int, int, int, int] | None
     (2026-12-05-decode-gemm-narrow-tiles-ab-smollm2-h100.json)."""
     if not 1 <= m <= GEMM_ROWS:
         return None
-    if m <= 16 and ONE_TILE_K_MIN < k <= ONE_TILE_K_MAX and n % 16 == 0:
-        return 16, triton.next_power_of_2(k), 1, 4
+    if m <= 16 and ONE_TILE_K_MIN < k <= ONE_TILE_K_MAX and n % ONE_TILE_BLOCK_N == 0:
+        return ONE_TILE_BLOCK_N, triton.next_power_of_2(k), 1, 4
     block_k = 128 if k % 128 == 0 else 64
     block_n = 128 if m > 16 and n >= 16384 else 64
     if k % block_k or n % block_n:
