@@ -17,7 +17,9 @@ Attention: the engine's decode kernel (``decode_attention_launch``) at batch 16 
 H200's 50 MB L2, so the earlier one-layer sweep, 2026-12-02-decode-launch-sweep-h200.json, read it warm), at the engine's cut and
 each ``ATTENTION_CUTS`` cut (keys per tile, warps, stages, splits, loads read ahead in registers), with each
 compiled variant's shared memory, registers and whether Triton pipelined its loads; and the engine's cut on
-one layer's cache (warm) for comparison. ``--shapes``: other GEMM shapes (e.g. output counts that fill the
+one layer's cache (warm) for comparison. ``--verify-new 8 --rows 1,4,8 --ctx 512,2048,8192``: a chain
+verify's attention (8 new tokens a sequence) as decode rows against the prefill kernel (``verify_attention``;
+2026-12-06-verify-attention-grouped-rows-8b-smollm2-h100.json). ``--shapes``: other GEMM shapes (e.g. output counts that fill the
 multiprocessors in whole waves). Runs: 2026-12-04-decode-rows-probe-gemm-h200.json (GEMMs),
 2026-12-04-decode-attention-cold-sweep-h200.json (attention, 3 contexts), 2026-12-04-decode-gemm-waves-h200.json
 (``--shapes``).
@@ -184,6 +186,55 @@ def attention(batch: int, ctx: int, reps: int) -> dict[str, Any]:
     return row
 
 
+def verify_attention(batch: int, ctx: int, new: int, reps: int) -> dict[str, Any]:
+    """A chain verify's attention on the 8B shape: ``new`` tokens per sequence (the last of each context of
+    ``ctx``), 32 calls per graph each on its own layer's cache, through the engine's entry point
+    (``paged_decode_attention_triton``) with the new tokens as decode rows (``ROWS_AS_DECODE``, the default: a
+    program per sequence takes its rows, each key read once for all of them) and through the prefill kernel
+    (``ROWS_AS_DECODE = 0``), alternated twice, ``reps`` replays each; the two outputs' largest difference."""
+    from bench.attention_kernels import decode_case
+    from fusedserve.models.forward_batch import ForwardBatch, PagedAttentionMetadata
+    from fusedserve.models.layers import decode_attention_triton as dat
+
+    dev = torch.device("cuda")
+    c = decode_case(batch, ctx, LAYERS)
+    g = torch.Generator(device=dev).manual_seed(ctx + new)
+    rows = batch * new
+    q = torch.randn(rows, 32, 128, device=dev, dtype=torch.bfloat16, generator=g)
+    k = torch.randn(rows, 8, 128, device=dev, dtype=torch.bfloat16, generator=g)
+    v = torch.randn(rows, 8, 128, device=dev, dtype=torch.bfloat16, generator=g)
+    tables = [list(t) for t in c.tables]
+    meta = PagedAttentionMetadata.from_lists([new] * batch, [ctx] * batch, tables, dev, max_blocks=WIDTH)
+    slots = torch.tensor([t[p // BLOCK] * BLOCK + p % BLOCK for t in tables for p in range(ctx - new, ctx)], device=dev)
+    fb = ForwardBatch(torch.zeros(rows, dtype=torch.long, device=dev), torch.zeros(rows, device=dev), [new] * batch,
+                      [ctx] * batch, slots, tables, c.kv, paged=meta)
+    kv_bytes = batch * ctx * 8 * 128 * 2 * 2
+    scale = 128 ** -0.5
+    saved = dat.ROWS_AS_DECODE
+    row: dict[str, Any] = {"batch": batch, "context": ctx, "new_tokens": new, "kv_bytes_per_layer": kv_bytes}
+    outs = {}
+    try:
+        for _ in range(2):
+            for name, rows_as_decode in (("decode_rows", saved), ("prefill_kernel", 0)):
+                dat.ROWS_AS_DECODE = rows_as_decode
+
+                def calls() -> None:
+                    for i in range(LAYERS):
+                        dat.paged_decode_attention_triton(q, k, v, i, fb, scale)
+
+                r = graph_ms(calls, reps)
+                us = r["ms"] * 1000 / LAYERS
+                row.setdefault(name, []).append({"us": round(us, 2), "spread": r["spread"],
+                                                 "TBps": round(kv_bytes / us / 1e6, 3)})
+                outs[name] = dat.paged_decode_attention_triton(q, k, v, 0, fb, scale).float()
+    finally:
+        dat.ROWS_AS_DECODE = saved
+    row["max_abs_diff"] = (outs["decode_rows"] - outs["prefill_kernel"]).abs().max().item()
+    progress(f"verify attention batch {batch} context {ctx} new {new}: rows {row['decode_rows']} "
+             f"prefill kernel {row['prefill_kernel']} diff {row['max_abs_diff']:.3g}")
+    return row
+
+
 def compiled_kernels(kernel: Any) -> list[dict[str, Any]]:
     """Each compiled variant of a Triton kernel: its constants, shared memory, and whether Triton pipelined its
     loads (asynchronous copies in its TTGIR)."""
@@ -209,6 +260,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--no-gemm", action="store_true")
     ap.add_argument("--no-attention", action="store_true")
+    ap.add_argument("--verify-new", type=int, default=0,
+                    help="attention only: a chain verify of this many new tokens per sequence at each --rows batch "
+                         "and --ctx, as decode rows against the prefill kernel (verify_attention)")
     ap.add_argument("--shapes", default="",
                     help="name:n:k,... GEMM shapes instead of the 8B ones (cuts only for the 8B names), e.g. the same K "
                          "at output counts that fill the GPU's multiprocessors in whole waves: does a matmul's time "
@@ -220,6 +274,14 @@ def main() -> None:
     bw = copy_bandwidth(dev, 1 << 30)
     record["copy_bandwidth_TBps"] = bw / 1e12
     rows = [int(r) for r in args.rows.split(",") if r]
+    if args.verify_new:
+        record["verify_attention"] = []
+        for ctx in [int(c) for c in args.ctx.split(",")]:
+            for b in rows:
+                record["verify_attention"].append(verify_attention(b, ctx, args.verify_new, args.reps))
+                torch.cuda.empty_cache()
+                write_record(record, args.out)
+        return
     if not args.no_attention:
         record["attention"] = []
         for ctx in [int(c) for c in args.ctx.split(",")]:

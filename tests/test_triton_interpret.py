@@ -772,20 +772,23 @@ def test_interp_prefill_attention_on_a_graph_padded_verify_layout_equals_torch(w
 
 
 @inner
-@pytest.mark.parametrize(("width", "front"), [(3, "pad"), (3, "copies"), (40, "pad"), (40, "copies"), (48, "long"),
-                                              (8, "mixed")],
+@pytest.mark.parametrize(("width", "front", "split_tiles"),
+                         [(3, "pad", 4), (3, "copies", 4), (40, "pad", 4), (40, "copies", 4), (48, "long", 4),
+                          (48, "long", 1), (8, "mixed", 4)],
                          ids=["one-split-pad", "one-split-copies", "splits-pad", "splits-copies", "pipelined-splits",
-                              "mixed-rows"])
-def test_interp_chain_verify_as_decode_rows_equals_torch(width: int, front: str,
+                              "rows-past-a-split", "mixed-rows"])
+def test_interp_chain_verify_as_decode_rows_equals_torch(width: int, front: str, split_tiles: int,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A few new tokens per sequence (a chain verify) through the decode entry point run as decode rows, a
-    program per row (``ROWS_AS_DECODE``), not the prefill kernel: each row sees its sequence's cache up to its
+    program per sequence's rows (``ROWS_AS_DECODE``), not the prefill kernel: each row sees its sequence's cache up to its
     causal limit, the sequence's new keys from k / v. StepGraphs' padded layout (``front`` "pad": leading rows
     share the first real row's limit and write the pad slot; "copies": they copy the first real row, its K/V
-    to its slot), block tables 3 wide (one split) or 40 (splits, read ahead in registers: 24 programs); "long":
-    contexts 140 / 37 / 6 over 48-page tables, 6 rows each (36 programs: the pipelined loop, 4 splits combined in
-    the kernel, the last one empty); "mixed": a decode row beside a chunk and a prompt. Equal to the torch path; the cache as the torch path leaves it; the arrival
-    counters reset."""
+    to its slot), block tables 3 wide (one split) or 40 (splits, read ahead in registers); "long":
+    contexts 140 / 37 / 6 over 48-page tables, 6 rows each (the pipelined loop: FEW_PROGRAMS lowered below its 6
+    programs; 4 splits combined in the kernel, the last one empty); "mixed": a decode row beside a chunk and a prompt. A program takes all of a
+    sequence's rows; ``split_tiles`` 1 (``ROWS_SPLIT_TILES``: one-tile splits) leaves the first rows of the 37-token
+    context no key in its last split. Equal to the torch path; the cache as the torch path leaves it; the
+    arrival counters reset."""
     from fusedserve.models.layers import decode_attention_triton
     from fusedserve.models.layers.paged_attention_torch import paged_attention_torch
 
@@ -793,6 +796,9 @@ def test_interp_chain_verify_as_decode_rows_equals_torch(width: int, front: str,
         raise AssertionError("a chain verify went to the prefill kernel")
 
     monkeypatch.setattr(decode_attention_triton, "paged_prefill_attention_triton", refuse)
+    monkeypatch.setattr(decode_attention_triton, "ROWS_SPLIT_TILES", split_tiles)
+    if front == "long":  # its 6 programs (3 sequences x 2 KV heads) through the pipelined loop
+        monkeypatch.setattr(decode_attention_triton, "FEW_PROGRAMS", 4)
     kv, ref_kv, q, k, v, batch, real, pad_slot = _verify_layout(width, front, 17 + width)
     got = decode_attention_triton.paged_decode_attention_triton(q, k, v, 0, batch(kv), 0.25)
     again = decode_attention_triton.paged_decode_attention_triton(q, k, v, 0, batch(kv), 0.25)

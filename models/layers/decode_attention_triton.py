@@ -2,8 +2,8 @@
 
 Plain reference: ``paged_attention_torch.paged_attention_torch`` (itself checked against
 ``attention.paged_attention_reference``). A step of a few new tokens per sequence (a chain verify, a
-draft's first pass: ``ROWS_AS_DECODE``) runs here too, a program per new token (row) whose context is its
-causal limit, the sequence's new keys read from ``k`` / ``v``. Other steps of several new tokens per
+draft's first pass: ``ROWS_AS_DECODE``) runs here too: a program takes all of its sequence's new tokens (rows)
+times its query heads, each row masked at its causal limit, the sequence's new keys read from ``k`` / ``v``. Other steps of several new tokens per
 sequence (prefill, chunked prefill, mixed batches) go to the paged flash attention of
 ``prefill_attention_triton.py``, and so do trees given as a metadata ``tail_mask``; trees
 given as ``batch.attn_masks`` (eager) to the torch path. A program per (sequence, KV head, block of its query
@@ -46,12 +46,17 @@ from .prefill_attention_triton import paged_prefill_attention_triton
 # False: the separate combine (bench/decode_engine.py --separate-combine, the A/B).
 FUSED_COMBINE = True
 # A step of a few new tokens per sequence (a chain verify, a draft's first pass: at most ROWS_AS_DECODE per
-# sequence and ROWS_AS_DECODE_TOTAL in all, causal, K/V not in K) runs here with a program per row (``ROWS``)
-# instead of the prefill kernel's query tiles with the splits combined by a launch after: each row's context is
-# small next to what one program can take, and the split-KV decode launch combines in-kernel. Why: on SmolLM2's
-# 8-row chain verify (H100) the prefill kernel and its combine took 161 + 59 us of GPU time on the critical path
-# a verify against 82 us for the one-row step's decode attention (bench/graph_launch_probe.py --kernels,
-# 2026-12-06-verify-kernel-marginals-smollm2-h100.json). 0: off (the prefill kernel; the A/B through --set).
+# sequence and ROWS_AS_DECODE_TOTAL in all, causal, K/V not in K, rows x query group within ACC_ELEMENTS) runs
+# here (``ROWS``): a program per (sequence, KV head, split) takes the sequence's rows x its query heads, each key
+# read once for all rows, and the splits combine in-kernel, instead of the prefill kernel's query tiles with a
+# combine launch after. On the Llama-3-8B shape (8 new tokens a sequence, H100) it took 19.2 / 26.8 / 46.5 us a
+# layer at batch 1 and 512 / 2 048 / 8 192 tokens against the prefill kernel's 19.5 / 27.6 / 49.4, at batch 8
+# 21.6 / 53.6 / 157.0 against 39.6 / 77.8 / 213.9 (bench/decode_rows_probe.py --verify-new 8,
+# 2026-12-06-verify-attention-grouped-rows-8b-smollm2-h100.json). The first version here, a program per row
+# (cf4d3fd), read a context once per row: faster on SmolLM2's short verifies (its chain-7 verify graph 671 us
+# against 737-740 through the prefill kernel and 780 this way, before the rows' K/V were stored in one
+# load/store), but 2.5-4.3x the prefill kernel's time at 8 192 tokens on the 8B shape. 0: off (the prefill
+# kernel; the A/B through --set).
 ROWS_AS_DECODE = 16
 ROWS_AS_DECODE_TOTAL = 64
 # Accumulator elements of one program ([heads, V dim] fp32): bounds the heads a program takes.
@@ -93,10 +98,11 @@ def _tile_kv(kc_ptr, vc_ptr, slots, ok, h, stride_kcs, stride_kch, stride_vcs, s
 
 
 @triton.jit
-def _attend_tile(q_a, q_b, kt, kb, vt, is_new, in_range, k_a_new, k_b_new, v_new, m, l_sum, acc, scale,
-                 DB: tl.constexpr, V_IN_K: tl.constexpr, DOT_FP32: tl.constexpr):
-    """One key tile into the online softmax: the new token's row (``is_new``) from k / v, keys outside the
-    split (not ``in_range``) masked. -> (m, l_sum, acc)"""
+def _attend_tile(q_a, q_b, kt, kb, vt, is_new, visible, k_a_new, k_b_new, v_new, m, l_sum, acc, scale,
+                 DB: tl.constexpr, V_IN_K: tl.constexpr, DOT_FP32: tl.constexpr, ROWS: tl.constexpr):
+    """One key tile into the online softmax: the new token's row (``is_new``) from k / v, keys not ``visible``
+    ([1, BLOCK_N]: outside the split; ROWS, [H_PAD, BLOCK_N]: also past each query row's causal limit, so a
+    row may see none of a tile while its running max is still -inf) masked. -> (m, l_sum, acc)"""
     kt = tl.where(is_new[:, None], k_a_new[None, :].to(kt.dtype), kt)
     if DOT_FP32:
         s = tl.dot(q_a.to(tl.float32), tl.trans(kt.to(tl.float32)))
@@ -109,10 +115,14 @@ def _attend_tile(q_a, q_b, kt, kb, vt, is_new, in_range, k_a_new, k_b_new, v_new
         else:
             s += tl.dot(q_b.to(kb.dtype), tl.trans(kb))
     s = s * scale  # [H_PAD, BLOCK_N] fp32
-    s = tl.where(in_range[None, :], s, float("-inf"))
+    s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
-    alpha = tl.exp(m - m_new)
-    p = tl.exp(s - m_new[:, None])
+    if ROWS:  # a row that has seen no key yet keeps m = -inf and sums of 0 (exp(-inf - -inf) would be NaN)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new
+    alpha = tl.exp(m - m_ref)
+    p = tl.exp(s - m_ref[:, None])
     l_sum = l_sum * alpha + tl.sum(p, axis=1)
     if V_IN_K:
         vt = kt
@@ -151,6 +161,46 @@ def _fresh_rows(kt, kb, vt, k_ptr, v_ptr, rows_new, fresh, h, stride_kt, stride_
 
 
 @triton.jit
+def _visible(n, end, limit, ROWS: tl.constexpr):
+    """Keys ``n`` [BLOCK_N] a tile's query rows see: those before the split's ``end``; ROWS, also at most each
+    row's causal ``limit`` [H_PAD] -> [H_PAD, BLOCK_N] (else [1, BLOCK_N])."""
+    if ROWS:
+        visible = (n[None, :] < end) & (n[None, :] <= limit[:, None])
+    else:
+        visible = (n < end)[None, :]
+    return visible
+
+
+@triton.jit
+def _store_new_rows(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, q_start, q_end, h, stride_kt, stride_kh, stride_vt,
+                    stride_vh, stride_kcs, stride_kch, stride_vcs, stride_vch, R_PAD: tl.constexpr, DA: tl.constexpr,
+                    DA_PAD: tl.constexpr, DB: tl.constexpr, DB_PAD: tl.constexpr, VDIM: tl.constexpr,
+                    VDIM_PAD: tl.constexpr, V_IN_K: tl.constexpr):
+    """KV head h of new tokens q_start..q_end-1: their K (parts A and B) and V from k / v into the cache at their
+    slots, all rows in one load and one store (a loop of a row at a time waited on each row's loads in turn)."""
+    t = q_start + tl.arange(0, R_PAD)
+    ok = t < q_end
+    slot = tl.load(slot_ptr + t, mask=ok, other=0).to(tl.int64)
+    da = tl.arange(0, DA_PAD)
+    ka_ok = ok[:, None] & (da < DA)[None, :]
+    ka = tl.load(k_ptr + t[:, None] * stride_kt + h * stride_kh + da[None, :], mask=ka_ok, other=0.0)
+    tl.store(kc_ptr + slot[:, None] * stride_kcs + h * stride_kch + da[None, :], ka.to(kc_ptr.dtype.element_ty),
+             mask=ka_ok)
+    if DB > 0:
+        db = DA + tl.arange(0, DB_PAD)
+        kb_ok = ok[:, None] & (db < DA + DB)[None, :]
+        kb = tl.load(k_ptr + t[:, None] * stride_kt + h * stride_kh + db[None, :], mask=kb_ok, other=0.0)
+        tl.store(kc_ptr + slot[:, None] * stride_kcs + h * stride_kch + db[None, :], kb.to(kc_ptr.dtype.element_ty),
+                 mask=kb_ok)
+    if not V_IN_K:
+        dv = tl.arange(0, VDIM_PAD)
+        v_ok = ok[:, None] & (dv < VDIM)[None, :]
+        vn = tl.load(v_ptr + t[:, None] * stride_vt + h * stride_vh + dv[None, :], mask=v_ok, other=0.0)
+        tl.store(vc_ptr + slot[:, None] * stride_vcs + h * stride_vch + dv[None, :], vn.to(vc_ptr.dtype.element_ty),
+                 mask=v_ok)
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
                    bt_ptr, ctx_ptr, slot_ptr, cnt_ptr, seq_ptr, index_ptr, qstart_ptr,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -160,49 +210,57 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, p
                    DB: tl.constexpr, DB_PAD: tl.constexpr, VDIM: tl.constexpr, VDIM_PAD: tl.constexpr,
                    V_IN_K: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
                    COMBINE: tl.constexpr, DOT_FP32: tl.constexpr, PREFETCH: tl.constexpr, ROWS: tl.constexpr,
-                   PDL: tl.constexpr):
+                   SPLIT_TILES: tl.constexpr, R_PAD: tl.constexpr, PDL: tl.constexpr):
     pdl_open(PDL)
     # K's columns are part A (0..DA) and part B (DA..DA+DB, none when DB = 0); V_IN_K: V is part A.
-    # ROWS: a program per new token (row) of a step with a few per sequence (a chain verify), each row's
-    # context its causal limit + 1; the sequence's new indices (from its first row's limit on) are read from
-    # k / v (rows_new: the last row holds ctx - 1), the older ones from the cache. Else one row per sequence.
+    # b: the sequence. ROWS: a program takes all of its sequence's new tokens (rows, a chain verify's few) times
+    # its query heads as the query block, each row seeing its context up to its causal limit (its token index);
+    # the sequence's new indices (from its first row's limit on) are read from k / v (rows_new: the last row
+    # holds ctx - 1), the older ones from the cache, each read once for all the rows. Else its one new token.
     b = tl.program_id(0).to(tl.int64)
-    if ROWS:
-        seq = tl.load(seq_ptr + b)
-        last = tl.load(index_ptr + b)
-        ctx = (last + 1).to(tl.int32)
-        q_start = tl.load(qstart_ptr + seq)
-        new0 = tl.load(index_ptr + q_start)
-        row_shift = tl.load(qstart_ptr + seq + 1) - tl.load(ctx_ptr + seq)  # the row of new index n: row_shift + n
-        bt_row = seq.to(tl.int64)
-    else:
-        ctx = tl.load(ctx_ptr + b)
-        bt_row = b
     h = tl.program_id(1) // HEAD_BLOCKS  # KV head
     hb = tl.program_id(1) % HEAD_BLOCKS  # block of its query heads
     split = tl.program_id(2)
-    if not ROWS:
+    g = tl.arange(0, H_PAD)
+    bt_row = b
+    if ROWS:
+        q_start = tl.load(qstart_ptr + b)
+        q_end = tl.load(qstart_ptr + b + 1)
+        ctx = tl.maximum(tl.load(ctx_ptr + b), 1)
+        new0 = tl.load(index_ptr + q_start, mask=q_end > q_start, other=0)
+        row_shift = q_end - ctx  # the row of new index n: row_shift + n
+        last = ctx - 1
+        r = g // BLOCK_H  # query row g: the sequence's r-th new token, head in_group of the block
+        in_group = hb * BLOCK_H + g % BLOCK_H
+        gmask = (r < q_end - q_start) & (in_group < GROUP)
+        orow = (q_start + r).to(tl.int64)
+        limit = tl.load(index_ptr + orow, mask=gmask, other=-1)  # the row's causal limit (its own index)
+        # splits of at least SPLIT_TILES tiles: a short context in few of them (the last combines fewer)
+        split_tokens = tl.maximum(tl.cdiv(tl.cdiv(ctx, BLOCK_N), SPLITS), SPLIT_TILES) * BLOCK_N
+    else:
+        ctx = tl.load(ctx_ptr + b)
         last = ctx - 1
         new0 = last
-    # The splits share this sequence's real context (whole tiles each): a captured batch's SPLITS follow its
-    # longest possible context, the work the context it has.
-    split_tokens = tl.cdiv(tl.cdiv(ctx, BLOCK_N), SPLITS) * BLOCK_N
+        in_group = hb * BLOCK_H + g
+        gmask = (g < BLOCK_H) & (in_group < GROUP)
+        orow = b + g * 0
+        limit = g  # (ROWS only)
+        # The splits share this sequence's real context (whole tiles each): a captured batch's SPLITS follow its
+        # longest possible context, the work the context it has.
+        split_tokens = tl.cdiv(tl.cdiv(ctx, BLOCK_N), SPLITS) * BLOCK_N
     active = tl.cdiv(ctx, split_tokens)  # the splits that take keys (split 0 always: ctx >= 1)
     first = split * split_tokens
     end = tl.minimum(ctx, first + split_tokens)
-    g = tl.arange(0, H_PAD)
-    in_group = hb * BLOCK_H + g
-    gmask = (g < BLOCK_H) & (in_group < GROUP)
     heads = h * GROUP + in_group
     da = tl.arange(0, DA_PAD)
     damask = da < DA
-    q_a = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + da[None, :],
+    q_a = tl.load(q_ptr + orow[:, None] * stride_qt + heads[:, None] * stride_qh + da[None, :],
                   mask=gmask[:, None] & damask[None, :], other=0.0)
     k_a_new = tl.load(k_ptr + b * stride_kt + h * stride_kh + da, mask=damask, other=0.0)
     if DB > 0:
         db = DA + tl.arange(0, DB_PAD)
         dbmask = db < DA + DB
-        q_b = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + db[None, :],
+        q_b = tl.load(q_ptr + orow[:, None] * stride_qt + heads[:, None] * stride_qh + db[None, :],
                       mask=gmask[:, None] & dbmask[None, :], other=0.0)
         k_b_new = tl.load(k_ptr + b * stride_kt + h * stride_kh + db, mask=dbmask, other=0.0)
     else:  # no part B: stand-ins the tile helpers take and never read
@@ -214,7 +272,12 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, p
         v_new = tl.load(v_ptr + b * stride_vt + h * stride_vh + dv, mask=dvmask, other=0.0)
     else:
         v_new = k_a_new
-    if (split == 0) & (hb == 0):  # one writer per (sequence, KV head); nobody reads this slot in this launch
+    if ROWS:
+        if (split == 0) & (hb == 0):  # one writer per (sequence, KV head) of its rows' K/V; no program reads them
+            _store_new_rows(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, q_start, q_end, h, stride_kt, stride_kh,
+                            stride_vt, stride_vh, stride_kcs, stride_kch, stride_vcs, stride_vch, R_PAD, DA, DA_PAD,
+                            DB, DB_PAD, VDIM, VDIM_PAD, V_IN_K)
+    elif (split == 0) & (hb == 0):  # one writer per (sequence, KV head); nobody reads this slot in this launch
         slot = tl.load(slot_ptr + b).to(tl.int64)
         tl.store(kc_ptr + slot * stride_kcs + h * stride_kch + da, k_a_new.to(kc_ptr.dtype.element_ty), mask=damask)
         if DB > 0:
@@ -251,8 +314,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, p
                 kt_cur, kb_cur, vt_cur = _fresh_rows(kt_cur, kb_cur, vt_cur, k_ptr, v_ptr, row_shift + n,
                                                      (n >= new0) & (n < end), h, stride_kt, stride_kh, stride_vt,
                                                      stride_vh, DA, DA_PAD, DB, DB_PAD, VDIM, VDIM_PAD, V_IN_K)
-            m, l_sum, acc = _attend_tile(q_a, q_b, kt_cur, kb_cur, vt_cur, n == own, n < end,
-                                         k_a_new, k_b_new, v_new, m, l_sum, acc, scale, DB, V_IN_K, DOT_FP32)
+            m, l_sum, acc = _attend_tile(q_a, q_b, kt_cur, kb_cur, vt_cur, n == own,
+                                         _visible(n, end, limit, ROWS), k_a_new, k_b_new, v_new, m,
+                                         l_sum, acc, scale, DB, V_IN_K, DOT_FP32, ROWS)
             kt_cur, kb_cur, vt_cur = kt_nxt, kb_nxt, vt_nxt
     else:  # the block-table lookup one tile ahead, so Triton's pipelined K/V copies wait on no load
         for start in range(first, end, BLOCK_N):
@@ -265,29 +329,29 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, p
                 kt, kb, vt = _fresh_rows(kt, kb, vt, k_ptr, v_ptr, row_shift + n, (n >= new0) & (n < end), h,
                                          stride_kt, stride_kh, stride_vt, stride_vh, DA, DA_PAD, DB, DB_PAD, VDIM,
                                          VDIM_PAD, V_IN_K)
-            m, l_sum, acc = _attend_tile(q_a, q_b, kt, kb, vt, n == own, n < end, k_a_new,
-                                         k_b_new, v_new, m, l_sum, acc, scale, DB, V_IN_K, DOT_FP32)
+            m, l_sum, acc = _attend_tile(q_a, q_b, kt, kb, vt, n == own, _visible(n, end, limit, ROWS),
+                                         k_a_new, k_b_new, v_new, m, l_sum, acc, scale, DB, V_IN_K, DOT_FP32, ROWS)
     do = tl.arange(0, VDIM_PAD)
     if SPLITS == 1:
         out = acc / l_sum[:, None]
-        tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + do[None, :],
+        tl.store(out_ptr + orow[:, None] * stride_ot + heads[:, None] * stride_oh + do[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & (do < VDIM)[None, :])
     elif not COMBINE:  # partial results [B, HEADS, SPLITS, ...]; an empty split leaves m = -inf, l = 0
-        store_partial(part_acc_ptr, part_m_ptr, part_l_ptr, (b * HEADS + heads) * SPLITS + split, m, l_sum, acc,
+        store_partial(part_acc_ptr, part_m_ptr, part_l_ptr, (orow * HEADS + heads) * SPLITS + split, m, l_sum, acc,
                       gmask, VDIM_PAD)
     elif active == 1:  # one split covers the context: it writes the rows out (the others took no key)
         if split == 0:
             out = acc / l_sum[:, None]
-            tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + do[None, :],
+            tl.store(out_ptr + orow[:, None] * stride_ot + heads[:, None] * stride_oh + do[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & (do < VDIM)[None, :])
     elif split < active:  # the last of this (sequence, KV head, head block)'s active splits combines them
-        store_partial(part_acc_ptr, part_m_ptr, part_l_ptr, (b * HEADS + heads) * SPLITS + split, m, l_sum, acc,
+        store_partial(part_acc_ptr, part_m_ptr, part_l_ptr, (orow * HEADS + heads) * SPLITS + split, m, l_sum, acc,
                       gmask, VDIM_PAD)
         tl.debug_barrier()
         tile = b * tl.num_programs(1) + tl.program_id(1)
         arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == active - 1:
-            first_row = (b * HEADS + heads) * SPLITS
+            first_row = (orow * HEADS + heads) * SPLITS
             s_idx = tl.arange(0, SPLITS)
             rows2 = first_row[:, None] + s_idx[None, :]
             live = gmask[:, None] & (s_idx < active)[None, :]
@@ -296,14 +360,22 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, p
             top = tl.max(pm, axis=1)
             w = tl.where(pm > float("-inf"), tl.exp(pm - top[:, None]), 0.0)  # [H_PAD, SPLITS]
             total = tl.zeros((H_PAD, VDIM_PAD), tl.float32)
-            for sp in tl.static_range(SPLITS):
-                w_sp = tl.sum(tl.where(s_idx[None, :] == sp, w, 0.0), axis=1)
-                part = tl.load(part_acc_ptr + (first_row + sp)[:, None] * VDIM_PAD + do[None, :],
-                               mask=gmask[:, None] & (do[None, :] * 0 + sp < active), other=0.0,
-                               cache_modifier=".cg")
-                total += part * w_sp[:, None]
+            if ROWS:  # a loop over the active splits alone: a rows launch has many, a short context uses few
+                for sp in range(0, active):
+                    pm_sp = tl.load(part_m_ptr + first_row + sp, mask=gmask, other=float("-inf"), cache_modifier=".cg")
+                    w_sp = tl.where(pm_sp > float("-inf"), tl.exp(pm_sp - top), 0.0)
+                    part = tl.load(part_acc_ptr + (first_row + sp)[:, None] * VDIM_PAD + do[None, :],
+                                   mask=gmask[:, None], other=0.0, cache_modifier=".cg")
+                    total += part * w_sp[:, None]
+            else:
+                for sp in tl.static_range(SPLITS):
+                    w_sp = tl.sum(tl.where(s_idx[None, :] == sp, w, 0.0), axis=1)
+                    part = tl.load(part_acc_ptr + (first_row + sp)[:, None] * VDIM_PAD + do[None, :],
+                                   mask=gmask[:, None] & (do[None, :] * 0 + sp < active), other=0.0,
+                                   cache_modifier=".cg")
+                    total += part * w_sp[:, None]
             out = total / tl.sum(pl * w, axis=1)[:, None]
-            tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + do[None, :],
+            tl.store(out_ptr + orow[:, None] * stride_ot + heads[:, None] * stride_oh + do[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & (do < VDIM)[None, :])
             tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
 
@@ -330,12 +402,14 @@ class DecodeLaunch:
 # registers, and the programs with splits it then aims at (more programs: ``num_splits``'s default, 512).
 FEW_PROGRAMS = 32
 PREFETCH_PROGRAMS = 256
-# The same for a launch of decode rows (``ROWS_AS_DECODE``): fewer splits, each row's context shared by fewer
-# programs. SmolLM2's 8-row chain verify (24 programs before splits: 2 splits at 64, 8 at 256) took 678 us of GPU
-# time a round at 64, 683 at 128 and 725 at 256, and 732 through the prefill kernel (bench/graph_launch_probe.py
-# --timeline in a generate, alternated twice in one lease on an H100; the one-row step 508-521 us in all:
-# 2026-12-06-verify-rows-as-decode-smollm2-h100.json).
-ROWS_PREFETCH_PROGRAMS = 64
+# The same for a launch of decode rows (``ROWS_AS_DECODE``, a program per sequence's rows): at 64 the 8B shape's
+# batch-1 verify at 8 192 tokens took 74.6 us a layer against 46.5 at 256 (its 8 programs in 8 splits, then 32;
+# 2026-12-06-verify-attention-grouped-rows-8b-smollm2-h100.json).
+ROWS_PREFETCH_PROGRAMS = 256
+# A rows launch's splits take at least this many key tiles of a sequence's real context (a captured launch's
+# SPLITS follow its longest possible context); its last split combines the active splits alone. SmolLM2's chain-7
+# verify graph took 780 us at 1, 796 at 2 and 869 at 4 (one generate each, same record).
+ROWS_SPLIT_TILES = 1
 
 
 def decode_launch(programs: int, max_context: int, wide: bool = False, rows: bool = False) -> DecodeLaunch:
@@ -385,7 +459,7 @@ def paged_decode_attention_triton(
     scale: float,
 ) -> torch.Tensor:
     """Decode: store each sequence's new K/V and attend over its context; a few new tokens per sequence
-    (``rows_as_decode``: a chain verify) as decode rows, a program per row; more, and trees in the metadata
+    (``rows_as_decode``: a chain verify) as decode rows, a program per sequence's rows; more, and trees in the metadata
     (``tail_mask``): ``paged_prefill_attention_triton``; eager trees
     (``batch.attn_masks``): the torch path. A layer whose V is in K
     (``KVCache.v_in_k``) stores K alone and takes V from the K tiles (``v`` must then be K's first
@@ -398,23 +472,26 @@ def paged_decode_attention_triton(
     if cache is None or (batch.attn_masks is not None and any(m is not None for m in batch.attn_masks)):
         return paged_attention_torch(q, k, v, layer_id, batch, scale)
     n, heads, dim = q.shape
-    if meta.tail_mask is not None or (meta.max_query_len != 1 and not rows_as_decode(meta, n, layer_id in cache.v_in_k)):
-        return paged_prefill_attention_triton(q, k, v, layer_id, batch, scale)
     kv_heads, vdim = k.shape[1], v.shape[2]
     group = heads // kv_heads
+    rows = meta.max_query_len != 1
+    if meta.tail_mask is not None or (rows and not rows_as_decode(meta, n, layer_id in cache.v_in_k, group, vdim)):
+        return paged_prefill_attention_triton(q, k, v, layer_id, batch, scale)
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("decode attention kernel needs unit-stride head dims")
     block_h = heads_per_program(group, _pad(vdim))
     context = meta.block_tables.shape[1] * cache.block_size
-    launch = decode_launch(n * kv_heads * -(-group // block_h), context, wide=max(_pad(dim), _pad(vdim)) > 128,
-                           rows=meta.max_query_len != 1)
+    seqs = meta.context_lens.shape[0] if rows else n
+    launch = decode_launch(seqs * kv_heads * -(-group // block_h), context, wide=max(_pad(dim), _pad(vdim)) > 128,
+                           rows=rows)
     return decode_attention_launch(q, k, v, layer_id, batch, scale, launch)
 
 
-def rows_as_decode(meta: PagedAttentionMetadata, rows: int, v_in_k: bool) -> bool:
-    """Whether a step of several new tokens per sequence runs as decode rows (``ROWS_AS_DECODE``)."""
+def rows_as_decode(meta: PagedAttentionMetadata, rows: int, v_in_k: bool, group: int, vdim: int) -> bool:
+    """Whether a step of several new tokens per sequence runs as decode rows (``ROWS_AS_DECODE``): its rows
+    times the query group fit one program's accumulator."""
     return (meta.tail_mask is None and not v_in_k and 1 < meta.max_query_len <= ROWS_AS_DECODE
-            and rows <= ROWS_AS_DECODE_TOTAL)
+            and rows <= ROWS_AS_DECODE_TOTAL and _pad(meta.max_query_len * group) * _pad(vdim) <= ACC_ELEMENTS)
 
 
 def decode_attention_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch,
@@ -436,24 +513,28 @@ def decode_attention_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
     out = torch.empty((n, heads, vdim), dtype=q.dtype, device=q.device)
     if not n:
         return out
+    rows = meta.max_query_len != 1  # a program per sequence takes its rows x its query heads
+    programs = meta.context_lens.shape[0] if rows else n
     splits = launch.splits
     counters = None
     if splits > 1:
         part_acc, part_m, part_l = split_partials(n, heads, splits, vdim_pad, q.device)
         if FUSED_COMBINE and launch.combine_in_kernel:
-            counters = arrival_counters(q.device, n * kv_heads * head_blocks)
+            counters = arrival_counters(q.device, programs * kv_heads * head_blocks)
     else:
         part_acc = part_m = part_l = out  # unused
-    _decode_kernel[(n, kv_heads * head_blocks, splits)](
+    _decode_kernel[(programs, kv_heads * head_blocks, splits)](
         q, k, v, kc, vc, out, part_acc, part_m, part_l, meta.block_tables, meta.context_lens, batch.slot_mapping,
         counters if counters is not None else meta.context_lens, meta.token_seq, meta.token_index, meta.query_start,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), out.stride(0), out.stride(1),
         meta.block_tables.stride(0), scale,
-        HEADS=heads, GROUP=group, BLOCK_H=block_h, HEAD_BLOCKS=head_blocks, H_PAD=_pad(block_h), DA=da,
+        HEADS=heads, GROUP=group, BLOCK_H=block_h, HEAD_BLOCKS=head_blocks,
+        H_PAD=_pad(block_h * meta.max_query_len if rows else block_h), DA=da,
         DA_PAD=_pad(da), DB=dim - da, DB_PAD=_pad(dim - da), VDIM=vdim, VDIM_PAD=vdim_pad, V_IN_K=v_in_k,
         PAGE=cache.block_size, BLOCK_N=launch.block_n, SPLITS=splits, COMBINE=counters is not None,
-        DOT_FP32=_DOT_FP32, PREFETCH=launch.prefetch, ROWS=meta.max_query_len != 1, num_warps=launch.warps,
+        DOT_FP32=_DOT_FP32, PREFETCH=launch.prefetch, ROWS=rows, SPLIT_TILES=ROWS_SPLIT_TILES,
+        R_PAD=triton.next_power_of_2(meta.max_query_len) if rows else 1, num_warps=launch.warps,
         num_stages=launch.stages, **pdl_launch())
     if splits > 1 and counters is None:
         combine_splits(part_acc, part_m, part_l, out)
