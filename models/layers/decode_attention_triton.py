@@ -210,7 +210,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, p
                    DB: tl.constexpr, DB_PAD: tl.constexpr, VDIM: tl.constexpr, VDIM_PAD: tl.constexpr,
                    V_IN_K: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
                    COMBINE: tl.constexpr, DOT_FP32: tl.constexpr, PREFETCH: tl.constexpr, ROWS: tl.constexpr,
-                   SPLIT_TILES: tl.constexpr, R_PAD: tl.constexpr, PDL: tl.constexpr):
+                   SPLIT_TILES: tl.constexpr, R_PAD: tl.constexpr, COMBINE_LOADS: tl.constexpr,
+                   PDL: tl.constexpr):
     pdl_open(PDL)
     # K's columns are part A (0..DA) and part B (DA..DA+DB, none when DB = 0); V_IN_K: V is part A.
     # b: the sequence. ROWS: a program takes all of its sequence's new tokens (rows, a chain verify's few) times
@@ -360,13 +361,17 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, p
             top = tl.max(pm, axis=1)
             w = tl.where(pm > float("-inf"), tl.exp(pm - top[:, None]), 0.0)  # [H_PAD, SPLITS]
             total = tl.zeros((H_PAD, VDIM_PAD), tl.float32)
-            if ROWS:  # a loop over the active splits alone: a rows launch has many, a short context uses few
-                for sp in range(0, active):
-                    pm_sp = tl.load(part_m_ptr + first_row + sp, mask=gmask, other=float("-inf"), cache_modifier=".cg")
-                    w_sp = tl.where(pm_sp > float("-inf"), tl.exp(pm_sp - top), 0.0)
-                    part = tl.load(part_acc_ptr + (first_row + sp)[:, None] * VDIM_PAD + do[None, :],
-                                   mask=gmask[:, None], other=0.0, cache_modifier=".cg")
-                    total += part * w_sp[:, None]
+            if ROWS:  # the active splits alone (a rows launch has many; a short context uses few), COMBINE_LOADS
+                # partials at a time so their loads are in flight together
+                for sp0 in range(0, active, COMBINE_LOADS):
+                    for i in tl.static_range(COMBINE_LOADS):
+                        live_sp = gmask & (g * 0 + sp0 + i < active)
+                        pm_sp = tl.load(part_m_ptr + first_row + sp0 + i, mask=live_sp, other=float("-inf"),
+                                        cache_modifier=".cg")
+                        w_sp = tl.where(pm_sp > float("-inf"), tl.exp(pm_sp - top), 0.0)
+                        part = tl.load(part_acc_ptr + (first_row + sp0 + i)[:, None] * VDIM_PAD + do[None, :],
+                                       mask=live_sp[:, None], other=0.0, cache_modifier=".cg")
+                        total += part * w_sp[:, None]
             else:
                 for sp in tl.static_range(SPLITS):
                     w_sp = tl.sum(tl.where(s_idx[None, :] == sp, w, 0.0), axis=1)
@@ -410,6 +415,8 @@ ROWS_PREFETCH_PROGRAMS = 256
 # SPLITS follow its longest possible context); its last split combines the active splits alone. SmolLM2's chain-7
 # verify graph took 780 us at 1, 796 at 2 and 869 at 4 (one generate each, same record).
 ROWS_SPLIT_TILES = 1
+# Partials a rows launch's combining program loads per step of its loop over the active splits (not timed alone).
+COMBINE_LOADS = 4
 
 
 def decode_launch(programs: int, max_context: int, wide: bool = False, rows: bool = False) -> DecodeLaunch:
@@ -534,7 +541,8 @@ def decode_attention_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
         DA_PAD=_pad(da), DB=dim - da, DB_PAD=_pad(dim - da), VDIM=vdim, VDIM_PAD=vdim_pad, V_IN_K=v_in_k,
         PAGE=cache.block_size, BLOCK_N=launch.block_n, SPLITS=splits, COMBINE=counters is not None,
         DOT_FP32=_DOT_FP32, PREFETCH=launch.prefetch, ROWS=rows, SPLIT_TILES=ROWS_SPLIT_TILES,
-        R_PAD=triton.next_power_of_2(meta.max_query_len) if rows else 1, num_warps=launch.warps,
+        R_PAD=triton.next_power_of_2(meta.max_query_len) if rows else 1, COMBINE_LOADS=COMBINE_LOADS,
+        num_warps=launch.warps,
         num_stages=launch.stages, **pdl_launch())
     if splits > 1 and counters is None:
         combine_splits(part_acc, part_m, part_l, out)
