@@ -44,7 +44,7 @@ HOPPER = GPUTarget("cuda", 90, 32)
 LOADS = ("ld.global", "cp.async.cg", "cp.async.ca", "cp.async.bulk")
 
 DECODE_POINTERS = {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "bt_ptr": "*i32",
-                   "ctx_ptr": "*i32", "slot_ptr": "*i64", "cnt_ptr": "*i32", "seq_ptr": "*i64", "index_ptr": "*i64",
+                   "ctx_ptr": "*i32", "slot_ptr": "*i64", "cnt_ptr": "*i32", "index_ptr": "*i64",
                    "qstart_ptr": "*i32"}
 # name -> (kernel, compile-time constants, argument types other than bf16 pointers / i32 / fp32 eps and scale)
 KERNELS: dict[str, tuple[Any, dict[str, Any], dict[str, str]]] = {

@@ -202,7 +202,7 @@ def _store_new_rows(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, q_start, q_end, h, s
 
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-                   bt_ptr, ctx_ptr, slot_ptr, cnt_ptr, seq_ptr, index_ptr, qstart_ptr,
+                   bt_ptr, ctx_ptr, slot_ptr, cnt_ptr, index_ptr, qstart_ptr,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                    stride_kcs, stride_kch, stride_vcs, stride_vch, stride_ot, stride_oh, stride_bt,
                    scale, HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -257,6 +257,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, p
     damask = da < DA
     q_a = tl.load(q_ptr + orow[:, None] * stride_qt + heads[:, None] * stride_qh + da[None, :],
                   mask=gmask[:, None] & damask[None, :], other=0.0)
+    # the one new token's K/V (ROWS: stand-ins never attended, own = -1; _fresh_rows reads the rows' own)
     k_a_new = tl.load(k_ptr + b * stride_kt + h * stride_kh + da, mask=damask, other=0.0)
     if DB > 0:
         db = DA + tl.arange(0, DB_PAD)
@@ -532,7 +533,7 @@ def decode_attention_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
         part_acc = part_m = part_l = out  # unused
     _decode_kernel[(programs, kv_heads * head_blocks, splits)](
         q, k, v, kc, vc, out, part_acc, part_m, part_l, meta.block_tables, meta.context_lens, batch.slot_mapping,
-        counters if counters is not None else meta.context_lens, meta.token_seq, meta.token_index, meta.query_start,
+        counters if counters is not None else meta.context_lens, meta.token_index, meta.query_start,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), out.stride(0), out.stride(1),
         meta.block_tables.stride(0), scale,
