@@ -51,10 +51,14 @@ GEMM_CUTS: dict[str, tuple[tuple[int, int, int, int, int], ...]] = {
     "down": ((64, 128, 6, 4, 2), (64, 128, 6, 4, 1), (64, 128, 3, 4, 4), (128, 128, 4, 4, 4), (128, 128, 4, 8, 4),
              (128, 64, 6, 4, 4), (256, 64, 4, 8, 8), (128, 64, 6, 4, 2)),
 }
-# other shapes (--shapes, e.g. SmolLM2's 576-wide ones): narrow blocks and K splits (those that divide), and
-# one tile of all of K (block_k >= k: the kernel's ONE_TILE, its weights read before the PDL wait)
-SMALL_CUTS = (tuple((bn, bk, 6, 4, sp) for bn in (16, 32, 64) for bk in (64, 128) for sp in (1, 2, 3))
-              + ((16, 1024, 1, 4, 1), (16, 1024, 1, 8, 1), (32, 1024, 1, 8, 1), (16, 2048, 1, 8, 1), (16, 2048, 1, 4, 1)))
+# other shapes (--shapes, e.g. SmolLM2's 576-wide ones): the K loop at 64-wide steps (the engine's cut there), one
+# tile of all of K (block_k >= k: the kernel's ONE_TILE, its weights read before the PDL wait), and fewer, wider K
+# steps whose last one is masked where block_k does not divide K (576 = 4.5 x 128). Narrow blocks with K splits took
+# 1.5-2x as long (2026-12-05-decode-gemm-narrow-tiles-ab-smollm2-h100.json) and are no longer swept.
+SMALL_CUTS = (tuple((bn, 64, 6, 4, 1) for bn in (16, 32, 64))
+              + ((16, 1024, 1, 4, 1), (32, 1024, 1, 8, 1), (16, 2048, 1, 4, 1))
+              + tuple((bn, bk, st, 4, 1) for bn in (16, 32, 64) for bk, st in ((128, 4), (256, 3), (512, 2)))
+              + ((64, 256, 3, 8, 1), (64, 512, 2, 8, 1)))
 # the one-row GEMV (no tensor cores: the row against each [block_n, block_k] weight tile in registers), as (block_n,
 # block_k, warps); at 2-8 rows a row at a time it was 3.4-4.2x slower than the decode GEMM on SmolLM2's shapes
 # (2026-12-06-verify-kernel-marginals-smollm2-h100.json) and was taken out of linear_triton
@@ -101,8 +105,8 @@ def gemms(rows: int, reps: int, bw: float, shapes: tuple[tuple[str, int, int], .
         cuts = []
         for cut in GEMM_CUTS.get(name, SMALL_CUTS):
             bn, bk, stages, warps, splits = cut
-            if n % bn or (k % (bk * splits) if bk < k else splits > 1 or bk >= 2 * k):
-                continue  # a K loop needs whole steps; one tile (bk >= k: ONE_TILE) the next power of two
+            if n % bn or (k % (bk * splits) if bk < k and splits > 1 else splits > 1 or bk >= 2 * k):
+                continue  # split K needs whole steps; one tile (bk >= k: ONE_TILE) the next power of two
             try:
                 err = ((gemm_triton(x, ws[0], None, (bn, bk, stages, warps), splits).float() - ref).norm()
                        / ref.norm()).item()

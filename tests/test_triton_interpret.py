@@ -150,7 +150,7 @@ def test_interp_decode_gemv_equals_f_linear() -> None:
 @inner
 def test_interp_decode_gemm_equals_f_linear() -> None:
     """The fast set's matmul at 2..64 rows (``decode_linear`` -> ``gemm_triton``: tensor cores, operands
-    swapped, rows masked up to the padded block, a bias, K in 64- or 128-wide steps, K split in two where
+    swapped, rows masked up to the padded block, a bias, K in 64- or 128-wide steps (or wider, the last masked), K split in two where
     the output tiles are few) equals F.linear; more rows, fp32, or a shape no tile takes go to F.linear
     itself."""
     import torch.nn.functional as F
@@ -173,9 +173,23 @@ def test_interp_decode_gemm_equals_f_linear() -> None:
         x = torch.randn(m, k, generator=g).to(torch.bfloat16)
         _close(decode_linear(x, w), F.linear(x, w), 1e-2)
         _close(gemm_triton(x, w, b), F.linear(x, w, b), 1e-2)
+    # K steps wider than what divides K (576 = 2 x 256 + 64): the last step's columns past K masked
+    w = torch.randn(32, 576, generator=g).to(torch.bfloat16)
+    x = torch.randn(8, 576, generator=g).to(torch.bfloat16)
+    for cut in ((16, 256, 3, 4), (32, 128, 4, 4), (16, 512, 2, 4)):
+        _close(gemm_triton(x, w, None, cut), F.linear(x, w), 1e-2)
+    import fusedserve.models.layers.linear_triton as lt
+
+    lt.MASKED_K_STEPS = True  # the A/B's other side: 128-wide steps at a small model's K that 128 does not divide
+    try:
+        assert decode_gemm_tile(8, 960, 576) == (64, 128, 4, 4) and decode_gemm_tile(17, 960, 576) == (64, 64, 6, 4)
+        assert decode_gemm_tile(8, 576, 1536) == (16, 2048, 1, 4) and decode_gemm_tile(8, 4096, 4096) == (64, 128, 6, 4)
+        w = torch.randn(64, 576, generator=g).to(torch.bfloat16)
+        _close(decode_linear(x, w), F.linear(x, w), 1e-2)
+    finally:
+        lt.MASKED_K_STEPS = False
     # split-K (few output tiles): both K halves summed by the tile's last program; counts back at 0
     import fusedserve.models.layers.arrival_counters as arrival
-    import fusedserve.models.layers.linear_triton as lt
 
     cpu = torch.device("cpu")
     assert lt.decode_gemm_splits(64, 256, (64, 128, 6, 4), cpu) == 2 and lt.decode_gemm_splits(4096, 4096, (64, 128, 6, 4), cpu) == 2

@@ -235,7 +235,7 @@ def _store_tile(total, rn, is_rope, first, rm, M, y_ptr, b_ptr, pos_ptr, inv_ptr
 @triton.jit(do_not_specialize=["M"])  # counts that change call to call: one compile for all
 def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, pos_ptr, inv_ptr, M, N, K, INTER, ROPE_WIDTH,
                         stride_xm, stride_wn, stride_ym, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                         DOT_FP32: tl.constexpr, EPILOGUE: tl.constexpr, HEAD_DIM: tl.constexpr, ONE_TILE: tl.constexpr,
                         PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr):
     """A decode batch's matmul on tensor cores with the operands swapped: y^T [BLOCK_N, BLOCK_M] = W_tile x^T,
@@ -255,6 +255,8 @@ def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, pos_ptr, in
     ONE_TILE (K <= BLOCK_K, a small model's widths): the program's whole [BLOCK_N, K] weight tile (K masked to
     the power of two BLOCK_K) is loaded before the PDL wait, while the kernel before still runs, then x and
     one dot — no K loop to pipeline, so holding the tile costs no overlap (``decode_gemm_tile``).
+
+    EVEN_K false (one split): BLOCK_K need not divide K; each step's columns past K are masked (its last).
 
     SPLIT_K > 1 (few output tiles: more programs than tiles keep more of the GPU streaming weights): program
     (n, s) sums the s-th of SPLIT_K equal K ranges and stores its fp32 sums in ``ws`` [SPLIT_K, N, BLOCK_M];
@@ -289,9 +291,13 @@ def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, pos_ptr, in
         w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
         x_ptrs = x_ptr + rm[None, :] * stride_xm + rk[:, None]
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-        for _ in range(0, k_range, BLOCK_K):
-            w = tl.load(w_ptrs)
-            x = tl.load(x_ptrs, mask=rows, other=0.0)
+        for k in range(0, k_range, BLOCK_K):
+            if EVEN_K:
+                w = tl.load(w_ptrs)
+                x = tl.load(x_ptrs, mask=rows, other=0.0)
+            else:  # one split, its last step past K masked
+                w = tl.load(w_ptrs, mask=rk[None, :] + k < K, other=0.0)
+                x = tl.load(x_ptrs, mask=rows & (rk[:, None] + k < K), other=0.0)
             if DOT_FP32:
                 acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc)
             else:
@@ -336,6 +342,12 @@ ONE_TILE_BLOCK_N = 16
 # in the same lease ((32, 64, 6, 4) 887.7 us, (64, 64, 9, 4) 781.9 us) and are not here.
 L2_PREFETCH_K_MAX = 2048
 LINE_BYTES = 128
+# A small model's K that 128 does not divide (SmolLM2's 576) at up to 16 rows: 128-wide K steps, the last masked (4.5
+# for 576), 4 stages, instead of 64-wide whole steps. Alone at 8 rows on an H100 (32 layers' weights back to back,
+# bench/decode_rows_probe.py): o 2.24 against 2.41 us, gate_up 3.14 against 3.40, qkv 2.69 against 2.54, within
+# spreads of 5-25 % (2026-12-06-decode-gemm-masked-k-steps-smollm2-h100.json). False until a graph A/B says
+# (--set models.layers.linear_triton.MASKED_K_STEPS=True).
+MASKED_K_STEPS = False
 
 
 def decode_gemm_tile(m: int, n: int, k: int) -> tuple[int, int, int, int] | None:
@@ -358,6 +370,8 @@ def decode_gemm_tile(m: int, n: int, k: int) -> tuple[int, int, int, int] | None
         return None
     if m <= 16 and ONE_TILE_K_MIN < k <= ONE_TILE_K_MAX and n % ONE_TILE_BLOCK_N == 0:
         return ONE_TILE_BLOCK_N, triton.next_power_of_2(k), 1, 4
+    if MASKED_K_STEPS and m <= 16 and k % 128 and k <= L2_PREFETCH_K_MAX and n % 64 == 0:
+        return 64, 128, 4, 4
     block_k = 128 if k % 128 == 0 else 64
     block_n = 128 if m > 16 and n >= 16384 else 64
     if k % block_k or n % block_n:
@@ -400,6 +414,7 @@ def _launch_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     block_n, block_k, stages, warps = tile
     block_m = max(16, triton.next_power_of_2(m))
     splits = splits or decode_gemm_splits(n, k, tile, x.device)
+    assert splits == 1 or k % (block_k * splits) == 0, "split K needs whole K steps"
     counters = arrival_counters(x.device, n // block_n) if splits > 1 else None
     if counters is None:
         splits, counters = 1, weight
@@ -413,7 +428,7 @@ def _launch_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     _decode_gemm_kernel[(n // block_n, splits)](
         x, weight, bias if bias is not None else weight, y, ws, counters, positions, inv_freq, m, n, k, inter,
         rope_width, x.stride(0), weight.stride(0), y.stride(0), BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_K=block_k,
-        SPLIT_K=splits, HAS_BIAS=bias is not None, DOT_FP32=_DOT_FP32, EPILOGUE=epilogue,
+        SPLIT_K=splits, EVEN_K=k % (block_k * splits) == 0, HAS_BIAS=bias is not None, DOT_FP32=_DOT_FP32, EPILOGUE=epilogue,
         HEAD_DIM=2 * inv_freq.shape[0] if rope is not None else 2, ONE_TILE=block_k >= k,
         PREFETCH_LINES=prefetch, LINE=line, num_stages=stages,
         num_warps=warps,
@@ -425,7 +440,7 @@ def gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                 tile: tuple[int, int, int, int] | None = None, splits: int | None = None) -> torch.Tensor:
     """x: [m, K] (m <= GEMM_ROWS); weight: [N, K] -> [m, N] with ``_decode_gemm_kernel`` at the tile
     ``decode_gemm_tile`` gives, K split as ``decode_gemm_splits`` says (``tile`` / ``splits``: another cut,
-    for benchmarks; it must divide N and K); F.linear where no tile fits or for strided rows / mixed or fp32
+    for benchmarks; its block must divide N, and with splits K); F.linear where no tile fits or for strided rows / mixed or fp32
     dtypes."""
     m, k = x.shape
     n = weight.shape[0]
