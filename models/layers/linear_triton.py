@@ -345,8 +345,10 @@ LINE_BYTES = 128
 # A small model's K that 128 does not divide (SmolLM2's 576) at up to 16 rows: 128-wide K steps, the last masked (4.5
 # for 576), 4 stages, instead of 64-wide whole steps. Alone at 8 rows on an H100 (32 layers' weights back to back,
 # bench/decode_rows_probe.py): o 2.24 against 2.41 us, gate_up 3.14 against 3.40, qkv 2.69 against 2.54, within
-# spreads of 5-25 % (2026-12-06-decode-gemm-masked-k-steps-smollm2-h100.json). False until a graph A/B says
-# (--set models.layers.linear_triton.MASKED_K_STEPS=True).
+# spreads of 5-25 % (2026-12-06-decode-gemm-masked-k-steps-smollm2-h100.json). In the graphs it lost: the chain-7
+# verify 720.4 us against 710.5, chain-11's 785.7 against 756.0 (alternated twice in one H100 lease,
+# 2026-12-06-masked-k-steps-graphs-longer-chains-smollm2-h100.json). Off; the A/B: --set
+# models.layers.linear_triton.MASKED_K_STEPS=True.
 MASKED_K_STEPS = False
 
 
