@@ -148,9 +148,6 @@ KERNELS: dict[str, tuple[Any, dict[str, Any], dict[str, str]]] = {
     "gemv_silu": (linear_triton._gemv_kernel,
                   {"BLOCK_N": 4, "BLOCK_K": 2048, "EVEN_K": True, "HAS_BIAS": False,
                    "EPILOGUE": linear_triton.EPILOGUE_SILU, "HEAD_DIM": 2}, {}),
-    # a small model's longer width at a few rows (SmolLM2's down_proj at 8 rows: K 1536 in one masked 2048 piece)
-    "rows_gemv": (linear_triton._rows_gemv_kernel,
-                  {"BLOCK_N": 2, "M_PAD": 8, "K1": 2048, "K2": 0, "HAS_BIAS": True}, {}),
     # a chain's first pass layout and its steps' (SmolLM2's draft: 8 rows, 1 728-wide aux states, 6 steps)
     "first_pass_layout": (chain_layout_triton._first_pass_kernel,
                           {"Q": 8, "Q_PAD": 8, "CHAIN": 6, "CHAIN_PAD": 8, "H": 1728, "BLOCK_H": 1024, "PAGE": 16},
@@ -172,7 +169,7 @@ KERNELS: dict[str, tuple[Any, dict[str, Any], dict[str, str]]] = {
                     "m_ptr": "*fp32", "s_ptr": "*fp32", "cnt_ptr": "*i32", "count_ptr": "*i64", "tok_ptr": "*i64",
                     "rows_ptr": "*i64"}),
 }
-READS_BEFORE_WAIT = {"gemv", "gemv_rope", "gemv_silu", "decode_gemm_one_tile", "draft_input", "rows_gemv"}  # their (first) weight tile; the norm weights
+READS_BEFORE_WAIT = {"gemv", "gemv_rope", "gemv_silu", "decode_gemm_one_tile", "draft_input"}  # their (first) weight tile; the norm weights
 
 
 def hopper_ptx(fn: Any, constexprs: dict[str, Any], types: dict[str, str]) -> list[str]:

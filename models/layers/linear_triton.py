@@ -164,80 +164,12 @@ GEMV_NARROW_TILE = (4, 1024, 4)
 # (block_n, num_warps) of the GEMV's one masked tile for 1024 < K < 2048. At one row on an H100 (32 layers' weights
 # back to back, bench/rows_gemv_probe.py) all of SmolLM2's down_proj (1536) in one tile with 8 warps took 1.85-1.91 us
 # against 2.90 with the table's three 512-wide steps, the draft's fc (1728) 1.62-2.22 against 2.29
-# (2026-12-06-rows-gemv-probe-smollm2-h100.json). None: the table below for every K (the A/B: --set
-# models.layers.linear_triton.GEMV_WIDE_TILE=None).
+# (2026-12-06-rows-gemv-probe-smollm2-h100.json). In a generate SmolLM2's plain step took 461-470 us of GPU time against
+# 526, the draft's chain 201-205 against 213; through the engine plain decoding 2 049-2 053 / 2 032-2 035 tok/s
+# (MT-bench / HumanEval) against 1 799-1 848 / 1 801-1 826, chain-7 3 222-3 224 / 3 558-3 559 against 3 175-3 187 /
+# 3 498-3 512 (alternated twice in one H100 lease, 2026-12-06-gemv-wide-tile-smollm2-h100.json). None: the table
+# below for every K (the A/B: --set models.layers.linear_triton.GEMV_WIDE_TILE=None).
 GEMV_WIDE_TILE: tuple[int, int] | None = (4, 8)
-
-
-# 2..ROWS_GEMV_MAX rows over a small model's longer widths (ONE_TILE_K_MIN < K <= ONE_TILE_K_MAX: SmolLM2's down_proj
-# 1536, an EAGLE3 draft's fc 1728) go through ``_rows_gemv_kernel`` with (block_n, num_warps) ROWS_GEMV_TILE: at 8 rows
-# on an H100 (bench/rows_gemv_probe.py, 32 layers' weights back to back) 3.30 us against the decode GEMM's one tile's
-# 3.90 (down) and 4.02 (fc) (2026-12-06-rows-gemv-probe-smollm2-h100.json); at K 576 the GEMM stayed ahead (gate_up
-# 5.31 against 3.47). None: the decode GEMM (the A/B: --set models.layers.linear_triton.ROWS_GEMV_TILE=None).
-ROWS_GEMV_MAX = 8
-ROWS_GEMV_TILE: tuple[int, int] | None = (2, 4)
-
-
-@triton.jit
-def _rows_gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, K, stride_xm, stride_wn, stride_ym, BLOCK_N: tl.constexpr,
-                      M_PAD: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      PDL: tl.constexpr):
-    """The GEMV's shape for a few rows (no tensor cores): a program per BLOCK_N outputs loads its [BLOCK_N, K]
-    weights before the PDL wait — in one masked power-of-two piece of K1, or two (K1 the largest power of two
-    within K, K2 the rest's next one) — then the M <= M_PAD rows of x in one load, and sums the [M, BLOCK_N, K]
-    products over K in fp32. Every load is in flight at once, where the decode GEMM walks K in serial steps and
-    has few programs at a small model's widths. (A multi-row GEMV that loaded x a row at a time between its
-    cross-thread sums, c357932, serialised those loads and was 3.4-4.2x slower than the GEMM.)"""
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, M_PAD)
-    k1 = tl.arange(0, K1)
-    w1 = tl.load(w_ptr + rn[None, :, None] * stride_wn + k1[None, None, :], mask=k1[None, None, :] < K, other=0.0)
-    if K2 > 0:
-        k2 = K1 + tl.arange(0, K2)
-        w2 = tl.load(w_ptr + rn[None, :, None] * stride_wn + k2[None, None, :], mask=k2[None, None, :] < K,
-                     other=0.0)
-    pdl_release(PDL)
-    pdl_wait(PDL)
-    live = rm[:, None, None] < M
-    x1 = tl.load(x_ptr + rm[:, None, None] * stride_xm + k1[None, None, :], mask=live & (k1[None, None, :] < K),
-                 other=0.0)
-    acc = tl.sum(x1.to(tl.float32) * w1.to(tl.float32), axis=2)
-    if K2 > 0:
-        x2 = tl.load(x_ptr + rm[:, None, None] * stride_xm + k2[None, None, :], mask=live & (k2[None, None, :] < K),
-                     other=0.0)
-        acc += tl.sum(x2.to(tl.float32) * w2.to(tl.float32), axis=2)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn).to(tl.float32)[None, :]
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=rm[:, None] < M)
-
-
-def rows_gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int = 2,
-                     warps: int = 4, pieces: int = 1) -> torch.Tensor:
-    """x: [m, K] (m <= 16); weight: [N, K] (N a multiple of block_n) -> [m, N] with ``_rows_gemv_kernel``, K in
-    ``pieces`` (1 or 2) power-of-two loads."""
-    m, k = x.shape
-    if pieces == 1:
-        k1, k2 = triton.next_power_of_2(k), 0
-    else:
-        k1 = 1 << (k.bit_length() - 1)
-        k2 = triton.next_power_of_2(k - k1) if k > k1 else 0
-    y = torch.empty((m, weight.shape[0]), dtype=x.dtype, device=x.device)
-    _rows_gemv_kernel[(weight.shape[0] // block_n,)](
-        x, weight, bias if bias is not None else weight, y, m, k, x.stride(0), weight.stride(0), y.stride(0),
-        BLOCK_N=block_n, M_PAD=max(2, triton.next_power_of_2(m)), K1=k1, K2=k2, HAS_BIAS=bias is not None,
-        num_warps=warps, **pdl_launch())
-    return y
-
-
-def _rows_gemv_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Where ``decode_linear`` takes ``_rows_gemv_kernel`` (ROWS_GEMV_TILE)."""
-    if ROWS_GEMV_TILE is None or not 2 <= x.shape[0] <= ROWS_GEMV_MAX:
-        return False
-    k = x.shape[1]
-    return (ONE_TILE_K_MIN < k <= ONE_TILE_K_MAX and weight.shape[0] % ROWS_GEMV_TILE[0] == 0
-            and x.stride(-1) == 1 and weight.stride(-1) == 1 and x.dtype == weight.dtype
-            and x.dtype in (torch.bfloat16, torch.float16)
-            and (bias is None or (bias.dtype == x.dtype and bias.stride(-1) == 1)))
 
 
 @triton.jit
@@ -596,14 +528,11 @@ def decode_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The fast set's matmul: one row of x (a batch-1 decode step) through ``_gemv_kernel`` with the tile
-    ``gemv_tile`` gives; 2..ROWS_GEMV_MAX rows over a small model's longer widths through ``_rows_gemv_kernel``;
-    other 2..GEMM_ROWS rows (decode batches, speculative verifies) through ``_decode_gemm_kernel``; F.linear (cuBLAS) for more rows and for what the kernels do not take (an
+    ``gemv_tile`` gives; 2..GEMM_ROWS rows (decode batches, speculative verifies) through
+    ``_decode_gemm_kernel``; F.linear (cuBLAS) for more rows and for what the kernels do not take (an
     output count not a multiple of their block, strided rows, mixed dtypes)."""
     if x.dim() != 2 or x.shape[0] > GEMM_ROWS:
         return F.linear(x, weight, bias)
     if x.shape[0] == 1:
         return gemv_triton(x, weight, bias, *gemv_tile(x.shape[-1]))
-    if _rows_gemv_fits(x, weight, bias):
-        assert ROWS_GEMV_TILE is not None
-        return rows_gemv_triton(x, weight, bias, *ROWS_GEMV_TILE)
     return gemm_triton(x, weight, bias)
