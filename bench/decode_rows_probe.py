@@ -10,7 +10,9 @@ as the engine launches them (PDL where on): cuBLAS, the engine's cut (``decode_g
 for other ``--shapes``), in µs per matmul and TB/s of weights, with each cut's relative error against fp32.
 SmolLM2's verify shapes: ``--no-attention --rows 8 --shapes qkv:960:576,o:576:576,gate_up:3072:576,down:576:1536``
 (the 8B names' cuts then apply: name them otherwise, e.g. ``s_qkv``, for ``SMALL_CUTS``); at one row also the
-GEMV at each ``GEMV_CUTS`` tile (``gemv_cuts``, ``gemv_best``).
+GEMV at each ``GEMV_CUTS`` tile (``gemv_cuts``, ``gemv_best``); ``--rows-gemv``: a few rows through the GEMV widened
+to rows at each ``ROWS_GEMV_CUTS`` cut (``rows_gemv_cuts``: ``--rows 1,8 --no-attention --rows-gemv --shapes
+s_qkv:960:576,s_o:576:576,s_gate_up:3072:576,s_down:576:1536,s_fc:576:1728``).
 
 Attention: the engine's decode kernel (``decode_attention_launch``) at batch 16 / 64, context ``--ctx``,
 32 calls per graph each on its own layer's cache (what a step reads: 42 MB a layer at batch 64 fits the
@@ -34,8 +36,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 import fusedserve.worker  # noqa: F401  (the installed package, before the checkout joins sys.path)
+from fusedserve.models.layers.pdl import pdl_launch, pdl_release, pdl_wait
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 from bench.common import Progress, copy_bandwidth, graph_ms, record_header, write_record
@@ -63,6 +68,13 @@ SMALL_CUTS = (tuple((bn, 64, 6, 4, 1) for bn in (16, 32, 64))
 # block_k, warps); at 2-8 rows a row at a time it was 3.4-4.2x slower than the decode GEMM on SmolLM2's shapes
 # (2026-12-06-verify-kernel-marginals-smollm2-h100.json) and was taken out of linear_triton
 GEMV_CUTS = ((4, 64, 4), (4, 128, 4), (4, 256, 4), (8, 64, 4), (8, 128, 4), (2, 128, 2), (2, 256, 4), (16, 64, 4))
+# --rows-gemv: a candidate for a few rows at a small model's widths, the GEMV's shape widened to rows
+# (``_rows_gemv_kernel``, here only), as (block_n, warps, pieces): pieces 1 = all of K in one masked power-of-two tile,
+# 2 = the largest power of two within K plus the rest's next power of two. At 8 rows it beat the decode GEMM alone on
+# SmolLM2's down_proj (3.30 against 3.90 us) and lost in the verify graph (734-741 against 695-697 us:
+# 2026-12-06-rows-gemv-probe-smollm2-h100.json, 2026-12-06-gemv-wide-tile-smollm2-h100.json); its one-row figures gave
+# the GEMV its one wide tile (``linear_triton.GEMV_WIDE_TILE``).
+ROWS_GEMV_CUTS = tuple((bn, w, p) for bn in (2, 4, 8) for w in (4, 8) for p in (1, 2))
 # (keys per tile, warps, stages, splits, read ahead in registers)
 ATTENTION_CUTS = tuple((bn, w, st, sp, ahead) for bn, w in ((32, 4), (64, 8), (16, 2)) for sp in (1, 2, 4, 8, 16, 32)
                        for ahead, st in ((True, 2), (False, 3)))
@@ -71,11 +83,65 @@ BLOCK = 16
 WIDTH = 8192 // BLOCK  # pages per block table in the 8B engine's captured batches
 
 
-def gemms(rows: int, reps: int, bw: float, shapes: tuple[tuple[str, int, int], ...] = SHAPES) -> dict[str, Any]:
+@triton.jit
+def _rows_gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, K, stride_xm, stride_wn, stride_ym, BLOCK_N: tl.constexpr,
+                      M_PAD: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      PDL: tl.constexpr):
+    """The GEMV's shape for a few rows (no tensor cores): a program per BLOCK_N outputs loads its [BLOCK_N, K]
+    weights before the PDL wait — in one masked power-of-two piece of K1, or two (K1 the largest power of two
+    within K, K2 the rest's next one) — then the M <= M_PAD rows of x in one load, and sums the [M, BLOCK_N, K]
+    products over K in fp32. Every load is in flight at once, where the decode GEMM walks K in serial steps and
+    has few programs at a small model's widths. (A multi-row GEMV that loaded x a row at a time between its
+    cross-thread sums, c357932, serialised those loads and was 3.4-4.2x slower than the GEMM.)"""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, M_PAD)
+    k1 = tl.arange(0, K1)
+    w1 = tl.load(w_ptr + rn[None, :, None] * stride_wn + k1[None, None, :], mask=k1[None, None, :] < K, other=0.0)
+    if K2 > 0:
+        k2 = K1 + tl.arange(0, K2)
+        w2 = tl.load(w_ptr + rn[None, :, None] * stride_wn + k2[None, None, :], mask=k2[None, None, :] < K,
+                     other=0.0)
+    pdl_release(PDL)
+    pdl_wait(PDL)
+    live = rm[:, None, None] < M
+    x1 = tl.load(x_ptr + rm[:, None, None] * stride_xm + k1[None, None, :], mask=live & (k1[None, None, :] < K),
+                 other=0.0)
+    acc = tl.sum(x1.to(tl.float32) * w1.to(tl.float32), axis=2)
+    if K2 > 0:
+        x2 = tl.load(x_ptr + rm[:, None, None] * stride_xm + k2[None, None, :], mask=live & (k2[None, None, :] < K),
+                     other=0.0)
+        acc += tl.sum(x2.to(tl.float32) * w2.to(tl.float32), axis=2)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn).to(tl.float32)[None, :]
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=rm[:, None] < M)
+
+
+def rows_gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int = 2,
+                     warps: int = 4, pieces: int = 1) -> torch.Tensor:
+    """x: [m, K] (m <= 16); weight: [N, K] (N a multiple of block_n) -> [m, N] with ``_rows_gemv_kernel``, K in
+    ``pieces`` (1 or 2) power-of-two loads."""
+    m, k = x.shape
+    if pieces == 1:
+        k1, k2 = triton.next_power_of_2(k), 0
+    else:
+        k1 = 1 << (k.bit_length() - 1)
+        k2 = triton.next_power_of_2(k - k1) if k > k1 else 0
+    y = torch.empty((m, weight.shape[0]), dtype=x.dtype, device=x.device)
+    _rows_gemv_kernel[(weight.shape[0] // block_n,)](
+        x, weight, bias if bias is not None else weight, y, m, k, x.stride(0), weight.stride(0), y.stride(0),
+        BLOCK_N=block_n, M_PAD=max(2, triton.next_power_of_2(m)), K1=k1, K2=k2, HAS_BIAS=bias is not None,
+        num_warps=warps, **pdl_launch())
+    return y
+
+
+def gemms(rows: int, reps: int, bw: float, shapes: tuple[tuple[str, int, int], ...] = SHAPES,
+          rows_gemv: bool = False) -> dict[str, Any]:
     from fusedserve.models.layers.linear_triton import (
         decode_gemm_splits,
         decode_gemm_tile,
+        decode_linear,
         gemm_triton,
+        gemv_tile,
         gemv_triton,
     )
 
@@ -117,7 +183,8 @@ def gemms(rows: int, reps: int, bw: float, shapes: tuple[tuple[str, int, int], .
         row["cuts"] = cuts
         timed = [c for c in cuts if "us" in c]
         row["best"] = min(timed, key=lambda c: c["us"]) if timed else None
-        if rows == 1:
+        if rows == 1:  # the engine's GEMV (decode_linear at one row, the tile gemv_tile picks) and other tiles
+            row["gemv_engine"] = {"tile": list(gemv_tile(k)), **time_it(lambda w: decode_linear(x, w))}
             gemv_cuts = []
             for bn, bk, warps in GEMV_CUTS:
                 if n % bn:
@@ -127,9 +194,19 @@ def gemms(rows: int, reps: int, bw: float, shapes: tuple[tuple[str, int, int], .
                                   **time_it(lambda w, c=(bn, bk, warps): gemv_triton(x, w, None, *c))})
             row["gemv_cuts"] = gemv_cuts
             row["gemv_best"] = min(gemv_cuts, key=lambda c: c["us"]) if gemv_cuts else None
+        if rows_gemv:
+            row["rows_gemv_cuts"] = []
+            for bn, warps, pieces in ROWS_GEMV_CUTS:
+                if n % bn:
+                    continue
+                err = ((rows_gemv_triton(x, ws[0], None, bn, warps, pieces).float() - ref).norm() / ref.norm()).item()
+                row["rows_gemv_cuts"].append({"cut": [bn, warps, pieces], "rel_err": err, **time_it(
+                    lambda w, c=(bn, warps, pieces): rows_gemv_triton(x, w, None, *c))})
+            row["rows_gemv_best"] = min(row["rows_gemv_cuts"], key=lambda c: c["us"], default=None)
         out[name] = row
         progress(f"gemm rows {rows} {name}: cublas {row['cublas']['us']} engine {row['engine']['us']} "
-                 f"best {row['best']}" + (f" gemv best {row['gemv_best']}" if row.get("gemv_best") else ""))
+                 f"best {row['best']}" + (f" gemv best {row['gemv_best']}" if row.get("gemv_best") else "")
+                 + (f" rows gemv best {row['rows_gemv_best']}" if row.get("rows_gemv_best") else ""))
         ws.clear()
         torch.cuda.empty_cache()
     return out
@@ -271,6 +348,8 @@ def main() -> None:
                     help="name:n:k,... GEMM shapes instead of the 8B ones (cuts only for the 8B names), e.g. the same K "
                          "at output counts that fill the GPU's multiprocessors in whole waves: does a matmul's time "
                          "follow its bytes or its waves")
+    ap.add_argument("--rows-gemv", action="store_true",
+                    help="also the GEMV widened to rows (ROWS_GEMV_CUTS), for a small model's --shapes")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -297,7 +376,7 @@ def main() -> None:
         record["gemm"] = {}
         for m in rows:
             shapes = tuple((a, int(b), int(c)) for a, b, c in (x.split(":") for x in args.shapes.split(",") if x))
-            record["gemm"][str(m)] = gemms(m, args.reps, bw, shapes or SHAPES)
+            record["gemm"][str(m)] = gemms(m, args.reps, bw, shapes or SHAPES, args.rows_gemv)
             write_record(record, args.out)
 
 

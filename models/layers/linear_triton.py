@@ -162,10 +162,10 @@ def gemv_tile(k: int) -> tuple[int, int, int]:
 # SmolLM2's plain step 629.2 us of GPU time against 510.2 in a generate (2026-12-06-matmul-cuts-k576-kernels-smollm2-h100.json).
 GEMV_NARROW_TILE = (4, 1024, 4)
 # (block_n, num_warps) of the GEMV's one masked tile for 1024 < K < 2048. At one row on an H100 (32 layers' weights
-# back to back, bench/rows_gemv_probe.py) all of SmolLM2's down_proj (1536) in one tile with 8 warps took 1.85-1.91 us
-# against 2.90 with the table's three 512-wide steps, the draft's fc (1728) 1.62-2.22 against 2.29
-# (2026-12-06-rows-gemv-probe-smollm2-h100.json). In a generate SmolLM2's plain step took 461-470 us of GPU time against
-# 526, the draft's chain 201-205 against 213; through the engine plain decoding 2 049-2 053 / 2 032-2 035 tok/s
+# back to back, bench/decode_rows_probe.py --rows-gemv) all of SmolLM2's down_proj (1536) in one tile with 8 warps
+# took 1.85-1.91 us against 2.90 with the table's three 512-wide steps, the draft's fc (1728) 1.62-2.22 against 2.29
+# (2026-12-06-rows-gemv-probe-smollm2-h100.json). In a generate SmolLM2's plain step took 461-470 us of GPU time
+# against 526, the draft's chain 201-205 against 213; through the engine plain decoding 2 049-2 053 / 2 032-2 035 tok/s
 # (MT-bench / HumanEval) against 1 799-1 848 / 1 801-1 826, chain-7 3 222-3 224 / 3 558-3 559 against 3 175-3 187 /
 # 3 498-3 512 (alternated twice in one H100 lease, 2026-12-06-gemv-wide-tile-smollm2-h100.json). None: the table
 # below for every K (the A/B: --set models.layers.linear_triton.GEMV_WIDE_TILE=None).
