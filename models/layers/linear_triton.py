@@ -148,7 +148,7 @@ def gemv_tile(k: int) -> tuple[int, int, int]:
     shape's best; 4 x 1024 with 4 warps where 2048 does not divide k; a narrower k (SmolLM2's 576) in
     one masked tile; a small model's longer widths (1024 < k < 2048: SmolLM2's down_proj 1536, an EAGLE3
     draft's qkv 1152 and fc 1728) in one masked tile too, ``GEMV_WIDE_TILE``."""
-    if GEMV_WIDE_TILE is not None and ONE_TILE_K_MIN < k < 2048:
+    if GEMV_WIDE_TILE is not None and 1024 < k < 2048:
         return GEMV_WIDE_TILE[0], triton.next_power_of_2(k), GEMV_WIDE_TILE[1]
     for block_k, warps in ((2048, 8), (1024, 4), (512, 4), (256, 4)):
         if k % block_k == 0:
