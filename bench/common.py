@@ -172,7 +172,8 @@ def profile(fn: Callable[[], Any], device: torch.device, reps: int = 3, top: int
             "by_kind_us": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])), "top": rows[:top],
             "marginal_us_per_step": sum(marginal.values()),
             "marginal_by_kind_us": dict(sorted(by_kind_marginal.items(), key=lambda kv: -kv[1])),
-            "top_marginal": sorted(([us, name[:120]] for name, us in marginal.items()), reverse=True)[:top]}
+            "top_marginal": sorted(([us, name[:120]] for name, us in marginal.items()), reverse=True)[:top],
+            "sequence": kernel_sequence(prof.events(), reps)}
 
 
 def marginal_times(events: Any, reps: int = 1) -> dict[str, float]:
@@ -189,6 +190,23 @@ def marginal_times(events: Any, reps: int = 1) -> dict[str, float]:
             out["(idle)"] = out.get("(idle)", 0.0) + (start - last_end) / reps
         out[name] = out.get(name, 0.0) + (end - begin) / reps
         last_end = end
+    return out
+
+
+def kernel_sequence(events: Any, reps: int) -> list[list[Any]]:
+    """The middle call's kernels in launch order, [name, duration us, critical-path us] each (the latter as
+    ``marginal_times`` counts it): which launch of a kernel that runs several times a call (a matmul per
+    shape, a layer's norms) costs what, by its position."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                   if "CUDA" in str(getattr(e, "device_type", "")))
+    per = len(spans) // max(reps, 1)
+    lo = per * (reps // 2)
+    last_end = max((end for _, end, _ in spans[:lo]), default=None)
+    out = []
+    for start, end, name in spans[lo:lo + per]:
+        begin = start if last_end is None or last_end < start else last_end
+        out.append([name[:48], round(end - start, 2), round(max(end - begin, 0.0), 2)])
+        last_end = end if last_end is None else max(last_end, end)
     return out
 
 

@@ -122,7 +122,8 @@ def idle_launches(graphs: Any, label: str, repeats: int = 20, kernels: bool = Fa
                                                     for r in p["top"]],
                                    "marginal_us": round(p["marginal_us_per_step"], 1),
                                    "marginal_by_kind_us": {k: round(v, 1) for k, v in p["marginal_by_kind_us"].items()},
-                                   "top_marginal_us": [[round(us, 1), name[:90]] for us, name in p["top_marginal"]]}
+                                   "top_marginal_us": [[round(us, 1), name[:90]] for us, name in p["top_marginal"]],
+                                   "sequence": p["sequence"]}
     return rows
 
 
