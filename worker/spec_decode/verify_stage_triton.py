@@ -1,4 +1,5 @@
-"""``VerifyProgram``'s acceptance and staging in one Triton kernel (GPU; one program per sequence).
+"""``VerifyProgram``'s acceptance and staging in one Triton kernel (GPU; a program per verified row: each copies its
+row's aux states, a sequence's first also does the rest).
 
 The torch program (``verify_program.py``, the reference and the CPU path) is some twenty small kernels
 behind a chain verify's forward: the aux states' concatenation, the acceptance count (compare, scan, sum),
@@ -29,15 +30,29 @@ from ..executor.step_graphs import StaticInputs
 
 
 @triton.jit
-def _copy_part(src_ptr, stride_s, aux_ptr, stride_a, dst_ptr, stride_d, row, col0, H, BLOCK_H: tl.constexpr,
-               STAGE: tl.constexpr):
+def _copy_row(h0_ptr, stride_h0, h1_ptr, stride_h1, h2_ptr, stride_h2, aux_ptr, stride_a, dst_ptr, stride_d, row, H,
+              PARTS: tl.constexpr, BLOCK_H: tl.constexpr, STAGE: tl.constexpr):
+    """One row's aux parts side by side into ``aux`` (and the draft's hidden input): each chunk's parts all loaded
+    before any is stored, so their reads wait on memory once, not once a part."""
     c = tl.arange(0, BLOCK_H)
     for c0 in range(0, H, BLOCK_H):
         m = c0 + c < H
-        v = tl.load(src_ptr + row * stride_s + c0 + c, mask=m)
-        tl.store(aux_ptr + row * stride_a + col0 + c0 + c, v, mask=m)
+        v0 = tl.load(h0_ptr + row * stride_h0 + c0 + c, mask=m)
+        if PARTS > 1:
+            v1 = tl.load(h1_ptr + row * stride_h1 + c0 + c, mask=m)
+        if PARTS > 2:
+            v2 = tl.load(h2_ptr + row * stride_h2 + c0 + c, mask=m)
+        tl.store(aux_ptr + row * stride_a + c0 + c, v0, mask=m)
         if STAGE:
-            tl.store(dst_ptr + row * stride_d + col0 + c0 + c, v, mask=m)
+            tl.store(dst_ptr + row * stride_d + c0 + c, v0, mask=m)
+        if PARTS > 1:
+            tl.store(aux_ptr + row * stride_a + H + c0 + c, v1, mask=m)
+            if STAGE:
+                tl.store(dst_ptr + row * stride_d + H + c0 + c, v1, mask=m)
+        if PARTS > 2:
+            tl.store(aux_ptr + row * stride_a + 2 * H + c0 + c, v2, mask=m)
+            if STAGE:
+                tl.store(dst_ptr + row * stride_d + 2 * H + c0 + c, v2, mask=m)
 
 
 @triton.jit
@@ -49,6 +64,10 @@ def _verify_stage_kernel(argmax_ptr, ids_ptr, pos_ptr, slots_ptr, index_ptr, ctx
                          NEXT: tl.constexpr, PDL: tl.constexpr):
     pdl_open(PDL)
     s = tl.program_id(0).to(tl.int64)
+    _copy_row(h0_ptr, stride_h0, h1_ptr, stride_h1, h2_ptr, stride_h2, aux_ptr, stride_aux, d_hidden_ptr, stride_dh,
+              s * Q + tl.program_id(1), H, PARTS, BLOCK_H, STAGE)
+    if tl.program_id(1) > 0:  # a row's copy only: the verdict and the staging are the sequence's first program's
+        return
     j = tl.arange(0, Q_PAD)
     rows = j < Q
     r = s * Q + j
@@ -60,14 +79,6 @@ def _verify_stage_kernel(argmax_ptr, ids_ptr, pos_ptr, slots_ptr, index_ptr, ctx
     tl.store(v + j, drafts, mask=is_draft)
     tl.store(v + Q - 1 + j, target, mask=rows)
     tl.store(v + 2 * Q - 1, count.to(tl.int64))
-    for jj in tl.static_range(Q):
-        row = s * Q + jj
-        _copy_part(h0_ptr, stride_h0, aux_ptr, stride_aux, d_hidden_ptr, stride_dh, row, 0, H, BLOCK_H, STAGE)
-        if PARTS > 1:
-            _copy_part(h1_ptr, stride_h1, aux_ptr, stride_aux, d_hidden_ptr, stride_dh, row, H, H, BLOCK_H, STAGE)
-        if PARTS > 2:
-            _copy_part(h2_ptr, stride_h2, aux_ptr, stride_aux, d_hidden_ptr, stride_dh, row, 2 * H, H, BLOCK_H,
-                       STAGE)
     if STAGE:
         tl.store(d_ids_ptr + r, target, mask=rows)
         tl.store(d_pos_ptr + r, tl.load(pos_ptr + r, mask=rows) + 1, mask=rows)
@@ -129,7 +140,7 @@ def verify_stage_triton(argmax: torch.Tensor, inputs: StaticInputs, hidden: tupl
     d_hidden = draft.hidden if draft is not None and draft.hidden is not None and stage else aux
     h = (*hidden, *[hidden[0]] * (3 - len(hidden)))
     tables = inputs.tables
-    _verify_stage_kernel[(batch,)](
+    _verify_stage_kernel[(batch, q)](
         argmax, inputs.ids, inputs.positions, inputs.slots, inputs.index, inputs.context_lens, tables, h[0], h[1],
         h[2], aux, verdict, *staged[:6], d_hidden, staged[6], h[0].stride(0), h[1].stride(0), h[2].stride(0),
         aux.stride(0), d_hidden.stride(0), tables.shape[1], staged[5].shape[-1], width, inputs.pad_slot,
