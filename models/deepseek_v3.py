@@ -111,7 +111,8 @@ class DeepseekV3ForCausalLM(nn.Module):
                            bool(getattr(config, "rope_interleave", True))).to(device)
         scale = mla_softmax_scale(qk_head_dim, rope)
         vgroup = groups.by_name(vocab_group(groups.config))
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, vgroup, dtype, device)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, vgroup, dtype, device,
+                                                   lookup=self.kernels.embedding)
         self.layers = nn.ModuleList(
             DeepseekV3DecoderLayer(config, i, groups, rotary, scale, dtype, device, self.kernels, fp8)
             for i in range(config.num_hidden_layers)

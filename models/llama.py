@@ -76,7 +76,8 @@ class LlamaForCausalLM(nn.Module):
         theta, scaling = rope_parameters(config)
         rotary = RotaryEmbedding(head_dim_of(config), theta, scaling, kernel=self.kernels.rope).to(device)
         vgroup = groups.by_name(vocab_group(groups.config))
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, vgroup, dtype, device)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, vgroup, dtype, device,
+                                                   lookup=self.kernels.embedding)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, groups, rotary, dtype, device, self.kernels)
             for i in range(config.num_hidden_layers)

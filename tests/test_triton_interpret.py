@@ -438,6 +438,26 @@ def test_interp_first_pass_layout_in_one_launch_equals_the_torch_layout(q: int, 
 
 
 @inner
+def test_interp_embedding_equals_the_reference() -> None:
+    """The token embedding's rows in one kernel (``embedding_triton``): each id's row of this rank's vocab shard,
+    zeros for ids outside it, equal ``embedding_lookup`` bit for bit (a copy), for the first shard, a later one
+    (ids below and above it) and a width past one column block (SmolLM2's 576; 1536 over two)."""
+    from fusedserve.models.layers.embedding_triton import embedding_triton
+    from fusedserve.models.layers.vocab_embedding import embedding_lookup
+
+    g = torch.Generator().manual_seed(5)
+    for width, dtype, start in ((576, torch.bfloat16, 0), (1536, torch.bfloat16, 64), (40, torch.float32, 32)):
+        table = torch.randn(64, width, generator=g).to(dtype)
+        ids = torch.tensor([0, 63, 5, start, start + 63, start + 64, max(start - 1, 0), 17, 17])
+        want = embedding_lookup(ids, table, start)
+        got = embedding_triton(ids, table, start)
+        assert got.shape == (ids.shape[0], width) and got.dtype == dtype
+        assert torch.equal(got, want)
+        if start:
+            assert not want[[0, 2, 5]].any() and want[3].equal(table[0])  # another rank's ids: zeros
+
+
+@inner
 def test_interp_draft_input_equals_the_ops() -> None:
     """An EAGLE3 draft step's input row in one kernel (``draft_input_triton``): the token's embedding and the
     hidden state, each RMS-normed, side by side, equal the reference (bf16: the same rounding steps; a width

@@ -16,7 +16,8 @@ triton       ``paged_decode_attention_triton``      Triton kernels (``*_triton.p
                                                     query / key rows ``mla_assemble_triton`` and an
                                                     EAGLE3 draft's input row / greedy choice
                                                     (``draft_input_triton``, ``argmax_to_triton``; one
-                                                    launch each);
+                                                    launch each); the token embedding's rows
+                                                    (``embedding_triton``, one launch);
              trees: the torch one)
 flashinfer   ``flashinfer_attention``, planned      as ``triton``
              once per forward (``planner``)
@@ -53,6 +54,7 @@ from .paged_attention_torch import paged_attention_torch
 from .rotary import RopeKernel
 from .router import SelectExpertsFn, select_experts
 from .self_attention import QKVRopeFn
+from .vocab_embedding import EmbeddingFn, embedding_lookup
 
 KERNEL_SETS = ("reference", "torch", "triton", "flashinfer")
 
@@ -84,6 +86,8 @@ class Kernels:
     select_experts: SelectExpertsFn = select_experts
     # MLA's query / key rows: RoPE, the latent norm, the concatenations (``mla.py``; triton: one launch).
     mla_assemble: MLAAssembleFn = mla_assemble
+    # The token embedding's rows from this rank's vocab shard (``vocab_embedding.py``; triton: one launch).
+    embedding: EmbeddingFn = embedding_lookup
     graph_safe: bool = False
     planner: PlannerFactory | None = None
 
@@ -103,6 +107,7 @@ class Kernels:
         from .argmax_triton import argmax_to_triton, argmax_triton
         from .decode_attention_triton import paged_decode_attention_triton
         from .draft_input_triton import draft_input_triton
+        from .embedding_triton import embedding_triton
         from .fp8_block_gemm import block_fp8_linear_fast
         from .fused_moe_fp8_triton import fused_experts_fp8_triton
         from .fused_moe_triton import fused_experts_triton
@@ -120,7 +125,8 @@ class Kernels:
                        argmax=argmax_triton, draft_input=draft_input_triton, argmax_to=argmax_to_triton,
                        fused_moe=fused_experts_triton,
                        block_fp8_matmul=block_fp8_linear_fast, fused_moe_fp8=fused_experts_fp8_triton,
-                       select_experts=select_experts_triton, mla_assemble=mla_assemble_triton, graph_safe=True)
+                       select_experts=select_experts_triton, mla_assemble=mla_assemble_triton,
+                       embedding=embedding_triton, graph_safe=True)
 
     @staticmethod
     def flashinfer() -> Kernels:
@@ -136,8 +142,8 @@ class Kernels:
                        gate_up_act=base.gate_up_act, argmax=base.argmax, draft_input=base.draft_input,
                        argmax_to=base.argmax_to, fused_moe=base.fused_moe,
                        block_fp8_matmul=base.block_fp8_matmul, fused_moe_fp8=base.fused_moe_fp8,
-                       select_experts=base.select_experts, mla_assemble=base.mla_assemble, graph_safe=True,
-                       planner=flashinfer_planner)
+                       select_experts=base.select_experts, mla_assemble=base.mla_assemble,
+                       embedding=base.embedding, graph_safe=True, planner=flashinfer_planner)
 
     @staticmethod
     def named(name: str) -> Kernels:

@@ -9,6 +9,7 @@ output is a vocab shard, gathered by the communicator and trimmed to the real vo
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,16 @@ from ..parallel.layouts import Unreduced
 from .weight_source import WeightSource, copy_checked, expect_dim
 
 VOCAB_PADDING = 64
+EmbeddingFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+def embedding_lookup(ids: torch.Tensor, weight: torch.Tensor, start: int) -> torch.Tensor:
+    """ids [n] -> [n, H]: each id's row of the shard ``weight`` (vocab rows from ``start``), zeros for ids
+    outside it (another rank's rows). The plain reference of ``embedding_triton``."""
+    local = ids - start
+    outside = (local < 0) | (local >= weight.shape[0])
+    out = F.embedding(local.masked_fill(outside, 0), weight)
+    return out.masked_fill(outside.unsqueeze(-1), 0.0)
 
 
 def padded_vocab_size(vocab_size: int, group_size: int) -> int:
@@ -27,10 +38,13 @@ def padded_vocab_size(vocab_size: int, group_size: int) -> int:
 
 
 class VocabParallelEmbedding(nn.Module):
+    """``lookup``: the kernel of ``forward`` (``Kernels.embedding``; default the torch reference)."""
+
     def __init__(self, vocab_size: int, hidden: int, group: Group, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, lookup: EmbeddingFn = embedding_lookup) -> None:
         super().__init__()
         self.group = group
+        self.lookup = lookup
         self.vocab_size = vocab_size
         self.padded_vocab = padded_vocab_size(vocab_size, group.size)
         self.rows = self.padded_vocab // group.size
@@ -47,11 +61,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> Unreduced:
         # ids: [n] -> owed [n, hidden]
-        local = ids - self.start
-        outside = (local < 0) | (local >= self.rows)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return Unreduced(out, self.group.name)
+        return Unreduced(self.lookup(ids, self.weight, self.start), self.group.name)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
