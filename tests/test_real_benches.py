@@ -317,3 +317,21 @@ def test_marginal_kernel_times_count_overlap_once_and_idle_apart() -> None:
     events = [event("b", 1, 5), event("a", 0, 3), event("c", 7, 9), event("a", 9, 12), event("host", 0, 99, "CPU")]
     assert marginal_times(events, reps=1) == {"a": 6.0, "b": 2.0, "(idle)": 2.0, "c": 2.0}
     assert marginal_times(events, reps=2) == {"a": 3.0, "b": 1.0, "(idle)": 1.0, "c": 1.0}
+
+
+def test_kernel_sequence_is_the_middle_call_in_launch_order() -> None:
+    """``kernel_sequence``: the middle of ``reps`` calls' kernels in launch order, each [name, duration,
+    critical-path time], the latter charged from the latest end before it (the calls before it included), so an
+    overlapped (PDL) kernel adds only what it runs past the one ahead; host events are left out."""
+    from types import SimpleNamespace
+
+    from bench.common import kernel_sequence
+
+    def event(name: str, start: float, end: float, device: str = "DeviceType.CUDA") -> SimpleNamespace:
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), device_type=device)
+
+    calls = [[event("a", 10 * i, 10 * i + 3), event("b", 10 * i + 2, 10 * i + 6), event("c", 10 * i + 8, 10 * i + 9)]
+             for i in range(3)]
+    events = [e for call in reversed(calls) for e in call] + [event("host", 0, 99, "CPU")]
+    assert kernel_sequence(events, reps=3) == [["a", 3, 3], ["b", 4, 3], ["c", 1, 1]]
+    assert kernel_sequence(events, reps=1)[:4] == [["a", 3, 3], ["b", 4, 3], ["c", 1, 1], ["a", 3, 3]]
