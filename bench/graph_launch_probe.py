@@ -17,7 +17,9 @@ builds it), a warm-up generate, then
    executor forward, acceptance, committing the tokens, and ``Tensor.tolist`` (the read-backs: a
    wait for the device shows here);
 4. ``--kernels``: every captured graph of at least 200 us GPU time, its kernels by GPU time per replay
-   (``bench.common.profile`` of 5 replays on an idle GPU);
+   (``bench.common.profile`` of 5 replays on an idle GPU), and the middle replay's kernels in launch order,
+   each with its duration and critical-path time (``sequence``: which launch of a kernel run many times a
+   step, e.g. a layer's four matmuls, costs what; with ``FUSEDSERVE_PDL=0`` each kernel's own time);
 5. ``--host-profile``: cProfile of one more generate, the host functions by own time per engine step;
 6. ``--timeline``: in one more generate, per engine step, when the host launched each graph replay and
    when the GPU ran it (CUDA events), the read-backs' waits and the step's end (medians over steps):
