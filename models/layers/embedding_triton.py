@@ -1,11 +1,11 @@
 """A vocab shard's embedding rows in one Triton kernel (GPU): the fast set's ``embedding``.
 
 Plain reference: ``vocab_embedding.embedding_lookup`` — each id's row of this rank's shard of the table, zeros
-for ids another rank holds. Torch ran that as seven kernels at the head of every step (the shift, two
-compares and their or, the ids' masked fill, the gather, the rows' masked fill): 13.5 us of a SmolLM2 decode
-step's critical path with two copies among them on an H100
-(2026-12-06-verify-per-launch-attribution-smollm2-h100.json). Here a program per (row, column block) reads
-the row's id and copies the shard's row or writes zeros. Launched with PDL where on: the ids come from the
+for ids another rank holds. Torch ran that as seven kernels and two device copies at the head of every step
+(the shift, two compares and their or, the ids' masked fill, the gather, the rows' masked fill): 13.5 us of a
+SmolLM2 decode step's critical path on an H100 (2026-12-06-verify-per-launch-attribution-smollm2-h100.json),
+1.4-1.5 us as this kernel (2026-12-06-verify-stage-embedding-ab-smollm2-h100.json). Here a program per (row,
+column block) reads the row's id and copies the shard's row or writes zeros. Launched with PDL where on: the ids come from the
 step's inputs or a kernel before, so it waits first.
 """
 
@@ -47,4 +47,3 @@ def embedding_triton(ids: torch.Tensor, weight: torch.Tensor, start: int) -> tor
                                                           weight.stride(0), out.stride(0), BLOCK=block,
                                                           num_warps=4, **pdl_launch())
     return out
-
