@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -76,3 +77,18 @@ def fails_on_rank_0(rank: int, world: int, backend: str) -> None:
 def test_the_failing_rank_and_its_error_are_reported() -> None:
     with pytest.raises(RankFailed, match="rank0: ValueError: rank 0 cannot load its shard"):
         run_on_ranks(fails_on_rank_0, 2, backend="gloo", timeout_s=20)
+
+
+def test_an_error_file_cut_off_by_the_parents_stop_is_not_read(tmp_path: Path) -> None:
+    """The parent reads the ranks' error files as soon as the first rank exits, then stops the others; a rank
+    stopped while writing its file once left it empty and the report failed with an IndexError (the CI flake
+    of test_verify_cli's corrupted checkpoint). The files are now written aside and renamed, and an empty or
+    half-written one is skipped."""
+    from fusedserve.worker.parallel.local_ranks import _root_cause, _write_error
+
+    (tmp_path / "rank0.err").write_text("")  # an old writer cut off after creating the file
+    (tmp_path / "rank2.err.part").write_text("RuntimeError: Connection closed by peer")  # cut off before the rename
+    assert _root_cause(tmp_path) is None
+    _write_error(tmp_path / "rank1.err", "ValueError: rank 1 cannot load its shard\nTraceback ...")
+    assert _root_cause(tmp_path) == "rank1: ValueError: rank 1 cannot load its shard"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.err", "rank1.err", "rank2.err.part"]

@@ -87,17 +87,25 @@ def _entry(rank: int, world: int, backend: str, state: dict[str, Any], payload: 
             code = 0
         except BaseException as e:  # noqa: BLE001 (KeyboardInterrupt too: a rank stopped by a signal failed)
             # written before the group goes: a peer that then fails on the closed connection finds it
-            error.write_text(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+            _write_error(error, f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
         finally:
             dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 (the rendezvous or the teardown failed)
         if not error.exists():
-            error.write_text(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+            _write_error(error, f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
         code = 1
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)  # no interpreter finalization (the module docstring says why)
+
+
+def _write_error(path: Path, text: str) -> None:
+    """A rank's error file, whole or not at all: written aside and renamed, so the parent, which reads the error
+    files as soon as the first rank exits (and then stops the others), never reads one half written."""
+    aside = path.with_name(path.name + ".part")
+    aside.write_text(text)
+    os.replace(aside, path)
 
 
 def run_on_ranks(fn: Callable[..., Any], world: int, *args: Any, backend: str | None = None,
@@ -132,7 +140,7 @@ _PEER_FAILURE = ("Connection closed by peer", "Connection reset", "Broken pipe",
 
 def _root_cause(out_dir: Path) -> str | None:
     errors = sorted(out_dir.glob("rank*.err"))
-    firsts = [(f.stem, f.read_text().splitlines()[0]) for f in errors]
+    firsts = [(f.stem, lines[0]) for f in errors if (lines := f.read_text().splitlines())]
     for rank, line in firsts:
         if not any(marker in line for marker in _PEER_FAILURE):
             return f"{rank}: {line}"
