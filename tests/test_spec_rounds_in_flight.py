@@ -187,3 +187,28 @@ def test_rounds_stay_in_flight_while_the_queue_cannot_be_admitted(followed: list
         assert (followed[0] > 10) == overlap, followed
         assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     assert runs[True] == runs[False]
+
+
+def test_no_round_is_launched_after_one_that_may_reach_max_tokens(followed: list[int]) -> None:
+    """A round emits up to ``num_steps + 1`` tokens, so once every sequence has no more than that left before its
+    ``max_tokens`` the next round is not launched ahead: it would run for nothing after a round that ends them
+    (and a next request's prefill would wait behind it). Rounds still follow one another before that, no round is
+    ever left in flight over finished sequences only, and the tokens are those of rounds read one by one."""
+    params = SamplingParams(temperature=0, max_tokens=33, ignore_eos=True)
+    runs = {}
+    for overlap in (True, False):
+        followed[0] = 0
+        engine = _engine(overlap)
+        spec = engine.speculator
+        assert spec is not None
+        for rid, prompt in enumerate(PROMPTS[:1]):
+            engine.add_request(prompt, params, request_id=str(rid))
+        tokens: list[int] = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens += out.new_token_ids
+            r = spec._in_flight
+            assert r is None or r.work is None or not all(w.seq.is_finished for w in r.work)
+        runs[overlap] = tokens
+        assert (followed[0] > 3) == overlap, followed
+    assert runs[True] == runs[False] and len(runs[True]) == 33

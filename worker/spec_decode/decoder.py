@@ -458,14 +458,17 @@ class SpecDecoder:
         program staged (each root the token after the drafts the device accepted, rows, slots and context moved
         on by as many), its drafts the next chain's (drafted ahead behind ``r``'s verify), over block tables
         reserved three verifies past ``r``'s root (the one after it stages its slots from them); then the chain
-        after it, staged by it. Only where ``r``'s sequences are all the running ones and still run, its tables
-        reach the slots staged, and room is left within ``max_len`` and the free blocks; else None (nothing
-        run). Its entries are made once ``r`` is read back (``_taken``)."""
+        after it, staged by it. Only where ``r``'s sequences are all the running ones and still run, one of them
+        has more than ``q`` tokens left before its ``max_tokens`` (else ``r`` may end them all, and a round after
+        it would run for nothing: the next request's prefill would wait behind it), its tables reach the slots
+        staged, and room is left within ``max_len`` and the free blocks; else None (nothing run). Its entries are made once ``r`` is read back (``_taken``)."""
         q = self.config.verify_tokens
         bs = self.target.local.block_size
         assert r.work is not None
         if r.next_drafts is None or len(scheduler.running) != len(r.work):
             return None
+        if all(w.seq.params.max_tokens - w.seq.num_output_tokens <= q for w in r.work):
+            return None  # r may reach every sequence's max_tokens (it emits up to q): one launched after it would be waste
         if r.sampled and (r.next_q is None or self.drafter.first_chain_staged(len(r.work), sampled=True) is None):
             return None
         for w, covered in zip(r.work, r.covered):
