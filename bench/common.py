@@ -176,38 +176,41 @@ def profile(fn: Callable[[], Any], device: torch.device, reps: int = 3, top: int
             "sequence": kernel_sequence(prof.events(), reps)}
 
 
-def marginal_times(events: Any, reps: int = 1) -> dict[str, float]:
-    """Each kernel name's time on the critical path per call: a kernel's end minus the end of the kernel that
-    ended before it (its own duration where the GPU was idle in between, that gap counted as "(idle)"). Under PDL a kernel starts before the
-    one ahead of it ends and waits, so its duration counts that wait too; the ends do not overlap."""
+def _charged(events: Any) -> list[tuple[float, float, str, float, float]]:
+    """The device's kernels as (start, end, name, critical-path time, idle gap before it), in the order they
+    end: a kernel is charged from the end of the kernel that ended before it (its own duration where the GPU
+    was idle in between, that gap apart). Under PDL a kernel starts before the one ahead of it ends and waits,
+    so its duration counts that wait too; the ends do not overlap."""
     spans = sorted((e.time_range.end, e.time_range.start, e.name) for e in events
                    if "CUDA" in str(getattr(e, "device_type", "")))
-    out: dict[str, float] = {}
+    out = []
     last_end = None
     for end, start, name in spans:
+        idle = start - last_end if last_end is not None and last_end < start else 0.0
         begin = start if last_end is None or last_end < start else last_end
-        if last_end is not None and last_end < start:
-            out["(idle)"] = out.get("(idle)", 0.0) + (start - last_end) / reps
-        out[name] = out.get(name, 0.0) + (end - begin) / reps
+        out.append((start, end, name, end - begin, idle))
         last_end = end
     return out
 
 
+def marginal_times(events: Any, reps: int = 1) -> dict[str, float]:
+    """Each kernel name's time on the critical path per call (``_charged``), the idle gaps as "(idle)"."""
+    out: dict[str, float] = {}
+    for _, _, name, charged, idle in _charged(events):
+        if idle:
+            out["(idle)"] = out.get("(idle)", 0.0) + idle / reps
+        out[name] = out.get(name, 0.0) + charged / reps
+    return out
+
+
 def kernel_sequence(events: Any, reps: int) -> list[list[Any]]:
-    """The middle call's kernels in launch order, [name, duration us, critical-path us] each (the latter as
-    ``marginal_times`` counts it): which launch of a kernel that runs several times a call (a matmul per
-    shape, a layer's norms) costs what, by its position."""
-    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
-                   if "CUDA" in str(getattr(e, "device_type", "")))
+    """The middle call's kernels in launch order, [name, duration us, critical-path us] each (the latter
+    ``_charged``'s): which launch of a kernel that runs several times a call (a matmul per shape, a layer's
+    norms) costs what, by its position."""
+    spans = sorted(_charged(events))
     per = len(spans) // max(reps, 1)
     lo = per * (reps // 2)
-    last_end = max((end for _, end, _ in spans[:lo]), default=None)
-    out = []
-    for start, end, name in spans[lo:lo + per]:
-        begin = start if last_end is None or last_end < start else last_end
-        out.append([name[:48], round(end - start, 2), round(max(end - begin, 0.0), 2)])
-        last_end = end if last_end is None else max(last_end, end)
-    return out
+    return [[name[:48], round(end - start, 2), round(charged, 2)] for start, end, name, charged, _ in spans[lo:lo + per]]
 
 
 KINDS: Kinds = (
