@@ -103,6 +103,13 @@ def test_triton_kernels_equal_references() -> None:
                 assert torch.equal(decode_linear(xin, w), got), (n, out_f, in_f)
             finally:
                 lt.L2_PREFETCH_K_MAX = before
+            # the one tile as slices in batched dots (ONE_TILE_SLICES, for K 576 too): the same product
+            before_slices = lt.ONE_TILE_SLICES, lt.ONE_TILE_K_MIN
+            lt.ONE_TILE_SLICES, lt.ONE_TILE_K_MIN = (64, 8), 512
+            try:
+                assert _rel(decode_linear(xin, w), torch.nn.functional.linear(xin, w)) < 1e-2, (n, out_f, in_f)
+            finally:
+                lt.ONE_TILE_SLICES, lt.ONE_TILE_K_MIN = before_slices
 
     # decode attention: GQA 32/8, head_dim 128, contexts across several kernel tiles, scattered blocks
     ctx = [1, 17, 64, 65, 300, 1000]

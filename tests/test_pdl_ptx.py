@@ -13,15 +13,19 @@ a kernel edited to read before it, fails here.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 triton = pytest.importorskip("triton")
 
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `bench.*` importable under a bare `pytest` too
+    sys.path.insert(0, str(ROOT))
 
+from bench import hopper_ptx as bench_ptx  # noqa: E402
 from fusedserve.models.layers import (  # noqa: E402
     argmax_triton,
     attention_splits_triton,
@@ -41,7 +45,6 @@ from fusedserve.worker.spec_decode import chain_accept_triton, verify_stage_trit
 
 # Triton 3.9 warns, once, that its FP-fusion default will change; nothing here depends on it
 pytestmark = pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION:UserWarning")
-HOPPER = GPUTarget("cuda", 90, 32)
 LOADS = ("ld.global", "cp.async.cg", "cp.async.ca", "cp.async.bulk")
 
 DECODE_POINTERS = {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "bt_ptr": "*i32",
@@ -98,6 +101,13 @@ KERNELS: dict[str, tuple[Any, dict[str, Any], dict[str, str]]] = {
                               "DOT_FP32": False, "EPILOGUE": linear_triton.EPILOGUE_ROPE, "HEAD_DIM": 64,
                               "ONE_TILE": True, "PREFETCH_LINES": 0, "LINE": 64},
                              {"pos_ptr": "*i64", "inv_ptr": "*fp32"}),
+    # the same tile as 8 + 1 slices of 64 in two batched dots (``ONE_TILE_SLICE_K``): the weights still before the wait
+    "decode_gemm_one_tile_sliced": (linear_triton._decode_gemm_kernel,
+                                    {"BLOCK_N": 16, "BLOCK_M": 16, "BLOCK_K": 1024, "SPLIT_K": 1, "HAS_BIAS": False,
+                                     "DOT_FP32": False, "EPILOGUE": linear_triton.EPILOGUE_ROPE, "HEAD_DIM": 64,
+                                     "ONE_TILE": True, "PREFETCH_LINES": 0, "LINE": 64, "SLICES": 8,
+                                     "TAIL_SLICES": 1, "SLICE_K": 64},
+                                    {"pos_ptr": "*i64", "inv_ptr": "*fp32"}),
     "decode_gemm_split_k": (linear_triton._decode_gemm_kernel,
                             {"BLOCK_N": 64, "BLOCK_M": 64, "BLOCK_K": 128, "SPLIT_K": 2, "HAS_BIAS": True,
                              "DOT_FP32": False, "EPILOGUE": linear_triton.EPILOGUE_PLAIN, "HEAD_DIM": 2,
@@ -171,29 +181,16 @@ KERNELS: dict[str, tuple[Any, dict[str, Any], dict[str, str]]] = {
                     "m_ptr": "*fp32", "s_ptr": "*fp32", "cnt_ptr": "*i32", "count_ptr": "*i64", "tok_ptr": "*i64",
                     "rows_ptr": "*i64"}),
 }
-READS_BEFORE_WAIT = {"gemv", "gemv_rope", "gemv_silu", "decode_gemm_one_tile", "draft_input"}  # their (first) weight tile; the norm weights
+READS_BEFORE_WAIT = {"gemv", "gemv_rope", "gemv_silu", "decode_gemm_one_tile", "decode_gemm_one_tile_sliced",
+                     "draft_input"}  # their (first) weight tile; the norm weights
 
 
 def hopper_ptx(fn: Any, constexprs: dict[str, Any], types: dict[str, str]) -> list[str]:
-    """The kernel's PTX for sm_90 at these constants (pointers 16-byte aligned, as the launches pass them)."""
-    sig = {}
-    for name in fn.arg_names:
-        if name in constexprs:
-            sig[name] = "constexpr"
-        elif name in types:
-            sig[name] = types[name]
-        elif name.endswith("_ptr"):
-            sig[name] = "*bf16"
-        else:
-            sig[name] = "fp32" if name in ("eps", "scale") else "i32"
-    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+    """The kernel's PTX for sm_90 (``bench/hopper_ptx.py``); skipped where this Triton cannot compile for it."""
     try:
-        compiled = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=aligned), target=HOPPER,
-                                  options={"num_warps": 4})
+        return bench_ptx.hopper_ptx(fn, constexprs, types)
     except (RuntimeError, FileNotFoundError) as e:  # no ptxas with this Triton: the GPU tests still cover PDL
         pytest.skip(f"Triton cannot compile for sm_90 here: {e}")
-    ptx: list[str] = compiled.asm["ptx"].splitlines()
-    return ptx
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))
@@ -228,3 +225,14 @@ def test_small_decode_gemm_asks_l2_for_its_weights_before_the_wait() -> None:
 def test_pdl_off_emits_no_grid_dependency_control(name: str) -> None:
     fn, constexprs, types = KERNELS[name]
     assert not any("griddepcontrol" in line for line in hopper_ptx(fn, {**constexprs, "PDL": False}, types))
+
+
+def test_sliced_one_tile_chains_fewer_mmas_than_the_whole_tile() -> None:
+    """The one-tile GEMM at SmolLM2's K 576 (8 + 1 slices of 64, ``ONE_TILE_SLICES``) issues 20 MMAs a warp (4
+    warps) against the whole masked tile's 64: the chain a warp runs after the PDL wait, a third as long."""
+    def mmas(name: str) -> int:
+        fn, constexprs, types = KERNELS[name]
+        return bench_ptx.mma_counts(hopper_ptx(fn, {**constexprs, "PDL": True}, types))["mma_sync"]
+
+    sliced, whole = mmas("decode_gemm_one_tile_sliced"), mmas("decode_gemm_one_tile")
+    assert 0 < sliced <= whole // 3, (sliced, whole)

@@ -189,6 +189,20 @@ def test_interp_decode_gemm_equals_f_linear() -> None:
         _close(decode_linear(x, w), F.linear(x, w), 1e-2)
     finally:
         lt.MASKED_K_STEPS = False
+    # the one tile as slices in two batched dots (ONE_TILE_SLICES): 576 = 8 + 1 slices of 64, 1536 = 16 + 8, 1728 =
+    # 16 + 11 (of 16, the rest masked); with an epilogue too
+    lt.ONE_TILE_SLICES, lt.ONE_TILE_K_MIN = (64, 8), 512
+    try:
+        assert lt.one_tile_slices(576, 64) == (8, 1) and lt.one_tile_slices(1728, 64) == (16, 16)
+        assert decode_gemm_tile(8, 960, 576) == (16, 1024, 1, 8) and decode_gemm_tile(8, 960, 600) == (16, 1024, 1, 4)
+        for m, n, k in ((8, 32, 576), (3, 16, 1536), (16, 16, 1728)):
+            w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+            b = torch.randn(n, generator=g).to(torch.bfloat16)
+            x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+            _close(gemm_triton(x, w, b), F.linear(x, w, b), 1e-2)
+        _check_gate_up_silu(lt.decode_gate_up_silu, 5, 64, 576, False, g)
+    finally:
+        lt.ONE_TILE_SLICES, lt.ONE_TILE_K_MIN = None, 1024
     # split-K (few output tiles): both K halves summed by the tile's last program; counts back at 0
     import fusedserve.models.layers.arrival_counters as arrival
 

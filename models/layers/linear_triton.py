@@ -244,12 +244,48 @@ def _store_tile(total, rn, is_rope, first, rm, M, y_ptr, b_ptr, pos_ptr, inv_ptr
         _store_rows(y_ptr, total, rn, rm, rows, stride_ym)
 
 
+@triton.jit
+def _weight_slices(w_ptr, first, rn, stride_wn, K, S: tl.constexpr, SLICE_K: tl.constexpr):
+    """S slices of SLICE_K columns of the weight rows ``rn`` from column ``first`` (past K: 0) -> [S, BLOCK_N, SLICE_K]."""
+    cols = first + tl.arange(0, S)[:, None, None] * SLICE_K + tl.arange(0, SLICE_K)[None, None, :]
+    return tl.load(w_ptr + rn[None, :, None] * stride_wn + cols, mask=cols < K, other=0.0)
+
+
+@triton.jit
+def _row_slices(x_ptr, first, rm, M, stride_xm, K, S: tl.constexpr, SLICE_K: tl.constexpr):
+    """The same columns of x's rows ``rm`` (past M or K: 0), transposed -> [S, SLICE_K, BLOCK_M]."""
+    cols = first + tl.arange(0, S)[:, None, None] * SLICE_K + tl.arange(0, SLICE_K)[None, :, None]
+    rows = rm[None, None, :]
+    return tl.load(x_ptr + rows * stride_xm + cols, mask=(cols < K) & (rows < M), other=0.0)
+
+
+@triton.jit
+def _sliced_tile_dot(x_ptr, w_ptr, rn, rm, M, K, stride_xm, stride_wn, SLICES: tl.constexpr,
+                     TAIL_SLICES: tl.constexpr, SLICE_K: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr):
+    """The one-tile product W_tile x^T [BLOCK_N, BLOCK_M] over all of K, the weights read before the PDL wait as
+    SLICES + TAIL_SLICES slices of SLICE_K columns, multiplied slice by slice in two batched dots and summed."""
+    w = _weight_slices(w_ptr, 0, rn, stride_wn, K, SLICES, SLICE_K)
+    wt = _weight_slices(w_ptr, SLICES * SLICE_K, rn, stride_wn, K, TAIL_SLICES, SLICE_K)
+    pdl_release(PDL)
+    pdl_wait(PDL)
+    x = _row_slices(x_ptr, 0, rm, M, stride_xm, K, SLICES, SLICE_K)
+    xt = _row_slices(x_ptr, SLICES * SLICE_K, rm, M, stride_xm, K, TAIL_SLICES, SLICE_K)
+    if DOT_FP32:
+        part = tl.dot(w.to(tl.float32), x.to(tl.float32))
+        tail = tl.dot(wt.to(tl.float32), xt.to(tl.float32))
+    else:
+        part = tl.dot(w, x)
+        tail = tl.dot(wt, xt)
+    return tl.sum(part, axis=0) + tl.sum(tail, axis=0)
+
+
 @triton.jit(do_not_specialize=["M"])  # counts that change call to call: one compile for all
 def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, pos_ptr, inv_ptr, M, N, K, INTER, ROPE_WIDTH,
                         stride_xm, stride_wn, stride_ym, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                         DOT_FP32: tl.constexpr, EPILOGUE: tl.constexpr, HEAD_DIM: tl.constexpr, ONE_TILE: tl.constexpr,
-                        PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr):
+                        PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr,
+                        SLICES: tl.constexpr = 0, TAIL_SLICES: tl.constexpr = 1, SLICE_K: tl.constexpr = 64):
     """A decode batch's matmul on tensor cores with the operands swapped: y^T [BLOCK_N, BLOCK_M] = W_tile x^T,
     so BLOCK_N rows of W fill the MMA's wide side and the batch's M <= BLOCK_M rows of x its narrow side; a
     program per BLOCK_N outputs, K in BLOCK_K steps (Triton pipelines the loads), fp32 sums. Under PDL it
@@ -268,6 +304,11 @@ def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, pos_ptr, in
     the power of two BLOCK_K) is loaded before the PDL wait, while the kernel before still runs, then x and
     one dot — no K loop to pipeline, so holding the tile costs no overlap (``decode_gemm_tile``).
 
+    SLICES > 0 (with ONE_TILE; SLICE_K divides K): the tile is held as SLICES + TAIL_SLICES slices of SLICE_K
+    columns (the tail's slices past K masked) and multiplied in two batched dots whose slices the warps share, the
+    slices' sums added after: a warp's MMAs chain over SLICE_K columns of a few slices, not over all of K (576
+    masked to 1024: 64 dependent steps of 16) — ``ONE_TILE_SLICES``.
+
     EVEN_K false (one split): BLOCK_K need not divide K; each step's columns past K are masked (its last).
 
     SPLIT_K > 1 (few output tiles: more programs than tiles keep more of the GPU streaming weights): program
@@ -278,7 +319,10 @@ def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, pos_ptr, in
     rn, is_rope, first = _tile_rows(tl.program_id(0), HALF, BLOCK_N, EPILOGUE, INTER, ROPE_WIDTH, HEAD_DIM)
     rm = tl.arange(0, BLOCK_M)
     rows = rm[None, :] < M
-    if ONE_TILE:  # all of K in one (masked) tile: the weights read before the wait, as the GEMV does
+    if ONE_TILE and SLICES > 0:  # all of K as slices, two batched dots (the tail's slices past K masked)
+        acc = _sliced_tile_dot(x_ptr, w_ptr, rn, rm, M, K, stride_xm, stride_wn, SLICES, TAIL_SLICES, SLICE_K,
+                               DOT_FP32, PDL)
+    elif ONE_TILE:  # all of K in one (masked) tile: the weights read before the wait, as the GEMV does
         rk = tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=rk[None, :] < K, other=0.0)
         pdl_release(PDL)
@@ -363,6 +407,24 @@ LINE_BYTES = 128
 # models.layers.linear_triton.MASKED_K_STEPS=True.
 MASKED_K_STEPS = False
 
+# The one-tile GEMM's tile as slices of this many columns where they divide K, multiplied in two batched dots by
+# this many warps (``_sliced_tile_dot``): SmolLM2's 576 = 8 + 1 slices of 64 instead of one dot over 1024 masked
+# columns, its 1536 = 16 + 8. Compiled for sm_90 here (Triton 3.9, ptxas -v): at 576 a warp's chain of MMAs is 12
+# (8 warps) or 20 (4) against the whole tile's 64, in 80 / 130 registers against 255 and 36 bytes of spills; at 1536
+# 24 MMAs in 170 registers (8 warps) against 128 and 3 468 bytes of spills (tests/test_pdl_ptx.py's
+# test_sliced_one_tile_chains_fewer_mmas_without_spills). Not yet measured on a GPU: None, one dot over the whole
+# masked tile. The A/B: --set models.layers.linear_triton.ONE_TILE_SLICES=(64,8) (with ONE_TILE_K_MIN=512 for K 576
+# too).
+ONE_TILE_SLICES: tuple[int, int] | None = None
+
+
+def one_tile_slices(k: int, slice_k: int) -> tuple[int, int]:
+    """(slices, tail slices) of the sliced one-tile GEMM over k columns (slice_k divides k): the largest power of
+    two of whole slices, then the rest rounded up to a power of two (masked past k; one empty slice if none)."""
+    count = k // slice_k
+    head = 1 << (count.bit_length() - 1)
+    return head, triton.next_power_of_2(max(1, count - head))
+
 
 def decode_gemm_tile(m: int, n: int, k: int) -> tuple[int, int, int, int] | None:
     """(block_n, block_k, num_stages, num_warps) of ``_decode_gemm_kernel`` for m rows of x, an [n, k]
@@ -383,7 +445,8 @@ def decode_gemm_tile(m: int, n: int, k: int) -> tuple[int, int, int, int] | None
     if not 1 <= m <= GEMM_ROWS:
         return None
     if m <= 16 and ONE_TILE_K_MIN < k <= ONE_TILE_K_MAX and n % ONE_TILE_BLOCK_N == 0:
-        return ONE_TILE_BLOCK_N, triton.next_power_of_2(k), 1, 4
+        warps = ONE_TILE_SLICES[1] if ONE_TILE_SLICES is not None and k % ONE_TILE_SLICES[0] == 0 else 4
+        return ONE_TILE_BLOCK_N, triton.next_power_of_2(k), 1, warps
     if MASKED_K_STEPS and m <= 16 and k % 128 and k <= L2_PREFETCH_K_MAX and n % 64 == 0:
         return 64, 128, 4, 4
     block_k = 128 if k % 128 == 0 else 64
@@ -439,14 +502,15 @@ def _launch_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     line = LINE_BYTES // weight.element_size()  # elements a 128-byte line
     prefetch = (0 if _DOT_FP32 or m > 16 or k > L2_PREFETCH_K_MAX or block_k >= k
                 else triton.next_power_of_2(-(-(k // splits) // line)))
+    slice_k = ONE_TILE_SLICES[0] if block_k >= k and ONE_TILE_SLICES and k % ONE_TILE_SLICES[0] == 0 else 0
+    slices, tail = one_tile_slices(k, slice_k) if slice_k else (0, 1)
     _decode_gemm_kernel[(n // block_n, splits)](
         x, weight, bias if bias is not None else weight, y, ws, counters, positions, inv_freq, m, n, k, inter,
         rope_width, x.stride(0), weight.stride(0), y.stride(0), BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_K=block_k,
         SPLIT_K=splits, EVEN_K=k % (block_k * splits) == 0, HAS_BIAS=bias is not None, DOT_FP32=_DOT_FP32, EPILOGUE=epilogue,
         HEAD_DIM=2 * inv_freq.shape[0] if rope is not None else 2, ONE_TILE=block_k >= k,
-        PREFETCH_LINES=prefetch, LINE=line, num_stages=stages,
-        num_warps=warps,
-        **pdl_launch())
+        PREFETCH_LINES=prefetch, LINE=line, SLICES=slices, TAIL_SLICES=tail, SLICE_K=slice_k or 64,
+        num_stages=stages, num_warps=warps, **pdl_launch())
     return y
 
 
