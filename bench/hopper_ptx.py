@@ -31,7 +31,8 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 HOPPER = GPUTarget("cuda", 90, 32)
 
 
-def hopper_ptx(fn: Any, constexprs: dict[str, Any], types: dict[str, str], num_warps: int = 4) -> list[str]:
+def hopper_ptx(fn: Any, constexprs: dict[str, Any], types: dict[str, str], num_warps: int = 4,
+               num_stages: int = 3) -> list[str]:
     """The kernel's PTX for sm_90 at these constants (a constant left out takes the kernel's default; pointers
     bf16 unless ``types`` says otherwise, 16-byte aligned as the launches pass them; other arguments i32, fp32
     for ``eps`` / ``scale``). RuntimeError / FileNotFoundError where this Triton cannot compile for sm_90."""
@@ -49,7 +50,7 @@ def hopper_ptx(fn: Any, constexprs: dict[str, Any], types: dict[str, str], num_w
             sig[name] = "fp32" if name in ("eps", "scale") else "i32"
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
     compiled = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=aligned), target=HOPPER,
-                              options={"num_warps": num_warps})
+                              options={"num_warps": num_warps, "num_stages": num_stages})
     ptx: list[str] = compiled.asm["ptx"].splitlines()
     return ptx
 
