@@ -270,13 +270,17 @@ def _sliced_tile_dot(x_ptr, w_ptr, rn, rm, M, K, stride_xm, stride_wn, SLICES: t
     pdl_wait(PDL)
     x = _row_slices(x_ptr, 0, rm, M, stride_xm, K, SLICES, SLICE_K)
     xt = _row_slices(x_ptr, SLICES * SLICE_K, rm, M, stride_xm, K, TAIL_SLICES, SLICE_K)
+    return tl.sum(_dot(w, x, DOT_FP32), axis=0) + tl.sum(_dot(wt, xt, DOT_FP32), axis=0)
+
+
+@triton.jit
+def _dot(a, b, DOT_FP32: tl.constexpr):
+    """a @ b, fp32 sums (DOT_FP32: operands made fp32 first, for the CPU interpreter)."""
     if DOT_FP32:
-        part = tl.dot(w.to(tl.float32), x.to(tl.float32))
-        tail = tl.dot(wt.to(tl.float32), xt.to(tl.float32))
+        product = tl.dot(a.to(tl.float32), b.to(tl.float32))
     else:
-        part = tl.dot(w, x)
-        tail = tl.dot(wt, xt)
-    return tl.sum(part, axis=0) + tl.sum(tail, axis=0)
+        product = tl.dot(a, b)
+    return product
 
 
 @triton.jit(do_not_specialize=["M"])  # counts that change call to call: one compile for all
