@@ -228,11 +228,12 @@ def test_pdl_off_emits_no_grid_dependency_control(name: str) -> None:
 
 
 def test_sliced_one_tile_chains_fewer_mmas_than_the_whole_tile() -> None:
-    """The one-tile GEMM at SmolLM2's K 576 (8 + 1 slices of 64, ``ONE_TILE_SLICES``) issues 20 MMAs a warp (4
-    warps) against the whole masked tile's 64: the chain a warp runs after the PDL wait, a third as long."""
+    """The one-tile GEMM at SmolLM2's K 576 (8 + 1 slices of 64, ``ONE_TILE_SLICES``) issues 20-24 MMAs a warp (4
+    warps; Triton 3.9 / 3.6) against the whole masked tile's 64: the chain a warp runs after the PDL wait, under
+    half as long."""
     def mmas(name: str) -> int:
         fn, constexprs, types = KERNELS[name]
         return bench_ptx.mma_counts(hopper_ptx(fn, {**constexprs, "PDL": True}, types))["mma_sync"]
 
     sliced, whole = mmas("decode_gemm_one_tile_sliced"), mmas("decode_gemm_one_tile")
-    assert 0 < sliced <= whole // 3, (sliced, whole)
+    assert 0 < 2 * sliced < whole, (sliced, whole)
