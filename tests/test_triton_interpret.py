@@ -201,6 +201,7 @@ def test_interp_decode_gemm_equals_f_linear() -> None:
             x = torch.randn(m, k, generator=g).to(torch.bfloat16)
             _close(gemm_triton(x, w, b), F.linear(x, w, b), 1e-2)
         _check_gate_up_silu(lt.decode_gate_up_silu, 5, 64, 576, False, g)
+        _check_qkv_rope(lt.decode_qkv_rope, 5, 64, 9, 3, 576, True, g)  # SmolLM2's heads, RoPE in the epilogue
     finally:
         lt.ONE_TILE_SLICES, lt.ONE_TILE_K_MIN = None, 1024
     # split-K (few output tiles): both K halves summed by the tile's last program; counts back at 0
