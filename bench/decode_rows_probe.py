@@ -9,7 +9,8 @@ as the engine launches them (PDL where on): cuBLAS, the engine's cut (``decode_g
 ``decode_gemm_splits``) and each ``GEMM_CUTS`` cut (block_n, block_k, stages, warps, K splits; ``SMALL_CUTS``
 for other ``--shapes``), in µs per matmul and TB/s of weights, with each cut's relative error against fp32.
 SmolLM2's verify shapes: ``--no-attention --rows 8 --shapes qkv:960:576,o:576:576,gate_up:3072:576,down:576:1536``
-(the 8B names' cuts then apply: name them otherwise, e.g. ``s_qkv``, for ``SMALL_CUTS``); at one row also the
+(the 8B names' cuts then apply: name them otherwise, e.g. ``s_qkv``, for ``SMALL_CUTS``, which holds the one tile
+as slices in batched dots too: ``linear_triton.ONE_TILE_SLICES``); at one row also the
 GEMV at each ``GEMV_CUTS`` tile (``gemv_cuts``, ``gemv_best``); ``--rows-gemv``: a few rows through the GEMV widened
 to rows at each ``ROWS_GEMV_CUTS`` cut (``rows_gemv_cuts``: ``--rows 1,8 --no-attention --rows-gemv --shapes
 s_qkv:960:576,s_o:576:576,s_gate_up:3072:576,s_down:576:1536,s_fc:576:1728``).
@@ -60,10 +61,15 @@ GEMM_CUTS: dict[str, tuple[tuple[int, int, int, int, int], ...]] = {
 # tile of all of K (block_k >= k: the kernel's ONE_TILE, its weights read before the PDL wait), and fewer, wider K
 # steps whose last one is masked where block_k does not divide K (576 = 4.5 x 128). Narrow blocks with K splits took
 # 1.5-2x as long (2026-12-05-decode-gemm-narrow-tiles-ab-smollm2-h100.json) and are no longer swept.
-SMALL_CUTS = (tuple((bn, 64, 6, 4, 1) for bn in (16, 32, 64))
-              + ((16, 1024, 1, 4, 1), (32, 1024, 1, 8, 1), (16, 2048, 1, 4, 1))
-              + tuple((bn, bk, st, 4, 1) for bn in (16, 32, 64) for bk, st in ((128, 4), (256, 3), (512, 2)))
-              + ((64, 256, 3, 8, 1), (64, 512, 2, 8, 1)))
+# A sixth element: the one tile as slices of that many columns in batched dots (``linear_triton.ONE_TILE_SLICES``,
+# set while the cut is captured; its warps are the cut's).
+SMALL_CUTS: tuple[tuple[int, ...], ...] = (
+    tuple((bn, 64, 6, 4, 1) for bn in (16, 32, 64))
+    + ((16, 1024, 1, 4, 1), (32, 1024, 1, 8, 1), (16, 2048, 1, 4, 1))
+    + tuple((bn, bk, st, 4, 1) for bn in (16, 32, 64) for bk, st in ((128, 4), (256, 3), (512, 2)))
+    + ((64, 256, 3, 8, 1), (64, 512, 2, 8, 1))
+    + tuple((bn, bk, 1, w, 1, sk) for bk in (1024, 2048) for bn, w, sk in ((16, 8, 64), (16, 4, 64), (32, 8, 64),
+                                                                         (16, 8, 32), (16, 8, 128))))
 # the one-row GEMV (no tensor cores: the row against each [block_n, block_k] weight tile in registers), as (block_n,
 # block_k, warps); at 2-8 rows a row at a time it was 3.4-4.2x slower than the decode GEMM on SmolLM2's shapes
 # (2026-12-06-verify-kernel-marginals-smollm2-h100.json) and was taken out of linear_triton
@@ -136,6 +142,7 @@ def rows_gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 def gemms(rows: int, reps: int, bw: float, shapes: tuple[tuple[str, int, int], ...] = SHAPES,
           rows_gemv: bool = False) -> dict[str, Any]:
+    from fusedserve.models.layers import linear_triton as lt
     from fusedserve.models.layers.linear_triton import (
         decode_gemm_splits,
         decode_gemm_tile,
@@ -170,9 +177,14 @@ def gemms(rows: int, reps: int, bw: float, shapes: tuple[tuple[str, int, int], .
         row["engine"] = time_it(lambda w: gemm_triton(x, w))
         cuts = []
         for cut in GEMM_CUTS.get(name, SMALL_CUTS):
-            bn, bk, stages, warps, splits = cut
+            bn, bk, stages, warps, splits = cut[:5]
+            slice_k = cut[5] if len(cut) > 5 else 0
             if n % bn or (k % (bk * splits) if bk < k and splits > 1 else splits > 1 or bk >= 2 * k):
                 continue  # split K needs whole steps; one tile (bk >= k: ONE_TILE) the next power of two
+            if slice_k and (bk < k or k % slice_k):
+                continue  # slices: of one tile, whole ones
+            before = lt.ONE_TILE_SLICES
+            lt.ONE_TILE_SLICES = (slice_k, warps) if slice_k else None
             try:
                 err = ((gemm_triton(x, ws[0], None, (bn, bk, stages, warps), splits).float() - ref).norm()
                        / ref.norm()).item()
@@ -180,6 +192,8 @@ def gemms(rows: int, reps: int, bw: float, shapes: tuple[tuple[str, int, int], .
                              "rel_err": err})
             except Exception as e:  # a cut that does not compile or fit: said in the record
                 cuts.append({"cut": list(cut), "error": f"{type(e).__name__}: {e}"[:200]})
+            finally:
+                lt.ONE_TILE_SLICES = before
         row["cuts"] = cuts
         timed = [c for c in cuts if "us" in c]
         row["best"] = min(timed, key=lambda c: c["us"]) if timed else None
