@@ -32,12 +32,19 @@ HOPPER = GPUTarget("cuda", 90, 32)
 
 
 def hopper_ptx(fn: Any, constexprs: dict[str, Any], types: dict[str, str], num_warps: int = 4,
-               num_stages: int = 3) -> list[str]:
+               num_stages: int = 3, aligned_ints: bool = True) -> list[str]:
     """The kernel's PTX for sm_90 at these constants (a constant left out takes the kernel's default; pointers
     bf16 unless ``types`` says otherwise, 16-byte aligned as the launches pass them; other arguments i32, fp32
-    for ``eps`` / ``scale``). RuntimeError / FileNotFoundError where this Triton cannot compile for sm_90."""
+    for ``eps`` / ``scale``). ``aligned_ints``: every integer argument the kernel specialises on (not in its
+    ``do_not_specialize``) known divisible by 16, as a launch with such values (strides and widths of 576, 4096 ...)
+    compiles it: only then can Triton vectorise the loads and pipeline them through shared memory
+    (``cp.async``), so registers, spills and load order are the GPU's. RuntimeError / FileNotFoundError where this
+    Triton cannot compile for sm_90."""
     constexprs = {**{p.name: p.default for p in fn.params
                      if p.is_constexpr and p.default is not inspect.Parameter.empty}, **constexprs}
+    missing = [p.name for p in fn.params if p.is_constexpr and p.name not in constexprs]
+    if missing:  # compiled as a runtime i32 it would be another kernel (a branch on it is not folded away)
+        raise ValueError(f"{fn.__name__}: no value for the compile-time constants {', '.join(missing)}")
     sig = {}
     for name in fn.arg_names:
         if name in constexprs:
@@ -48,7 +55,9 @@ def hopper_ptx(fn: Any, constexprs: dict[str, Any], types: dict[str, str], num_w
             sig[name] = "*bf16"
         else:
             sig[name] = "fp32" if name in ("eps", "scale") else "i32"
-    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+    unspecialised = {p.name for p in fn.params if p.do_not_specialize}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+               if sig[n].startswith("*") or (aligned_ints and sig[n] == "i32" and n not in unspecialised)}
     compiled = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=aligned), target=HOPPER,
                               options={"num_warps": num_warps, "num_stages": num_stages})
     ptx: list[str] = compiled.asm["ptx"].splitlines()

@@ -414,8 +414,8 @@ MASKED_K_STEPS = False
 # The one-tile GEMM's tile as slices of this many columns where they divide K, multiplied in two batched dots by
 # this many warps (``_sliced_tile_dot``): SmolLM2's 576 = 8 + 1 slices of 64 instead of one dot over 1024 masked
 # columns, its 1536 = 16 + 8. Compiled for sm_90 with the GPU machine's Triton 3.6 (bench/hopper_ptx.py,
-# 2026-12-06-hopper-ptx-one-tile-triton36-cpu.json): with 8 warps a warp chains 16 MMAs at 576 and 24 at 1536, in 56 /
-# 102 registers, against the whole tile's 64 and 128 (4 warps; at 1536 also 52 bytes of spills at 255 registers).
+# 2026-12-06-hopper-ptx-one-tile-triton36-cpu.json): with 8 warps a warp chains 16 MMAs at 576 and 24 at 1536, against
+# the whole tile's 64 and 128 (no spills either way).
 # Not yet timed on a GPU: None, one dot over the whole masked tile. The A/B: --set
 # models.layers.linear_triton.ONE_TILE_SLICES=(64,8) (with ONE_TILE_K_MIN=512 for K 576 too).
 ONE_TILE_SLICES: tuple[int, int] | None = None
