@@ -32,14 +32,14 @@ HOPPER = GPUTarget("cuda", 90, 32)
 
 
 def hopper_ptx(fn: Any, constexprs: dict[str, Any], types: dict[str, str], num_warps: int = 4,
-               num_stages: int = 3, aligned_ints: bool = True) -> list[str]:
+               num_stages: int = 3) -> list[str]:
     """The kernel's PTX for sm_90 at these constants (a constant left out takes the kernel's default; pointers
     bf16 unless ``types`` says otherwise, 16-byte aligned as the launches pass them; other arguments i32, fp32
-    for ``eps`` / ``scale``). ``aligned_ints``: every integer argument the kernel specialises on (not in its
-    ``do_not_specialize``) known divisible by 16, as a launch with such values (strides and widths of 576, 4096 ...)
-    compiles it: only then can Triton vectorise the loads and pipeline them through shared memory
-    (``cp.async``), so registers, spills and load order are the GPU's. RuntimeError / FileNotFoundError where this
-    Triton cannot compile for sm_90."""
+    for ``eps`` / ``scale``). Every integer argument the kernel specialises on (not in its ``do_not_specialize``)
+    is known divisible by 16, as a launch with such values (strides and widths of 576, 4096 ...) compiles it: only
+    then can Triton vectorise the loads and pipeline them through shared memory (``cp.async``), so registers,
+    spills and load order are the GPU's. RuntimeError / FileNotFoundError where this Triton cannot compile for
+    sm_90."""
     constexprs = {**{p.name: p.default for p in fn.params
                      if p.is_constexpr and p.default is not inspect.Parameter.empty}, **constexprs}
     missing = [p.name for p in fn.params if p.is_constexpr and p.name not in constexprs]
@@ -57,7 +57,7 @@ def hopper_ptx(fn: Any, constexprs: dict[str, Any], types: dict[str, str], num_w
             sig[name] = "fp32" if name in ("eps", "scale") else "i32"
     unspecialised = {p.name for p in fn.params if p.do_not_specialize}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-               if sig[n].startswith("*") or (aligned_ints and sig[n] == "i32" and n not in unspecialised)}
+               if sig[n].startswith("*") or (sig[n] == "i32" and n not in unspecialised)}
     compiled = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=aligned), target=HOPPER,
                               options={"num_warps": num_warps, "num_stages": num_stages})
     ptx: list[str] = compiled.asm["ptx"].splitlines()
@@ -97,22 +97,22 @@ def register_use(ptx: list[str]) -> dict[str, int]:
             "spill_loads": int(loads.group(1))}
 
 
-# (label, K, block_n, block_k, warps, sliced as (slice_k) or 0): the one-tile GEMM over SmolLM2's widths as the
-# engine takes it today (the whole tile in one dot, K masked to a power of two) and as slices in batched dots
-# (``ONE_TILE_SLICES``), beside the K loop's cut (64-wide steps, 6 stages) the engine takes at K 576.
-CUTS = (("K loop 64 x 64, 6 stages", 576, 64, 64, 4, 0),
-        ("one tile 16 x 1024 (576)", 576, 16, 1024, 4, 0),
-        ("one tile 32 x 1024 (576)", 576, 32, 1024, 4, 0),
-        ("sliced 16: 8+1 x 64 (576)", 576, 16, 1024, 4, 64),
-        ("sliced 16: 8+1 x 64 (576)", 576, 16, 1024, 8, 64),
-        ("sliced 32: 8+1 x 64 (576)", 576, 32, 1024, 8, 64),
-        ("one tile 16 x 2048 (1536)", 1536, 16, 2048, 4, 0),
-        ("one tile 16 x 2048 (1536)", 1536, 16, 2048, 8, 0),
-        ("sliced 16: 16+8 x 64 (1536)", 1536, 16, 2048, 8, 64),
-        ("sliced 16: 16+16 x 64 (1728)", 1728, 16, 2048, 8, 64))
+# (label, K, block_n, block_k, stages, warps, sliced as (slice_k) or 0): the one-tile GEMM over SmolLM2's widths as
+# the engine takes it today (the whole tile in one dot, K masked to a power of two, 1 stage) and as slices in batched
+# dots (``ONE_TILE_SLICES``), beside the K loop's cut (64-wide steps, 6 stages) the engine takes at K 576.
+CUTS = (("K loop 64 x 64, 6 stages", 576, 64, 64, 6, 4, 0),
+        ("one tile 16 x 1024 (576)", 576, 16, 1024, 1, 4, 0),
+        ("one tile 32 x 1024 (576)", 576, 32, 1024, 1, 4, 0),
+        ("sliced 16: 8+1 x 64 (576)", 576, 16, 1024, 1, 4, 64),
+        ("sliced 16: 8+1 x 64 (576)", 576, 16, 1024, 1, 8, 64),
+        ("sliced 32: 8+1 x 64 (576)", 576, 32, 1024, 1, 8, 64),
+        ("one tile 16 x 2048 (1536)", 1536, 16, 2048, 1, 4, 0),
+        ("one tile 16 x 2048 (1536)", 1536, 16, 2048, 1, 8, 0),
+        ("sliced 16: 16+8 x 64 (1536)", 1536, 16, 2048, 1, 8, 64),
+        ("sliced 16: 16+16 x 64 (1728)", 1728, 16, 2048, 1, 8, 64))
 
 
-def one_cut(k: int, block_n: int, block_k: int, warps: int, slice_k: int) -> dict[str, Any]:
+def one_cut(k: int, block_n: int, block_k: int, stages: int, warps: int, slice_k: int) -> dict[str, Any]:
     from fusedserve.models.layers import linear_triton as lt
 
     slices, tail = lt.one_tile_slices(k, slice_k) if slice_k else (0, 1)
@@ -121,7 +121,7 @@ def one_cut(k: int, block_n: int, block_k: int, warps: int, slice_k: int) -> dic
                   "HAS_BIAS": False, "DOT_FP32": False, "EPILOGUE": lt.EPILOGUE_PLAIN, "HEAD_DIM": 2,
                   "ONE_TILE": one_tile, "PREFETCH_LINES": 0 if one_tile else 16, "LINE": 64, "PDL": True,
                   "SLICES": slices, "TAIL_SLICES": tail, "SLICE_K": slice_k or 64}
-    ptx = hopper_ptx(lt._decode_gemm_kernel, constexprs, {}, warps)
+    ptx = hopper_ptx(lt._decode_gemm_kernel, constexprs, {}, warps, stages)
     return {**mma_counts(ptx), **register_use(ptx)}
 
 
@@ -132,9 +132,9 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="JSON record to write")
     args = ap.parse_args()
     rows = []
-    for label, k, block_n, block_k, warps, slice_k in CUTS:
-        row = {"cut": label, "K": k, "block_n": block_n, "block_k": block_k, "warps": warps, "slice_k": slice_k,
-               **one_cut(k, block_n, block_k, warps, slice_k)}
+    for label, k, block_n, block_k, stages, warps, slice_k in CUTS:
+        row = {"cut": label, "K": k, "block_n": block_n, "block_k": block_k, "stages": stages, "warps": warps,
+               "slice_k": slice_k, **one_cut(k, block_n, block_k, stages, warps, slice_k)}
         rows.append(row)
         print(f"{label:32s} {warps} warps: mma.sync {row['mma_sync']:3d}  wgmma {row['wgmma']}  "
               f"registers {row['registers']:3d}  spills {row['spill_stores']} B")

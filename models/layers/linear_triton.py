@@ -421,6 +421,11 @@ MASKED_K_STEPS = False
 ONE_TILE_SLICES: tuple[int, int] | None = None
 
 
+def _slice_k(k: int) -> int:
+    """The sliced one tile's slice width at K k (``ONE_TILE_SLICES``), 0 where it is off or does not divide k."""
+    return ONE_TILE_SLICES[0] if ONE_TILE_SLICES is not None and k % ONE_TILE_SLICES[0] == 0 else 0
+
+
 def one_tile_slices(k: int, slice_k: int) -> tuple[int, int]:
     """(slices, tail slices) of the sliced one-tile GEMM over k columns (slice_k divides k): the largest power of
     two of whole slices, then the rest rounded up to a power of two (masked past k; one empty slice if none)."""
@@ -448,7 +453,7 @@ def decode_gemm_tile(m: int, n: int, k: int) -> tuple[int, int, int, int] | None
     if not 1 <= m <= GEMM_ROWS:
         return None
     if m <= 16 and ONE_TILE_K_MIN < k <= ONE_TILE_K_MAX and n % ONE_TILE_BLOCK_N == 0:
-        warps = ONE_TILE_SLICES[1] if ONE_TILE_SLICES is not None and k % ONE_TILE_SLICES[0] == 0 else 4
+        warps = ONE_TILE_SLICES[1] if ONE_TILE_SLICES is not None and _slice_k(k) else 4
         return ONE_TILE_BLOCK_N, triton.next_power_of_2(k), 1, warps
     if MASKED_K_STEPS and m <= 16 and k % 128 and k <= L2_PREFETCH_K_MAX and n % 64 == 0:
         return 64, 128, 4, 4
@@ -505,7 +510,7 @@ def _launch_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     line = LINE_BYTES // weight.element_size()  # elements a 128-byte line
     prefetch = (0 if _DOT_FP32 or m > 16 or k > L2_PREFETCH_K_MAX or block_k >= k
                 else triton.next_power_of_2(-(-(k // splits) // line)))
-    slice_k = ONE_TILE_SLICES[0] if block_k >= k and ONE_TILE_SLICES and k % ONE_TILE_SLICES[0] == 0 else 0
+    slice_k = _slice_k(k) if block_k >= k else 0
     slices, tail = one_tile_slices(k, slice_k) if slice_k else (0, 1)
     _decode_gemm_kernel[(n // block_n, splits)](
         x, weight, bias if bias is not None else weight, y, ws, counters, positions, inv_freq, m, n, k, inter,
