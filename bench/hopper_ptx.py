@@ -120,7 +120,8 @@ def one_cut(k: int, block_n: int, block_k: int, stages: int, warps: int, slice_k
     constexprs = {"BLOCK_N": block_n, "BLOCK_M": 16, "BLOCK_K": block_k, "SPLIT_K": 1, "EVEN_K": k % block_k == 0,
                   "HAS_BIAS": False, "DOT_FP32": False, "EPILOGUE": lt.EPILOGUE_PLAIN, "HEAD_DIM": 2,
                   "ONE_TILE": one_tile, "PREFETCH_LINES": 0 if one_tile else 16, "LINE": 64, "PDL": True,
-                  "SLICES": slices, "TAIL_SLICES": tail, "SLICE_K": slice_k or 64}
+                  "SLICES": slices, "TAIL_SLICES": tail, "SLICE_K": slice_k or 64,
+                  "LATE_RELEASE": lt.late_release(8, slices)}  # as launched at the verify's 8 rows
     ptx = hopper_ptx(lt._decode_gemm_kernel, constexprs, {}, warps, stages)
     return {**mma_counts(ptx), **register_use(ptx)}
 

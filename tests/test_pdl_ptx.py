@@ -101,12 +101,13 @@ KERNELS: dict[str, tuple[Any, dict[str, Any], dict[str, str]]] = {
                               "DOT_FP32": False, "EPILOGUE": linear_triton.EPILOGUE_ROPE, "HEAD_DIM": 64,
                               "ONE_TILE": True, "PREFETCH_LINES": 0, "LINE": 64},
                              {"pos_ptr": "*i64", "inv_ptr": "*fp32"}),
-    # the same tile as 8 + 1 slices of 64 in two batched dots (``ONE_TILE_SLICE_K``): the weights still before the wait
+    # the same tile as 8 + 1 slices of 64 in two batched dots (``ONE_TILE_SLICES``): the weights still before the
+    # wait, its dependents released after its dots (``linear_triton.late_release``), as launched
     "decode_gemm_one_tile_sliced": (linear_triton._decode_gemm_kernel,
                                     {"BLOCK_N": 16, "BLOCK_M": 16, "BLOCK_K": 1024, "EVEN_K": False, "SPLIT_K": 1, "HAS_BIAS": False,
                                      "DOT_FP32": False, "EPILOGUE": linear_triton.EPILOGUE_ROPE, "HEAD_DIM": 64,
                                      "ONE_TILE": True, "PREFETCH_LINES": 0, "LINE": 64, "SLICES": 8,
-                                     "TAIL_SLICES": 1, "SLICE_K": 64},
+                                     "TAIL_SLICES": 1, "SLICE_K": 64, "LATE_RELEASE": True},
                                     {"pos_ptr": "*i64", "inv_ptr": "*fp32"}),
     "decode_gemm_split_k": (linear_triton._decode_gemm_kernel,
                             {"BLOCK_N": 64, "BLOCK_M": 64, "BLOCK_K": 128, "EVEN_K": True, "SPLIT_K": 2, "HAS_BIAS": True,
@@ -237,3 +238,26 @@ def test_sliced_one_tile_chains_fewer_mmas_than_the_whole_tile() -> None:
 
     sliced, whole = mmas("decode_gemm_one_tile_sliced"), mmas("decode_gemm_one_tile")
     assert 0 < 2 * sliced < whole, (sliced, whole)
+
+
+def _release_wait_last_mma(name: str, **changes: Any) -> tuple[int, int, int]:
+    """PTX line numbers of the kernel's first launch_dependents, first wait and last MMA instruction (PDL on; a
+    wgmma's last is its wait_group)."""
+    fn, constexprs, types = KERNELS[name]
+    ptx = hopper_ptx(fn, {**constexprs, **changes, "PDL": True}, types)
+    release = next(i for i, line in enumerate(ptx) if "griddepcontrol.launch_dependents" in line)
+    wait = next(i for i, line in enumerate(ptx) if "griddepcontrol.wait" in line)
+    return release, wait, max(i for i, line in enumerate(ptx) if "mma.sync" in line or "wgmma." in line)
+
+
+def test_late_release_lets_the_next_kernel_launch_only_after_the_sums() -> None:
+    """``LATE_RELEASE`` (always for the sliced one tile, ``linear_triton.late_release``): launch_dependents after the
+    kernel's last MMA; without it before its wait, as the other kernels here (the whole tile, the K loop)."""
+    release, wait, last_mma = _release_wait_last_mma("decode_gemm_one_tile_sliced")
+    assert wait < last_mma < release
+    release, wait, last_mma = _release_wait_last_mma("decode_gemm", LATE_RELEASE=True)
+    assert wait < last_mma < release
+    for name in ("decode_gemm", "decode_gemm_one_tile"):
+        release, wait, _ = _release_wait_last_mma(name)
+        assert release < wait, name
+    assert linear_triton.late_release(8, 3) and not linear_triton.late_release(8, 0)

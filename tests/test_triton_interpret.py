@@ -189,8 +189,12 @@ def test_interp_decode_gemm_equals_f_linear() -> None:
         _close(decode_linear(x, w), F.linear(x, w), 1e-2)
     finally:
         lt.MASKED_K_STEPS = False
-    # the one tile as slices in two batched dots (ONE_TILE_SLICES): 576 = 8 + 1 slices of 64, 1536 = 16 + 8, 1728 =
-    # 16 + 11 (of 16, the rest masked); with an epilogue too
+    # the one tile as slices in two batched dots (ONE_TILE_SLICES, by default (64, 4) over K 1024..2048, the
+    # shapes above): with 8 warps and K 576 too, 576 = 8 + 1 slices of 64, 1536 = 16 + 8, 1728 = 16 + 11 (of 16,
+    # the rest masked); with an epilogue too
+    assert lt.ONE_TILE_SLICES == (64, 4) and lt.one_tile_slices(1536, 64) == (16, 8)
+    assert lt._slice_k(576, 1536) == 64 and lt._slice_k(24576, 1536) == 0 and lt._slice_k(576, 1100) == 0
+    before = lt.ONE_TILE_SLICES, lt.ONE_TILE_K_MIN
     lt.ONE_TILE_SLICES, lt.ONE_TILE_K_MIN = (64, 8), 512
     try:
         assert lt.one_tile_slices(576, 64) == (8, 1) and lt.one_tile_slices(1728, 64) == (16, 16)
@@ -203,7 +207,7 @@ def test_interp_decode_gemm_equals_f_linear() -> None:
         _check_gate_up_silu(lt.decode_gate_up_silu, 5, 64, 576, False, g)
         _check_qkv_rope(lt.decode_qkv_rope, 5, 64, 9, 3, 576, True, g)  # SmolLM2's heads, RoPE in the epilogue
     finally:
-        lt.ONE_TILE_SLICES, lt.ONE_TILE_K_MIN = None, 1024
+        lt.ONE_TILE_SLICES, lt.ONE_TILE_K_MIN = before
     # split-K (few output tiles): both K halves summed by the tile's last program; counts back at 0
     import fusedserve.models.layers.arrival_counters as arrival
 

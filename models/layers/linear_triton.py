@@ -263,10 +263,10 @@ def _row_slices(x_ptr, first, rm, M, stride_xm, K, S: tl.constexpr, SLICE_K: tl.
 def _sliced_tile_dot(x_ptr, w_ptr, rn, rm, M, K, stride_xm, stride_wn, SLICES: tl.constexpr,
                      TAIL_SLICES: tl.constexpr, SLICE_K: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr):
     """The one-tile product W_tile x^T [BLOCK_N, BLOCK_M] over all of K, the weights read before the PDL wait as
-    SLICES + TAIL_SLICES slices of SLICE_K columns, multiplied slice by slice in two batched dots and summed."""
+    SLICES + TAIL_SLICES slices of SLICE_K columns, multiplied slice by slice in two batched dots and summed (its
+    dependents released by the caller, after the dots: ``late_release``)."""
     w = _weight_slices(w_ptr, 0, rn, stride_wn, K, SLICES, SLICE_K)
     wt = _weight_slices(w_ptr, SLICES * SLICE_K, rn, stride_wn, K, TAIL_SLICES, SLICE_K)
-    pdl_release(PDL)
     pdl_wait(PDL)
     x = _row_slices(x_ptr, 0, rm, M, stride_xm, K, SLICES, SLICE_K)
     xt = _row_slices(x_ptr, SLICES * SLICE_K, rm, M, stride_xm, K, TAIL_SLICES, SLICE_K)
@@ -289,7 +289,8 @@ def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, pos_ptr, in
                         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                         DOT_FP32: tl.constexpr, EPILOGUE: tl.constexpr, HEAD_DIM: tl.constexpr, ONE_TILE: tl.constexpr,
                         PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr,
-                        SLICES: tl.constexpr = 0, TAIL_SLICES: tl.constexpr = 1, SLICE_K: tl.constexpr = 64):
+                        SLICES: tl.constexpr = 0, TAIL_SLICES: tl.constexpr = 1, SLICE_K: tl.constexpr = 64,
+                        LATE_RELEASE: tl.constexpr = False):
     """A decode batch's matmul on tensor cores with the operands swapped: y^T [BLOCK_N, BLOCK_M] = W_tile x^T,
     so BLOCK_N rows of W fill the MMA's wide side and the batch's M <= BLOCK_M rows of x its narrow side; a
     program per BLOCK_N outputs, K in BLOCK_K steps (Triton pipelines the loads), fp32 sums. Under PDL it
@@ -313,6 +314,8 @@ def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, pos_ptr, in
     slices' sums added after: a warp's MMAs chain over SLICE_K columns of a few slices, not over all of K (576
     masked to 1024: 64 dependent steps of 16) — ``ONE_TILE_SLICES``.
 
+    LATE_RELEASE: the next kernel may launch only once this one's sums are done, not before its wait (``late_release``).
+
     EVEN_K false (one split): BLOCK_K need not divide K; each step's columns past K are masked (its last).
 
     SPLIT_K > 1 (few output tiles: more programs than tiles keep more of the GPU streaming weights): program
@@ -329,7 +332,8 @@ def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, pos_ptr, in
     elif ONE_TILE:  # all of K in one (masked) tile: the weights read before the wait, as the GEMV does
         rk = tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=rk[None, :] < K, other=0.0)
-        pdl_release(PDL)
+        if not LATE_RELEASE:
+            pdl_release(PDL)
         pdl_wait(PDL)
         x = tl.load(x_ptr + rm[None, :] * stride_xm + rk[:, None], mask=rows & (rk[:, None] < K), other=0.0)
         if DOT_FP32:
@@ -344,7 +348,8 @@ def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, pos_ptr, in
             tl.inline_asm_elementwise(asm="prefetch.global.L2 [$1];\n mov.u32 $0, 0;", constraints="=r,l",
                                       args=[w_ptr + rn[:, None] * stride_wn + col[None, :]], dtype=tl.int32,
                                       is_pure=False, pack=1)
-        pdl_release(PDL)
+        if not LATE_RELEASE:
+            pdl_release(PDL)
         pdl_wait(PDL)
         k_range = K // SPLIT_K
         rk = tl.program_id(1) * k_range + tl.arange(0, BLOCK_K)
@@ -364,6 +369,8 @@ def _decode_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, pos_ptr, in
                 acc = tl.dot(w, x, acc)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
+    if LATE_RELEASE:
+        pdl_release(PDL)
     if SPLIT_K == 1:
         _store_tile(acc, rn, is_rope, first, rm, M, y_ptr, b_ptr, pos_ptr, inv_ptr, stride_ym, HALF, BLOCK_M,
                     HAS_BIAS, EPILOGUE, HEAD_DIM)
@@ -412,18 +419,47 @@ LINE_BYTES = 128
 MASKED_K_STEPS = False
 
 # The one-tile GEMM's tile as slices of this many columns where they divide K, multiplied in two batched dots by
-# this many warps (``_sliced_tile_dot``): SmolLM2's 576 = 8 + 1 slices of 64 instead of one dot over 1024 masked
-# columns, its 1536 = 16 + 8. Compiled for sm_90 with the GPU machine's Triton 3.6 (bench/hopper_ptx.py,
-# 2026-12-06-hopper-ptx-one-tile-triton36-cpu.json): with 8 warps a warp chains 16 MMAs at 576 and 24 at 1536, against
-# the whole tile's 64 and 128 (no spills either way).
-# Not yet timed on a GPU: None, one dot over the whole masked tile. The A/B: --set
-# models.layers.linear_triton.ONE_TILE_SLICES=(64,8) (with ONE_TILE_K_MIN=512 for K 576 too).
-ONE_TILE_SLICES: tuple[int, int] | None = None
+# this many warps (``_sliced_tile_dot``): SmolLM2's 1536 = 16 + 8 slices of 64 instead of one dot over 2048 masked
+# columns, an EAGLE3 draft's qkv 1152 = 16 + 2, its fc 1728 = 16 + 16 (5 masked). Compiled for sm_90 with the GPU
+# machine's Triton 3.6 (bench/hopper_ptx.py, 2026-12-06-hopper-ptx-one-tile-triton36-cpu.json) a warp chains 24 MMAs
+# at 1536 with 8 warps, against the whole tile's 128 (no spills either way). Timed on an H100
+# (2026-12-06-sliced-one-tile-late-release-smollm2-h100.json): alone at 8 rows down_proj 3.30 against 3.88 us
+# (fc 4.95 against 4.05: slower); in the graphs, with the kernel's dependents launched after its dots, SmolLM2's
+# chain-7 verify 629.8 us against 683.0 and a round 834.2 against 886.2 (the plain step the same, 464.9 / 465.2);
+# through the engine a round 0.914 / 0.948 ms against 0.948 / 0.984 (MT-bench / HumanEval, T=0). 8 warps and the
+# slices at K 576 too (ONE_TILE_K_MIN=512) were slower in the graphs (1160.2 / 737.9 us). None: one dot over the
+# whole masked tile (the A/B: --set models.layers.linear_triton.ONE_TILE_SLICES=None).
+ONE_TILE_SLICES: tuple[int, int] | None = (64, 4)
+# Decode GEMMs of 2..LATE_RELEASE_ROWS rows let the next kernel launch only after their sums (``late_release``; the
+# sliced one tile always does); 0: before their wait, as the GEMV and the other kernels here. Every kernel releasing
+# late made SmolLM2's plain step slower (its GEMV's early weight read needs the early launch: critical path 416.1
+# against 369.9 us) and its verify too (594.7 against 581.6), but in that run the verify's 8-row qkv and gate_up were
+# faster (2.94 / 2.94 against 3.30 / 3.16 us; 2026-12-06-sliced-one-tile-late-release-smollm2-h100.json). Not timed
+# alone yet; the A/B: --set models.layers.linear_triton.LATE_RELEASE_ROWS=16.
+LATE_RELEASE_ROWS = 0
 
 
-def _slice_k(k: int) -> int:
-    """The sliced one tile's slice width at K k (``ONE_TILE_SLICES``), 0 where it is off or does not divide k."""
-    return ONE_TILE_SLICES[0] if ONE_TILE_SLICES is not None and k % ONE_TILE_SLICES[0] == 0 else 0
+# The sliced tile only where one wave of 16-output programs holds the whole matmul (at most 132 of them on an
+# H100 / H200), as where it was timed (SmolLM2's and its draft's 576 and 960 outputs: latency-bound); wider ones keep
+# the whole tile (DeepSeek-V3's q_b_proj, 24 576 outputs at K 1536, not timed sliced).
+ONE_TILE_SLICES_MAX_N = 2048
+
+
+def _slice_k(n: int, k: int) -> int:
+    """The sliced one tile's slice width for an [n, k] weight (``ONE_TILE_SLICES``), 0 where it is off, the slice
+    does not divide k or n is over ``ONE_TILE_SLICES_MAX_N``."""
+    if ONE_TILE_SLICES is None or k % ONE_TILE_SLICES[0] or n > ONE_TILE_SLICES_MAX_N:
+        return 0
+    return ONE_TILE_SLICES[0]
+
+
+def late_release(m: int, slices: int) -> bool:
+    """Whether the decode GEMM of m rows lets its dependents launch only after its sums (``LATE_RELEASE_ROWS``).
+    The sliced one tile always does: released before its wait, as the other kernels here are, it made SmolLM2's
+    chain-7 verify graph slower than the whole tile (734.6 against 677.7 us; its 8-row down_proj alone 5.49 against
+    6.71 us with PDL off, yet every matmul of the layer got slower on the critical path, not only down_proj);
+    released after its dots, 629.8 (H100, alternated twice; 2026-12-06-sliced-one-tile-late-release-smollm2-h100.json)."""
+    return slices > 0 or m <= LATE_RELEASE_ROWS
 
 
 def one_tile_slices(k: int, slice_k: int) -> tuple[int, int]:
@@ -453,7 +489,7 @@ def decode_gemm_tile(m: int, n: int, k: int) -> tuple[int, int, int, int] | None
     if not 1 <= m <= GEMM_ROWS:
         return None
     if m <= 16 and ONE_TILE_K_MIN < k <= ONE_TILE_K_MAX and n % ONE_TILE_BLOCK_N == 0:
-        warps = ONE_TILE_SLICES[1] if ONE_TILE_SLICES is not None and _slice_k(k) else 4
+        warps = ONE_TILE_SLICES[1] if ONE_TILE_SLICES is not None and _slice_k(n, k) else 4
         return ONE_TILE_BLOCK_N, triton.next_power_of_2(k), 1, warps
     if MASKED_K_STEPS and m <= 16 and k % 128 and k <= L2_PREFETCH_K_MAX and n % 64 == 0:
         return 64, 128, 4, 4
@@ -510,7 +546,7 @@ def _launch_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     line = LINE_BYTES // weight.element_size()  # elements a 128-byte line
     prefetch = (0 if _DOT_FP32 or m > 16 or k > L2_PREFETCH_K_MAX or block_k >= k
                 else triton.next_power_of_2(-(-(k // splits) // line)))
-    slice_k = _slice_k(k) if block_k >= k else 0
+    slice_k = _slice_k(n, k) if block_k >= k else 0
     slices, tail = one_tile_slices(k, slice_k) if slice_k else (0, 1)
     _decode_gemm_kernel[(n // block_n, splits)](
         x, weight, bias if bias is not None else weight, y, ws, counters, positions, inv_freq, m, n, k, inter,
@@ -518,7 +554,7 @@ def _launch_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         SPLIT_K=splits, EVEN_K=k % (block_k * splits) == 0, HAS_BIAS=bias is not None, DOT_FP32=_DOT_FP32, EPILOGUE=epilogue,
         HEAD_DIM=2 * inv_freq.shape[0] if rope is not None else 2, ONE_TILE=block_k >= k,
         PREFETCH_LINES=prefetch, LINE=line, SLICES=slices, TAIL_SLICES=tail, SLICE_K=slice_k or 64,
-        num_stages=stages, num_warps=warps, **pdl_launch())
+        LATE_RELEASE=late_release(m, slices), num_stages=stages, num_warps=warps, **pdl_launch())
     return y
 
 
