@@ -1,12 +1,14 @@
 """Which launch shape should the block-FP8 Triton GEMM take at decode rows? A sweep on DeepSeek-V3's dense shapes.
 
     python -P bench/fp8_gemm_tiles_probe.py --out $OUT/fp8-gemm-tiles.json   # the package laid out as bench/device_env.sh does
+    python -P bench/fp8_gemm_tiles_probe.py --per-sm 1 2 4 --engine-only --out $OUT/fp8-gemm-per-sm.json
 
 ``block_fp8_linear_triton`` (activation quantization + the GEMM, with its in-kernel split-K combine) as the
 engine calls it, on DeepSeek-V3's attention and shared-expert projections (and q_a_proj with
 kv_a_proj_with_mqa as one matrix, 2112 rows) at 1 .. 16 rows, each shape at the engine's launch shape
 (``fp8_block_triton._tiles``) and at others: columns per tile, at most how many K splits,
-pipeline stages, warps. Each call reads another copy of the weight (copies enough for 256 MB), so the
+pipeline stages, warps; ``--per-sm``: each also at K splits aiming at that many programs a multiprocessor
+(``fp8_block_triton.SPLITS_PER_SM``). Each call reads another copy of the weight (copies enough for 256 MB), so the
 timings are not L2's. Per shape and launch: us per call (median of graph replays), the weight's bytes
 over it against the copy bandwidth of the same run, and whether the result equals the engine's launch's
 (a split changes the fp32 sum's order: small differences are expected there). cuBLASLt's ``scaled_mm``
@@ -44,16 +46,25 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16])
+    ap.add_argument("--per-sm", type=int, nargs="+", default=[1], metavar="N",
+                    help="K splits aiming at N programs a multiprocessor (fp8_block_triton.SPLITS_PER_SM), each launch "
+                         "at each N (keys get @N<n>sm above 1)")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of SHAPES")
+    ap.add_argument("--engine-only", action="store_true", help="only the engine's launch shape (and scaled_mm)")
     args = ap.parse_args()
+    args.per_sm = [1] + [n for n in args.per_sm if n != 1]  # the engine's own first: the others' rel_diff is against it
+    shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
+    launches = [None] if args.engine_only else LAUNCHES
     dev = torch.device("cuda")
     fmt = BlockFP8(128, 128)
     g = torch.Generator(device=dev).manual_seed(0)
     bw = copy_bandwidth(dev, 4 << 30)
     record: dict[str, Any] = {**record_header(), "copy_bandwidth_TBps": bw / 1e12, "what": __doc__.split("\n\n")[0],
-                              "launches": [list(x) if x else "engine" for x in LAUNCHES], "shapes": {}}
+                              "launches": [list(x) if x else "engine" for x in launches], "per_sm": args.per_sm,
+                              "shapes": {}}
     out = args.out or f"bench/results/{record['date']}-fp8-gemm-tiles-h200.json"
-    engine_tiles = fp8._tiles
-    for name, (n, k) in SHAPES.items():
+    engine_tiles, engine_per_sm = fp8._tiles, fp8.SPLITS_PER_SM
+    for name, (n, k) in shapes.items():
         copies = max(2, -(-(256 << 20) // (n * k)))
         ws = [quantize_weight(torch.randn(n, k, device=dev, generator=g) * 0.02, fmt) for _ in range(copies)]
         ideal_us = 1e6 * (n * k + 4 * ws[0][1].numel()) / bw
@@ -62,21 +73,24 @@ def main() -> None:
             x = torch.randn(m, k, device=dev, generator=g).bfloat16()
             res = {}
             ref = None
-            for launch in LAUNCHES:
-                if launch is None:
-                    fp8._tiles = engine_tiles
-                else:
-                    bn, cap, stages, warps = launch
-                    fp8._tiles = lambda rows, n, k, bn=bn, st=stages, w=warps, c=cap: (16 if rows <= 16 else 64, bn, w,
-                                                                                         st, c)
-                y = fp8.block_fp8_linear_triton(x, ws[0][0], ws[0][1], None, fmt)
-                ref = y if ref is None else ref
-                t = graph_ms(lambda: [fp8.block_fp8_linear_triton(x, w, s, None, fmt) for w, s in ws], 10)
-                us = 1000 * t["ms"] / copies
-                res["engine" if launch is None else "/".join(map(str, launch))] = {
-                    "us": round(us, 2), "pct_of_ideal": round(100 * ideal_us / us, 1),
-                    "rel_diff": float((y.float() - ref.float()).norm() / ref.float().norm())}
-            fp8._tiles = engine_tiles
+            for per_sm in args.per_sm:
+                fp8.SPLITS_PER_SM = per_sm
+                for launch in launches:
+                    if launch is None:
+                        fp8._tiles = engine_tiles
+                    else:
+                        bn, cap, stages, warps = launch
+                        fp8._tiles = lambda rows, n, k, bn=bn, st=stages, w=warps, c=cap: (16 if rows <= 16 else 64, bn,
+                                                                                             w, st, c)
+                    y = fp8.block_fp8_linear_triton(x, ws[0][0], ws[0][1], None, fmt)
+                    ref = y if ref is None else ref
+                    t = graph_ms(lambda: [fp8.block_fp8_linear_triton(x, w, s, None, fmt) for w, s in ws], 10)
+                    us = 1000 * t["ms"] / copies
+                    key = "engine" if launch is None else "/".join(map(str, launch))
+                    res[key if per_sm == 1 else f"{key}@{per_sm}sm"] = {
+                        "us": round(us, 2), "pct_of_ideal": round(100 * ideal_us / us, 1),
+                        "rel_diff": float((y.float() - ref.float()).norm() / ref.float().norm())}
+            fp8._tiles, fp8.SPLITS_PER_SM = engine_tiles, engine_per_sm
             if fp8_block_cublas.supported(fmt, n, k):
                 t = graph_ms(lambda: [fp8_block_cublas.block_fp8_linear_cublas(x, w, s, None, fmt) for w, s in ws], 10)
                 us = 1000 * t["ms"] / copies

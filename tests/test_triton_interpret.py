@@ -1218,6 +1218,8 @@ def test_interp_block_fp8_linear_equals_the_w8a8_reference(m: int, n: int, k: in
         from fusedserve.models.layers.fp8_block_triton import k_splits
 
         assert k_splits(tiles=2, k_blocks=8, sms=132) == 4
+        # o_proj's 56 tiles of 128 columns over 128 K blocks: 2 splits at one program an SM, 9 at four
+        assert k_splits(56, 128, 132, 16) == 2 and k_splits(56, 128, 132, 16, per_sm=4) == 9
     import fusedserve.models.layers.arrival_counters as arrival
 
     assert int(arrival._COUNTERS.get(torch.device("cpu"), torch.zeros(1)).abs().sum()) == 0

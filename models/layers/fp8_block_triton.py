@@ -148,9 +148,18 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-def k_splits(tiles: int, k_blocks: int, sms: int, most: int = 8) -> int:
-    """K splits per output tile: enough programs for the SMs, each at least two K blocks, at most ``most``."""
-    return max(1, min(most, k_blocks // 2, sms // max(tiles, 1)))
+# Programs per multiprocessor the decode K splits aim at (``k_splits``). At one, a long-K matmul runs about one
+# program an SM, each streaming its K range alone: o_proj (K 16 384) 56 tiles of 128 columns split 2 ways, 112
+# programs on 132 SMs, 43-59 us for 28 us of bytes at 1..16 rows (2026-12-04-fp8-gemm-tiles-h200.json: no launch
+# there could split more, the most splits capped by this). Not timed above one yet; the sweep:
+# bench/fp8_gemm_tiles_probe.py --per-sm 1 2 4.
+SPLITS_PER_SM = 1
+
+
+def k_splits(tiles: int, k_blocks: int, sms: int, most: int = 8, per_sm: int = 1) -> int:
+    """K splits per output tile: enough programs for per_sm a multiprocessor, each at least two K blocks, at most
+    ``most``."""
+    return max(1, min(most, k_blocks // 2, per_sm * sms // max(tiles, 1)))
 
 
 def _tiles(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
@@ -189,7 +198,7 @@ def block_fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, scale_inv: to
     bm, bn, warps, stages, most = _tiles(m, n, k)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     k_blocks = triton.cdiv(k, fmt.block_k)
-    split = k_splits(tiles, k_blocks, _sm_count(x.device), most) if m <= SPLIT_ROWS else 1
+    split = k_splits(tiles, k_blocks, _sm_count(x.device), most, SPLITS_PER_SM) if m <= SPLIT_ROWS else 1
     per_split = triton.cdiv(k_blocks, split)
     split = triton.cdiv(k_blocks, per_split)  # no empty split
     counters = arrival_counters(x.device, tiles) if split > 1 else None
