@@ -215,6 +215,18 @@ def test_interp_decode_gemm_equals_f_linear() -> None:
     assert lt.decode_gemm_splits(64, 256, (64, 128, 6, 4), cpu) == 2 and lt.decode_gemm_splits(4096, 4096, (64, 128, 6, 4), cpu) == 2
     assert lt.decode_gemm_splits(6144, 4096, (64, 128, 6, 4), cpu) == 1 and lt.decode_gemm_splits(64, 128, (64, 128, 6, 4), cpu) == 1
     assert lt.decode_gemm_splits(4096, 14336, (64, 128, 6, 4), cpu) == 2
+    # L2 prefetch before the wait: a small model's K at <= 16 rows (SmolLM2's 576: 9 lines, padded to 16), and,
+    # with L2_PREFETCH_WEIGHT_BYTES, a weight that fits it at up to 64 rows (Llama-3-8B's o_proj, split 2 ways:
+    # 2048 columns = 32 lines) but not a bigger one (qkv, 50 MB); never the one tile
+    assert lt.L2_PREFETCH_WEIGHT_BYTES == 0 and lt.prefetch_lines(64, 4096, 4096, 2, 128, 2) == 0
+    assert lt.prefetch_lines(8, 960, 576, 1, 64, 2) == 16 and lt.prefetch_lines(17, 960, 576, 1, 64, 2) == 0
+    assert lt.prefetch_lines(8, 576, 1536, 1, 2048, 2) == 0
+    before_bytes, lt.L2_PREFETCH_WEIGHT_BYTES = lt.L2_PREFETCH_WEIGHT_BYTES, 40_000_000
+    try:
+        assert lt.prefetch_lines(64, 4096, 4096, 2, 128, 2) == 32 and lt.prefetch_lines(64, 6144, 4096, 1, 128, 2) == 0
+        assert lt.prefetch_lines(65, 4096, 4096, 2, 128, 2) == 0
+    finally:
+        lt.L2_PREFETCH_WEIGHT_BYTES = before_bytes
     for m, n, k in ((3, 128, 512), (40, 64, 256)):
         w = torch.randn(n, k, generator=g).to(torch.bfloat16)
         b = torch.randn(n, generator=g).to(torch.bfloat16)

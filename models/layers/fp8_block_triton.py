@@ -151,8 +151,10 @@ def _sm_count(device: torch.device) -> int:
 # Programs per multiprocessor the decode K splits aim at (``k_splits``). At one, a long-K matmul runs about one
 # program an SM, each streaming its K range alone: o_proj (K 16 384) 56 tiles of 128 columns split 2 ways, 112
 # programs on 132 SMs, 43-59 us for 28 us of bytes at 1..16 rows (2026-12-04-fp8-gemm-tiles-h200.json: no launch
-# there could split more, the most splits capped by this). Not timed above one yet; the sweep:
-# bench/fp8_gemm_tiles_probe.py --per-sm 1 2 4.
+# there could split more, the most splits capped by this). On an H100 (bench/fp8_gemm_tiles_probe.py --per-sm 1 2 4,
+# 2026-12-06-fp8-gemm-per-sm-h100.json) two a SM made o_proj 49.1 / 50.5 / 51.5 us at 1 / 8 / 16 rows against
+# 51.4 / 52.9 / 55.6 (scaled_mm, which the engine takes for it: 57.5 / 54.9 / 55.3) but the fused q_a + kv_a
+# slower (12.5 / 13.3 / 14.4 against 11.6 / 12.3 / 12.7), so one global value does not serve both; 1 stays.
 SPLITS_PER_SM = 1
 
 

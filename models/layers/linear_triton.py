@@ -408,6 +408,17 @@ ONE_TILE_BLOCK_N = 16
 # models.layers.linear_triton.L2_PREFETCH_K_MAX=0). Narrower or deeper K-loop tiles at <= 16 rows did not pay
 # in the same lease ((32, 64, 6, 4) 887.7 us, (64, 64, 9, 4) 781.9 us) and are not here.
 L2_PREFETCH_K_MAX = 2048
+# A decode GEMM of up to GEMM_ROWS rows whose whole weight is at most this many bytes asks L2 for its program's
+# weight slice before the PDL wait too, whatever K: Llama-3-8B's o_proj (33.5 MB) follows the decode attention,
+# which at batch 64 and 163 tokens reads its 42 MB of K/V a layer at about half the copy bandwidth (~19 us a
+# layer, latency-bound), so the o_proj programs launched beside it could fill L2 from the idle half, and their
+# loop read L2 after the wait (the o_proj reached 66 % of the copy bandwidth at 64 rows:
+# 2026-12-04-decode-rows-probe-gemm-h200.json). The bigger matmuls (qkv 50 MB, gate_up 235 MB, down 117 MB)
+# would only evict each other. Through the engine on an H100 (alternated twice with the defaults in one lease,
+# 2026-12-06-o-proj-l2-prefetch-late-release-8b-h100.json) it made batch 64 slower, 6.44 against 6.38 ms a step,
+# and batch 16 faster, 5.64 against 5.68. 0: off (the A/B: --set
+# models.layers.linear_triton.L2_PREFETCH_WEIGHT_BYTES=40000000); not timed on an H200.
+L2_PREFETCH_WEIGHT_BYTES = 0
 LINE_BYTES = 128
 # A small model's K that 128 does not divide (SmolLM2's 576) at up to 16 rows: 128-wide K steps, the last masked (4.5
 # for 576), 4 stages, instead of 64-wide whole steps. Alone at 8 rows on an H100 (32 layers' weights back to back,
@@ -434,8 +445,11 @@ ONE_TILE_SLICES: tuple[int, int] | None = (64, 4)
 # sliced one tile always does); 0: before their wait, as the GEMV and the other kernels here. Every kernel releasing
 # late made SmolLM2's plain step slower (its GEMV's early weight read needs the early launch: critical path 416.1
 # against 369.9 us) and its verify too (594.7 against 581.6), but in that run the verify's 8-row qkv and gate_up were
-# faster (2.94 / 2.94 against 3.30 / 3.16 us; 2026-12-06-sliced-one-tile-late-release-smollm2-h100.json). Not timed
-# alone yet; the A/B: --set models.layers.linear_triton.LATE_RELEASE_ROWS=16.
+# faster (2.94 / 2.94 against 3.30 / 3.16 us; 2026-12-06-sliced-one-tile-late-release-smollm2-h100.json). Alone
+# (H100, alternated twice in one lease) 16 made SmolLM2's chain-7 verify graph slower, 682.0 against 633.8 us
+# (2026-12-06-late-release-rows-probe-smollm2-h100.json), and 64 left the 8B step at batch 16 / 64 as it was
+# (2026-12-06-o-proj-l2-prefetch-late-release-8b-h100.json). The A/B: --set
+# models.layers.linear_triton.LATE_RELEASE_ROWS=16.
 LATE_RELEASE_ROWS = 0
 
 
@@ -460,6 +474,20 @@ def late_release(m: int, slices: int) -> bool:
     6.71 us with PDL off, yet every matmul of the layer got slower on the critical path, not only down_proj);
     released after its dots, 629.8 (H100, alternated twice; 2026-12-06-sliced-one-tile-late-release-smollm2-h100.json)."""
     return slices > 0 or m <= LATE_RELEASE_ROWS
+
+
+def prefetch_lines(m: int, n: int, k: int, splits: int, block_k: int, element_size: int) -> int:
+    """128-byte lines a row of the decode GEMM's program asks of L2 before its PDL wait (a power of two covering
+    its K range, the rest masked), 0 for none: a small model's K (at most 16 rows, K <= ``L2_PREFETCH_K_MAX``)
+    or a weight that fits ``L2_PREFETCH_WEIGHT_BYTES`` (at most GEMM_ROWS rows); never for the one tile (its
+    weights are loaded before the wait)."""
+    if block_k >= k or m > GEMM_ROWS:
+        return 0
+    small_k = m <= 16 and k <= L2_PREFETCH_K_MAX
+    fits_l2 = n * k * element_size <= L2_PREFETCH_WEIGHT_BYTES
+    if not (small_k or fits_l2):
+        return 0
+    return triton.next_power_of_2(-(-(k // splits) * element_size // LINE_BYTES))
 
 
 def one_tile_slices(k: int, slice_k: int) -> tuple[int, int]:
@@ -544,8 +572,7 @@ def _launch_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if rope is not None:
         positions = positions.contiguous()  # read at unit stride (a no-op for the engine's buffers)
     line = LINE_BYTES // weight.element_size()  # elements a 128-byte line
-    prefetch = (0 if _DOT_FP32 or m > 16 or k > L2_PREFETCH_K_MAX or block_k >= k
-                else triton.next_power_of_2(-(-(k // splits) // line)))
+    prefetch = 0 if _DOT_FP32 else prefetch_lines(m, n, k, splits, block_k, weight.element_size())
     slice_k = _slice_k(n, k) if block_k >= k else 0
     slices, tail = one_tile_slices(k, slice_k) if slice_k else (0, 1)
     _decode_gemm_kernel[(n // block_n, splits)](
