@@ -2,6 +2,7 @@
 
     python -P bench/fp8_gemm_tiles_probe.py --out $OUT/fp8-gemm-tiles.json   # the package laid out as bench/device_env.sh does
     python -P bench/fp8_gemm_tiles_probe.py --per-sm 1 2 4 --engine-only --out $OUT/fp8-gemm-per-sm.json
+    python -P bench/fp8_gemm_tiles_probe.py --engine-only --w8a16 --out $OUT/fp8-gemm-w8a16.json
 
 ``block_fp8_linear_triton`` (activation quantization + the GEMM, with its in-kernel split-K combine) as the
 engine calls it, on DeepSeek-V3's attention and shared-expert projections (and q_a_proj with
@@ -12,7 +13,10 @@ pipeline stages, warps; ``--per-sm``: each also at K splits aiming at that many 
 timings are not L2's. Per shape and launch: us per call (median of graph replays), the weight's bytes
 over it against the copy bandwidth of the same run, and whether the result equals the engine's launch's
 (a split changes the fp32 sum's order: small differences are expected there). cuBLASLt's ``scaled_mm``
-is timed beside where it takes the shape.
+is timed beside where it takes the shape. ``--w8a16``: the weight-only decode kernel too
+(``fp8_block_w8a16_triton``: bf16 activations, no quantization launch) at each of ``W8A16_LAUNCHES`` (columns a
+program, programs a multiprocessor its K splits aim at, stages), keys ``w8a16/<block_n>/<per_sm>/<stages>``, its
+``rel_diff`` against the dequantized reference (fp32), where the w8a8 launches' is against the engine's result.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ import torch
 import fusedserve.worker  # noqa: F401  (the installed package, before the checkout joins sys.path)
 from fusedserve.models.layers import fp8_block_cublas
 from fusedserve.models.layers import fp8_block_triton as fp8
-from fusedserve.models.layers.fp8_block import BlockFP8, quantize_weight
+from fusedserve.models.layers import fp8_block_w8a16_triton as w8a16
+from fusedserve.models.layers.fp8_block import BlockFP8, block_fp8_linear_reference, quantize_weight
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 from bench.common import copy_bandwidth, graph_ms, record_header, write_record  # noqa: E402
@@ -40,6 +45,8 @@ SHAPES = {"q_a_proj": (1536, 7168), "q_a+kv_a": (2112, 7168), "kv_a_proj_with_mq
 LAUNCHES: list[tuple[int, int, int, int] | None] = [
     None, (64, 16, 4, 4), (64, 32, 4, 4), (64, 16, 6, 4), (32, 16, 4, 4), (32, 32, 6, 4), (128, 16, 4, 4),
     (128, 16, 4, 8), (64, 8, 6, 4)]
+# the weight-only kernel's (BLOCK_N, PER_SM, STAGES)
+W8A16_LAUNCHES = [(64, 2, 4), (64, 1, 4), (64, 4, 4), (32, 2, 4), (128, 2, 4), (64, 2, 6)]
 
 
 def main() -> None:
@@ -51,6 +58,7 @@ def main() -> None:
                          "at each N (keys get @N<n>sm above 1)")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of SHAPES")
     ap.add_argument("--engine-only", action="store_true", help="only the engine's launch shape (and scaled_mm)")
+    ap.add_argument("--w8a16", action="store_true", help="the weight-only decode kernel too, at W8A16_LAUNCHES")
     args = ap.parse_args()
     args.per_sm = [1] + [n for n in args.per_sm if n != 1]  # the engine's own first: the others' rel_diff is against it
     shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
@@ -91,6 +99,18 @@ def main() -> None:
                         "us": round(us, 2), "pct_of_ideal": round(100 * ideal_us / us, 1),
                         "rel_diff": float((y.float() - ref.float()).norm() / ref.float().norm())}
             fp8._tiles, fp8.SPLITS_PER_SM = engine_tiles, engine_per_sm
+            if args.w8a16 and m <= 16:
+                exact = block_fp8_linear_reference(x.float(), ws[0][0], ws[0][1], None, fmt)
+                kept = w8a16.BLOCK_N, w8a16.PER_SM, w8a16.STAGES
+                for bn, per_sm, stages in W8A16_LAUNCHES:
+                    w8a16.BLOCK_N, w8a16.PER_SM, w8a16.STAGES = bn, per_sm, stages
+                    y = w8a16.block_fp8_linear_w8a16_triton(x, ws[0][0], ws[0][1], None, fmt)
+                    t = graph_ms(lambda: [w8a16.block_fp8_linear_w8a16_triton(x, w, s, None, fmt) for w, s in ws], 10)
+                    us = 1000 * t["ms"] / copies
+                    res[f"w8a16/{bn}/{per_sm}/{stages}"] = {
+                        "us": round(us, 2), "pct_of_ideal": round(100 * ideal_us / us, 1),
+                        "rel_diff": float((y.float() - exact).norm() / exact.norm())}
+                w8a16.BLOCK_N, w8a16.PER_SM, w8a16.STAGES = kept
             if fp8_block_cublas.supported(fmt, n, k):
                 t = graph_ms(lambda: [fp8_block_cublas.block_fp8_linear_cublas(x, w, s, None, fmt) for w, s in ws], 10)
                 us = 1000 * t["ms"] / copies

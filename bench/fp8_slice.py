@@ -89,7 +89,17 @@ from fusedserve.worker.executor.step_shape import StepShape
 from fusedserve.worker.parallel.rank import Rank, build_rank
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
-from bench.common import Kinds, Progress, copy_bandwidth, profile, record_header, sync, timed, write_record
+from bench.common import (
+    Kinds,
+    Progress,
+    apply_settings,
+    copy_bandwidth,
+    profile,
+    record_header,
+    sync,
+    timed,
+    write_record,
+)
 from bench.deepseek_slice import (
     DEEPSEEK_V3,
     SLICE_KINDS,
@@ -524,7 +534,11 @@ def main() -> None:
     ap.add_argument("--profile-batches", type=int, nargs="+", default=[1, 64], help="decode batches to profile")
     ap.add_argument("--profile-top", type=int, default=20, help="kernels listed per profile")
     ap.add_argument("--prefill", type=int, nargs="+", default=list(PREFILL), help="prompt lengths (the first: logits check)")
+    ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                    help="set a module constant under fusedserve. first (an A/B, both builds), e.g. "
+                         "models.layers.fp8_block_w8a16_triton.ROWS=16")
     args = ap.parse_args()
+    settings = apply_settings(args.set)
     cuda = torch.cuda.is_available() and not args.tiny
     device = torch.device("cuda") if cuda else torch.device("cpu")
     shape = {**(TINY if args.tiny else DEEPSEEK_V3), "num_hidden_layers": args.layers,
@@ -544,6 +558,7 @@ def main() -> None:
                             f"max({TOLERANCE}, {FORMAT_MARGIN} x the w8a8 reference's own)"},
         "peer": "the bf16 slice (the same weights dequantized, cuBLAS GEMMs, bf16 fused MoE) built and timed in "
                 "this run; in the GEMM table, bf16 cuBLAS on the same matrices",
+        "settings": settings,
     }
     out = args.out or f"bench/results/{record['date']}-fp8-slice-{'h200' if cuda else 'cpu'}.json"
 

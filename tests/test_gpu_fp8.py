@@ -43,6 +43,23 @@ def test_block_fp8_gemms_equal_the_w8a8_reference(m: int) -> None:
 
 
 @needs_fp8_gpu
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_block_fp8_w8a16_equals_the_dequantized_reference(m: int) -> None:
+    """The weight-only decode kernel on DeepSeek-V3's shapes: within bf16 output rounding of x @ dequantize(W)^T (it
+    quantizes no activation, so it is closer to that than the w8a8 GEMMs), with a bias, split or not."""
+    from fusedserve.models.layers.fp8_block import BlockFP8, block_fp8_linear_reference, quantize_weight
+    from fusedserve.models.layers.fp8_block_w8a16_triton import block_fp8_linear_w8a16_triton
+
+    fmt, g = BlockFP8(128, 128), torch.Generator(device="cuda").manual_seed(m)
+    for n, k in SHAPES:
+        x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+        w, s = quantize_weight(torch.randn(n, k, device="cuda", generator=g) * 0.02, fmt)
+        bias = torch.randn(n, device="cuda", generator=g).bfloat16()
+        want = block_fp8_linear_reference(x.float(), w, s, bias.float(), fmt)
+        assert _rel(block_fp8_linear_w8a16_triton(x, w, s, bias, fmt), want) < 5e-3, (m, n, k)
+
+
+@needs_fp8_gpu
 @pytest.mark.parametrize("n", [1, 64, 512])
 def test_fp8_fused_experts_equal_the_w8a8_reference(n: int) -> None:
     from fusedserve.models.layers.fp8_block import BlockFP8, quantize_weight

@@ -1239,6 +1239,46 @@ def test_interp_block_fp8_linear_equals_the_w8a8_reference(m: int, n: int, k: in
 
 
 @inner
+@pytest.mark.parametrize("m,n,k,block,dtype", [(1, 200, 96, (32, 32), torch.bfloat16),
+                                               (5, 72, 160, (16, 32), torch.float16),
+                                               (16, 576, 256, (128, 128), torch.bfloat16),
+                                               (2, 72, 1000, (128, 128), torch.bfloat16)],
+                         ids=["partial-blocks", "bn-ne-bk-fp16", "kv_a-shape-16-rows", "split-k"])
+def test_interp_block_fp8_w8a16_equals_the_dequantized_reference(m: int, n: int, k: int, block: tuple[int, int],
+                                                                 dtype: torch.dtype) -> None:
+    """The weight-only decode kernel (bf16 / fp16 activations as they are, e4m3 weights scaled per block after each
+    K block's dot) equals the dequantized model's x @ W^T + b within the output's rounding: partial last blocks, bn !=
+    bk, 16 rows, K split over the tile's programs with the last one adding the partials (counts back at 0); the fast
+    set routes decode rows to it up to ``ROWS``, more rows and fp32 to the w8a8 GEMM."""
+    from fusedserve.models.layers import fp8_block_gemm
+    from fusedserve.models.layers import fp8_block_w8a16_triton as w8a16
+    from fusedserve.models.layers.fp8_block import BlockFP8, block_fp8_linear_reference, quantize_weight
+
+    g = torch.Generator().manual_seed(m + k)
+    fmt = BlockFP8(*block)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w, s = quantize_weight(torch.randn(n, k, generator=g) * 0.05, fmt)
+    bias = torch.randn(n, generator=g).to(dtype)
+    want = block_fp8_linear_reference(x.float(), w, s, bias.float(), fmt)
+    got = w8a16.block_fp8_linear_w8a16_triton(x, w, s, bias, fmt)
+    assert got.dtype == dtype
+    _close(got.float(), want, 1e-2)
+    if k == 1000:  # 8 K blocks over one tile of 64 outputs (2 tiles): split so each program has 2 blocks
+        assert w8a16.w8a16_launch(72, 1000, 128, 132) == (64, 4, 2)
+        assert w8a16.w8a16_launch(7168, 16384, 128, 132) == (64, 2, 64)  # o_proj: 112 tiles, 2 programs an SM
+        import fusedserve.models.layers.arrival_counters as arrival
+
+        assert int(arrival._COUNTERS[torch.device("cpu")].abs().sum()) == 0
+    assert w8a16.ROWS == 0 and not w8a16.supported(x.float(), w, s, fmt) and not w8a16.supported(
+        x[:1].expand(17, k).contiguous(), w, s, fmt)
+    before, w8a16.ROWS = w8a16.ROWS, 16
+    try:
+        assert torch.equal(fp8_block_gemm.block_fp8_linear_fast(x, w, s, bias, fmt), got)
+    finally:
+        w8a16.ROWS = before
+
+
+@inner
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_interp_fp8_fused_experts_equal_the_w8a8_reference(dtype: torch.dtype) -> None:
     from fusedserve.models.layers.fp8_block import BlockFP8, quantize_weight
