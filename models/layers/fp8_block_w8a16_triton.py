@@ -21,7 +21,6 @@ tile's last program to finish adds them in split order (``arrival_counters``), a
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -30,6 +29,7 @@ import triton.language as tl
 
 from .arrival_counters import arrival_counters
 from .fp8_block import FP8_DTYPE, BlockFP8, block_fp8_linear_reference
+from .fp8_block_triton import _sm_count, k_splits
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU interpreter: dots in fp32 (exact for e4m3 values)
 
@@ -98,18 +98,13 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N,
             tl.store(dest, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-@functools.lru_cache(maxsize=8)
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of the GPU (the interpreter: an H200's 132, to run the same splits)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-
-
 def w8a16_launch(n: int, k: int, block_k: int, sms: int) -> tuple[int, int, int]:
     """(BLOCK_N, K splits, K blocks a split) for an [n, k] weight in bk = block_k columns: enough splits for
-    ``PER_SM`` programs a multiprocessor, each at least two K blocks, at most ``MOST_SPLITS``, none empty."""
+    ``PER_SM`` programs a multiprocessor, each at least two K blocks, at most ``MOST_SPLITS`` (the w8a8 GEMM's
+    ``k_splits``), none empty."""
     tiles = -(-n // BLOCK_N)
     k_blocks = -(-k // block_k)
-    splits = max(1, min(MOST_SPLITS, k_blocks // 2, PER_SM * sms // tiles))
+    splits = k_splits(tiles, k_blocks, sms, MOST_SPLITS, PER_SM)
     per_split = -(-k_blocks // splits)
     return BLOCK_N, -(-k_blocks // per_split), per_split
 
