@@ -60,6 +60,31 @@ def test_block_fp8_w8a16_equals_the_dequantized_reference(m: int) -> None:
 
 
 @needs_fp8_gpu
+@pytest.mark.parametrize("n", [1, 16])
+def test_fp8_fused_experts_w8a16_equal_the_dequantized_experts(n: int) -> None:
+    """Up to ``W8A16_ROWS`` tokens (bf16 rows as they are, e4m3 weight tiles converted on the GPU): within the
+    bf16 output's rounding of the dequantized experts."""
+    import fusedserve.models.layers.fused_moe_fp8_triton as moe8
+    from fusedserve.models.layers.fp8_block import BlockFP8, quantize_weight
+    from fusedserve.models.layers.fused_moe import fused_experts_fp8_torch
+
+    fmt, g = BlockFP8(128, 128), torch.Generator(device="cuda").manual_seed(n)
+    experts, hidden, inter, k = 16, 1024, 256, 8
+    x = torch.randn(n, hidden, device="cuda", generator=g).bfloat16()
+    gate_up, gate_up_s = quantize_weight(torch.randn(experts, 2 * inter, hidden, device="cuda", generator=g) * .05, fmt)
+    down, down_s = quantize_weight(torch.randn(experts, hidden, inter, device="cuda", generator=g) * .05, fmt)
+    ids = torch.randint(-1, experts, (n, k), device="cuda", generator=g)
+    w = torch.rand(n, k, device="cuda", generator=g)
+    want = fused_experts_fp8_torch(x.float(), ids, w, gate_up, gate_up_s, down, down_s, fmt)
+    before, moe8.W8A16_ROWS = moe8.W8A16_ROWS, 16
+    try:
+        got = moe8.fused_experts_fp8_triton(x, ids, w, gate_up, gate_up_s, down, down_s, fmt)
+    finally:
+        moe8.W8A16_ROWS = before
+    assert _rel(got, want) < 1e-2
+
+
+@needs_fp8_gpu
 @pytest.mark.parametrize("n", [1, 64, 512])
 def test_fp8_fused_experts_equal_the_w8a8_reference(n: int) -> None:
     from fusedserve.models.layers.fp8_block import BlockFP8, quantize_weight

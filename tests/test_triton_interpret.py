@@ -1301,6 +1301,36 @@ def test_interp_fp8_fused_experts_equal_the_w8a8_reference(dtype: torch.dtype) -
 
 
 @inner
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_interp_fp8_fused_experts_w8a16_equal_the_dequantized_experts(dtype: torch.dtype) -> None:
+    """Up to ``W8A16_ROWS`` tokens the FP8 experts take x and the SwiGLU output as they are (no quantization):
+    within the output's rounding of the dequantized experts, closer than the w8a8 path; more tokens keep w8a8."""
+    import fusedserve.models.layers.fused_moe_fp8_triton as moe8
+    from fusedserve.models.layers.fp8_block import BlockFP8, quantize_weight
+    from fusedserve.models.layers.fused_moe import fused_experts_fp8_torch
+
+    g = torch.Generator().manual_seed(5)
+    experts, hidden, inter, n, k = 4, 64, 32, 5, 2
+    fmt = BlockFP8(32, 32)
+    x = torch.randn(n, hidden, generator=g).to(dtype)
+    gate_up, gate_up_s = quantize_weight(torch.randn(experts, 2 * inter, hidden, generator=g) * 0.1, fmt)
+    down, down_s = quantize_weight(torch.randn(experts, hidden, inter, generator=g) * 0.1, fmt)
+    ids = torch.tensor([[2, 0], [2, -1], [3, 1], [-1, -1], [0, 2]])  # -1: another rank's expert
+    w = torch.rand(n, k, generator=g)
+    want = fused_experts_fp8_torch(x.float(), ids, w, gate_up, gate_up_s, down, down_s, fmt)
+    assert moe8.W8A16_ROWS == 0
+    w8a8 = moe8.fused_experts_fp8_triton(x, ids, w, gate_up, gate_up_s, down, down_s, fmt)
+    before, moe8.W8A16_ROWS = moe8.W8A16_ROWS, 16
+    try:
+        got = moe8.fused_experts_fp8_triton(x, ids, w, gate_up, gate_up_s, down, down_s, fmt)
+    finally:
+        moe8.W8A16_ROWS = before
+    assert got.dtype == dtype and torch.equal(got[3], torch.zeros_like(got[3]))
+    err = float((got.float() - want).norm() / want.norm())
+    assert err < 1e-2 and err < float((w8a8.float() - want).norm() / want.norm())
+
+
+@inner
 @pytest.mark.parametrize("k,steps", [(3, 4), (8, 7)])
 def test_interp_tree_expand(k: int, steps: int) -> None:
     """The fused tree-growth step grows the same candidates, leaves, hidden inputs and masks as the torch
