@@ -9,6 +9,7 @@ Run outside the checkout (the source folder fusedserve/ would shadow the package
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -59,14 +60,11 @@ def test_block_fp8_w8a16_equals_the_dequantized_reference(m: int) -> None:
         assert _rel(block_fp8_linear_w8a16_triton(x, w, s, bias, fmt), want) < 5e-3, (m, n, k)
 
 
-@needs_fp8_gpu
-@pytest.mark.parametrize("n", [1, 16])
-def test_fp8_fused_experts_w8a16_equal_the_dequantized_experts(n: int) -> None:
-    """Up to ``W8A16_ROWS`` tokens (bf16 rows as they are, e4m3 weight tiles converted on the GPU): within the
-    bf16 output's rounding of the dequantized experts."""
-    import fusedserve.models.layers.fused_moe_fp8_triton as moe8
+def _fp8_experts_case(n: int) -> tuple[Any, ...]:
+    """16 block-FP8 experts (hidden 1024, intermediate 256, 128 x 128 blocks) and n bf16 tokens routed top-8 at
+    random, some slots on another rank (-1), seeded by n -> (x, ids, routing weights, gate_up, its scales, down,
+    its scales, format)."""
     from fusedserve.models.layers.fp8_block import BlockFP8, quantize_weight
-    from fusedserve.models.layers.fused_moe import fused_experts_fp8_torch
 
     fmt, g = BlockFP8(128, 128), torch.Generator(device="cuda").manual_seed(n)
     experts, hidden, inter, k = 16, 1024, 256, 8
@@ -75,6 +73,18 @@ def test_fp8_fused_experts_w8a16_equal_the_dequantized_experts(n: int) -> None:
     down, down_s = quantize_weight(torch.randn(experts, hidden, inter, device="cuda", generator=g) * .05, fmt)
     ids = torch.randint(-1, experts, (n, k), device="cuda", generator=g)
     w = torch.rand(n, k, device="cuda", generator=g)
+    return x, ids, w, gate_up, gate_up_s, down, down_s, fmt
+
+
+@needs_fp8_gpu
+@pytest.mark.parametrize("n", [1, 16])
+def test_fp8_fused_experts_w8a16_equal_the_dequantized_experts(n: int) -> None:
+    """Up to ``W8A16_ROWS`` tokens (bf16 rows as they are, e4m3 weight tiles converted on the GPU): within the
+    bf16 output's rounding of the dequantized experts."""
+    import fusedserve.models.layers.fused_moe_fp8_triton as moe8
+    from fusedserve.models.layers.fused_moe import fused_experts_fp8_torch
+
+    x, ids, w, gate_up, gate_up_s, down, down_s, fmt = _fp8_experts_case(n)
     want = fused_experts_fp8_torch(x.float(), ids, w, gate_up, gate_up_s, down, down_s, fmt)
     before, moe8.W8A16_ROWS = moe8.W8A16_ROWS, 16
     try:
@@ -87,17 +97,10 @@ def test_fp8_fused_experts_w8a16_equal_the_dequantized_experts(n: int) -> None:
 @needs_fp8_gpu
 @pytest.mark.parametrize("n", [1, 64, 512])
 def test_fp8_fused_experts_equal_the_w8a8_reference(n: int) -> None:
-    from fusedserve.models.layers.fp8_block import BlockFP8, quantize_weight
     from fusedserve.models.layers.fused_moe import fused_experts_fp8_w8a8_reference
     from fusedserve.models.layers.fused_moe_fp8_triton import fused_experts_fp8_triton
 
-    fmt, g = BlockFP8(128, 128), torch.Generator(device="cuda").manual_seed(n)
-    experts, hidden, inter, k = 16, 1024, 256, 8
-    x = torch.randn(n, hidden, device="cuda", generator=g).bfloat16()
-    gate_up, gate_up_s = quantize_weight(torch.randn(experts, 2 * inter, hidden, device="cuda", generator=g) * .05, fmt)
-    down, down_s = quantize_weight(torch.randn(experts, hidden, inter, device="cuda", generator=g) * .05, fmt)
-    ids = torch.randint(-1, experts, (n, k), device="cuda", generator=g)
-    w = torch.rand(n, k, device="cuda", generator=g)
+    x, ids, w, gate_up, gate_up_s, down, down_s, fmt = _fp8_experts_case(n)
     want = fused_experts_fp8_w8a8_reference(x, ids, w, gate_up, gate_up_s, down, down_s, fmt)
     assert _rel(fused_experts_fp8_triton(x, ids, w, gate_up, gate_up_s, down, down_s, fmt), want) < 2e-2
 

@@ -1278,14 +1278,12 @@ def test_interp_block_fp8_w8a16_equals_the_dequantized_reference(m: int, n: int,
         w8a16.ROWS = before
 
 
-@inner
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_interp_fp8_fused_experts_equal_the_w8a8_reference(dtype: torch.dtype) -> None:
+def _fp8_experts_case(dtype: torch.dtype, seed: int) -> tuple[Any, ...]:
+    """4 block-FP8 experts (32 x 32 blocks) and 5 tokens routed top-2, two slots on another rank (-1) and one token
+    wholly there -> (x, ids, routing weights, gate_up, its scales, down, its scales, format)."""
     from fusedserve.models.layers.fp8_block import BlockFP8, quantize_weight
-    from fusedserve.models.layers.fused_moe import fused_experts_fp8_torch, fused_experts_fp8_w8a8_reference
-    from fusedserve.models.layers.fused_moe_fp8_triton import fused_experts_fp8_triton
 
-    g = torch.Generator().manual_seed(3)
+    g = torch.Generator().manual_seed(seed)
     experts, hidden, inter, n, k = 4, 64, 32, 5, 2
     fmt = BlockFP8(32, 32)
     x = torch.randn(n, hidden, generator=g).to(dtype)
@@ -1293,6 +1291,16 @@ def test_interp_fp8_fused_experts_equal_the_w8a8_reference(dtype: torch.dtype) -
     down, down_s = quantize_weight(torch.randn(experts, hidden, inter, generator=g) * 0.1, fmt)
     ids = torch.tensor([[2, 0], [2, -1], [3, 1], [-1, -1], [0, 2]])  # -1: another rank's expert
     w = torch.rand(n, k, generator=g)
+    return x, ids, w, gate_up, gate_up_s, down, down_s, fmt
+
+
+@inner
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_interp_fp8_fused_experts_equal_the_w8a8_reference(dtype: torch.dtype) -> None:
+    from fusedserve.models.layers.fused_moe import fused_experts_fp8_torch, fused_experts_fp8_w8a8_reference
+    from fusedserve.models.layers.fused_moe_fp8_triton import fused_experts_fp8_triton
+
+    x, ids, w, gate_up, gate_up_s, down, down_s, fmt = _fp8_experts_case(dtype, 3)
     want = fused_experts_fp8_w8a8_reference(x, ids, w, gate_up, gate_up_s, down, down_s, fmt)
     got = fused_experts_fp8_triton(x, ids, w, gate_up, gate_up_s, down, down_s, fmt)
     _close(got, want, 1e-6)
@@ -1306,17 +1314,9 @@ def test_interp_fp8_fused_experts_w8a16_equal_the_dequantized_experts(dtype: tor
     """Up to ``W8A16_ROWS`` tokens the FP8 experts take x and the SwiGLU output as they are (no quantization):
     within the output's rounding of the dequantized experts, closer than the w8a8 path; more tokens keep w8a8."""
     import fusedserve.models.layers.fused_moe_fp8_triton as moe8
-    from fusedserve.models.layers.fp8_block import BlockFP8, quantize_weight
     from fusedserve.models.layers.fused_moe import fused_experts_fp8_torch
 
-    g = torch.Generator().manual_seed(5)
-    experts, hidden, inter, n, k = 4, 64, 32, 5, 2
-    fmt = BlockFP8(32, 32)
-    x = torch.randn(n, hidden, generator=g).to(dtype)
-    gate_up, gate_up_s = quantize_weight(torch.randn(experts, 2 * inter, hidden, generator=g) * 0.1, fmt)
-    down, down_s = quantize_weight(torch.randn(experts, hidden, inter, generator=g) * 0.1, fmt)
-    ids = torch.tensor([[2, 0], [2, -1], [3, 1], [-1, -1], [0, 2]])  # -1: another rank's expert
-    w = torch.rand(n, k, generator=g)
+    x, ids, w, gate_up, gate_up_s, down, down_s, fmt = _fp8_experts_case(dtype, 5)
     want = fused_experts_fp8_torch(x.float(), ids, w, gate_up, gate_up_s, down, down_s, fmt)
     assert moe8.W8A16_ROWS == 0
     w8a8 = moe8.fused_experts_fp8_triton(x, ids, w, gate_up, gate_up_s, down, down_s, fmt)
