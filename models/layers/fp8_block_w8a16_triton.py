@@ -34,7 +34,8 @@ from .fp8_block_triton import _sm_count, k_splits
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU interpreter: dots in fp32 (exact for e4m3 values)
 
 # Rows up to which the fast kernel set takes this kernel instead of the w8a8 GEMM (``fp8_block_gemm``); 0: never
-# (the A/B: --set models.layers.fp8_block_w8a16_triton.ROWS=16). Not timed on the GPU yet.
+# (the A/B: --set models.layers.fp8_block_w8a16_triton.ROWS=16). Off: slower than the w8a8 path
+# on an H100 (bench/results/2026-12-06-w8a16-decode-kernels-slice-h100.json: the slice's batch-1 step 1.303 vs 1.244 ms).
 ROWS = 0
 # The launch: columns a program, programs a multiprocessor the K splits aim at, pipeline stages, warps.
 BLOCK_N = 64

@@ -57,7 +57,8 @@ TILES = Tiles()
 # Tokens up to which a step's experts take the activations as they are (bf16 / fp16), each weight tile converted in
 # registers, instead of quantizing x and the SwiGLU output per token and bk group (two launches fewer; closer to the
 # dequantized model): as ``fp8_block_w8a16_triton`` for the dense projections. 0: never (the A/B: --set
-# models.layers.fused_moe_fp8_triton.W8A16_ROWS=16). Not timed on the GPU yet.
+# models.layers.fused_moe_fp8_triton.W8A16_ROWS=16). Off: its gate_up took 240 vs 182 us a
+# batch-1 step on an H100 (bench/results/2026-12-06-w8a16-decode-kernels-slice-h100.json).
 W8A16_ROWS = 0
 
 
