@@ -1,0 +1,73 @@
+"""bench/fp8_slice_bound.py: kernels fall in the right group, and the bound is the roofline plus the
+format-independent kernels, over the measured bf16 step, on a hand-made record and on a recorded one."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `bench.*` importable under a bare `pytest` too
+    sys.path.append(str(ROOT))
+
+from bench import fp8_slice_bound as fb
+
+RECORD = ROOT / "bench" / "results" / "2026-12-06-fp8-slice-bound-h100.json"
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("_group_quant_kernel", "extra"),
+    ("void cublasLt::splitKreduce_kernel<32, 16, int", "extra"),
+    ("nvjet_sm90_tst_384x8_64x4_2x1_v_bz_TNT", "stream"),
+    ("_gate_up_kernel", "stream"),
+    ("_gemm_kernel", "stream"),
+    ("std::enable_if<!(false), void>::type internal::gemvx::kernel<int", "stream"),
+    ("_rms_norm_kernel", "shared"),
+    ("_decode_kernel", "shared"),
+    ("_combine_kernel", "shared"),
+    ("Memcpy HtoD (Pinned -> Device)", "shared"),
+])
+def test_kernel_groups(name: str, kind: str) -> None:
+    assert fb.group(name) == kind
+
+
+def _record() -> dict:
+    seq = [["_rms_norm_kernel", 2.0, 2.0], ["_group_quant_kernel", 1.0, 1.0], ["_gemm_kernel", 60.0, 50.0],
+           ["_decode_kernel", 9.0, 8.0], ["nvjet_lm_head", 300.0, 300.0]]
+    return {"fp8": {"decode": [{"batch": 1, "ms_per_step": 0.5, "roofline_ms": 0.34}],
+                    "profile": {"1": {"sequence": seq}, "8": {"sequence": seq}}},
+            "bf16": {"decode": [{"batch": 1, "ms_per_step": 0.6, "roofline_ms": 0.5}], "profile": {}}}
+
+
+def test_bound_is_roofline_plus_shared_kernels_over_bf16() -> None:
+    out = fb.bound(_record())
+    assert list(out) == ["1"]  # batch 8 has no decode entry: left out
+    b = out["1"]
+    assert b["fp8_charged_us"] == {"stream": 350.0, "extra": 1.0, "shared": 10.0}
+    assert b["bound_ms"] == pytest.approx(0.35)
+    assert b["ratio_bound"] == pytest.approx(0.35 / 0.6, abs=1e-4)
+    assert b["shared_cut_for_goal_us"] == 0.0  # 0.35 <= 0.6 x 0.6
+    tight = fb.bound(_record(), goal=0.5)["1"]
+    assert tight["shared_cut_for_goal_us"] == pytest.approx((0.35 - 0.3) / 0.5 * 1000, abs=0.1)
+
+
+def test_the_recorded_bound_follows_from_its_slice_records() -> None:
+    rec = json.loads(RECORD.read_text())
+    for run in rec["runs"]:
+        batches = fb.bound(run["slice"])
+        assert batches == run["bound"]
+        for b in batches.values():
+            assert b["bound_ms"] < b["fp8_ms"] and b["ratio_bound"] < b["ratio"]
+
+
+def test_the_command_runs(tmp_path: Path) -> None:
+    path = tmp_path / "slice.json"
+    path.write_text(json.dumps(_record()))
+    out = tmp_path / "bound.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "fp8_slice_bound.py"), str(path), "--out", str(out)],
+                   check=True, capture_output=True, timeout=60)
+    assert json.loads(out.read_text())[str(path)]["batches"]["1"]["ratio_bound"] == pytest.approx(0.5833, abs=1e-4)
