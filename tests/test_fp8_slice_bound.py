@@ -50,6 +50,7 @@ def test_bound_is_roofline_plus_shared_kernels_over_bf16() -> None:
     assert b["fp8_charged_us"] == {"stream": 350.0, "extra": 1.0, "shared": 10.0}
     assert b["bound_ms"] == pytest.approx(0.35)
     assert b["ratio_bound"] == pytest.approx(0.35 / 0.6, abs=1e-4)
+    assert b["ratio_bound_fast_streams"] == pytest.approx((0.34 / fb.FAST_STREAMS + 0.01) / 0.6, abs=1e-4)
     assert b["shared_cut_for_goal_us"] == 0.0  # 0.35 <= 0.6 x 0.6
     tight = fb.bound(_record(), goal=0.5)["1"]
     assert tight["shared_cut_for_goal_us"] == pytest.approx((0.35 - 0.3) / 0.5 * 1000, abs=0.1)
