@@ -26,7 +26,8 @@ attention: the projections and the absorbed ``w_uk`` / ``w_uv``, bf16 in both bu
 and the same with the K/V the step reads (every sequence's 129 cached tokens, all layers: the latent
 MLA cache, 576 values = 1152 bytes per token per layer in bf16),
 a kernel profile at batch 1 and 64 (``--profile-batches``) and from it the floor of the FP8 / bf16 ratio
-(``summary.floor``: ``bench/fp8_slice_bound.py``); prefill of one 512- and one 2048-token prompt
+(``summary.floor``: ``bench/fp8_slice_bound.py``) and the layers' ratio apart from the bf16 head, with a
+61-layer model's (``summary.depth``); prefill of one 512- and one 2048-token prompt
 (eager; device time of ``executor.run`` with the first token's logits); the logits of a batch-4 decode
 step and of every row of the 512-token prompt.
 
@@ -116,6 +117,7 @@ from bench.deepseek_slice import (
     tokens_of,
 )
 from bench.fp8_slice_bound import bound as slice_floor
+from bench.fp8_slice_bound import depth as slice_depth
 
 RELEASE_QUANT = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -591,6 +593,7 @@ def main() -> None:
             save(f"{quantization} slice")
     record["summary"] = summarize(runs["fp8"], runs["none"])
     record["summary"]["floor"] = slice_floor(record)  # the lowest ratio FP8 work could reach (fp8_slice_bound.py)
+    record["summary"]["depth"] = slice_depth(record, args.layers)  # the layers' ratio apart from the bf16 head
     save("summary")
     print(json.dumps(record["summary"], indent=1), flush=True)
     record["gemms"] = [] if args.skip_gemms else gemm_table(device, args.tiny, args.flashinfer)

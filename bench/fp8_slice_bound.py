@@ -20,6 +20,13 @@ step. ``shared_cut_for_goal_us``: how much the format-independent kernels would 
 (they run in the bf16 step too) for the bound to reach the goal: (bound - goal x bf16) / (1 - goal).
 A read-only stream may beat the copy bandwidth a little (the slice's bf16 LM head ran at 100.5 % of it on an
 H100): ``ratio_bound_fast_streams`` is the same bound with the streams ``FAST_STREAMS`` (1.08) times as fast.
+
+``depth``: the same profiles cut by position instead of by name. The head is what does not grow with the
+model's depth and is bf16 in both builds, as the release ships it: the kernels up to the embedding's, and
+from the last RMSNorm (the final norm) on, i.e. the LM head and whatever follows it. The rest is the slice's
+layers. ``layers_ratio`` is the FP8 / bf16 ratio of the layers alone; ``model_ratio`` the ratio of a model of
+``MODEL_LAYERS`` (61, DeepSeek-V3's depth) such layers under the same head, critical-path times, idle gaps
+left out. A slice that fits one GPU holds few layers, so its head weighs far more in it than in the model.
 """
 
 from __future__ import annotations
@@ -80,17 +87,56 @@ def bound(record: dict[str, Any], goal: float = GOAL) -> dict[str, Any]:
     return out
 
 
+MODEL_LAYERS = 61
+HEAD_START = "_embedding_kernel"
+HEAD_END = "_rms_norm_kernel"
+
+
+def head_and_layers(sequence: list[list[Any]]) -> tuple[float, float]:
+    """(head, layers) critical-path microseconds of one step's [name, duration, charged] kernels: the head is
+    the kernels through the first ``HEAD_START`` and from the last ``HEAD_END`` on."""
+    names = [k[0] for k in sequence]
+    first = next(i for i, n in enumerate(names) if HEAD_START in n)
+    last = max(i for i, n in enumerate(names) if HEAD_END in n)
+    head = sum(k[2] for k in sequence[:first + 1]) + sum(k[2] for k in sequence[last:])
+    return head, sum(k[2] for k in sequence[first + 1:last])
+
+
+def depth(record: dict[str, Any], layers: int, model_layers: int = MODEL_LAYERS) -> dict[str, Any]:
+    """Per batch profiled in both builds: head and layers (us, critical path), the layers' ratio and that of a
+    ``model_layers``-deep model with the same layers and head."""
+    out: dict[str, Any] = {}
+    for batch, prof in record["fp8"].get("profile", {}).items():
+        f_seq = prof.get("sequence")
+        b_seq = record["bf16"].get("profile", {}).get(batch, {}).get("sequence")
+        if not f_seq or not b_seq:
+            continue
+        (fh, fl), (bh, bl) = head_and_layers(f_seq), head_and_layers(b_seq)
+        scale = model_layers / layers
+        out[batch] = {
+            "fp8_head_us": round(fh, 1), "fp8_layers_us": round(fl, 1),
+            "bf16_head_us": round(bh, 1), "bf16_layers_us": round(bl, 1),
+            "slice_ratio_charged": round((fh + fl) / (bh + bl), 4),
+            "layers_ratio": round(fl / bl, 4),
+            "model_layers": model_layers,
+            "model_ratio": round((fh + scale * fl) / (bh + scale * bl), 4),
+        }
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("records", nargs="+")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--layers", type=int, default=None, help="the slice's layers where its record does not say")
     args = ap.parse_args()
     result = {}
     for path in args.records:
         with open(path) as f:
             rec = json.load(f)
-        result[path] = {"machine": rec.get("machine"), "layers": rec.get("model_shape", {}).get("num_hidden_layers"),
-                        "settings": rec.get("settings"), "batches": bound(rec)}
+        layers = rec.get("model_shape", {}).get("num_hidden_layers") or args.layers
+        result[path] = {"machine": rec.get("machine"), "layers": layers, "settings": rec.get("settings"),
+                        "batches": bound(rec), "depth": depth(rec, layers) if layers else None}
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

@@ -72,3 +72,36 @@ def test_the_command_runs(tmp_path: Path) -> None:
     subprocess.run([sys.executable, str(ROOT / "bench" / "fp8_slice_bound.py"), str(path), "--out", str(out)],
                    check=True, capture_output=True, timeout=60)
     assert json.loads(out.read_text())[str(path)]["batches"]["1"]["ratio_bound"] == pytest.approx(0.5833, abs=1e-4)
+
+
+def _depth_record() -> dict:
+    def seq(layer_us: float) -> list:
+        return [["Memcpy HtoD (Pinned -> Device)", 1.0, 1.0], ["_embedding_kernel", 1.0, 1.0],
+                ["_rms_norm_kernel", 2.0, 2.0], ["_gemm_kernel", layer_us, layer_us], ["_sum_kernel", 3.0, 3.0],
+                ["_rms_norm_kernel", 2.0, 2.0], ["_gemm_kernel", layer_us, layer_us], ["_sum_kernel", 3.0, 3.0],
+                ["_rms_norm_kernel", 2.0, 2.0], ["nvjet_lm_head", 300.0, 300.0]]
+    return {"fp8": {"decode": [], "profile": {"1": {"sequence": seq(45.0)}, "4": {"sequence": seq(50.0)}}},
+            "bf16": {"decode": [], "profile": {"1": {"sequence": seq(95.0)}}}}
+
+
+def test_depth_parts_the_bf16_head_from_the_layers() -> None:
+    out = fb.depth(_depth_record(), layers=2)
+    assert list(out) == ["1"]  # batch 4 has no bf16 profile: left out
+    d = out["1"]
+    assert d["fp8_head_us"] == d["bf16_head_us"] == 304.0  # memcpy + embedding + final norm + LM head
+    assert d["fp8_layers_us"] == 2 * (2 + 45 + 3) and d["bf16_layers_us"] == 2 * (2 + 95 + 3)
+    assert d["layers_ratio"] == 0.5
+    assert d["slice_ratio_charged"] == pytest.approx(404 / 504, abs=1e-4)
+    # 61 such layers under the same head: the head's weight shrinks, the ratio nears the layers'
+    assert d["model_ratio"] == pytest.approx((304 + 61 * 50) / (304 + 61 * 100), abs=1e-4)
+    assert d["layers_ratio"] < d["model_ratio"] < d["slice_ratio_charged"]
+
+
+def test_depth_of_the_recorded_h100_runs() -> None:
+    """The 2-layer H100 slice: its batch-1 step is ~half LM head in both builds, so the slice's ratio (0.79)
+    is far above its layers' (0.64)."""
+    run = json.loads(RECORD.read_text())["runs"][0]
+    d = fb.depth(run["slice"], layers=2)["1"]
+    assert d["fp8_head_us"] == pytest.approx(d["bf16_head_us"], rel=0.02)
+    assert d["fp8_head_us"] > 0.45 * (d["fp8_head_us"] + d["fp8_layers_us"])
+    assert d["layers_ratio"] < d["model_ratio"] < d["slice_ratio_charged"]
