@@ -27,6 +27,14 @@ from the last RMSNorm (the final norm) on, i.e. the LM head and whatever follows
 layers. ``layers_ratio`` is the FP8 / bf16 ratio of the layers alone; ``model_ratio`` the ratio of a model of
 ``MODEL_LAYERS`` (61, DeepSeek-V3's depth) such layers under the same head, critical-path times, idle gaps
 left out. A slice that fits one GPU holds few layers, so its head weighs far more in it than in the model.
+
+Records from before the profile kept its ``sequence`` hold only its ``top`` kernels (summed durations, the
+first ``--profile-top`` names). ``--from-top`` reads those instead: each kernel's summed duration stands for its
+critical-path time (an overestimate where launches overlap under PDL, and the kernels past the top list are
+missing) and the head is the kernels launched once a step (the LM head, the embedding, the input copy; the
+final norm falls among the layers' norms). Its figures are approximate and say so (``"from": "top"``); each
+batch's ``summed_over_step`` (FP8 kernels' summed time over the measured step) above 1 means the launches
+overlapped and the bound does not hold.
 """
 
 from __future__ import annotations
@@ -102,6 +110,24 @@ def head_and_layers(sequence: list[list[Any]]) -> tuple[float, float]:
     return head, sum(k[2] for k in sequence[first + 1:last])
 
 
+def sequence_from_top(top: list[dict[str, Any]]) -> list[list[Any]]:
+    """An approximate step of a profile's ``top`` list, in the shape ``head_and_layers`` reads: the kernels
+    launched once a step first (the embedding among them) and last, the rest between, durations as charged."""
+    once = [[k["name"], k["us_per_step"], k["us_per_step"]] for k in top if k["calls_per_step"] == 1]
+    many = [[k["name"], k["us_per_step"], k["us_per_step"]] for k in top if k["calls_per_step"] != 1]
+    return [[HEAD_START, 0.0, 0.0]] + many + [[HEAD_END, 0.0, 0.0]] + once
+
+
+def with_sequences_from_top(record: dict[str, Any]) -> dict[str, Any]:
+    """The record with each build's profiles given an approximate ``sequence`` from their ``top``."""
+    out = dict(record)
+    for build in ("fp8", "bf16"):
+        profiles = record[build].get("profile", {})
+        out[build] = {**record[build], "profile": {b: {**p, "sequence": sequence_from_top(p["top"])}
+                                                   for b, p in profiles.items() if p.get("top")}}
+    return out
+
+
 def depth(record: dict[str, Any], layers: int, model_layers: int = MODEL_LAYERS) -> dict[str, Any]:
     """Per batch profiled in both builds: head and layers (us, critical path), the layers' ratio and that of a
     ``model_layers``-deep model with the same layers and head."""
@@ -129,14 +155,26 @@ def main() -> None:
     ap.add_argument("records", nargs="+")
     ap.add_argument("--out", default=None)
     ap.add_argument("--layers", type=int, default=None, help="the slice's layers where its record does not say")
+    ap.add_argument("--from-top", action="store_true", help="records without a profile sequence: approximate, "
+                    "from the profiles' top kernels")
+    ap.add_argument("--runs", default=None, help="records holding several slice records under 'runs': this one")
     args = ap.parse_args()
     result = {}
     for path in args.records:
         with open(path) as f:
             rec = json.load(f)
+        if args.runs:
+            rec = rec["runs"][args.runs]
+        if args.from_top:
+            rec = with_sequences_from_top(rec)
         layers = rec.get("model_shape", {}).get("num_hidden_layers") or args.layers
+        batches = bound(rec)
+        if args.from_top:
+            for b in batches.values():
+                b["summed_over_step"] = round(sum(b["fp8_charged_us"].values()) / 1000 / b["fp8_ms"], 3)
         result[path] = {"machine": rec.get("machine"), "layers": layers, "settings": rec.get("settings"),
-                        "batches": bound(rec), "depth": depth(rec, layers) if layers else None}
+                        "batches": batches, "depth": depth(rec, layers) if layers else None,
+                        "from": "top" if args.from_top else "sequence"}
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

@@ -105,3 +105,31 @@ def test_depth_of_the_recorded_h100_runs() -> None:
     assert d["fp8_head_us"] == pytest.approx(d["bf16_head_us"], rel=0.02)
     assert d["fp8_head_us"] > 0.45 * (d["fp8_head_us"] + d["fp8_layers_us"])
     assert d["layers_ratio"] < d["model_ratio"] < d["slice_ratio_charged"]
+
+
+def test_from_top_reads_records_without_a_sequence(tmp_path: Path) -> None:
+    """An older record's top list: durations stand for critical-path time, kernels launched once a step are the
+    head, and a step whose summed kernels exceed it is flagged."""
+    top = [{"name": "nvjet_lm_head", "calls_per_step": 1, "us_per_step": 300.0},
+           {"name": "_gemm_kernel", "calls_per_step": 4, "us_per_step": 100.0},
+           {"name": "_group_quant_kernel", "calls_per_step": 4, "us_per_step": 4.0},
+           {"name": "_rms_norm_kernel", "calls_per_step": 5, "us_per_step": 10.0}]
+    bf16_top = [dict(top[0]), {**top[1], "us_per_step": 200.0}, dict(top[3])]
+    rec = {"model_shape": {"num_hidden_layers": 2},
+           "fp8": {"decode": [{"batch": 1, "ms_per_step": 0.42, "roofline_ms": 0.35}],
+                   "profile": {"1": {"top": top}}},
+           "bf16": {"decode": [{"batch": 1, "ms_per_step": 0.52, "roofline_ms": 0.5}],
+                    "profile": {"1": {"top": bf16_top}}}}
+    approx = fb.with_sequences_from_top(rec)
+    b = fb.bound(approx)["1"]
+    assert b["fp8_charged_us"] == {"stream": 400.0, "extra": 4.0, "shared": 10.0}
+    assert b["bound_ms"] == pytest.approx(0.36)
+    d = fb.depth(approx, layers=2)["1"]
+    assert (d["fp8_head_us"], d["fp8_layers_us"], d["bf16_layers_us"]) == (300.0, 114.0, 210.0)
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"runs": {"new": rec}}))
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "fp8_slice_bound.py"), str(path), "--from-top",
+                          "--runs", "new"], check=True, capture_output=True, text=True, timeout=60).stdout
+    result = json.loads(out)[str(path)]
+    assert result["from"] == "top" and result["layers"] == 2
+    assert result["batches"]["1"]["summed_over_step"] == pytest.approx(414 / 420, abs=1e-3)
