@@ -100,12 +100,16 @@ HEAD_START = "_embedding_kernel"
 HEAD_END = "_rms_norm_kernel"
 
 
-def head_and_layers(sequence: list[list[Any]]) -> tuple[float, float]:
+def head_and_layers(sequence: list[list[Any]]) -> tuple[float, float] | None:
     """(head, layers) critical-path microseconds of one step's [name, duration, charged] kernels: the head is
-    the kernels through the first ``HEAD_START`` and from the last ``HEAD_END`` on."""
+    the kernels through the first ``HEAD_START`` and from the last ``HEAD_END`` on. None where either kernel is
+    missing (renamed): no split, rather than a benchmark's summary lost to it."""
     names = [k[0] for k in sequence]
-    first = next(i for i, n in enumerate(names) if HEAD_START in n)
-    last = max(i for i, n in enumerate(names) if HEAD_END in n)
+    starts = [i for i, n in enumerate(names) if HEAD_START in n]
+    ends = [i for i, n in enumerate(names) if HEAD_END in n]
+    if not starts or not ends or starts[0] >= ends[-1]:
+        return None
+    first, last = starts[0], ends[-1]
     head = sum(k[2] for k in sequence[:first + 1]) + sum(k[2] for k in sequence[last:])
     return head, sum(k[2] for k in sequence[first + 1:last])
 
@@ -116,6 +120,9 @@ def sequence_from_top(top: list[dict[str, Any]]) -> list[list[Any]]:
     once = [[k["name"], k["us_per_step"], k["us_per_step"]] for k in top if k["calls_per_step"] == 1]
     many = [[k["name"], k["us_per_step"], k["us_per_step"]] for k in top if k["calls_per_step"] != 1]
     return [[HEAD_START, 0.0, 0.0]] + many + [[HEAD_END, 0.0, 0.0]] + once
+
+
+TOP_MARKERS = 2  # the two zero-time kernels ``sequence_from_top`` adds to mark the head
 
 
 def with_sequences_from_top(record: dict[str, Any]) -> dict[str, Any]:
@@ -135,9 +142,11 @@ def depth(record: dict[str, Any], layers: int, model_layers: int = MODEL_LAYERS)
     for batch, prof in record["fp8"].get("profile", {}).items():
         f_seq = prof.get("sequence")
         b_seq = record["bf16"].get("profile", {}).get(batch, {}).get("sequence")
-        if not f_seq or not b_seq:
+        f_split = head_and_layers(f_seq) if f_seq else None
+        b_split = head_and_layers(b_seq) if b_seq else None
+        if f_split is None or b_split is None:
             continue
-        (fh, fl), (bh, bl) = head_and_layers(f_seq), head_and_layers(b_seq)
+        (fh, fl), (bh, bl) = f_split, b_split
         scale = model_layers / layers
         out[batch] = {
             "fp8_head_us": round(fh, 1), "fp8_layers_us": round(fl, 1),
@@ -171,6 +180,7 @@ def main() -> None:
         batches = bound(rec)
         if args.from_top:
             for b in batches.values():
+                b["fp8_kernels"] -= TOP_MARKERS
                 b["summed_over_step"] = round(sum(b["fp8_charged_us"].values()) / 1000 / b["fp8_ms"], 3)
         result[path] = {"machine": rec.get("machine"), "layers": layers, "settings": rec.get("settings"),
                         "batches": batches, "depth": depth(rec, layers) if layers else None,

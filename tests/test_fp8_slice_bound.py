@@ -133,3 +133,10 @@ def test_from_top_reads_records_without_a_sequence(tmp_path: Path) -> None:
     result = json.loads(out)[str(path)]
     assert result["from"] == "top" and result["layers"] == 2
     assert result["batches"]["1"]["summed_over_step"] == pytest.approx(414 / 420, abs=1e-3)
+
+
+def test_depth_skips_a_step_without_its_head_markers() -> None:
+    rec = _depth_record()
+    rec["bf16"]["profile"]["1"]["sequence"] = [k for k in rec["bf16"]["profile"]["1"]["sequence"]
+                                               if k[0] != "_embedding_kernel"]
+    assert fb.depth(rec, layers=2) == {}
