@@ -92,3 +92,17 @@ def test_an_error_file_cut_off_by_the_parents_stop_is_not_read(tmp_path: Path) -
     _write_error(tmp_path / "rank1.err", "ValueError: rank 1 cannot load its shard\nTraceback ...")
     assert _root_cause(tmp_path) == "rank1: ValueError: rank 1 cannot load its shard"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.err", "rank1.err", "rank2.err.part"]
+
+
+def test_a_peers_host_all_reduce_error_is_not_the_root_cause(tmp_path: Path) -> None:
+    """A follower that raised made the leader's host all-reduce fail on its exited process; the leader, rank 0,
+    sorts first, and its consequence was once reported instead of the follower's error (the CI flake of
+    test_spec_distributed's follower failure, on a busy machine where the leader noticed the exit before
+    the parent stopped it)."""
+    from fusedserve.worker.parallel.local_ranks import _root_cause, _write_error
+
+    _write_error(tmp_path / "rank0.err", "HostAllReduceError: all-reduce over tp: rank 1 (pid 25350) exited\nTraceback ...")
+    _write_error(tmp_path / "rank2.err", "HostAllReduceError: all-reduce over tp: rank 1 did not arrive in 300 s\n...")
+    _write_error(tmp_path / "rank1.err", "RuntimeError: injected follower failure\nTraceback ...")
+    assert _root_cause(tmp_path) == "rank1: RuntimeError: injected follower failure"
+

@@ -134,8 +134,10 @@ def run_on_ranks(fn: Callable[..., Any], world: int, *args: Any, backend: str | 
 
 
 # A rank that fails makes its peers fail too, with transport errors; report the rank whose
-# error is not one of those.
-_PEER_FAILURE = ("Connection closed by peer", "Connection reset", "Broken pipe", "Timed out", "timed out")
+# error is not one of those. The host all-reduce (models/parallel/host_all_reduce.py) says so in its own words:
+# a peer's process gone ("rank 1 (pid N) exited") or a peer that never arrived.
+_PEER_FAILURE = ("Connection closed by peer", "Connection reset", "Broken pipe", "Timed out", "timed out",
+                 ") exited", "did not arrive in")
 
 
 def _root_cause(out_dir: Path) -> str | None:
