@@ -105,4 +105,3 @@ def test_a_peers_host_all_reduce_error_is_not_the_root_cause(tmp_path: Path) -> 
     _write_error(tmp_path / "rank2.err", "HostAllReduceError: all-reduce over tp: rank 1 did not arrive in 300 s\n...")
     _write_error(tmp_path / "rank1.err", "RuntimeError: injected follower failure\nTraceback ...")
     assert _root_cause(tmp_path) == "rank1: RuntimeError: injected follower failure"
-

@@ -42,6 +42,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ...models.parallel.host_all_reduce import HostAllReduceError
+
 # Imported once by the forkserver the ranks are forked from: what every rank imports (a rank's loader reads
 # config.json with transformers' AutoConfig). None of them initialises CUDA (each rank does, after the fork).
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "transformers.models.auto.configuration_auto", __name__]
@@ -133,11 +135,10 @@ def run_on_ranks(fn: Callable[..., Any], world: int, *args: Any, backend: str | 
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
-# A rank that fails makes its peers fail too, with transport errors; report the rank whose
-# error is not one of those. The host all-reduce (models/parallel/host_all_reduce.py) says so in its own words:
-# a peer's process gone ("rank 1 (pid N) exited") or a peer that never arrived.
+# A rank that fails makes its peers fail too, with transport errors, or with the host all-reduce's error (raised
+# only for a peer that exited or never arrived); report the rank whose error is not one of those.
 _PEER_FAILURE = ("Connection closed by peer", "Connection reset", "Broken pipe", "Timed out", "timed out",
-                 ") exited", "did not arrive in")
+                 f"{HostAllReduceError.__name__}: ")
 
 
 def _root_cause(out_dir: Path) -> str | None:
