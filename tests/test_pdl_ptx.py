@@ -73,6 +73,12 @@ KERNELS: dict[str, tuple[Any, dict[str, Any], dict[str, str]]] = {
                           "DB": 0, "DB_PAD": 16, "VDIM": 128, "VDIM_PAD": 128, "V_IN_K": False, "PAGE": 16,
                           "BLOCK_N": 32, "SPLITS": 4, "COMBINE": False, "DOT_FP32": False, "PREFETCH": False,
                           "ROWS": False, "SPLIT_TILES": 1, "R_PAD": 1, "COMBINE_LOADS": 4}, DECODE_POINTERS),
+    "decode_attention_heads_first": (decode_attention_triton._decode_kernel,  # the grid's heads first (HEADS_FIRST)
+                                     {"HEADS": 32, "GROUP": 4, "BLOCK_H": 4, "HEAD_BLOCKS": 1, "H_PAD": 16, "DA": 128,
+                                      "DA_PAD": 128, "DB": 0, "DB_PAD": 16, "VDIM": 128, "VDIM_PAD": 128,
+                                      "V_IN_K": False, "PAGE": 16, "BLOCK_N": 32, "SPLITS": 4, "COMBINE": True,
+                                      "DOT_FP32": False, "PREFETCH": False, "ROWS": False, "SPLIT_TILES": 1, "R_PAD": 1,
+                                      "COMBINE_LOADS": 4, "HEADS_FIRST": True}, DECODE_POINTERS),
     "decode_attention_read_ahead": (decode_attention_triton._decode_kernel,
                                     {"HEADS": 32, "GROUP": 4, "BLOCK_H": 4, "HEAD_BLOCKS": 1, "H_PAD": 16, "DA": 128,
                                      "DA_PAD": 128, "DB": 0, "DB_PAD": 16, "VDIM": 128, "VDIM_PAD": 128,

@@ -603,6 +603,17 @@ def test_interp_decode_attention_shares_the_real_context_among_its_splits() -> N
     _close(outs[True], outs[False], 1e-3)
     _close(outs[True], want, 1e-2)
     assert int(arrival._COUNTERS[torch.device("cpu")].abs().sum()) == 0
+    # the grid with the heads first (``HEADS_FIRST``): the same results, the splits' arrival counts back at 0
+    try:
+        decode_attention.HEADS_FIRST = True
+        for launch in (DecodeLaunch(16, 2, 1, 8), DecodeLaunch(16, 2, 1, 4, prefetch=True)):
+            cache = KVCache({0: kv.k[0].clone()}, {0: kv.v[0].clone()}, block, 160)
+            got = decode_attention_launch(q, k, v, 0, batch(cache), dim**-0.5, launch)
+            _close(got, want, 1e-2)
+            assert torch.equal(cache.k[0], ref.k[0]) and torch.equal(cache.v[0], ref.v[0]), launch
+    finally:
+        decode_attention.HEADS_FIRST = False
+    assert int(arrival._COUNTERS[torch.device("cpu")].abs().sum()) == 0
 
 
 @inner

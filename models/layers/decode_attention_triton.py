@@ -197,16 +197,25 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, p
                    V_IN_K: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
                    COMBINE: tl.constexpr, DOT_FP32: tl.constexpr, PREFETCH: tl.constexpr, ROWS: tl.constexpr,
                    SPLIT_TILES: tl.constexpr, R_PAD: tl.constexpr, COMBINE_LOADS: tl.constexpr,
-                   PDL: tl.constexpr):
+                   PDL: tl.constexpr, HEADS_FIRST: tl.constexpr = False):
     pdl_open(PDL)
     # K's columns are part A (0..DA) and part B (DA..DA+DB, none when DB = 0); V_IN_K: V is part A.
     # b: the sequence. ROWS: a program takes all of its sequence's new tokens (rows, a chain verify's few) times
     # its query heads as the query block, each row seeing its context up to its causal limit (its token index);
     # the sequence's new indices (from its first row's limit on) are read from k / v (rows_new: the last row
     # holds ctx - 1), the older ones from the cache, each read once for all the rows. Else its one new token.
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1) // HEAD_BLOCKS  # KV head
-    hb = tl.program_id(1) % HEAD_BLOCKS  # block of its query heads
+    # HEADS_FIRST: the grid's first (fastest-launched) axis is the (KV head, head block), so a sequence's heads
+    # run side by side and read each cached token's row of all heads together; else the sequence.
+    if HEADS_FIRST:
+        head_prog = tl.program_id(0)  # (KV head, head block)
+        b = tl.program_id(1).to(tl.int64)
+        head_progs = tl.num_programs(0)
+    else:
+        head_prog = tl.program_id(1)
+        b = tl.program_id(0).to(tl.int64)
+        head_progs = tl.num_programs(1)
+    h = head_prog // HEAD_BLOCKS  # KV head
+    hb = head_prog % HEAD_BLOCKS  # block of its query heads
     split = tl.program_id(2)
     g = tl.arange(0, H_PAD)
     if ROWS:
@@ -335,7 +344,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, p
         store_partial(part_acc_ptr, part_m_ptr, part_l_ptr, (orow * HEADS + heads) * SPLITS + split, m, l_sum, acc,
                       gmask, VDIM_PAD)
         tl.debug_barrier()
-        tile = b * tl.num_programs(1) + tl.program_id(1)
+        tile = b * head_progs + head_prog
         arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == active - 1:
             first_row = (orow * HEADS + heads) * SPLITS
@@ -403,6 +412,11 @@ ROWS_PREFETCH_PROGRAMS = 256
 ROWS_SPLIT_TILES = 1
 # Partials a rows launch's combining program loads per step of its loop over the active splits (not timed alone).
 COMBINE_LOADS = 4
+# The grid's first axis, whose programs the GPU starts first: False, the sequence (a KV head's programs of every
+# sequence side by side); True, the (KV head, head block) (a sequence's heads side by side, reading each cached
+# token's rows of all heads, adjacent in the cache, at about the same time). An A/B knob, not timed yet:
+# --set models.layers.decode_attention_triton.HEADS_FIRST=True.
+HEADS_FIRST = False
 
 
 def decode_launch(programs: int, max_context: int, wide: bool = False, rows: bool = False) -> DecodeLaunch:
@@ -516,7 +530,8 @@ def decode_attention_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
             counters = arrival_counters(q.device, programs * kv_heads * head_blocks)
     else:
         part_acc = part_m = part_l = out  # unused
-    _decode_kernel[(programs, kv_heads * head_blocks, splits)](
+    grid = (kv_heads * head_blocks, programs, splits) if HEADS_FIRST else (programs, kv_heads * head_blocks, splits)
+    _decode_kernel[grid](
         q, k, v, kc, vc, out, part_acc, part_m, part_l, meta.block_tables, meta.context_lens, batch.slot_mapping,
         counters if counters is not None else meta.context_lens, meta.token_index, meta.query_start,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -528,6 +543,7 @@ def decode_attention_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
         PAGE=cache.block_size, BLOCK_N=launch.block_n, SPLITS=splits, COMBINE=counters is not None,
         DOT_FP32=_DOT_FP32, PREFETCH=launch.prefetch, ROWS=rows, SPLIT_TILES=ROWS_SPLIT_TILES,
         R_PAD=triton.next_power_of_2(meta.max_query_len) if rows else 1, COMBINE_LOADS=COMBINE_LOADS,
+        HEADS_FIRST=HEADS_FIRST,
         num_warps=launch.warps,
         num_stages=launch.stages, **pdl_launch())
     if splits > 1 and counters is None:
