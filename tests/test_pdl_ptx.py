@@ -101,6 +101,12 @@ KERNELS: dict[str, tuple[Any, dict[str, Any], dict[str, str]]] = {
                      "EPILOGUE": linear_triton.EPILOGUE_PLAIN, "HEAD_DIM": 2, "ONE_TILE": False,
                      "PREFETCH_LINES": 0, "LINE": 64},
                     {}),
+    # 64 rows through a 32-wide tile with RoPE (``linear_triton.ROWS_NARROW_TILE``, the A/B's other side)
+    "decode_gemm_rows_narrow": (linear_triton._decode_gemm_kernel,
+                                {"BLOCK_N": 32, "BLOCK_M": 64, "BLOCK_K": 128, "EVEN_K": True, "SPLIT_K": 1,
+                                 "HAS_BIAS": False, "DOT_FP32": False, "EPILOGUE": linear_triton.EPILOGUE_ROPE,
+                                 "HEAD_DIM": 128, "ONE_TILE": False, "PREFETCH_LINES": 0, "LINE": 64},
+                                {"pos_ptr": "*i64", "inv_ptr": "*fp32"}),
     # a small model's width (K 576 in one masked tile of 1024): the weights read before the wait, as the GEMV's
     "decode_gemm_one_tile": (linear_triton._decode_gemm_kernel,
                              {"BLOCK_N": 16, "BLOCK_M": 16, "BLOCK_K": 1024, "EVEN_K": False, "SPLIT_K": 1, "HAS_BIAS": False,
