@@ -44,7 +44,7 @@ import fusedserve.worker  # noqa: F401  (the installed package, before the check
 from fusedserve.models.layers.pdl import pdl_launch, pdl_release, pdl_wait
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
-from bench.common import Progress, copy_bandwidth, graph_ms, record_header, write_record
+from bench.common import Progress, apply_settings, copy_bandwidth, graph_ms, record_header, write_record
 
 progress = Progress("decode_rows_probe")
 SHAPES = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
@@ -53,10 +53,15 @@ GEMM_CUTS: dict[str, tuple[tuple[int, int, int, int, int], ...]] = {
             (256, 64, 4, 8, 4), (256, 64, 3, 8, 4), (128, 64, 6, 4, 4)),
     "o": ((64, 128, 6, 4, 1), (64, 128, 6, 4, 2), (64, 128, 3, 4, 4), (128, 128, 4, 4, 4), (128, 128, 4, 8, 4),
           (128, 64, 6, 4, 4), (256, 64, 4, 8, 8), (128, 64, 6, 4, 2)),
-    "gate_up": ((128, 128, 4, 4, 1), (64, 128, 6, 4, 1), (256, 64, 4, 8, 1), (128, 64, 6, 4, 1), (128, 128, 4, 8, 1)),
+    "gate_up": ((128, 128, 4, 4, 1), (64, 128, 6, 4, 1), (256, 64, 4, 8, 1), (128, 64, 6, 4, 1), (128, 128, 4, 8, 1),
+                (64, 128, 3, 4, 1)),
     "down": ((64, 128, 6, 4, 2), (64, 128, 6, 4, 1), (64, 128, 3, 4, 4), (128, 128, 4, 4, 4), (128, 128, 4, 8, 4),
              (128, 64, 6, 4, 4), (256, 64, 4, 8, 8), (128, 64, 6, 4, 2)),
 }
+# 32-wide tiles, no K split (``linear_triton.ROWS_NARROW_TILE``'s candidates above 16 rows: qkv 192 programs, o / down
+# 128 on 132 multiprocessors, where the 64-wide ones run 96, or 64 tiles split in two); not timed yet
+for _name in ("qkv", "o", "down"):
+    GEMM_CUTS[_name] += ((32, 128, 4, 4, 1), (32, 128, 3, 4, 1), (32, 64, 6, 4, 1), (32, 256, 2, 4, 1))
 # other shapes (--shapes, e.g. SmolLM2's 576-wide ones): the K loop at 64-wide steps (the engine's cut there), one
 # tile of all of K (block_k >= k: the kernel's ONE_TILE, its weights read before the PDL wait), and fewer, wider K
 # steps whose last one is masked where block_k does not divide K (576 = 4.5 x 128). Narrow blocks with K splits took
@@ -364,10 +369,15 @@ def main() -> None:
                          "follow its bytes or its waves")
     ap.add_argument("--rows-gemv", action="store_true",
                     help="also the GEMV widened to rows (ROWS_GEMV_CUTS), for a small model's --shapes")
+    ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                    help="set a module constant under fusedserve. first (an A/B), e.g. "
+                         "models.layers.decode_attention_triton.HEADS_FIRST=True")
     args = ap.parse_args()
+    settings = apply_settings(args.set)
     dev = torch.device("cuda")
     torch.manual_seed(0)
     record: dict[str, Any] = record_header()
+    record["settings"] = settings
     bw = copy_bandwidth(dev, 1 << 30)
     record["copy_bandwidth_TBps"] = bw / 1e12
     rows = [int(r) for r in args.rows.split(",") if r]
