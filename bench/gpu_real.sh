@@ -24,6 +24,10 @@
 #                                           .whl/real/pairs/, `train` joins them) and $OUT/regen.json
 #   bash bench/gpu_real.sh decode [ARGS]    issue #14: bench/decode_engine.py ARGS -> $OUT/decode-engine.json
 #                                           (carry the FlashInfer files: .whl/*.whl, .whl/flashinfer-aot-*.tar.gz)
+#   bash bench/gpu_real.sh decodes V1 V2 ... issue #14: bench/decode_engine.py --decode-only --no-peer per variant (each
+#                                           a quoted string of --set / --drop arguments, "" the defaults), alternated
+#                                           over ROUNDS (2) rounds, one table of them (bench/decode_table.py)
+#                                           -> $OUT/decode-table.json (carry the FlashInfer files as for decode)
 #   bash bench/gpu_real.sh serve            issue #14: bench/serve_load.py on the engine in-process and through
 #                                           `fusedserve run bench/llama-8b-shape.yaml` -> $OUT/serve-engine.json,
 #                                           serve-http.json (carry .whl/serving-site-cp312.tar.xz and
@@ -91,7 +95,7 @@
 # (e.g. flashinfer-aot-attention-*.tar.gz with part1 part2, flashinfer-aot-0*.tar.gz with part3 part4, the four
 # wheels with the call that runs), and the first command that lays the package out installs them.
 set -euo pipefail
-cmd=${1:?usage: gpu_real.sh stage|train|regen|bench|ab|probe|probes|handoff|growth|decode|serve|tests [args]}
+cmd=${1:?usage: gpu_real.sh stage|train|regen|bench|ab|probe|probes|handoff|growth|decode|decodes|serve|tests [args]}
 shift
 T=${GPU_REAL_TMP:-/tmp}  # where the staged files live (the device: /tmp)
 R=$T/real
@@ -225,6 +229,27 @@ case "$cmd" in
   decode)  # issue #14: bench/decode_engine.py (8B shape, engine vs the HF static-cache peer) -> $OUT/decode-engine.json
     layout
     python3 -P bench/decode_engine.py --out "$OUT/decode-engine.json" "$@"
+    ;;
+  decodes)  # issue #14: bench/decode_engine.py --decode-only --no-peer once per variant, the variants alternated over
+           # ROUNDS (default 2) rounds; each argument is one variant's --set / --drop arguments in one string
+           # ("" = the defaults), e.g.
+           #   bash bench/gpu_real.sh decodes "" "--set models.layers.linear_triton.ROWS_NARROW_TILE=(32,128,4,4)"
+           # -> $OUT/decode-<round>-<variant>.json (and .log) and bench/decode_table.py's table of them,
+           # $OUT/decode-table.json (DECODE_ARGS: the runs' other arguments, default --batches 16,64 --steps 64;
+           # DECODE_S: a run's limit, default 110 s; carry the FlashInfer files as for decode)
+    layout
+    for round in $(seq 1 "${ROUNDS:-2}"); do
+      i=0
+      for variant in "$@"; do
+        i=$((i + 1))
+        # shellcheck disable=SC2086  # a variant, and DECODE_ARGS: several arguments in one string
+        timeout "${DECODE_S:-110}" python3 -P bench/decode_engine.py --decode-only --no-peer \
+          ${DECODE_ARGS:---batches 16,64 --steps 64} $variant --out "$OUT/decode-$round-$i.json" \
+          > "$OUT/decode-$round-$i.log" 2>&1 || echo "decodes: variant $i ($variant), round $round failed" >&2
+        grep -o "batch [0-9]*: .*" "$OUT/decode-$round-$i.log" | sed "s/^/decodes: $round-$i /" || true
+      done
+    done
+    python3 bench/decode_table.py "$OUT"/decode-*-*.json --out "$OUT/decode-table.json"
     ;;
   serve)  # issue #14: ShareGPT load on the engine in-process, then through `fusedserve run` (Ray + HTTP);
           # carry .whl/serving-site-cp312.tar.xz and .whl/sharegpt-requests.json (FlashInfer from an earlier call)

@@ -22,12 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-
-def variant_of(record: dict[str, Any]) -> str:
-    """A record's variant: its --set constants and --drop kinds, '(defaults)' for none."""
-    sets = [f"{k}={v}" for k, v in sorted((record.get("settings") or {}).items())]
-    drops = [f"drop {k}" for k in record.get("dropped_kernels") or []]
-    return ", ".join(sets + drops) or "(defaults)"
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+from bench.records import read_records, variant_of  # noqa: E402
 
 
 def graph_name(graph: str) -> str:
@@ -93,19 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("records", nargs="+", help="graph_launch_probe.py --timeline records (JSON)")
     ap.add_argument("--out", default="", help="the table as JSON")
     args = ap.parse_args(argv)
-    records = []
-    for path in args.records:
-        try:
-            records.append(json.loads(Path(path).read_text()))
-        except (OSError, ValueError) as e:
-            print(f"probe_table: {path}: {e}", file=sys.stderr)
+    records, machines = read_records(args.records, "probe_table")
     if not records:
         print("probe_table: no readable record", file=sys.stderr)
         return 2
-    machines = sorted({str(r.get("machine")) for r in records})
-    if len(machines) > 1:  # a GPU time compares only within one machine (one lease)
-        print(f"probe_table: records of {len(machines)} machines ({'; '.join(machines)}): do not compare them",
-              file=sys.stderr)
     rows = table(records)
     print(render(rows))
     if args.out:

@@ -304,6 +304,49 @@ def test_probe_table_groups_alternated_variants_and_takes_medians(tmp_path: Path
     assert len(table["machines"]) == 2 and set(table["variants"]) == set(rows)
 
 
+def test_decode_table_pairs_the_rounds_of_an_alternated_decode_ab(tmp_path: Path) -> None:
+    """bench/decode_table.py over bench/decode_engine.py records (bench/gpu_real.sh decodes): a real tiny record
+    (the keys the table reads), then variants alternated over two rounds: per batch the median step, the k-th run
+    paired with the first variant's k-th, the roofline share at the records' median copy bandwidth."""
+    sys.path.insert(0, str(REPO_ROOT / "bench"))
+    try:
+        import decode_table
+    finally:
+        sys.path.remove(str(REPO_ROOT / "bench"))
+    real = tmp_path / "real.json"
+    done = _bench("decode_engine.py", "--tiny", "--decode-only", "--no-peer", "--batches", "1,4", "--steps", "2",
+                  "--set", "models.layers.linear_triton.ROWS_NARROW_TILE=(32,128,4,4)", "--out", str(real))
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = decode_table.table([json.loads(real.read_text())])
+    assert list(got["variants"]) == ["models.layers.linear_triton.ROWS_NARROW_TILE=[32, 128, 4, 4]"]  # JSON: a list
+    assert set(next(iter(got["variants"].values()))) == {1, 4}
+
+    def record(settings: dict[str, Any], bw: float, ms64: float) -> dict[str, Any]:
+        gb = 4.0  # bytes a step: 4 GB -> 1 ms at 4 TB/s
+        return {"machine": "1x NVIDIA H200", "settings": settings, "dropped_kernels": [],
+                "ceilings": {"copy_bandwidth_TBps": bw},
+                "decode": [{"batch": 64, "ms_per_step": ms64, "bytes_per_step": gb * 1e9,
+                            "fraction_of_roofline": gb / bw / ms64}]}
+
+    on = {"models.layers.linear_triton.ROWS_NARROW_TILE": (32, 128, 4, 4)}
+    records = [record({}, 4.0, 1.30), record(on, 4.2, 1.20), record({}, 4.1, 1.26), record(on, 4.0, 1.25)]
+    rows = decode_table.table(records)
+    assert rows["copy_bandwidth_TBps"] == pytest.approx(4.05)
+    base, new = rows["variants"]["(defaults)"][64], rows["variants"][decode_table.variant_of(records[1])][64]
+    assert base["ms_median"] == pytest.approx(1.28) and base["runs"] == 2 and base["vs_first_ms"] == 0.0
+    assert new["vs_first_ms"] == pytest.approx(-0.055) and new["vs_first_runs"] == 2  # -0.10 and -0.01
+    assert new["fraction_median_bw"] == pytest.approx(round(4.0 / 4.05 / 1.225, 4))
+    assert new["fraction_own_bw"] == pytest.approx((4.0 / 4.2 / 1.20 + 4.0 / 4.0 / 1.25) / 2, abs=1e-4)
+    paths = []
+    for i, r in enumerate(records):
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps(r))
+    done = _bench("decode_table.py", *map(str, paths), "--out", str(tmp_path / "table.json"))
+    assert done.returncode == 0, done.stderr
+    assert "(defaults)" in done.stdout and "-0.055 ms vs the first (2 paired)" in done.stdout
+    assert json.loads((tmp_path / "table.json").read_text())["machines"] == ["1x NVIDIA H200"]
+
+
 def test_marginal_kernel_times_count_overlap_once_and_idle_apart() -> None:
     """Under PDL a kernel starts before the one ahead ends: each kernel is charged from the previous end to its
     own, an idle gap goes to "(idle)", host events are left out, per call of ``reps``."""
