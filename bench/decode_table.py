@@ -16,15 +16,13 @@ said to be: step times compare within one lease only.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
-from bench.records import read_records, variant_of  # noqa: E402
+from bench.records import table_main, variant_of  # noqa: E402
 
 
 def table(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -73,19 +71,7 @@ def render(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("records", nargs="+", help="bench/decode_engine.py records (JSON)")
-    ap.add_argument("--out", default="", help="the table as JSON")
-    args = ap.parse_args(argv)
-    records, machines = read_records(args.records, "decode_table")
-    if not records:
-        print("decode_table: no readable record", file=sys.stderr)
-        return 2
-    result = table(records)
-    print(render(result))
-    if args.out:
-        Path(args.out).write_text(json.dumps({"records": args.records, "machines": machines, **result}, indent=1))
-    return 0
+    return table_main(argv, __doc__.split("\n")[0], "decode_table", "bench/decode_engine.py records", table, render)
 
 
 if __name__ == "__main__":

@@ -15,15 +15,13 @@ several machines are tabled but said to be: GPU times compare within one lease o
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
-from bench.records import read_records, variant_of  # noqa: E402
+from bench.records import table_main, variant_of  # noqa: E402
 
 
 def graph_name(graph: str) -> str:
@@ -85,20 +83,8 @@ def render(rows: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("records", nargs="+", help="graph_launch_probe.py --timeline records (JSON)")
-    ap.add_argument("--out", default="", help="the table as JSON")
-    args = ap.parse_args(argv)
-    records, machines = read_records(args.records, "probe_table")
-    if not records:
-        print("probe_table: no readable record", file=sys.stderr)
-        return 2
-    rows = table(records)
-    print(render(rows))
-    if args.out:
-        Path(args.out).write_text(json.dumps({"records": args.records, "machines": machines, "variants": rows},
-                                             indent=1))
-    return 0
+    return table_main(argv, __doc__.split("\n")[0], "probe_table", "graph_launch_probe.py --timeline records",
+                      lambda records: {"variants": table(records)}, lambda body: render(body["variants"]))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
 """The JSON records of several bench runs read for one table (CPU only): what a record's run set, and the records
-themselves with the machines they came from (``bench/probe_table.py``, ``bench/decode_table.py``)."""
+themselves with the machines they came from, and the command line of a table of them (``bench/probe_table.py``,
+``bench/decode_table.py``)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,3 +33,22 @@ def read_records(paths: list[str], tool: str) -> tuple[list[dict[str, Any]], lis
         print(f"{tool}: records of {len(machines)} machines ({'; '.join(machines)}): do not compare them",
               file=sys.stderr)
     return records, machines
+
+
+def table_main(argv: list[str] | None, description: str, tool: str, what: str,
+               build: Callable[[list[dict[str, Any]]], dict[str, Any]], render: Callable[[dict[str, Any]], str]) -> int:
+    """A table's command line: the records (``what`` they are) read, ``build``'s table printed by ``render`` and,
+    with --out, written as JSON beside the record paths and machines. 2 when no record could be read."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("records", nargs="+", help=f"{what} (JSON)")
+    ap.add_argument("--out", default="", help="the table as JSON")
+    args = ap.parse_args(argv)
+    records, machines = read_records(args.records, tool)
+    if not records:
+        print(f"{tool}: no readable record", file=sys.stderr)
+        return 2
+    body = build(records)
+    print(render(body))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"records": args.records, "machines": machines, **body}, indent=1))
+    return 0
