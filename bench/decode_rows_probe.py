@@ -58,10 +58,9 @@ GEMM_CUTS: dict[str, tuple[tuple[int, int, int, int, int], ...]] = {
     "down": ((64, 128, 6, 4, 2), (64, 128, 6, 4, 1), (64, 128, 3, 4, 4), (128, 128, 4, 4, 4), (128, 128, 4, 8, 4),
              (128, 64, 6, 4, 4), (256, 64, 4, 8, 8), (128, 64, 6, 4, 2)),
 }
-# 32-wide tiles, no K split (``linear_triton.ROWS_NARROW_TILE``'s candidates above 16 rows: qkv 192 programs, o / down
-# 128 on 132 multiprocessors, where the 64-wide ones run 96, or 64 tiles split in two); not timed yet
-for _name in ("qkv", "o", "down"):
-    GEMM_CUTS[_name] += ((32, 128, 4, 4, 1), (32, 128, 3, 4, 1), (32, 64, 6, 4, 1), (32, 256, 2, 4, 1))
+# 32-wide tiles (qkv 192 programs, o / down 128 on 132 multiprocessors, no K split) were timed and lost: at 64 rows on
+# an H100 the qkv took 34.0 / 40.1 us with (32, 128, 4 / 3 stages, 4) against 21.3 with (64, 128, 6, 4), and the 8B
+# step 9.68 against 6.51 ms (2026-12-07-decode-narrow-tile-heads-first-ab-8b-h100.json); not among the cuts.
 # other shapes (--shapes, e.g. SmolLM2's 576-wide ones): the K loop at 64-wide steps (the engine's cut there), one
 # tile of all of K (block_k >= k: the kernel's ONE_TILE, its weights read before the PDL wait), and fewer, wider K
 # steps whose last one is masked where block_k does not divide K (576 = 4.5 x 128). Narrow blocks with K splits took
@@ -371,7 +370,7 @@ def main() -> None:
                     help="also the GEMV widened to rows (ROWS_GEMV_CUTS), for a small model's --shapes")
     ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
                     help="set a module constant under fusedserve. first (an A/B), e.g. "
-                         "models.layers.decode_attention_triton.HEADS_FIRST=True")
+                         "models.layers.linear_triton.SPLIT_K_MAX=1")
     args = ap.parse_args()
     settings = apply_settings(args.set)
     dev = torch.device("cuda")

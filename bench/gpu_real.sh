@@ -242,7 +242,7 @@ case "$cmd" in
   decodes)  # issue #14: bench/decode_engine.py --decode-only --no-peer once per variant, the variants alternated over
            # ROUNDS (default 2) rounds; each argument is one variant's --set / --drop arguments in one string
            # ("" = the defaults), e.g.
-           #   bash bench/gpu_real.sh decodes "" "--set models.layers.linear_triton.ROWS_NARROW_TILE=(32,128,4,4)"
+           #   bash bench/gpu_real.sh decodes "" "--set models.layers.linear_triton.SPLIT_K_MAX=1"
            # -> $OUT/decode-<round>-<variant>.json (and .log) and bench/decode_table.py's table of them,
            # $OUT/decode-table.json (DECODE_ARGS: the runs' other arguments, default --batches 16,64 --steps 64;
            # DECODE_S: a run's limit, default 110 s; carry the FlashInfer files as for decode)

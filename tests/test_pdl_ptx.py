@@ -73,12 +73,6 @@ KERNELS: dict[str, tuple[Any, dict[str, Any], dict[str, str]]] = {
                           "DB": 0, "DB_PAD": 16, "VDIM": 128, "VDIM_PAD": 128, "V_IN_K": False, "PAGE": 16,
                           "BLOCK_N": 32, "SPLITS": 4, "COMBINE": False, "DOT_FP32": False, "PREFETCH": False,
                           "ROWS": False, "SPLIT_TILES": 1, "R_PAD": 1, "COMBINE_LOADS": 4}, DECODE_POINTERS),
-    "decode_attention_heads_first": (decode_attention_triton._decode_kernel,  # the grid's heads first (HEADS_FIRST)
-                                     {"HEADS": 32, "GROUP": 4, "BLOCK_H": 4, "HEAD_BLOCKS": 1, "H_PAD": 16, "DA": 128,
-                                      "DA_PAD": 128, "DB": 0, "DB_PAD": 16, "VDIM": 128, "VDIM_PAD": 128,
-                                      "V_IN_K": False, "PAGE": 16, "BLOCK_N": 32, "SPLITS": 4, "COMBINE": True,
-                                      "DOT_FP32": False, "PREFETCH": False, "ROWS": False, "SPLIT_TILES": 1, "R_PAD": 1,
-                                      "COMBINE_LOADS": 4, "HEADS_FIRST": True}, DECODE_POINTERS),
     "decode_attention_read_ahead": (decode_attention_triton._decode_kernel,
                                     {"HEADS": 32, "GROUP": 4, "BLOCK_H": 4, "HEAD_BLOCKS": 1, "H_PAD": 16, "DA": 128,
                                      "DA_PAD": 128, "DB": 0, "DB_PAD": 16, "VDIM": 128, "VDIM_PAD": 128,
@@ -101,12 +95,6 @@ KERNELS: dict[str, tuple[Any, dict[str, Any], dict[str, str]]] = {
                      "EPILOGUE": linear_triton.EPILOGUE_PLAIN, "HEAD_DIM": 2, "ONE_TILE": False,
                      "PREFETCH_LINES": 0, "LINE": 64},
                     {}),
-    # 64 rows through a 32-wide tile with RoPE (``linear_triton.ROWS_NARROW_TILE``, the A/B's other side)
-    "decode_gemm_rows_narrow": (linear_triton._decode_gemm_kernel,
-                                {"BLOCK_N": 32, "BLOCK_M": 64, "BLOCK_K": 128, "EVEN_K": True, "SPLIT_K": 1,
-                                 "HAS_BIAS": False, "DOT_FP32": False, "EPILOGUE": linear_triton.EPILOGUE_ROPE,
-                                 "HEAD_DIM": 128, "ONE_TILE": False, "PREFETCH_LINES": 0, "LINE": 64},
-                                {"pos_ptr": "*i64", "inv_ptr": "*fp32"}),
     # a small model's width (K 576 in one masked tile of 1024): the weights read before the wait, as the GEMV's
     "decode_gemm_one_tile": (linear_triton._decode_gemm_kernel,
                              {"BLOCK_N": 16, "BLOCK_M": 16, "BLOCK_K": 1024, "EVEN_K": False, "SPLIT_K": 1, "HAS_BIAS": False,

@@ -315,10 +315,10 @@ def test_decode_table_pairs_the_rounds_of_an_alternated_decode_ab(tmp_path: Path
         sys.path.remove(str(REPO_ROOT / "bench"))
     real = tmp_path / "real.json"
     done = _bench("decode_engine.py", "--tiny", "--decode-only", "--no-peer", "--batches", "1,4", "--steps", "2",
-                  "--set", "models.layers.linear_triton.ROWS_NARROW_TILE=(32,128,4,4)", "--out", str(real))
+                  "--set", "models.layers.linear_triton.ONE_TILE_SLICES=(64,8)", "--out", str(real))
     assert done.returncode == 0, done.stderr[-3000:]
     got = decode_table.table([json.loads(real.read_text())])
-    assert list(got["variants"]) == ["models.layers.linear_triton.ROWS_NARROW_TILE=[32, 128, 4, 4]"]  # JSON: a list
+    assert list(got["variants"]) == ["models.layers.linear_triton.ONE_TILE_SLICES=[64, 8]"]  # JSON: a list
     assert set(next(iter(got["variants"].values()))) == {1, 4}
 
     def record(settings: dict[str, Any], bw: float, ms64: float) -> dict[str, Any]:
@@ -328,7 +328,7 @@ def test_decode_table_pairs_the_rounds_of_an_alternated_decode_ab(tmp_path: Path
                 "decode": [{"batch": 64, "ms_per_step": ms64, "bytes_per_step": gb * 1e9,
                             "fraction_of_roofline": gb / bw / ms64}]}
 
-    on = {"models.layers.linear_triton.ROWS_NARROW_TILE": (32, 128, 4, 4)}
+    on = {"models.layers.linear_triton.ONE_TILE_SLICES": (64, 8)}
     records = [record({}, 4.0, 1.30), record(on, 4.2, 1.20), record({}, 4.1, 1.26), record(on, 4.0, 1.25)]
     rows = decode_table.table(records)
     assert rows["copy_bandwidth_TBps"] == pytest.approx(4.05)

@@ -306,20 +306,6 @@ def test_interp_decode_gemm_epilogues_equal_the_ops_after_a_matmul() -> None:
     assert lt.decode_gemm_splits(128, 512, (64, 128, 6, 4), torch.device("cpu")) == 2
     _close(decode_gate_up_silu(x, w), silu_and_mul(F.linear(x.float(), w.float())).to(torch.bfloat16), 1e-2)
     assert int(arrival._COUNTERS[torch.device("cpu")].abs().sum()) == 0
-    # above 16 rows, 32-wide tiles for the narrower matmuls (``ROWS_NARROW_TILE``, the A/B's other side): q / k's
-    # partners still in one tile, no K split where the tiles fill the GPU (the 8B o_proj: 128 tiles)
-    before = lt.ROWS_NARROW_TILE
-    lt.ROWS_NARROW_TILE = (32, 128, 4, 4)
-    try:
-        assert lt.decode_gemm_tile(64, 4096, 4096) == (32, 128, 4, 4) and lt.decode_gemm_tile(16, 4096, 4096)[0] == 64
-        assert lt.decode_gemm_tile(64, 28672, 4096) == (128, 128, 4, 4)
-        assert lt.decode_gemm_splits(4096, 4096, (32, 128, 4, 4), torch.device("cpu")) == 1
-        _check_qkv_rope(decode_qkv_rope, 20, 64, 4, 2, 256, True, g)
-        w = torch.randn(64, 384, generator=g).to(torch.bfloat16)
-        x = torch.randn(33, 384, generator=g).to(torch.bfloat16)
-        _close(lt.decode_linear(x, w), F.linear(x, w), 1e-2)
-    finally:
-        lt.ROWS_NARROW_TILE = before
 
 
 @inner
@@ -616,17 +602,6 @@ def test_interp_decode_attention_shares_the_real_context_among_its_splits() -> N
     decode_attention.FUSED_COMBINE = True
     _close(outs[True], outs[False], 1e-3)
     _close(outs[True], want, 1e-2)
-    assert int(arrival._COUNTERS[torch.device("cpu")].abs().sum()) == 0
-    # the grid with the heads first (``HEADS_FIRST``): the same results, the splits' arrival counts back at 0
-    try:
-        decode_attention.HEADS_FIRST = True
-        for launch in (DecodeLaunch(16, 2, 1, 8), DecodeLaunch(16, 2, 1, 4, prefetch=True)):
-            cache = KVCache({0: kv.k[0].clone()}, {0: kv.v[0].clone()}, block, 160)
-            got = decode_attention_launch(q, k, v, 0, batch(cache), dim**-0.5, launch)
-            _close(got, want, 1e-2)
-            assert torch.equal(cache.k[0], ref.k[0]) and torch.equal(cache.v[0], ref.v[0]), launch
-    finally:
-        decode_attention.HEADS_FIRST = False
     assert int(arrival._COUNTERS[torch.device("cpu")].abs().sum()) == 0
 
 

@@ -197,25 +197,16 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, p
                    V_IN_K: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
                    COMBINE: tl.constexpr, DOT_FP32: tl.constexpr, PREFETCH: tl.constexpr, ROWS: tl.constexpr,
                    SPLIT_TILES: tl.constexpr, R_PAD: tl.constexpr, COMBINE_LOADS: tl.constexpr,
-                   PDL: tl.constexpr, HEADS_FIRST: tl.constexpr = False):
+                   PDL: tl.constexpr):
     pdl_open(PDL)
     # K's columns are part A (0..DA) and part B (DA..DA+DB, none when DB = 0); V_IN_K: V is part A.
     # b: the sequence. ROWS: a program takes all of its sequence's new tokens (rows, a chain verify's few) times
     # its query heads as the query block, each row seeing its context up to its causal limit (its token index);
     # the sequence's new indices (from its first row's limit on) are read from k / v (rows_new: the last row
     # holds ctx - 1), the older ones from the cache, each read once for all the rows. Else its one new token.
-    # HEADS_FIRST: the grid's first (fastest-launched) axis is the (KV head, head block), so a sequence's heads
-    # run side by side and read each cached token's row of all heads together; else the sequence.
-    if HEADS_FIRST:
-        head_prog = tl.program_id(0)  # (KV head, head block)
-        b = tl.program_id(1).to(tl.int64)
-        head_progs = tl.num_programs(0)
-    else:
-        head_prog = tl.program_id(1)
-        b = tl.program_id(0).to(tl.int64)
-        head_progs = tl.num_programs(1)
-    h = head_prog // HEAD_BLOCKS  # KV head
-    hb = head_prog % HEAD_BLOCKS  # block of its query heads
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) // HEAD_BLOCKS  # KV head
+    hb = tl.program_id(1) % HEAD_BLOCKS  # block of its query heads
     split = tl.program_id(2)
     g = tl.arange(0, H_PAD)
     if ROWS:
@@ -344,7 +335,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, p
         store_partial(part_acc_ptr, part_m_ptr, part_l_ptr, (orow * HEADS + heads) * SPLITS + split, m, l_sum, acc,
                       gmask, VDIM_PAD)
         tl.debug_barrier()
-        tile = b * head_progs + head_prog
+        tile = b * tl.num_programs(1) + tl.program_id(1)
         arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == active - 1:
             first_row = (orow * HEADS + heads) * SPLITS
@@ -412,11 +403,6 @@ ROWS_PREFETCH_PROGRAMS = 256
 ROWS_SPLIT_TILES = 1
 # Partials a rows launch's combining program loads per step of its loop over the active splits (not timed alone).
 COMBINE_LOADS = 4
-# The grid's first axis, whose programs the GPU starts first: False, the sequence (a KV head's programs of every
-# sequence side by side); True, the (KV head, head block) (a sequence's heads side by side, reading each cached
-# token's rows of all heads, adjacent in the cache, at about the same time). An A/B knob, not timed yet:
-# --set models.layers.decode_attention_triton.HEADS_FIRST=True.
-HEADS_FIRST = False
 
 
 def decode_launch(programs: int, max_context: int, wide: bool = False, rows: bool = False) -> DecodeLaunch:
@@ -431,7 +417,10 @@ def decode_launch(programs: int, max_context: int, wide: bool = False, rows: boo
     163 / 1024 / 4096 10.8 / 26.2 / 80.6 against 10.6 / 28.1 / 91.3; batch 64 19.6 / 78.1 / 294.3 against
     20.5 / 89.3 / 340.3. 16-key tiles on 2 warps with splits up to 1024 programs read faster from 1024 tokens on
     in that sweep (batch 64: 74.3 / 275.6) but made the engine's 64-row step at 163 tokens 2-4 % slower
-    (2026-12-04-decode-attention-ab-h200.json); a captured batch has one cut for every context.
+    (2026-12-04-decode-attention-ab-h200.json); a captured batch has one cut for every context. The grid's
+    (KV head, head block) axis first, so that a sequence's heads read each cached token's rows together, changed
+    nothing (H100: batch 64 at 163 tokens 22.35 against 22.21 us alone, the 64-row step 6.511 against 6.512 ms;
+    2026-12-07-decode-narrow-tile-heads-first-ab-8b-h100.json).
 
     ``wide``: head dims above 128 (MLA's latent cache, [32 keys, 512 + 64] tiles): 2 stages, never read ahead
     (it would double registers the wide tiles already fill; not swept), and the splits combined by
@@ -530,8 +519,7 @@ def decode_attention_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
             counters = arrival_counters(q.device, programs * kv_heads * head_blocks)
     else:
         part_acc = part_m = part_l = out  # unused
-    grid = (kv_heads * head_blocks, programs, splits) if HEADS_FIRST else (programs, kv_heads * head_blocks, splits)
-    _decode_kernel[grid](
+    _decode_kernel[(programs, kv_heads * head_blocks, splits)](
         q, k, v, kc, vc, out, part_acc, part_m, part_l, meta.block_tables, meta.context_lens, batch.slot_mapping,
         counters if counters is not None else meta.context_lens, meta.token_index, meta.query_start,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -543,7 +531,6 @@ def decode_attention_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
         PAGE=cache.block_size, BLOCK_N=launch.block_n, SPLITS=splits, COMBINE=counters is not None,
         DOT_FP32=_DOT_FP32, PREFETCH=launch.prefetch, ROWS=rows, SPLIT_TILES=ROWS_SPLIT_TILES,
         R_PAD=triton.next_power_of_2(meta.max_query_len) if rows else 1, COMBINE_LOADS=COMBINE_LOADS,
-        HEADS_FIRST=HEADS_FIRST,
         num_warps=launch.warps,
         num_stages=launch.stages, **pdl_launch())
     if splits > 1 and counters is None:

@@ -453,16 +453,6 @@ ONE_TILE_SLICES: tuple[int, int] | None = (64, 4)
 LATE_RELEASE_ROWS = 0
 
 
-# Above 16 rows, matmuls of at most ROWS_NARROW_MAX_N outputs take this (block_n, block_k, stages, warps) tile (no K
-# split where its programs fill the GPU) instead of 64-wide ones: Llama-3-8B's qkv (6 144 outputs) runs 96 programs of
-# 64 on the H200's 132 multiprocessors at 71 % of the copy bandwidth and o_proj (4 096) 64 tiles split in two at 66 %
-# (64 rows, 2026-12-04-decode-rows-probe-gemm-h200.json); 32-wide tiles give 192 / 128 programs and o_proj and
-# down_proj no split-K reduce. None: off (the A/B: --set "models.layers.linear_triton.ROWS_NARROW_TILE=(32,128,4,4)");
-# not timed yet.
-ROWS_NARROW_TILE: tuple[int, int, int, int] | None = None
-ROWS_NARROW_MAX_N = 8192
-
-
 # The sliced tile only where one wave of 16-output programs holds the whole matmul (at most 132 of them on an
 # H100 / H200), as where it was timed (SmolLM2's and its draft's 576 and 960 outputs: latency-bound); wider ones keep
 # the whole tile (DeepSeek-V3's q_b_proj, 24 576 outputs at K 1536, not timed sliced).
@@ -523,7 +513,10 @@ def decode_gemm_tile(m: int, n: int, k: int) -> tuple[int, int, int, int] | None
     3.92 / 3.97 us for down / fc against 4.16-4.31 / 5.18 with the loop (8 warps: 5.07 / 5.06), while at K 576
     the loop's (64, 64) stayed ahead (qkv 2.52 vs 2.76, o 2.35 vs 2.44, gate_up 3.59 vs 4.33). These widths
     are latency-bound, not streaming-bound: narrower blocks did not help and K splits took 1.5-2x as long
-    (2026-12-05-decode-gemm-narrow-tiles-ab-smollm2-h100.json)."""
+    (2026-12-05-decode-gemm-narrow-tiles-ab-smollm2-h100.json). Nor do 32-wide tiles above 16 rows fill the GPU
+    better on the 8B shape: its qkv (96 programs of 64 outputs on 132 multiprocessors) took 34.0 us at 64 rows
+    in 32-wide tiles against 21.3, the 64-row step 9.68 against 6.51 ms (H100,
+    2026-12-07-decode-narrow-tile-heads-first-ab-8b-h100.json)."""
     if not 1 <= m <= GEMM_ROWS:
         return None
     if m <= 16 and ONE_TILE_K_MIN < k <= ONE_TILE_K_MAX and n % ONE_TILE_BLOCK_N == 0:
@@ -531,9 +524,6 @@ def decode_gemm_tile(m: int, n: int, k: int) -> tuple[int, int, int, int] | None
         return ONE_TILE_BLOCK_N, triton.next_power_of_2(k), 1, warps
     if MASKED_K_STEPS and m <= 16 and k % 128 and k <= L2_PREFETCH_K_MAX and n % 64 == 0:
         return 64, 128, 4, 4
-    if (ROWS_NARROW_TILE is not None and m > 16 and n <= ROWS_NARROW_MAX_N and n % ROWS_NARROW_TILE[0] == 0
-            and k % ROWS_NARROW_TILE[1] == 0):
-        return ROWS_NARROW_TILE
     block_k = 128 if k % 128 == 0 else 64
     block_n = 128 if m > 16 and n >= 16384 else 64
     if k % block_k or n % block_n:
