@@ -3,6 +3,7 @@
     python -P bench/fp8_gemm_tiles_probe.py --out $OUT/fp8-gemm-tiles.json   # the package laid out as bench/device_env.sh does
     python -P bench/fp8_gemm_tiles_probe.py --per-sm 1 2 4 --engine-only --out $OUT/fp8-gemm-per-sm.json
     python -P bench/fp8_gemm_tiles_probe.py --engine-only --w8a16 --out $OUT/fp8-gemm-w8a16.json
+    python -P bench/fp8_gemm_tiles_probe.py --engine-only --gemv --rows 1 --out $OUT/fp8-gemv.json
 
 ``block_fp8_linear_triton`` (activation quantization + the GEMM, with its in-kernel split-K combine) as the
 engine calls it, on DeepSeek-V3's attention and shared-expert projections (and q_a_proj with
@@ -17,6 +18,9 @@ is timed beside where it takes the shape. ``--w8a16``: the weight-only decode ke
 (``fp8_block_w8a16_triton``: bf16 activations, no quantization launch) at each of ``W8A16_LAUNCHES`` (columns a
 program, programs a multiprocessor its K splits aim at, stages), keys ``w8a16/<block_n>/<per_sm>/<stages>``, its
 ``rel_diff`` against the dequantized reference (fp32), where the w8a8 launches' is against the engine's result.
+``--gemv``: at one row the one-row GEMV too (``fp8_block_gemv_triton``: no tensor cores, no quantization launch) at
+each of ``GEMV_LAUNCHES`` (rows a program, K columns a step or the kernel's own choice, warps), keys
+``gemv/<block_n>/<block_k>/<warps>``, ``rel_diff`` against the dequantized reference.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 
 import fusedserve.worker  # noqa: F401  (the installed package, before the checkout joins sys.path)
 from fusedserve.models.layers import fp8_block_cublas
+from fusedserve.models.layers import fp8_block_gemv_triton as gemv
 from fusedserve.models.layers import fp8_block_triton as fp8
 from fusedserve.models.layers import fp8_block_w8a16_triton as w8a16
 from fusedserve.models.layers.fp8_block import BlockFP8, block_fp8_linear_reference, quantize_weight
@@ -47,6 +52,9 @@ LAUNCHES: list[tuple[int, int, int, int] | None] = [
     (128, 16, 4, 8), (64, 8, 6, 4)]
 # the weight-only kernel's (BLOCK_N, PER_SM, STAGES)
 W8A16_LAUNCHES = [(64, 2, 4), (64, 1, 4), (64, 4, 4), (32, 2, 4), (128, 2, 4), (64, 2, 6)]
+# the one-row GEMV's (BLOCK_N, BLOCK_K or None for the kernel's own, warps)
+GEMV_LAUNCHES: list[tuple[int, int | None, int]] = [(8, None, 8), (8, None, 4), (4, None, 4), (4, None, 8),
+                                                    (16, None, 8), (8, 1024, 8), (8, 512, 4), (16, 1024, 4)]
 
 
 def main() -> None:
@@ -59,6 +67,7 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of SHAPES")
     ap.add_argument("--engine-only", action="store_true", help="only the engine's launch shape (and scaled_mm)")
     ap.add_argument("--w8a16", action="store_true", help="the weight-only decode kernel too, at W8A16_LAUNCHES")
+    ap.add_argument("--gemv", action="store_true", help="at one row the one-row GEMV too, at GEMV_LAUNCHES")
     args = ap.parse_args()
     args.per_sm = [1] + [n for n in args.per_sm if n != 1]  # the engine's own first: the others' rel_diff is against it
     shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
@@ -111,6 +120,18 @@ def main() -> None:
                         "us": round(us, 2), "pct_of_ideal": round(100 * ideal_us / us, 1),
                         "rel_diff": float((y.float() - exact).norm() / exact.norm())}
                 w8a16.BLOCK_N, w8a16.PER_SM, w8a16.STAGES = kept
+            if args.gemv and m == 1:
+                exact = block_fp8_linear_reference(x.float(), ws[0][0], ws[0][1], None, fmt)
+                for bn, bk, warps in GEMV_LAUNCHES:
+                    if not gemv.supported(x, ws[0][0], ws[0][1], None, fmt, bn):
+                        continue
+                    y = gemv.block_fp8_gemv_triton(x, ws[0][0], ws[0][1], None, fmt, bn, bk, warps)
+                    t = graph_ms(lambda bn=bn, bk=bk, warps=warps: [
+                        gemv.block_fp8_gemv_triton(x, w, s, None, fmt, bn, bk, warps) for w, s in ws], 10)
+                    us = 1000 * t["ms"] / copies
+                    res[f"gemv/{bn}/{bk or gemv.block_k(k)}/{warps}"] = {
+                        "us": round(us, 2), "pct_of_ideal": round(100 * ideal_us / us, 1),
+                        "rel_diff": float((y.float() - exact).norm() / exact.norm())}
             if fp8_block_cublas.supported(fmt, n, k):
                 t = graph_ms(lambda: [fp8_block_cublas.block_fp8_linear_cublas(x, w, s, None, fmt) for w, s in ws], 10)
                 us = 1000 * t["ms"] / copies

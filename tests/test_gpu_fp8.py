@@ -60,6 +60,23 @@ def test_block_fp8_w8a16_equals_the_dequantized_reference(m: int) -> None:
         assert _rel(block_fp8_linear_w8a16_triton(x, w, s, bias, fmt), want) < 5e-3, (m, n, k)
 
 
+@needs_fp8_gpu
+def test_block_fp8_gemv_equals_the_dequantized_reference() -> None:
+    """The one-row GEMV (e4m3 tiles converted in registers, no tensor cores) on DeepSeek-V3's shapes and the merged
+    q_a + kv_a (2112 rows): within bf16 output rounding of x @ dequantize(W)^T, with a bias."""
+    from fusedserve.models.layers.fp8_block import BlockFP8, block_fp8_linear_reference, quantize_weight
+    from fusedserve.models.layers.fp8_block_gemv_triton import block_fp8_gemv_triton, supported
+
+    fmt, g = BlockFP8(128, 128), torch.Generator(device="cuda").manual_seed(1)
+    for n, k in SHAPES + [(2112, 7168), (24576, 1536)]:
+        x = torch.randn(1, k, device="cuda", generator=g).bfloat16()
+        w, s = quantize_weight(torch.randn(n, k, device="cuda", generator=g) * 0.02, fmt)
+        bias = torch.randn(n, device="cuda", generator=g).bfloat16()
+        assert supported(x, w, s, bias, fmt), (n, k)
+        want = block_fp8_linear_reference(x.float(), w, s, bias.float(), fmt)
+        assert _rel(block_fp8_gemv_triton(x, w, s, bias, fmt), want) < 5e-3, (n, k)
+
+
 def _fp8_experts_case(n: int) -> tuple[Any, ...]:
     """16 block-FP8 experts (hidden 1024, intermediate 256, 128 x 128 blocks) and n bf16 tokens routed top-8 at
     random, some slots on another rank (-1), seeded by n -> (x, ids, routing weights, gate_up, its scales, down,
@@ -92,6 +109,30 @@ def test_fp8_fused_experts_w8a16_equal_the_dequantized_experts(n: int) -> None:
     finally:
         moe8.W8A16_ROWS = before
     assert _rel(got, want) < 1e-2
+
+
+@needs_fp8_gpu
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_fp8_experts_one_token_gemv_equal_the_dequantized_experts(seed: int) -> None:
+    """One token's experts as two GEMV launches (``TOKENS`` = 1), some slots on another rank: within the bf16
+    output's rounding of the dequantized experts, graphed as eagerly."""
+    import fusedserve.models.layers.fused_moe_fp8_gemv_triton as one
+    import fusedserve.models.layers.fused_moe_fp8_triton as moe8
+    from fusedserve.models.layers.fused_moe import fused_experts_fp8_torch
+
+    x, ids, w, gate_up, gate_up_s, down, down_s, fmt = _fp8_experts_case(16 + seed)
+    x, ids, w = x[:1].contiguous(), ids[:1].contiguous(), w[:1].contiguous()
+    want = fused_experts_fp8_torch(x.float(), ids, w, gate_up, gate_up_s, down, down_s, fmt)
+    before, one.TOKENS = one.TOKENS, 1
+    try:
+        got = moe8.fused_experts_fp8_triton(x, ids, w, gate_up, gate_up_s, down, down_s, fmt)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = moe8.fused_experts_fp8_triton(x, ids, w, gate_up, gate_up_s, down, down_s, fmt)
+        graph.replay()
+    finally:
+        one.TOKENS = before
+    assert _rel(got, want) < 1e-2 and torch.equal(out, got)
 
 
 @needs_fp8_gpu

@@ -8,14 +8,15 @@ winner in both): ``scaled_mm`` at M >= 256 on every shape it takes (e.g. ``o_pro
 vs 62.6 us at M = 1); the Triton GEMM at M <= 64 on the others (``kv_b_proj`` at M = 1: 9.2 vs 18.6 us).
 Shapes ``scaled_mm`` does not take (``fp8_block_cublas.supported``: whole 128 x 128 blocks only, e.g.
 ``kv_a_proj_with_mqa``'s N = 576) always go to Triton. Decode rows up to ``fp8_block_w8a16_triton.ROWS`` go to the
-weight-only kernel there (bf16 / fp16 activations, no quantization) before either.
+weight-only kernel there (bf16 / fp16 activations, no quantization) before either, and one row up to
+``fp8_block_gemv_triton.ROWS`` to its GEMV (no tensor cores) before that.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import fp8_block_cublas, fp8_block_w8a16_triton
+from . import fp8_block_cublas, fp8_block_gemv_triton, fp8_block_w8a16_triton
 from .fp8_block import FP8_DTYPE, BlockFP8
 from .fp8_block_triton import block_fp8_linear_triton
 
@@ -31,6 +32,9 @@ def prefers_scaled_mm(m: int, n: int, k: int, fmt: BlockFP8) -> bool:
 def block_fp8_linear_fast(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
                           bias: torch.Tensor | None, fmt: BlockFP8) -> torch.Tensor:
     """x [M, K] (bf16 / fp16) @ (weight e4m3 [N, K] with scale_inv)^T (+ bias) -> [M, N] in x's dtype."""
+    if x.dim() == 2 and x.shape[0] <= fp8_block_gemv_triton.ROWS and fp8_block_gemv_triton.supported(
+            x, weight, scale_inv, bias, fmt):
+        return fp8_block_gemv_triton.block_fp8_gemv_triton(x, weight, scale_inv, bias, fmt)
     if x.dim() == 2 and x.shape[0] <= fp8_block_w8a16_triton.ROWS and fp8_block_w8a16_triton.supported(
             x, weight, scale_inv, fmt):
         return fp8_block_w8a16_triton.block_fp8_linear_w8a16_triton(x, weight, scale_inv, bias, fmt)
