@@ -53,8 +53,8 @@ LAUNCHES: list[tuple[int, int, int, int] | None] = [
 # the weight-only kernel's (BLOCK_N, PER_SM, STAGES)
 W8A16_LAUNCHES = [(64, 2, 4), (64, 1, 4), (64, 4, 4), (32, 2, 4), (128, 2, 4), (64, 2, 6)]
 # the one-row GEMV's (BLOCK_N, BLOCK_K or None for the kernel's own, warps)
-GEMV_LAUNCHES: list[tuple[int, int | None, int]] = [(8, None, 8), (8, None, 4), (4, None, 4), (4, None, 8),
-                                                    (16, None, 8), (8, 1024, 8), (8, 512, 4), (16, 1024, 4)]
+GEMV_LAUNCHES: list[tuple[int, int | None, int]] = [(8, None, 8), (8, None, 4), (4, None, 4), (16, None, 8),
+                                                    (8, 512, 4), (16, 512, 8), (8, 256, 4), (4, 512, 2)]
 
 
 def main() -> None:

@@ -22,6 +22,8 @@ kernel before.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -29,63 +31,123 @@ import triton.language as tl
 from .fp8_block import FP8_DTYPE, BlockFP8, block_fp8_linear_reference
 from .pdl import pdl_launch, pdl_release, pdl_wait
 
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU interpreter runs no inline PTX
 # Rows up to which the fast kernel set takes this kernel (only one row is taken); 0: never.
 ROWS = 0
-# (BLOCK_N, BLOCK_K, warps): a tile of 8 rows x 2048 e4m3 columns is the bf16 GEMV's 16 KB.
+# Rows a program and warps (K columns a step: ``block_k``).
 BLOCK_N = 8
 WARPS = 8
 
 
 @triton.jit
-def scaled_row(x_ptr, s_ptr, k0, rk, K, GROUP_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """x[k0 + rk] in fp32 times the weight scale of each column's K block (``s_ptr``: the program's scale row)."""
-    cols = k0 + rk
-    if EVEN_K:
-        x = tl.load(x_ptr + cols).to(tl.float32)
-        s = tl.load(s_ptr + cols // GROUP_K)
+def e4m3x4_f32(v, NATIVE: tl.constexpr):
+    """Four e4m3 values packed in each int32 of v (the first in the low byte) -> four fp32 tensors of v's shape
+    (exact). NATIVE (a GPU): one asm block a word, two ``cvt.rn.f16x2.e4m3x2`` and four f16 -> f32 conversions;
+    Triton's own cast of an e4m3 tile unpacks every byte and repacks pairs first, ~12 instructions a value, which
+    bounded the GEMV at ~2.1 TB/s on an H100 (2026-12-07-fp8-one-row-gemv-slice-h100.json). Else (the CPU
+    interpreter, which runs no PTX) each byte is cast."""
+    if NATIVE:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b16 lo, hi;
+            .reg .b32 a, b;
+            .reg .f16 h0, h1, h2, h3;
+            mov.b32 {lo, hi}, $4;
+            cvt.rn.f16x2.e4m3x2 a, lo;
+            cvt.rn.f16x2.e4m3x2 b, hi;
+            mov.b32 {h0, h1}, a;
+            mov.b32 {h2, h3}, b;
+            cvt.f32.f16 $0, h0;
+            cvt.f32.f16 $1, h1;
+            cvt.f32.f16 $2, h2;
+            cvt.f32.f16 $3, h3;
+            }""",
+            constraints="=r,=r,=r,=r,r", args=[v], dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
+            is_pure=True, pack=1)
     else:
-        x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-        s = tl.load(s_ptr + cols // GROUP_K, mask=cols < K, other=0.0)
-    return x * s
+        f0 = (v & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        f1 = ((v >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        f2 = ((v >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        f3 = ((v >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        return f0, f1, f2, f3
+
+
+@triton.jit
+def scaled_quads(x_ptr, s_ptr, k0, rq, K, mult, GROUP_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """x's columns k0 + 4 q + j (j = 0..3: four [BLOCK_K / 4] tensors) in fp32, times the weight scale of their K
+    block (``s_ptr``: the program's scale row; a block of GROUP_K >= 4 columns holds each quad whole) and ``mult``.
+    Not EVEN_K: columns from K on read as 0."""
+    cols = k0 + 4 * rq
+    if EVEN_K:
+        s = tl.load(s_ptr + cols // GROUP_K) * mult
+        x0 = tl.load(x_ptr + cols).to(tl.float32) * s
+        x1 = tl.load(x_ptr + cols + 1).to(tl.float32) * s
+        x2 = tl.load(x_ptr + cols + 2).to(tl.float32) * s
+        x3 = tl.load(x_ptr + cols + 3).to(tl.float32) * s
+    else:
+        ok = cols < K
+        s = tl.load(s_ptr + cols // GROUP_K, mask=ok, other=0.0) * mult
+        x0 = tl.load(x_ptr + cols, mask=ok, other=0.0).to(tl.float32) * s
+        x1 = tl.load(x_ptr + cols + 1, mask=ok, other=0.0).to(tl.float32) * s
+        x2 = tl.load(x_ptr + cols + 2, mask=ok, other=0.0).to(tl.float32) * s
+        x3 = tl.load(x_ptr + cols + 3, mask=ok, other=0.0).to(tl.float32) * s
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def add_quad_products(acc, v, x_ptr, s_ptr, k0, rq, K, mult, GROUP_K: tl.constexpr, EVEN_K: tl.constexpr,
+                      NATIVE: tl.constexpr):
+    """acc [rows, BLOCK_K / 4] plus, per quad of columns, the products of the packed weight words v with x's
+    scaled columns k0 + 4 q + j times ``mult`` (four fused multiply-adds a word)."""
+    f0, f1, f2, f3 = e4m3x4_f32(v, NATIVE)
+    x0, x1, x2, x3 = scaled_quads(x_ptr, s_ptr, k0, rq, K, mult, GROUP_K, EVEN_K)
+    acc += f0 * x0[None, :]
+    acc += f1 * x1[None, :]
+    acc += f2 * x2[None, :]
+    acc += f3 * x3[None, :]
+    return acc
 
 
 @triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, K, stride_wn, stride_sn,
                      GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+                     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
     """Program n: outputs n * BLOCK_N.. of the one row, all of K in BLOCK_K steps (EVEN_K: BLOCK_K divides K, else
-    the last step is masked)."""
+    the last step is masked). The weight is read as int32 words of four e4m3 values (``w_ptr`` an int32 view,
+    ``stride_wn`` in words); the products add up per quad of columns in registers and the row sums are taken
+    once, at the end (a reduction over the program's threads each step cost shuffles and a barrier)."""
+    QUADS: tl.constexpr = BLOCK_K // 4
     first = tl.program_id(0).to(tl.int64) * BLOCK_N
     rn = first + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
+    rq = tl.arange(0, QUADS)
+    w_ptrs = w_ptr + rn[:, None] * stride_wn + rq[None, :]
     s_row = s_ptr + (first // GROUP_N) * stride_sn
     if EVEN_K:
-        w = tl.load(w_ptrs)
+        v = tl.load(w_ptrs)
     else:
-        w = tl.load(w_ptrs, mask=rk[None, :] < K, other=0.0)
+        v = tl.load(w_ptrs, mask=4 * rq[None, :] < K, other=0)
     pdl_release(PDL)
     pdl_wait(PDL)
-    acc = tl.zeros((BLOCK_N,), tl.float32)
+    acc = tl.zeros((BLOCK_N, QUADS), tl.float32)
     for k in range(BLOCK_K, K, BLOCK_K):
         if EVEN_K:
-            w_next = tl.load(w_ptrs + k)
+            v_next = tl.load(w_ptrs + k // 4)
         else:
-            w_next = tl.load(w_ptrs + k, mask=rk[None, :] + k < K, other=0.0)
-        xs = scaled_row(x_ptr, s_row, k - BLOCK_K, rk, K, GROUP_K, EVEN_K)
-        acc += tl.sum(w.to(tl.float32) * xs[None, :], axis=1)
-        w = w_next
-    xs = scaled_row(x_ptr, s_row, (tl.cdiv(K, BLOCK_K) - 1) * BLOCK_K, rk, K, GROUP_K, EVEN_K)
-    acc += tl.sum(w.to(tl.float32) * xs[None, :], axis=1)
+            v_next = tl.load(w_ptrs + k // 4, mask=4 * rq[None, :] + k < K, other=0)
+        acc = add_quad_products(acc, v, x_ptr, s_row, k - BLOCK_K, rq, K, 1.0, GROUP_K, EVEN_K, NATIVE)
+        v = v_next
+    acc = add_quad_products(acc, v, x_ptr, s_row, (tl.cdiv(K, BLOCK_K) - 1) * BLOCK_K, rq, K, 1.0, GROUP_K, EVEN_K,
+                            NATIVE)
+    y = tl.sum(acc, axis=1)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + rn).to(tl.float32)
-    tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty))
+        y += tl.load(b_ptr + rn).to(tl.float32)
+    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty))
 
 
 def block_k(k: int) -> int:
-    """K columns a step for an input width k: 2048 (the bf16 GEMV's widest step) or the largest power of two
-    from 256 that divides k, else one masked step of up to 1024 (as ``linear_triton.gemv_tile``)."""
-    for bk in (2048, 1024, 512, 256):
+    """K columns a step for an input width k: the largest of 1024, 512, 256 that divides k, else one masked step of
+    up to 1024 (the per-column sums of a [BLOCK_N, BLOCK_K] step stay in registers)."""
+    for bk in (1024, 512, 256):
         if k % bk == 0:
             return bk
     return min(1024, triton.next_power_of_2(k))
@@ -94,11 +156,13 @@ def block_k(k: int) -> int:
 def supported(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None,
               fmt: BlockFP8, block_n: int | None = None) -> bool:
     """What the kernel takes: one contiguous bf16 / fp16 row, a contiguous e4m3 weight whose rows split into
-    programs inside one scale row each (``block_n`` divides bn and N), fp32 scales, a bias of x's dtype."""
+    programs inside one scale row each (``block_n`` divides bn and N), read as words of four (K and bk multiples of 4),
+    fp32 scales, a bias of x's dtype."""
     bn = BLOCK_N if block_n is None else block_n
     return (x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1
             and weight.dtype == FP8_DTYPE and weight.is_contiguous() and scale_inv.dtype == torch.float32
             and x.shape[1] == weight.shape[1] and weight.shape[0] % bn == 0 and fmt.block_n % bn == 0
+            and weight.shape[1] % 4 == 0 and fmt.block_k % 4 == 0
             and (bias is None or (bias.dtype == x.dtype and bias.stride(-1) == 1)))
 
 
@@ -116,7 +180,9 @@ def block_fp8_gemv_triton(x: torch.Tensor, weight: torch.Tensor, scale_inv: torc
     scale_inv = scale_inv.contiguous()
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _fp8_gemv_kernel[(n // bn,)](
-        x, weight, scale_inv, bias if bias is not None else y, y, k, weight.stride(0), scale_inv.stride(0),
+        x, weight.view(torch.int32), scale_inv, bias if bias is not None else y, y, k, weight.stride(0) // 4,
+        scale_inv.stride(0),
         GROUP_N=fmt.block_n, GROUP_K=fmt.block_k, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
-        HAS_BIAS=bias is not None, num_warps=WARPS if num_warps is None else num_warps, **pdl_launch())
+        HAS_BIAS=bias is not None, NATIVE=not _INTERPRET, num_warps=WARPS if num_warps is None else num_warps,
+        **pdl_launch())
     return y
