@@ -32,11 +32,16 @@ from .fp8_block import FP8_DTYPE, BlockFP8, block_fp8_linear_reference
 from .pdl import pdl_launch, pdl_release, pdl_wait
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU interpreter runs no inline PTX
-# Rows up to which the fast kernel set takes this kernel (only one row is taken); 0: never.
+# Rows up to which the fast kernel set takes this kernel (at most MOST_ROWS); 0: never.
 ROWS = 0
-# Rows a program and warps (K columns a step: ``block_k``).
-BLOCK_N = 8
+MOST_ROWS = 4
 WARPS = 8
+
+
+def block_n(rows: int) -> int:
+    """Outputs a program for a call of this many rows (K columns a step: ``block_k``): 8, or 4 at 3-4 rows (four
+    rows' sums of an 8-output program spill registers on sm_90)."""
+    return 8 if rows <= 2 else 4
 
 
 @triton.jit
@@ -95,11 +100,9 @@ def scaled_quads(x_ptr, s_ptr, k0, rq, K, mult, GROUP_K: tl.constexpr, EVEN_K: t
 
 
 @triton.jit
-def add_quad_products(acc, v, x_ptr, s_ptr, k0, rq, K, mult, GROUP_K: tl.constexpr, EVEN_K: tl.constexpr,
-                      NATIVE: tl.constexpr):
-    """acc [rows, BLOCK_K / 4] plus, per quad of columns, the products of the packed weight words v with x's
-    scaled columns k0 + 4 q + j times ``mult`` (four fused multiply-adds a word)."""
-    f0, f1, f2, f3 = e4m3x4_f32(v, NATIVE)
+def fma_quads(acc, f0, f1, f2, f3, x_ptr, s_ptr, k0, rq, K, mult, GROUP_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """acc [rows, BLOCK_K / 4] plus, per quad of columns, the converted weights f0..f3 times x's scaled columns
+    k0 + 4 q + j times ``mult`` (four fused multiply-adds a word)."""
     x0, x1, x2, x3 = scaled_quads(x_ptr, s_ptr, k0, rq, K, mult, GROUP_K, EVEN_K)
     acc += f0 * x0[None, :]
     acc += f1 * x1[None, :]
@@ -109,13 +112,49 @@ def add_quad_products(acc, v, x_ptr, s_ptr, k0, rq, K, mult, GROUP_K: tl.constex
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, K, stride_wn, stride_sn,
-                     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
-    """Program n: outputs n * BLOCK_N.. of the one row, all of K in BLOCK_K steps (EVEN_K: BLOCK_K divides K, else
-    the last step is masked). The weight is read as int32 words of four e4m3 values (``w_ptr`` an int32 view,
-    ``stride_wn`` in words); the products add up per quad of columns in registers and the row sums are taken
-    once, at the end (a reduction over the program's threads each step cost shuffles and a barrier)."""
+def add_quad_products(acc, v, x_ptr, s_ptr, k0, rq, K, mult, GROUP_K: tl.constexpr, EVEN_K: tl.constexpr,
+                      NATIVE: tl.constexpr):
+    """``fma_quads`` of the packed weight words v (converted here) with one row of x."""
+    f0, f1, f2, f3 = e4m3x4_f32(v, NATIVE)
+    return fma_quads(acc, f0, f1, f2, f3, x_ptr, s_ptr, k0, rq, K, mult, GROUP_K, EVEN_K)
+
+
+@triton.jit
+def _add_rows(acc0, acc1, acc2, acc3, v, x_ptr, s_ptr, k0, rq, M, K, stride_xm, ROWS: tl.constexpr,
+              GROUP_K: tl.constexpr, EVEN_K: tl.constexpr, NATIVE: tl.constexpr):
+    """Each row's accumulator plus its products with the words v, converted once for all ROWS rows (a row from M
+    on reads nothing: its columns are masked off)."""
+    f0, f1, f2, f3 = e4m3x4_f32(v, NATIVE)
+    acc0 = fma_quads(acc0, f0, f1, f2, f3, x_ptr, s_ptr, k0, rq, K, 1.0, GROUP_K, EVEN_K)
+    if ROWS > 1:
+        acc1 = fma_quads(acc1, f0, f1, f2, f3, x_ptr + stride_xm, s_ptr, k0, rq, tl.where(M > 1, K, 0), 1.0,
+                         GROUP_K, False)
+    if ROWS > 2:
+        acc2 = fma_quads(acc2, f0, f1, f2, f3, x_ptr + 2 * stride_xm, s_ptr, k0, rq, tl.where(M > 2, K, 0), 1.0,
+                         GROUP_K, False)
+        acc3 = fma_quads(acc3, f0, f1, f2, f3, x_ptr + 3 * stride_xm, s_ptr, k0, rq, tl.where(M > 3, K, 0), 1.0,
+                         GROUP_K, False)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _store_row(acc, y_ptr, b_ptr, rn, HAS_BIAS: tl.constexpr):
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rn).to(tl.float32)
+    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty))
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, K, stride_xm, stride_wn, stride_sn, stride_ym,
+                     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, NATIVE: tl.constexpr,
+                     PDL: tl.constexpr):
+    """Program n: outputs n * BLOCK_N.. of M <= ROWS (1, 2 or 4) rows, all of K in BLOCK_K steps (EVEN_K: BLOCK_K
+    divides K, else the last step is masked). The weight is read as int32 words of four e4m3 values (``w_ptr`` an
+    int32 view, ``stride_wn`` in words), each converted once for every row; the products add up per row and quad
+    of columns in registers and the row sums are taken once, at the end (a reduction over the program's threads
+    each step cost shuffles and a barrier)."""
     QUADS: tl.constexpr = BLOCK_K // 4
     first = tl.program_id(0).to(tl.int64) * BLOCK_N
     rn = first + tl.arange(0, BLOCK_N)
@@ -128,20 +167,29 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, K, stride_wn, stride_sn,
         v = tl.load(w_ptrs, mask=4 * rq[None, :] < K, other=0)
     pdl_release(PDL)
     pdl_wait(PDL)
-    acc = tl.zeros((BLOCK_N, QUADS), tl.float32)
+    acc0 = tl.zeros((BLOCK_N, QUADS), tl.float32)
+    acc1 = tl.zeros((BLOCK_N, QUADS), tl.float32)
+    acc2 = tl.zeros((BLOCK_N, QUADS), tl.float32)
+    acc3 = tl.zeros((BLOCK_N, QUADS), tl.float32)
     for k in range(BLOCK_K, K, BLOCK_K):
         if EVEN_K:
             v_next = tl.load(w_ptrs + k // 4)
         else:
             v_next = tl.load(w_ptrs + k // 4, mask=4 * rq[None, :] + k < K, other=0)
-        acc = add_quad_products(acc, v, x_ptr, s_row, k - BLOCK_K, rq, K, 1.0, GROUP_K, EVEN_K, NATIVE)
+        acc0, acc1, acc2, acc3 = _add_rows(acc0, acc1, acc2, acc3, v, x_ptr, s_row, k - BLOCK_K, rq, M, K, stride_xm,
+                                           ROWS, GROUP_K, EVEN_K, NATIVE)
         v = v_next
-    acc = add_quad_products(acc, v, x_ptr, s_row, (tl.cdiv(K, BLOCK_K) - 1) * BLOCK_K, rq, K, 1.0, GROUP_K, EVEN_K,
-                            NATIVE)
-    y = tl.sum(acc, axis=1)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + rn).to(tl.float32)
-    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty))
+    acc0, acc1, acc2, acc3 = _add_rows(acc0, acc1, acc2, acc3, v, x_ptr, s_row, (tl.cdiv(K, BLOCK_K) - 1) * BLOCK_K,
+                                       rq, M, K, stride_xm, ROWS, GROUP_K, EVEN_K, NATIVE)
+    _store_row(acc0, y_ptr, b_ptr, rn, HAS_BIAS)
+    if ROWS > 1:
+        if M > 1:
+            _store_row(acc1, y_ptr + stride_ym, b_ptr, rn, HAS_BIAS)
+    if ROWS > 2:
+        if M > 2:
+            _store_row(acc2, y_ptr + 2 * stride_ym, b_ptr, rn, HAS_BIAS)
+        if M > 3:
+            _store_row(acc3, y_ptr + 3 * stride_ym, b_ptr, rn, HAS_BIAS)
 
 
 def block_k(k: int) -> int:
@@ -154,12 +202,12 @@ def block_k(k: int) -> int:
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None,
-              fmt: BlockFP8, block_n: int | None = None) -> bool:
-    """What the kernel takes: one contiguous bf16 / fp16 row, a contiguous e4m3 weight whose rows split into
+              fmt: BlockFP8, block_n_: int | None = None) -> bool:
+    """What the kernel takes: up to ``MOST_ROWS`` bf16 / fp16 rows (unit column stride), a contiguous e4m3 weight whose rows split into
     programs inside one scale row each (``block_n`` divides bn and N), read as words of four (K and bk multiples of 4),
     fp32 scales, a bias of x's dtype."""
-    bn = BLOCK_N if block_n is None else block_n
-    return (x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1
+    bn = (block_n_ if block_n_ is not None else block_n(x.shape[0])) if x.dim() == 2 else 1
+    return (x.dim() == 2 and 0 < x.shape[0] <= MOST_ROWS and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1
             and weight.dtype == FP8_DTYPE and weight.is_contiguous() and scale_inv.dtype == torch.float32
             and x.shape[1] == weight.shape[1] and weight.shape[0] % bn == 0 and fmt.block_n % bn == 0
             and weight.shape[1] % 4 == 0 and fmt.block_k % 4 == 0
@@ -167,22 +215,25 @@ def supported(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bi
 
 
 def block_fp8_gemv_triton(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None,
-                          fmt: BlockFP8, block_n: int | None = None, block_k_: int | None = None,
+                          fmt: BlockFP8, block_n_: int | None = None, block_k_: int | None = None,
                           num_warps: int | None = None) -> torch.Tensor:
-    """x [1, K] (bf16 / fp16) @ (weight e4m3 [N, K] with scale_inv [ceil(N/bn), ceil(K/bk)])^T (+ bias) -> [1, N]
-    in x's dtype; what it does not take goes to the dequantized reference. ``block_n`` / ``block_k_`` /
+    """x [M <= MOST_ROWS, K] (bf16 / fp16) @ (weight e4m3 [N, K] with scale_inv [ceil(N/bn), ceil(K/bk)])^T (+ bias)
+    -> [M, N]
+    in x's dtype; what it does not take goes to the dequantized reference. ``block_n_`` / ``block_k_`` /
     ``num_warps``: another launch (bench/fp8_gemm_tiles_probe.py --gemv)."""
-    bn = BLOCK_N if block_n is None else block_n
+    bn = block_n(x.shape[0]) if block_n_ is None else block_n_
     if not supported(x, weight, scale_inv, bias, fmt, bn):
         return block_fp8_linear_reference(x, weight, scale_inv, bias, fmt)
     n, k = weight.shape
     bk = block_k(k) if block_k_ is None else block_k_
     scale_inv = scale_inv.contiguous()
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    m = x.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _fp8_gemv_kernel[(n // bn,)](
-        x, weight.view(torch.int32), scale_inv, bias if bias is not None else y, y, k, weight.stride(0) // 4,
-        scale_inv.stride(0),
-        GROUP_N=fmt.block_n, GROUP_K=fmt.block_k, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
+        x, weight.view(torch.int32), scale_inv, bias if bias is not None else y, y, m, k, x.stride(0),
+        weight.stride(0) // 4, scale_inv.stride(0), y.stride(0),
+        GROUP_N=fmt.block_n, GROUP_K=fmt.block_k, ROWS=triton.next_power_of_2(m), BLOCK_N=bn, BLOCK_K=bk,
+        EVEN_K=k % bk == 0,
         HAS_BIAS=bias is not None, NATIVE=not _INTERPRET, num_warps=WARPS if num_warps is None else num_warps,
         **pdl_launch())
     return y
