@@ -3,7 +3,7 @@
     python -P bench/fp8_gemm_tiles_probe.py --out $OUT/fp8-gemm-tiles.json   # the package laid out as bench/device_env.sh does
     python -P bench/fp8_gemm_tiles_probe.py --per-sm 1 2 4 --engine-only --out $OUT/fp8-gemm-per-sm.json
     python -P bench/fp8_gemm_tiles_probe.py --engine-only --w8a16 --out $OUT/fp8-gemm-w8a16.json
-    python -P bench/fp8_gemm_tiles_probe.py --engine-only --gemv --rows 1 2 4 --out $OUT/fp8-gemv.json
+    python -P bench/fp8_gemm_tiles_probe.py --engine-only --gemv --rows 1 --out $OUT/fp8-gemv.json
 
 ``block_fp8_linear_triton`` (activation quantization + the GEMM, with its in-kernel split-K combine) as the
 engine calls it, on DeepSeek-V3's attention and shared-expert projections (and q_a_proj with
@@ -18,9 +18,9 @@ is timed beside where it takes the shape. ``--w8a16``: the weight-only decode ke
 (``fp8_block_w8a16_triton``: bf16 activations, no quantization launch) at each of ``W8A16_LAUNCHES`` (columns a
 program, programs a multiprocessor its K splits aim at, stages), keys ``w8a16/<block_n>/<per_sm>/<stages>``, its
 ``rel_diff`` against the dequantized reference (fp32), where the w8a8 launches' is against the engine's result.
-``--gemv``: at 1-4 rows the GEMV too (``fp8_block_gemv_triton``: no tensor cores, no quantization launch) at
-each of ``GEMV_LAUNCHES`` (outputs a program, K columns a step or the kernel's own choice, warps), keys
-``gemv/<block_n>/<block_k>/<warps>``, ``rel_diff`` against the dequantized reference.
+``--gemv``: at one row the GEMV too (``fp8_block_gemv_triton``: no tensor cores, no quantization launch) at
+each of ``GEMV_LAUNCHES`` (outputs a program, K columns a step, warps, steps loaded ahead), keys
+``gemv/<block_n>/<block_k>/<warps>/<ahead>``, ``rel_diff`` against the dequantized reference.
 """
 
 from __future__ import annotations
@@ -52,9 +52,10 @@ LAUNCHES: list[tuple[int, int, int, int] | None] = [
     (128, 16, 4, 8), (64, 8, 6, 4)]
 # the weight-only kernel's (BLOCK_N, PER_SM, STAGES)
 W8A16_LAUNCHES = [(64, 2, 4), (64, 1, 4), (64, 4, 4), (32, 2, 4), (128, 2, 4), (64, 2, 6)]
-# the GEMV's (BLOCK_N, BLOCK_K or None for the kernel's own, warps)
-GEMV_LAUNCHES: list[tuple[int, int | None, int]] = [(8, None, 8), (8, None, 4), (4, None, 8), (4, None, 4),
-                                                    (16, None, 8), (8, 512, 4), (8, 256, 4), (4, 512, 2)]
+# the GEMV's (BLOCK_N, BLOCK_K or None for the kernel's own, warps or None for the kernel's rule, steps loaded ahead)
+GEMV_LAUNCHES: list[tuple[int, int | None, int | None, int]] = [
+    (8, None, None, 1), (8, None, None, 2), (4, None, None, 1), (4, None, None, 2), (16, None, None, 1),
+    (16, None, None, 2), (8, 512, None, 2), (8, 2048, None, 2)]
 
 
 def main() -> None:
@@ -67,7 +68,7 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of SHAPES")
     ap.add_argument("--engine-only", action="store_true", help="only the engine's launch shape (and scaled_mm)")
     ap.add_argument("--w8a16", action="store_true", help="the weight-only decode kernel too, at W8A16_LAUNCHES")
-    ap.add_argument("--gemv", action="store_true", help="at 1-4 rows the GEMV too, at GEMV_LAUNCHES")
+    ap.add_argument("--gemv", action="store_true", help="at one row the GEMV too, at GEMV_LAUNCHES")
     args = ap.parse_args()
     args.per_sm = [1] + [n for n in args.per_sm if n != 1]  # the engine's own first: the others' rel_diff is against it
     shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
@@ -120,16 +121,17 @@ def main() -> None:
                         "us": round(us, 2), "pct_of_ideal": round(100 * ideal_us / us, 1),
                         "rel_diff": float((y.float() - exact).norm() / exact.norm())}
                 w8a16.BLOCK_N, w8a16.PER_SM, w8a16.STAGES = kept
-            if args.gemv and m <= gemv.MOST_ROWS:
+            if args.gemv and m == 1:
                 exact = block_fp8_linear_reference(x.float(), ws[0][0], ws[0][1], None, fmt)
-                for bn, bk, warps in GEMV_LAUNCHES:
+                for bn, bk, warps, ahead in GEMV_LAUNCHES:
                     if not gemv.supported(x, ws[0][0], ws[0][1], None, fmt, bn):
                         continue
-                    y = gemv.block_fp8_gemv_triton(x, ws[0][0], ws[0][1], None, fmt, bn, bk, warps)
-                    t = graph_ms(lambda bn=bn, bk=bk, warps=warps: [
-                        gemv.block_fp8_gemv_triton(x, w, s, None, fmt, bn, bk, warps) for w, s in ws], 10)
+                    y = gemv.block_fp8_gemv_triton(x, ws[0][0], ws[0][1], None, fmt, bn, bk, warps, ahead)
+                    t = graph_ms(lambda bn=bn, bk=bk, warps=warps, ahead=ahead: [
+                        gemv.block_fp8_gemv_triton(x, w, s, None, fmt, bn, bk, warps, ahead) for w, s in ws], 10)
                     us = 1000 * t["ms"] / copies
-                    res[f"gemv/{bn}/{bk or gemv.block_k(k)}/{warps}"] = {
+                    bk_ = bk or gemv.block_k(k)
+                    res[f"gemv/{bn}/{bk_}/{warps or gemv.warps(bn, bk_)}/{ahead}"] = {
                         "us": round(us, 2), "pct_of_ideal": round(100 * ideal_us / us, 1),
                         "rel_diff": float((y.float() - exact).norm() / exact.norm())}
             if fp8_block_cublas.supported(fmt, n, k):

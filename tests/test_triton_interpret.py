@@ -1279,38 +1279,36 @@ def test_interp_block_fp8_w8a16_equals_the_dequantized_reference(m: int, n: int,
 
 
 @inner
-@pytest.mark.parametrize("m,n,k,block,dtype,bias", [(1, 200, 96, (32, 32), torch.bfloat16, True),
-                                                    (2, 72, 160, (16, 32), torch.float16, False),
-                                                    (1, 64, 4096, (128, 128), torch.bfloat16, False),
-                                                    (3, 40, 1000, (8, 128), torch.bfloat16, True),
-                                                    (4, 64, 256, (32, 128), torch.bfloat16, False)],
-                         ids=["partial-k-block", "two-rows-bn-ne-bk-fp16", "four-steps", "three-rows-masked-last-step",
-                              "four-rows"])
-def test_interp_block_fp8_gemv_equals_the_dequantized_reference(m: int, n: int, k: int, block: tuple[int, int],
+@pytest.mark.parametrize("n,k,block,dtype,bias", [(200, 96, (32, 32), torch.bfloat16, True),
+                                                  (72, 160, (16, 32), torch.float16, False),
+                                                  (64, 4096, (128, 128), torch.bfloat16, False),
+                                                  (40, 1000, (8, 128), torch.bfloat16, True)],
+                         ids=["partial-k-block", "bn-ne-bk-fp16", "four-steps", "masked-last-step"])
+def test_interp_block_fp8_gemv_equals_the_dequantized_reference(n: int, k: int, block: tuple[int, int],
                                                                 dtype: torch.dtype, bias: bool) -> None:
-    """The weight-only GEMV of 1-4 rows (e4m3 words of four converted once in fp32 registers for every row, the
-    block scale applied to x's columns) equals the dequantized model's x @ W^T + b within the output's rounding: a
-    partial last K block, bn != bk, four 1024-column steps, a masked last step, a masked fourth row; the fast set
-    routes rows to it up to ``ROWS`` (0: never), not five rows, not fp32, not a block of rows narrower than the
-    kernel's."""
+    """The one-row weight-only GEMV (e4m3 words of four in fp32 registers, the block scale applied to x's columns)
+    equals the dequantized model's x @ W^T + b within the output's rounding: a partial last K block, bn != bk, four
+    1024-column steps, a masked last step; the fast set routes one row to it up to ``ROWS`` (0: never), not two
+    rows, not fp32, not a block of rows narrower than the kernel's."""
     from fusedserve.models.layers import fp8_block_gemm
     from fusedserve.models.layers import fp8_block_gemv_triton as gemv
     from fusedserve.models.layers.fp8_block import BlockFP8, block_fp8_linear_reference, quantize_weight
 
     g = torch.Generator().manual_seed(n + k)
     fmt = BlockFP8(*block)
-    x = torch.randn(m, k, generator=g).to(dtype)
+    x = torch.randn(1, k, generator=g).to(dtype)
     w, s = quantize_weight(torch.randn(n, k, generator=g) * 0.05, fmt)
     b = torch.randn(n, generator=g).to(dtype) if bias else None
     want = block_fp8_linear_reference(x.float(), w, s, b.float() if b is not None else None, fmt)
     got = gemv.block_fp8_gemv_triton(x, w, s, b, fmt)
-    assert got.dtype == dtype and got.shape == (m, n)
+    assert got.dtype == dtype and got.shape == (1, n)
     _close(got.float(), want, 1e-2)
-    assert gemv.block_k(k) == {96: 128, 160: 256, 4096: 1024, 1000: 1024, 256: 256}[k]
+    assert torch.equal(gemv.block_fp8_gemv_triton(x, w, s, b, fmt, ahead=2), got)  # two steps ahead: same sums
+    assert gemv.block_k(k) == {96: 128, 160: 256, 4096: 1024, 1000: 1024}[k]
     assert not gemv.supported(x.float(), w, s, b, fmt) and not gemv.supported(
-        x[:1].expand(5, k).contiguous(), w, s, b, fmt) and not gemv.supported(x, w, s, b, BlockFP8(2, 128))
+        x.expand(2, k).contiguous(), w, s, b, fmt) and not gemv.supported(x, w, s, b, BlockFP8(4, 128))
     assert gemv.ROWS == 0
-    before, gemv.ROWS = gemv.ROWS, 4
+    before, gemv.ROWS = gemv.ROWS, 1
     try:
         assert torch.equal(fp8_block_gemm.block_fp8_linear_fast(x, w, s, b, fmt), got)
     finally:

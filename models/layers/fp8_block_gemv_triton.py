@@ -32,16 +32,18 @@ from .fp8_block import FP8_DTYPE, BlockFP8, block_fp8_linear_reference
 from .pdl import pdl_launch, pdl_release, pdl_wait
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU interpreter runs no inline PTX
-# Rows up to which the fast kernel set takes this kernel (at most MOST_ROWS); 0: never.
+# Rows up to which the fast kernel set takes this kernel (only one row is taken); 0: never.
 ROWS = 0
-MOST_ROWS = 4
-WARPS = 8
+# Rows a program (K columns a step: ``block_k``; warps: ``warps``) and the K steps loaded ahead of the one multiplied
+# (1 or 2; Triton does not pipeline these register loads through shared memory at any num_stages).
+BLOCK_N = 8
+AHEAD = 1
 
 
-def block_n(rows: int) -> int:
-    """Outputs a program for a call of this many rows (K columns a step: ``block_k``): 8, or 4 at 3-4 rows (four
-    rows' sums of an 8-output program spill registers on sm_90)."""
-    return 8 if rows <= 2 else 4
+def warps(block_n: int, block_k: int) -> int:
+    """Warps a program: 32 bytes of e4m3 a thread each step (8 x 1024 on 8 warps). On an H100 q_b_proj's 8 x 512
+    steps took 15.3 us on 4 warps and 43.0 on 8 (2026-12-07-fp8-gemv-words-slice-h100.json)."""
+    return max(1, block_n * block_k // 1024)
 
 
 @triton.jit
@@ -100,9 +102,11 @@ def scaled_quads(x_ptr, s_ptr, k0, rq, K, mult, GROUP_K: tl.constexpr, EVEN_K: t
 
 
 @triton.jit
-def fma_quads(acc, f0, f1, f2, f3, x_ptr, s_ptr, k0, rq, K, mult, GROUP_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """acc [rows, BLOCK_K / 4] plus, per quad of columns, the converted weights f0..f3 times x's scaled columns
-    k0 + 4 q + j times ``mult`` (four fused multiply-adds a word)."""
+def add_quad_products(acc, v, x_ptr, s_ptr, k0, rq, K, mult, GROUP_K: tl.constexpr, EVEN_K: tl.constexpr,
+                      NATIVE: tl.constexpr):
+    """acc [rows, BLOCK_K / 4] plus, per quad of columns, the products of the packed weight words v with x's
+    scaled columns k0 + 4 q + j times ``mult`` (four fused multiply-adds a word)."""
+    f0, f1, f2, f3 = e4m3x4_f32(v, NATIVE)
     x0, x1, x2, x3 = scaled_quads(x_ptr, s_ptr, k0, rq, K, mult, GROUP_K, EVEN_K)
     acc += f0 * x0[None, :]
     acc += f1 * x1[None, :]
@@ -112,84 +116,53 @@ def fma_quads(acc, f0, f1, f2, f3, x_ptr, s_ptr, k0, rq, K, mult, GROUP_K: tl.co
 
 
 @triton.jit
-def add_quad_products(acc, v, x_ptr, s_ptr, k0, rq, K, mult, GROUP_K: tl.constexpr, EVEN_K: tl.constexpr,
-                      NATIVE: tl.constexpr):
-    """``fma_quads`` of the packed weight words v (converted here) with one row of x."""
-    f0, f1, f2, f3 = e4m3x4_f32(v, NATIVE)
-    return fma_quads(acc, f0, f1, f2, f3, x_ptr, s_ptr, k0, rq, K, mult, GROUP_K, EVEN_K)
+def _load_step(w_ptrs, rq, k, K, EVEN_K: tl.constexpr):
+    """The words of the K step from column k (columns from K on masked off: nothing read)."""
+    if EVEN_K:
+        return tl.load(w_ptrs + k // 4)
+    else:
+        return tl.load(w_ptrs + k // 4, mask=4 * rq[None, :] + k < K, other=0)
 
 
 @triton.jit
-def _add_rows(acc0, acc1, acc2, acc3, v, x_ptr, s_ptr, k0, rq, M, K, stride_xm, ROWS: tl.constexpr,
-              GROUP_K: tl.constexpr, EVEN_K: tl.constexpr, NATIVE: tl.constexpr):
-    """Each row's accumulator plus its products with the words v, converted once for all ROWS rows (a row from M
-    on reads nothing: its columns are masked off)."""
-    f0, f1, f2, f3 = e4m3x4_f32(v, NATIVE)
-    acc0 = fma_quads(acc0, f0, f1, f2, f3, x_ptr, s_ptr, k0, rq, K, 1.0, GROUP_K, EVEN_K)
-    if ROWS > 1:
-        acc1 = fma_quads(acc1, f0, f1, f2, f3, x_ptr + stride_xm, s_ptr, k0, rq, tl.where(M > 1, K, 0), 1.0,
-                         GROUP_K, False)
-    if ROWS > 2:
-        acc2 = fma_quads(acc2, f0, f1, f2, f3, x_ptr + 2 * stride_xm, s_ptr, k0, rq, tl.where(M > 2, K, 0), 1.0,
-                         GROUP_K, False)
-        acc3 = fma_quads(acc3, f0, f1, f2, f3, x_ptr + 3 * stride_xm, s_ptr, k0, rq, tl.where(M > 3, K, 0), 1.0,
-                         GROUP_K, False)
-    return acc0, acc1, acc2, acc3
-
-
-@triton.jit
-def _store_row(acc, y_ptr, b_ptr, rn, HAS_BIAS: tl.constexpr):
-    y = tl.sum(acc, axis=1)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + rn).to(tl.float32)
-    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty))
-
-
-@triton.jit(do_not_specialize=["M"])
-def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, K, stride_xm, stride_wn, stride_sn, stride_ym,
-                     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, NATIVE: tl.constexpr,
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, K, stride_wn, stride_sn,
+                     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, NATIVE: tl.constexpr, AHEAD: tl.constexpr,
                      PDL: tl.constexpr):
-    """Program n: outputs n * BLOCK_N.. of M <= ROWS (1, 2 or 4) rows, all of K in BLOCK_K steps (EVEN_K: BLOCK_K
-    divides K, else the last step is masked). The weight is read as int32 words of four e4m3 values (``w_ptr`` an
-    int32 view, ``stride_wn`` in words), each converted once for every row; the products add up per row and quad
-    of columns in registers and the row sums are taken once, at the end (a reduction over the program's threads
-    each step cost shuffles and a barrier)."""
+    """Program n: outputs n * BLOCK_N.. of the one row, all of K in BLOCK_K steps (EVEN_K: BLOCK_K divides K, else
+    the last step is masked). The weight is read as int32 words of four e4m3 values (``w_ptr`` an int32 view,
+    ``stride_wn`` in words), AHEAD (1 or 2) steps loaded ahead of the one multiplied, the first before the PDL
+    wait; the products add up per quad of columns in registers and the row sums are taken once, at the end (a
+    reduction over the program's threads each step cost shuffles and a barrier)."""
     QUADS: tl.constexpr = BLOCK_K // 4
     first = tl.program_id(0).to(tl.int64) * BLOCK_N
     rn = first + tl.arange(0, BLOCK_N)
     rq = tl.arange(0, QUADS)
     w_ptrs = w_ptr + rn[:, None] * stride_wn + rq[None, :]
     s_row = s_ptr + (first // GROUP_N) * stride_sn
-    if EVEN_K:
-        v = tl.load(w_ptrs)
-    else:
-        v = tl.load(w_ptrs, mask=4 * rq[None, :] < K, other=0)
+    v = _load_step(w_ptrs, rq, 0, K, EVEN_K)
+    if AHEAD == 2:
+        v1 = _load_step(w_ptrs, rq, BLOCK_K, K, False)
     pdl_release(PDL)
     pdl_wait(PDL)
-    acc0 = tl.zeros((BLOCK_N, QUADS), tl.float32)
-    acc1 = tl.zeros((BLOCK_N, QUADS), tl.float32)
-    acc2 = tl.zeros((BLOCK_N, QUADS), tl.float32)
-    acc3 = tl.zeros((BLOCK_N, QUADS), tl.float32)
-    for k in range(BLOCK_K, K, BLOCK_K):
-        if EVEN_K:
-            v_next = tl.load(w_ptrs + k // 4)
-        else:
-            v_next = tl.load(w_ptrs + k // 4, mask=4 * rq[None, :] + k < K, other=0)
-        acc0, acc1, acc2, acc3 = _add_rows(acc0, acc1, acc2, acc3, v, x_ptr, s_row, k - BLOCK_K, rq, M, K, stride_xm,
-                                           ROWS, GROUP_K, EVEN_K, NATIVE)
-        v = v_next
-    acc0, acc1, acc2, acc3 = _add_rows(acc0, acc1, acc2, acc3, v, x_ptr, s_row, (tl.cdiv(K, BLOCK_K) - 1) * BLOCK_K,
-                                       rq, M, K, stride_xm, ROWS, GROUP_K, EVEN_K, NATIVE)
-    _store_row(acc0, y_ptr, b_ptr, rn, HAS_BIAS)
-    if ROWS > 1:
-        if M > 1:
-            _store_row(acc1, y_ptr + stride_ym, b_ptr, rn, HAS_BIAS)
-    if ROWS > 2:
-        if M > 2:
-            _store_row(acc2, y_ptr + 2 * stride_ym, b_ptr, rn, HAS_BIAS)
-        if M > 3:
-            _store_row(acc3, y_ptr + 3 * stride_ym, b_ptr, rn, HAS_BIAS)
+    acc = tl.zeros((BLOCK_N, QUADS), tl.float32)
+    if AHEAD == 2:
+        for k in range(2 * BLOCK_K, K + 2 * BLOCK_K, BLOCK_K):
+            v2 = _load_step(w_ptrs, rq, k, K, False)
+            acc = add_quad_products(acc, v, x_ptr, s_row, k - 2 * BLOCK_K, rq, K, 1.0, GROUP_K, EVEN_K, NATIVE)
+            v = v1
+            v1 = v2
+    else:
+        for k in range(BLOCK_K, K, BLOCK_K):
+            v_next = _load_step(w_ptrs, rq, k, K, EVEN_K)
+            acc = add_quad_products(acc, v, x_ptr, s_row, k - BLOCK_K, rq, K, 1.0, GROUP_K, EVEN_K, NATIVE)
+            v = v_next
+        acc = add_quad_products(acc, v, x_ptr, s_row, (tl.cdiv(K, BLOCK_K) - 1) * BLOCK_K, rq, K, 1.0, GROUP_K,
+                                EVEN_K, NATIVE)
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rn).to(tl.float32)
+    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty))
 
 
 def block_k(k: int) -> int:
@@ -202,12 +175,12 @@ def block_k(k: int) -> int:
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None,
-              fmt: BlockFP8, block_n_: int | None = None) -> bool:
-    """What the kernel takes: up to ``MOST_ROWS`` bf16 / fp16 rows (unit column stride), a contiguous e4m3 weight whose rows split into
+              fmt: BlockFP8, block_n: int | None = None) -> bool:
+    """What the kernel takes: one contiguous bf16 / fp16 row, a contiguous e4m3 weight whose rows split into
     programs inside one scale row each (``block_n`` divides bn and N), read as words of four (K and bk multiples of 4),
     fp32 scales, a bias of x's dtype."""
-    bn = (block_n_ if block_n_ is not None else block_n(x.shape[0])) if x.dim() == 2 else 1
-    return (x.dim() == 2 and 0 < x.shape[0] <= MOST_ROWS and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1
+    bn = BLOCK_N if block_n is None else block_n
+    return (x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1
             and weight.dtype == FP8_DTYPE and weight.is_contiguous() and scale_inv.dtype == torch.float32
             and x.shape[1] == weight.shape[1] and weight.shape[0] % bn == 0 and fmt.block_n % bn == 0
             and weight.shape[1] % 4 == 0 and fmt.block_k % 4 == 0
@@ -215,25 +188,22 @@ def supported(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bi
 
 
 def block_fp8_gemv_triton(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None,
-                          fmt: BlockFP8, block_n_: int | None = None, block_k_: int | None = None,
-                          num_warps: int | None = None) -> torch.Tensor:
-    """x [M <= MOST_ROWS, K] (bf16 / fp16) @ (weight e4m3 [N, K] with scale_inv [ceil(N/bn), ceil(K/bk)])^T (+ bias)
-    -> [M, N]
-    in x's dtype; what it does not take goes to the dequantized reference. ``block_n_`` / ``block_k_`` /
+                          fmt: BlockFP8, block_n: int | None = None, block_k_: int | None = None,
+                          num_warps: int | None = None, ahead: int | None = None) -> torch.Tensor:
+    """x [1, K] (bf16 / fp16) @ (weight e4m3 [N, K] with scale_inv [ceil(N/bn), ceil(K/bk)])^T (+ bias) -> [1, N]
+    in x's dtype; what it does not take goes to the dequantized reference. ``block_n`` / ``block_k_`` /
     ``num_warps``: another launch (bench/fp8_gemm_tiles_probe.py --gemv)."""
-    bn = block_n(x.shape[0]) if block_n_ is None else block_n_
+    bn = BLOCK_N if block_n is None else block_n
     if not supported(x, weight, scale_inv, bias, fmt, bn):
         return block_fp8_linear_reference(x, weight, scale_inv, bias, fmt)
     n, k = weight.shape
     bk = block_k(k) if block_k_ is None else block_k_
     scale_inv = scale_inv.contiguous()
-    m = x.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _fp8_gemv_kernel[(n // bn,)](
-        x, weight.view(torch.int32), scale_inv, bias if bias is not None else y, y, m, k, x.stride(0),
-        weight.stride(0) // 4, scale_inv.stride(0), y.stride(0),
-        GROUP_N=fmt.block_n, GROUP_K=fmt.block_k, ROWS=triton.next_power_of_2(m), BLOCK_N=bn, BLOCK_K=bk,
-        EVEN_K=k % bk == 0,
-        HAS_BIAS=bias is not None, NATIVE=not _INTERPRET, num_warps=WARPS if num_warps is None else num_warps,
-        **pdl_launch())
+        x, weight.view(torch.int32), scale_inv, bias if bias is not None else y, y, k, weight.stride(0) // 4,
+        scale_inv.stride(0),
+        GROUP_N=fmt.block_n, GROUP_K=fmt.block_k, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
+        HAS_BIAS=bias is not None, NATIVE=not _INTERPRET, AHEAD=AHEAD if ahead is None else ahead,
+        num_warps=warps(bn, bk) if num_warps is None else num_warps, **pdl_launch())
     return y
