@@ -7,9 +7,11 @@ winner in both): ``scaled_mm`` at M >= 256 on every shape it takes (e.g. ``o_pro
 1.80 ms, ``q_b_proj`` 0.31 vs 0.63 ms), and at every M on the one long-K shape (``o_proj``, K = 16384: 47.6
 vs 62.6 us at M = 1); the Triton GEMM at M <= 64 on the others (``kv_b_proj`` at M = 1: 9.2 vs 18.6 us).
 Shapes ``scaled_mm`` does not take (``fp8_block_cublas.supported``: whole 128 x 128 blocks only, e.g.
-``kv_a_proj_with_mqa``'s N = 576) always go to Triton. Decode rows up to ``fp8_block_w8a16_triton.ROWS`` go to the
-weight-only kernel there (bf16 / fp16 activations, no quantization) before either, and one row up to
-``fp8_block_gemv_triton.ROWS`` to its GEMV (no tensor cores) before that.
+``kv_a_proj_with_mqa``'s N = 576) always go to Triton. One row (a batch-1 decode step) goes to
+``fp8_block_gemv_triton``'s GEMV before any of them (bf16 / fp16 x as it is, no quantization launch, no tensor cores:
+o_proj 44.3 against 56.8 us through ``scaled_mm`` on an H100, 2026-12-07-fp8-gemv-words-slice-h100.json), where its
+``ROWS`` is 1 (the default); decode rows up to ``fp8_block_w8a16_triton.ROWS`` (0: off) to the weight-only
+tensor-core kernel.
 """
 
 from __future__ import annotations

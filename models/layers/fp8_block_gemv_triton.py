@@ -10,14 +10,26 @@ batch-1 step, 2026-12-05-fp8-slice-shared-expert-pdl-ab-h200.json: q_a + kv_a an
 launch). The weight-only tensor-core GEMM (``fp8_block_w8a16_triton``) lost to the w8a8 path on an H100
 (2026-12-06-w8a16-decode-kernels-slice-h100.json): its weight tiles go through the MMA's operand layout. A
 GEMV needs no layout: as the bf16 GEMV (``linear_triton._gemv_kernel``) a program per ``BLOCK_N`` outputs
-streams its [BLOCK_N, BLOCK_K] weight tiles, each converted to fp32 in registers and multiplied with the row of
-x, the next tile loaded while one is multiplied. The block scale does not vary over a program's rows
-(``BLOCK_N`` divides the format's bn), so it scales x instead of the tile: x[k] * scale_inv[row block, k // bk],
-one multiply per column, not per weight. Under PDL (``pdl.py``) the first tile is read before waiting on the
-kernel before.
+streams its weight in [BLOCK_N, BLOCK_K] steps, converted to fp32 in registers and multiplied with the row of x,
+the next step loaded while one is multiplied. The block scale does not vary over a program's rows (``BLOCK_N``
+divides the format's bn), so it scales x instead of the weights: x[k] * scale_inv[row block, k // bk], one
+multiply per column, not per weight. Under PDL (``pdl.py``) the first step is read before waiting on the kernel
+before.
 
-``ROWS`` (0 or 1): the fast set's ``block_fp8_matmul`` routes one-row calls here (``fp8_block_gemm``). The A/B:
-``--set models.layers.fp8_block_gemv_triton.ROWS=1``.
+The conversion decides the speed. Triton's own e4m3 -> fp32 cast unpacks every byte and repacks pairs before
+``cvt.rn.f16x2.e4m3x2``, ~12 instructions a weight: a GEMV written with it streamed at most ~2.1 TB/s on an H100
+and made the slice's batch-1 step slower (2026-12-07-fp8-one-row-gemv-slice-h100.json). Here the weight is read
+as int32 words of four values and converted by one inline-PTX block a word (``e4m3x4_f32``: two
+``cvt.rn.f16x2.e4m3x2``, four f16 -> f32), ~3 instructions a weight with the multiply-add, and each thread's
+products stay summed per column until the end. On an H100 at one row (2026-12-07-fp8-gemv-words-slice-h100.json,
+each call another copy of the weight): o_proj 44.3 us (87 % of the copy bandwidth) against 51.2 for the w8a8
+GEMM and 56.8 for ``scaled_mm``, q_b_proj 15.2 against 17.9, q_a + kv_a 8.2 against 11.4 (each w8a8 figure with
+its quantization launch); the 2-layer slice's batch-1 step 1.191 against 1.227 ms. At 2 and 4 rows the same
+words converted once for every row lost to the w8a8 GEMMs (x's rows reach the weights' layout through shared
+memory each step), so only one row comes here.
+
+``ROWS`` (1; 0: never): the fast set's ``block_fp8_matmul`` routes one-row calls here (``fp8_block_gemm``). The
+A/B: ``--set models.layers.fp8_block_gemv_triton.ROWS=0``. Not yet timed on an H200.
 """
 
 from __future__ import annotations
@@ -33,11 +45,9 @@ from .pdl import pdl_launch, pdl_release, pdl_wait
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU interpreter runs no inline PTX
 # Rows up to which the fast kernel set takes this kernel (only one row is taken); 0: never.
-ROWS = 0
-# Rows a program (K columns a step: ``block_k``; warps: ``warps``) and the K steps loaded ahead of the one multiplied
-# (1 or 2; Triton does not pipeline these register loads through shared memory at any num_stages).
+ROWS = 1
+# Rows a program (K columns a step: ``block_k``; warps: ``warps``).
 BLOCK_N = 8
-AHEAD = 1
 
 
 def warps(block_n: int, block_k: int) -> int:
@@ -80,20 +90,20 @@ def e4m3x4_f32(v, NATIVE: tl.constexpr):
 
 
 @triton.jit
-def scaled_quads(x_ptr, s_ptr, k0, rq, K, mult, GROUP_K: tl.constexpr, EVEN_K: tl.constexpr):
+def scaled_quads(x_ptr, s_ptr, k0, rq, K, GROUP_K: tl.constexpr, EVEN_K: tl.constexpr):
     """x's columns k0 + 4 q + j (j = 0..3: four [BLOCK_K / 4] tensors) in fp32, times the weight scale of their K
-    block (``s_ptr``: the program's scale row; a block of GROUP_K >= 4 columns holds each quad whole) and ``mult``.
-    Not EVEN_K: columns from K on read as 0."""
+    block (``s_ptr``: the program's scale row; a block of GROUP_K >= 4 columns holds each quad whole). Not EVEN_K:
+    columns from K on read as 0."""
     cols = k0 + 4 * rq
     if EVEN_K:
-        s = tl.load(s_ptr + cols // GROUP_K) * mult
+        s = tl.load(s_ptr + cols // GROUP_K)
         x0 = tl.load(x_ptr + cols).to(tl.float32) * s
         x1 = tl.load(x_ptr + cols + 1).to(tl.float32) * s
         x2 = tl.load(x_ptr + cols + 2).to(tl.float32) * s
         x3 = tl.load(x_ptr + cols + 3).to(tl.float32) * s
     else:
         ok = cols < K
-        s = tl.load(s_ptr + cols // GROUP_K, mask=ok, other=0.0) * mult
+        s = tl.load(s_ptr + cols // GROUP_K, mask=ok, other=0.0)
         x0 = tl.load(x_ptr + cols, mask=ok, other=0.0).to(tl.float32) * s
         x1 = tl.load(x_ptr + cols + 1, mask=ok, other=0.0).to(tl.float32) * s
         x2 = tl.load(x_ptr + cols + 2, mask=ok, other=0.0).to(tl.float32) * s
@@ -102,12 +112,12 @@ def scaled_quads(x_ptr, s_ptr, k0, rq, K, mult, GROUP_K: tl.constexpr, EVEN_K: t
 
 
 @triton.jit
-def add_quad_products(acc, v, x_ptr, s_ptr, k0, rq, K, mult, GROUP_K: tl.constexpr, EVEN_K: tl.constexpr,
+def add_quad_products(acc, v, x_ptr, s_ptr, k0, rq, K, GROUP_K: tl.constexpr, EVEN_K: tl.constexpr,
                       NATIVE: tl.constexpr):
     """acc [rows, BLOCK_K / 4] plus, per quad of columns, the products of the packed weight words v with x's
-    scaled columns k0 + 4 q + j times ``mult`` (four fused multiply-adds a word)."""
+    scaled columns k0 + 4 q + j (four fused multiply-adds a word)."""
     f0, f1, f2, f3 = e4m3x4_f32(v, NATIVE)
-    x0, x1, x2, x3 = scaled_quads(x_ptr, s_ptr, k0, rq, K, mult, GROUP_K, EVEN_K)
+    x0, x1, x2, x3 = scaled_quads(x_ptr, s_ptr, k0, rq, K, GROUP_K, EVEN_K)
     acc += f0 * x0[None, :]
     acc += f1 * x1[None, :]
     acc += f2 * x2[None, :]
@@ -116,49 +126,37 @@ def add_quad_products(acc, v, x_ptr, s_ptr, k0, rq, K, mult, GROUP_K: tl.constex
 
 
 @triton.jit
-def _load_step(w_ptrs, rq, k, K, EVEN_K: tl.constexpr):
-    """The words of the K step from column k (columns from K on masked off: nothing read)."""
-    if EVEN_K:
-        return tl.load(w_ptrs + k // 4)
-    else:
-        return tl.load(w_ptrs + k // 4, mask=4 * rq[None, :] + k < K, other=0)
-
-
-@triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, K, stride_wn, stride_sn,
                      GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, NATIVE: tl.constexpr, AHEAD: tl.constexpr,
-                     PDL: tl.constexpr):
+                     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
     """Program n: outputs n * BLOCK_N.. of the one row, all of K in BLOCK_K steps (EVEN_K: BLOCK_K divides K, else
     the last step is masked). The weight is read as int32 words of four e4m3 values (``w_ptr`` an int32 view,
-    ``stride_wn`` in words), AHEAD (1 or 2) steps loaded ahead of the one multiplied, the first before the PDL
-    wait; the products add up per quad of columns in registers and the row sums are taken once, at the end (a
-    reduction over the program's threads each step cost shuffles and a barrier)."""
+    ``stride_wn`` in words), the next step loaded while one is multiplied, the first before the PDL wait (two
+    steps ahead was no faster: 2026-12-07-fp8-gemv-words-slice-h100.json); the products add up per quad of columns
+    in registers and the row sums are taken once, at the end (a reduction over the program's threads each step
+    cost shuffles and a barrier)."""
     QUADS: tl.constexpr = BLOCK_K // 4
     first = tl.program_id(0).to(tl.int64) * BLOCK_N
     rn = first + tl.arange(0, BLOCK_N)
     rq = tl.arange(0, QUADS)
     w_ptrs = w_ptr + rn[:, None] * stride_wn + rq[None, :]
     s_row = s_ptr + (first // GROUP_N) * stride_sn
-    v = _load_step(w_ptrs, rq, 0, K, EVEN_K)
-    if AHEAD == 2:
-        v1 = _load_step(w_ptrs, rq, BLOCK_K, K, False)
+    if EVEN_K:
+        v = tl.load(w_ptrs)
+    else:
+        v = tl.load(w_ptrs, mask=4 * rq[None, :] < K, other=0)
     pdl_release(PDL)
     pdl_wait(PDL)
     acc = tl.zeros((BLOCK_N, QUADS), tl.float32)
-    if AHEAD == 2:
-        for k in range(2 * BLOCK_K, K + 2 * BLOCK_K, BLOCK_K):
-            v2 = _load_step(w_ptrs, rq, k, K, False)
-            acc = add_quad_products(acc, v, x_ptr, s_row, k - 2 * BLOCK_K, rq, K, 1.0, GROUP_K, EVEN_K, NATIVE)
-            v = v1
-            v1 = v2
-    else:
-        for k in range(BLOCK_K, K, BLOCK_K):
-            v_next = _load_step(w_ptrs, rq, k, K, EVEN_K)
-            acc = add_quad_products(acc, v, x_ptr, s_row, k - BLOCK_K, rq, K, 1.0, GROUP_K, EVEN_K, NATIVE)
-            v = v_next
-        acc = add_quad_products(acc, v, x_ptr, s_row, (tl.cdiv(K, BLOCK_K) - 1) * BLOCK_K, rq, K, 1.0, GROUP_K,
-                                EVEN_K, NATIVE)
+    for k in range(BLOCK_K, K, BLOCK_K):
+        if EVEN_K:
+            v_next = tl.load(w_ptrs + k // 4)
+        else:
+            v_next = tl.load(w_ptrs + k // 4, mask=4 * rq[None, :] + k < K, other=0)
+        acc = add_quad_products(acc, v, x_ptr, s_row, k - BLOCK_K, rq, K, GROUP_K, EVEN_K, NATIVE)
+        v = v_next
+    acc = add_quad_products(acc, v, x_ptr, s_row, (tl.cdiv(K, BLOCK_K) - 1) * BLOCK_K, rq, K, GROUP_K, EVEN_K,
+                            NATIVE)
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + rn).to(tl.float32)
@@ -189,7 +187,7 @@ def supported(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bi
 
 def block_fp8_gemv_triton(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None,
                           fmt: BlockFP8, block_n: int | None = None, block_k_: int | None = None,
-                          num_warps: int | None = None, ahead: int | None = None) -> torch.Tensor:
+                          num_warps: int | None = None) -> torch.Tensor:
     """x [1, K] (bf16 / fp16) @ (weight e4m3 [N, K] with scale_inv [ceil(N/bn), ceil(K/bk)])^T (+ bias) -> [1, N]
     in x's dtype; what it does not take goes to the dequantized reference. ``block_n`` / ``block_k_`` /
     ``num_warps``: another launch (bench/fp8_gemm_tiles_probe.py --gemv)."""
@@ -204,6 +202,6 @@ def block_fp8_gemv_triton(x: torch.Tensor, weight: torch.Tensor, scale_inv: torc
         x, weight.view(torch.int32), scale_inv, bias if bias is not None else y, y, k, weight.stride(0) // 4,
         scale_inv.stride(0),
         GROUP_N=fmt.block_n, GROUP_K=fmt.block_k, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
-        HAS_BIAS=bias is not None, NATIVE=not _INTERPRET, AHEAD=AHEAD if ahead is None else ahead,
+        HAS_BIAS=bias is not None, NATIVE=not _INTERPRET, 
         num_warps=warps(bn, bk) if num_warps is None else num_warps, **pdl_launch())
     return y

@@ -18,7 +18,6 @@ then, as sglang's FP8 fused MoE does (w8a8, 1 x bk groups):
 
 Unused blocks (``block_expert`` -1) return at once: a step streams only the experts it routes to. Up to
 ``W8A16_ROWS`` tokens, steps 1 and 3 are skipped: both kernels take bf16 / fp16 rows and convert the weights.
-One token goes through ``fused_moe_fp8_gemv_triton`` instead where its ``TOKENS`` says so (GEMVs, two launches).
 Shapes the tiles do not divide, or formats ``fp8_block_triton.supported`` refuses, go to the torch twin.
 """
 
@@ -31,7 +30,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import fused_moe_fp8_gemv_triton as one_token
 from .fp8_block import FP8_DTYPE, BlockFP8
 from .fp8_block_triton import group_quant_triton, supported
 from .fused_moe import BLOCK_M, fused_experts_fp8_torch
@@ -182,9 +180,6 @@ def fused_experts_fp8_triton(x: torch.Tensor, local_ids: torch.Tensor, weights: 
         return fused_experts_fp8_torch(x, local_ids, weights, gate_up, gate_up_scale, down, down_scale, fmt)
     if n == 0:
         return torch.zeros(0, hidden, dtype=x.dtype, device=x.device)
-    if n <= one_token.TOKENS and one_token.supported(x, gate_up, down, fmt):
-        return one_token.fused_experts_fp8_gemv_triton(x, local_ids, weights, gate_up, gate_up_scale, down,
-                                                       down_scale, fmt)
     out = torch.empty(n * k, hidden, dtype=torch.float32, device=x.device)  # rows of other ranks' pairs: unwritten
     blk = moe_align_fast(local_ids, num_experts, BLOCK_M)
     w8a16 = n <= W8A16_ROWS and x.dtype in (torch.bfloat16, torch.float16)
