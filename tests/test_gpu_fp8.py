@@ -62,8 +62,8 @@ def test_block_fp8_w8a16_equals_the_dequantized_reference(m: int) -> None:
 
 @needs_fp8_gpu
 def test_block_fp8_gemv_equals_the_dequantized_reference() -> None:
-    """The one-row GEMV (e4m3 tiles converted in registers, no tensor cores) on DeepSeek-V3's shapes and the merged
-    q_a + kv_a (2112 rows): within bf16 output rounding of x @ dequantize(W)^T, with a bias."""
+    """The one-row GEMV (e4m3 read as words of four, converted by inline PTX, no tensor cores) on DeepSeek-V3's shapes
+    and the merged q_a + kv_a (2112 rows): within bf16 output rounding of x @ dequantize(W)^T, with a bias."""
     from fusedserve.models.layers.fp8_block import BlockFP8, block_fp8_linear_reference, quantize_weight
     from fusedserve.models.layers.fp8_block_gemv_triton import block_fp8_gemv_triton, supported
 
