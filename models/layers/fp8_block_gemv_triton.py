@@ -202,6 +202,6 @@ def block_fp8_gemv_triton(x: torch.Tensor, weight: torch.Tensor, scale_inv: torc
         x, weight.view(torch.int32), scale_inv, bias if bias is not None else y, y, k, weight.stride(0) // 4,
         scale_inv.stride(0),
         GROUP_N=fmt.block_n, GROUP_K=fmt.block_k, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
-        HAS_BIAS=bias is not None, NATIVE=not _INTERPRET, 
+        HAS_BIAS=bias is not None, NATIVE=not _INTERPRET,
         num_warps=warps(bn, bk) if num_warps is None else num_warps, **pdl_launch())
     return y
