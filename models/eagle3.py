@@ -19,6 +19,13 @@ of torch ops was some 60 small kernels), ``fc`` and ``lm_head`` included (they h
 ``attention_backend`` apart, since the draft takes the target's attention only where its heads fit
 (``worker/spec_decode/draft_model.py``).
 
+The LM head is a chain step's largest matmul (SmolLM2's draft: [16 384, 576], 7.4 of a step's ~27 us on an H100,
+2026-12-06-verify-per-launch-attribution-smollm2-h100.json), bound by its bytes. Where the kernel set names a
+block-FP8 format for it (``Kernels.draft_head``) and the GPU has FP8 (compute capability >= 8.9), the head is
+quantized at load (``quantize_head``: e4m3, one scale per block) and runs through the set's ``block_fp8_matmul``
+(one row: the FP8 GEMV), half the bytes. A draft only proposes: the target's verify decides every token, so the
+head's rounding moves the acceptance, never the text at temperature 0 nor the distribution sampled at 1.
+
 The draft is small and runs on the engine's leader only (no collectives); its KV cache is its
 own. Aux states come from the target's forward (``ForwardBatch.aux_layers`` ->
 ``ModelOutput.hidden``): the complete residual stream entering layers ``aux_layers(...)``.
@@ -37,6 +44,7 @@ from .forward_batch import ForwardBatch
 from .interface import ModelOutput
 from .layers.attention import AttentionBackend
 from .layers.attention_layout import AttentionDims
+from .layers.fp8_block import BlockFP8, BlockFP8MatmulFn, quantize_weight
 from .layers.kernels import Kernels
 from .layers.linear import MatmulFn, use_matmul
 from .layers.mamba_state import MambaStateShape
@@ -96,6 +104,10 @@ class Eagle3Draft(nn.Module):
         self.matmul: MatmulFn = F.linear  # fc and lm_head as well as the layer's own (the kernel set's, below)
         if kernels.matmul is not None:
             use_matmul(self, kernels.matmul)
+        self.head_format: BlockFP8 | None = kernels.draft_head  # the LM head's block FP8 (``quantize_head``)
+        self.block_fp8_matmul: BlockFP8MatmulFn = kernels.block_fp8_matmul
+        self.lm_head_fp8: torch.Tensor | None = None  # e4m3 [draft_vocab, H] and its block scales, once quantized
+        self.lm_head_scale_inv: torch.Tensor | None = None
 
     def share_embedding(self, weight: torch.Tensor) -> None:
         """Use the target's (full, unsharded) embedding table when the draft has none."""
@@ -135,7 +147,26 @@ class Eagle3Draft(nn.Module):
         out, residual = add_norm(h, residual, self.norm.weight, self.norm.eps)
         if batch.logits_indices is not None:
             out = out.index_select(0, batch.logits_indices)  # not out[...]: its index kernel costs 2x
-        return ModelOutput(self.matmul(out, self.lm_head.weight, None), (residual,))
+        return ModelOutput(self.head(out), (residual,))
+
+    def head(self, out: torch.Tensor) -> torch.Tensor:
+        """[rows, H] -> draft-vocab logits [rows, draft_vocab]: the quantized head once ``quantize_head`` ran,
+        else the checkpoint's."""
+        if self.lm_head_fp8 is None or self.lm_head_scale_inv is None or self.head_format is None:
+            return self.matmul(out, self.lm_head.weight, None)
+        return self.block_fp8_matmul(out, self.lm_head_fp8, self.lm_head_scale_inv, None, self.head_format)
+
+    @torch.no_grad()
+    def quantize_head(self) -> bool:
+        """Quantize the LM head to ``head_format`` where the kernel set names one, the weights sit on a GPU with
+        FP8 (compute capability >= 8.9) and the head splits into whole blocks; the checkpoint's head is then freed.
+        Says whether it did."""
+        w, fmt = self.lm_head.weight, self.head_format
+        if fmt is None or not has_fp8(w.device) or w.shape[0] % fmt.block_n or w.shape[1] % fmt.block_k:
+            return False
+        self.lm_head_fp8, self.lm_head_scale_inv = quantize_weight(w, fmt)
+        self.lm_head.weight = nn.Parameter(w.new_empty(0, w.shape[1]), requires_grad=False)
+        return True
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
@@ -155,6 +186,11 @@ class Eagle3Draft(nn.Module):
         if name == "embed_tokens.weight":
             self.has_own_embedding = True
         return stacked_name(name, self.stacked_params)
+
+
+def has_fp8(device: torch.device) -> bool:
+    """Whether ``device`` is a GPU with FP8 tensor cores and e4m3 conversions (compute capability >= 8.9)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def load_eagle3_draft(model_dir: str, target_hidden: int, target_embedding: torch.Tensor | None,
@@ -179,6 +215,7 @@ def load_eagle3_draft(model_dir: str, target_hidden: int, target_embedding: torc
         raise CheckpointError(f"{model_dir}: architecture {arch!r} is not an EAGLE3 draft (LlamaForCausalLMEagle3)")
     draft = Eagle3Draft(config, target_hidden, dtype, device, attention_backend, kernels)
     load_weights(draft, iter_checkpoint(checkpoint_files(model_dir)))
+    draft.quantize_head()
     if not draft.has_own_embedding:
         if target_embedding is None:
             raise CheckpointError(f"{model_dir}: the draft has no embed_tokens and no target embedding was given")

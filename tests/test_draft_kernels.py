@@ -67,15 +67,48 @@ def test_draft_runs_the_kernel_sets_ops_with_the_reference_numbers() -> None:
     assert calls == Counter(draft_input=2, add_rms_norm=4, rope=2, silu_and_mul=2, matmul=11), calls
 
 
+def test_a_block_fp8_head_is_the_dequantized_head_and_leaves_the_hidden_states(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the kernel set names a block-FP8 format for the draft's LM head and the device has FP8 (faked here: the
+    reference set dequantizes, so the CPU runs the same numbers a GPU's FP8 GEMV sums in another order), the head is
+    quantized at load and the checkpoint's freed: the logits are x @ dequantize(W)^T, near the checkpoint head's,
+    the hidden states untouched. No format, or a head that does not split into whole blocks: left as it is."""
+    import fusedserve.models.eagle3 as eagle3
+    from fusedserve.models.layers.fp8_block import BlockFP8, dequantize_weight
+
+    plain = _two_steps(None)
+    fmt = BlockFP8(8, 64)
+    monkeypatch.setattr(eagle3, "has_fp8", lambda device: True)
+    fp8 = _two_steps(replace(Kernels.reference(), draft_head=fmt))
+    for i in (1, 3):  # the hidden states: the head is not on their path
+        torch.testing.assert_close(fp8[i], plain[i], atol=0, rtol=0)
+    for i in (0, 2):  # the logits: e4m3 rounding of the head's weights, ~2-3 % of their size
+        err = float((fp8[i] - plain[i]).norm() / plain[i].norm())
+        assert 0 < err < 0.05, err
+        assert float((fp8[i].argmax(-1) == plain[i].argmax(-1)).float().mean()) >= 0.7
+    config = load_config(str(TARGET))
+    model, _ = build_draft(DRAFT, TARGET, config, 8, 16, torch.float32, torch.device("cpu"),
+                           kernels=replace(Kernels.reference(), draft_head=fmt))
+    assert model.lm_head_fp8 is not None and model.lm_head_scale_inv is not None
+    assert model.lm_head.weight.numel() == 0  # the checkpoint's head is freed
+    out = torch.randn(3, model.lm_head_fp8.shape[1], generator=torch.Generator().manual_seed(1))
+    want = F.linear(out, dequantize_weight(model.lm_head_fp8, model.lm_head_scale_inv, fmt))
+    torch.testing.assert_close(model.head(out), want, atol=0, rtol=0)
+    for kernels in (Kernels.reference(), replace(Kernels.reference(), draft_head=BlockFP8(8, 96))):
+        model, _ = build_draft(DRAFT, TARGET, config, 8, 16, torch.float32, torch.device("cpu"), kernels=kernels)
+        assert model.lm_head_fp8 is None and model.lm_head.weight.numel() > 0  # no format / 128 % 96: as it is
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_draft_on_the_triton_set_matches_the_references_on_gpu() -> None:
     """bf16 on the GPU: the Triton input row / norms / RoPE / SiLU-and-mul / matmuls against the torch references,
-    same weights; the greedy choice through the draft-to-target table against torch's."""
+    same weights (the set's block-FP8 LM head apart: its own test below); the greedy choice through the
+    draft-to-target table against torch's."""
     config = load_config(str(TARGET))
     dev = torch.device("cuda")
     outs = []
-    for kernels in (None, Kernels.triton()):
+    for kernels in (None, replace(Kernels.triton(), draft_head=None)):
         model, executor = build_draft(DRAFT, TARGET, config, 8, 16, torch.bfloat16, dev, kernels=kernels)
         gen = torch.Generator(device=dev).manual_seed(0)
         seq = [3, 17, 99, 5, 250, 8, 61, 40, 12]
@@ -94,3 +127,31 @@ def test_draft_on_the_triton_set_matches_the_references_on_gpu() -> None:
         logits = torch.randn(3, vocab, device=dev, dtype=torch.bfloat16)
         table = torch.randperm(vocab, device=dev) + 5
         assert torch.equal(argmax_to_triton(logits, table), table[logits.argmax(dim=-1)])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a CUDA GPU with FP8 (compute capability >= 8.9)")
+def test_the_triton_sets_fp8_draft_head_equals_its_dequantized_head_on_gpu() -> None:
+    """The fast set's draft head in block FP8 (``Kernels.draft_head``): quantized at load, one row through the
+    FP8 GEMV and four through the w8a8 GEMM, within bf16 rounding (one row) / the activations' e4m3 rounding
+    (four rows) of x @ dequantize(W)^T; at SmolLM2's draft shape too."""
+    from fusedserve.models.layers.fp8_block import dequantize_weight, quantize_weight
+    from fusedserve.models.layers.fp8_block_gemv_triton import DRAFT_HEAD
+
+    assert DRAFT_HEAD is not None and Kernels.triton().draft_head == DRAFT_HEAD
+    config = load_config(str(TARGET))
+    dev = torch.device("cuda")
+    model, _ = build_draft(DRAFT, TARGET, config, 8, 16, torch.bfloat16, dev, kernels=Kernels.triton())
+    assert model.lm_head_fp8 is not None and model.lm_head_scale_inv is not None
+    gen = torch.Generator(device=dev).manual_seed(0)
+    cases = [(model.head, model.lm_head_fp8, model.lm_head_scale_inv)]
+    w, s = quantize_weight(torch.randn(16384, 576, device=dev, generator=gen) * 0.05, DRAFT_HEAD)
+    cases.append((lambda x: Kernels.triton().block_fp8_matmul(x, w, s, None, DRAFT_HEAD), w, s))
+    for head, q, scale in cases:
+        full = dequantize_weight(q, scale, DRAFT_HEAD)
+        for rows, tol in ((1, 5e-3), (4, 5e-2)):
+            x = torch.randn(rows, q.shape[1], device=dev, generator=gen).bfloat16()
+            want = F.linear(x.float(), full)
+            got = head(x).float()
+            assert float((got - want).norm() / want.norm()) < tol, (tuple(q.shape), rows)

@@ -1282,14 +1282,16 @@ def test_interp_block_fp8_w8a16_equals_the_dequantized_reference(m: int, n: int,
 @pytest.mark.parametrize("n,k,block,dtype,bias", [(200, 96, (32, 32), torch.bfloat16, True),
                                                   (72, 160, (16, 32), torch.float16, False),
                                                   (64, 4096, (128, 128), torch.bfloat16, False),
-                                                  (40, 1000, (8, 128), torch.bfloat16, True)],
-                         ids=["partial-k-block", "bn-ne-bk-fp16", "four-steps", "masked-last-step"])
+                                                  (40, 1000, (8, 128), torch.bfloat16, True),
+                                                  (64, 576, (8, 64), torch.bfloat16, False)],
+                         ids=["partial-k-block", "bn-ne-bk-fp16", "four-steps", "masked-last-step", "draft-head"])
 def test_interp_block_fp8_gemv_equals_the_dequantized_reference(n: int, k: int, block: tuple[int, int],
                                                                 dtype: torch.dtype, bias: bool) -> None:
     """The one-row weight-only GEMV (e4m3 words of four in fp32 registers, the block scale applied to x's columns)
     equals the dequantized model's x @ W^T + b within the output's rounding: a partial last K block, bn != bk, four
-    1024-column steps, a masked last step; the fast set routes one row to it (``ROWS`` 1; 0: never), not two
-    rows, not fp32, not a block of rows narrower than the kernel's."""
+    1024-column steps, a masked last step, an EAGLE3 draft head's blocks (``DRAFT_HEAD``, hidden 576); the fast set
+    routes one row to it (``ROWS`` 1; 0: never), not two rows, not fp32, not a block of rows narrower than the
+    kernel's."""
     from fusedserve.models.layers import fp8_block_gemm
     from fusedserve.models.layers import fp8_block_gemv_triton as gemv
     from fusedserve.models.layers.fp8_block import BlockFP8, block_fp8_linear_reference, quantize_weight
@@ -1303,7 +1305,7 @@ def test_interp_block_fp8_gemv_equals_the_dequantized_reference(n: int, k: int, 
     got = gemv.block_fp8_gemv_triton(x, w, s, b, fmt)
     assert got.dtype == dtype and got.shape == (1, n)
     _close(got.float(), want, 1e-2)
-    assert gemv.block_k(k) == {96: 128, 160: 256, 4096: 1024, 1000: 1024}[k]
+    assert gemv.block_k(k) == {96: 128, 160: 256, 4096: 1024, 1000: 1024, 576: 1024}[k]
     assert not gemv.supported(x.float(), w, s, b, fmt) and not gemv.supported(
         x.expand(2, k).contiguous(), w, s, b, fmt) and not gemv.supported(x, w, s, b, BlockFP8(4, 128))
     assert gemv.ROWS == 1 and torch.equal(fp8_block_gemm.block_fp8_linear_fast(x, w, s, b, fmt), got)

@@ -48,6 +48,11 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU interpreter ru
 ROWS = 1
 # Rows a program (K columns a step: ``block_k``; warps: ``warps``).
 BLOCK_N = 8
+# The block format of an EAGLE3 draft's LM head in the fast kernel sets (``Kernels.draft_head``, ``eagle3.py``): a
+# chain step's head is one row, so it comes here; 8 x 64 blocks keep each scale to one program's rows and a
+# narrow K span (SmolLM2's draft: hidden 576 = 9 x 64). None: the head stays in the checkpoint's dtype (the A/B:
+# --set models.layers.fp8_block_gemv_triton.DRAFT_HEAD=None).
+DRAFT_HEAD: BlockFP8 | None = BlockFP8(BLOCK_N, 64)
 
 
 def warps(block_n: int, block_k: int) -> int:

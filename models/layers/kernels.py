@@ -45,7 +45,7 @@ from ..parallel.fusion.reference import NormKernels
 from .attention import AttentionBackend, paged_attention_reference
 from .attention_layout import PlannerFactory
 from .draft_input import ArgmaxToFn, DraftInputFn, argmax_to, draft_input
-from .fp8_block import BlockFP8MatmulFn, block_fp8_linear_reference
+from .fp8_block import BlockFP8, BlockFP8MatmulFn, block_fp8_linear_reference
 from .fused_moe import FusedExpertsFn, FusedFP8ExpertsFn, fused_experts_fp8_torch, fused_experts_torch
 from .linear import MatmulFn
 from .mla import MLAAssembleFn, mla_assemble
@@ -77,6 +77,9 @@ class Kernels:
     # side by side) and its greedy choice through the draft-to-target table (triton: one launch each).
     draft_input: DraftInputFn = draft_input
     argmax_to: ArgmaxToFn = argmax_to
+    # An EAGLE3 draft's LM head in block FP8, quantized at load where the GPU has FP8 (``eagle3.py``), run through
+    # ``block_fp8_matmul``; None = the checkpoint's dtype through ``matmul``.
+    draft_head: BlockFP8 | None = None
     # Routed MoE experts (``fused_moe.py``); None = RoutedExperts' per-expert loop (host sync).
     fused_moe: FusedExpertsFn | None = None
     # Block-FP8 layers: the linear kernel, and the routed experts' (None = the per-expert loop, dequantizing).
@@ -104,6 +107,7 @@ class Kernels:
     def triton() -> Kernels:
         """GPU kernels; raises ImportError without Triton. Launched with programmatic dependent launch
         where the GPU has it (``pdl.py``)."""
+        from . import fp8_block_gemv_triton
         from .argmax_triton import argmax_to_triton, argmax_triton
         from .decode_attention_triton import paged_decode_attention_triton
         from .draft_input_triton import draft_input_triton
@@ -123,7 +127,7 @@ class Kernels:
                        rope=rope_triton, silu_and_mul=silu_and_mul_triton,
                        matmul=decode_linear, qkv_rope=decode_qkv_rope, gate_up_act=decode_gate_up_silu,
                        argmax=argmax_triton, draft_input=draft_input_triton, argmax_to=argmax_to_triton,
-                       fused_moe=fused_experts_triton,
+                       draft_head=fp8_block_gemv_triton.DRAFT_HEAD, fused_moe=fused_experts_triton,
                        block_fp8_matmul=block_fp8_linear_fast, fused_moe_fp8=fused_experts_fp8_triton,
                        select_experts=select_experts_triton, mla_assemble=mla_assemble_triton,
                        embedding=embedding_triton, graph_safe=True)
@@ -140,7 +144,7 @@ class Kernels:
         return Kernels(name="flashinfer", attention=flashinfer_attention, norms=base.norms, rope=base.rope,
                        silu_and_mul=base.silu_and_mul, matmul=base.matmul, qkv_rope=base.qkv_rope,
                        gate_up_act=base.gate_up_act, argmax=base.argmax, draft_input=base.draft_input,
-                       argmax_to=base.argmax_to, fused_moe=base.fused_moe,
+                       argmax_to=base.argmax_to, draft_head=base.draft_head, fused_moe=base.fused_moe,
                        block_fp8_matmul=base.block_fp8_matmul, fused_moe_fp8=base.fused_moe_fp8,
                        select_experts=base.select_experts, mla_assemble=base.mla_assemble,
                        embedding=base.embedding, graph_safe=True, planner=flashinfer_planner)
