@@ -23,8 +23,9 @@ The LM head is a chain step's largest matmul (SmolLM2's draft: [16 384, 576], 7.
 2026-12-06-verify-per-launch-attribution-smollm2-h100.json), bound by its bytes. Where the kernel set names a
 block-FP8 format for it (``Kernels.draft_head``) and the GPU has FP8 (compute capability >= 8.9), the head is
 quantized at load (``quantize_head``: e4m3, one scale per block) and runs through the set's ``block_fp8_matmul``
-(one row: the FP8 GEMV), half the bytes. A draft only proposes: the target's verify decides every token, so the
-head's rounding moves the acceptance, never the text at temperature 0 nor the distribution sampled at 1.
+(one row: the FP8 GEMV), half the bytes (off until a GPU times it: ``fp8_block_gemv_triton.DRAFT_HEAD_BLOCK``).
+A draft only proposes: the target's verify decides every token, so the head's rounding moves the acceptance, never
+the text at temperature 0 nor the distribution sampled at 1.
 
 The draft is small and runs on the engine's leader only (no collectives); its KV cache is its
 own. Aux states come from the target's forward (``ForwardBatch.aux_layers`` ->

@@ -133,23 +133,25 @@ def test_draft_on_the_triton_set_matches_the_references_on_gpu() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                     reason="needs a CUDA GPU with FP8 (compute capability >= 8.9)")
 def test_the_triton_sets_fp8_draft_head_equals_its_dequantized_head_on_gpu() -> None:
-    """The fast set's draft head in block FP8 (``Kernels.draft_head``): quantized at load, one row through the
-    FP8 GEMV and four through the w8a8 GEMM, within bf16 rounding (one row) / the activations' e4m3 rounding
+    """The fast set's draft head in block FP8 (``Kernels.draft_head``, 8 x 64 blocks): quantized at load, one row
+    through the FP8 GEMV and four through the w8a8 GEMM, within bf16 rounding (one row) / the activations' e4m3 rounding
     (four rows) of x @ dequantize(W)^T; at SmolLM2's draft shape too."""
-    from fusedserve.models.layers.fp8_block import dequantize_weight, quantize_weight
-    from fusedserve.models.layers.fp8_block_gemv_triton import DRAFT_HEAD
+    from fusedserve.models.layers import fp8_block_gemv_triton as gemv
+    from fusedserve.models.layers.fp8_block import BlockFP8, dequantize_weight, quantize_weight
 
-    assert DRAFT_HEAD is not None and Kernels.triton().draft_head == DRAFT_HEAD
+    assert Kernels.triton().draft_head == gemv.draft_head()
+    fmt = BlockFP8(8, 64)
     config = load_config(str(TARGET))
     dev = torch.device("cuda")
-    model, _ = build_draft(DRAFT, TARGET, config, 8, 16, torch.bfloat16, dev, kernels=Kernels.triton())
+    model, _ = build_draft(DRAFT, TARGET, config, 8, 16, torch.bfloat16, dev,
+                           kernels=replace(Kernels.triton(), draft_head=fmt))
     assert model.lm_head_fp8 is not None and model.lm_head_scale_inv is not None
     gen = torch.Generator(device=dev).manual_seed(0)
     cases = [(model.head, model.lm_head_fp8, model.lm_head_scale_inv)]
-    w, s = quantize_weight(torch.randn(16384, 576, device=dev, generator=gen) * 0.05, DRAFT_HEAD)
-    cases.append((lambda x: Kernels.triton().block_fp8_matmul(x, w, s, None, DRAFT_HEAD), w, s))
+    w, s = quantize_weight(torch.randn(16384, 576, device=dev, generator=gen) * 0.05, fmt)
+    cases.append((lambda x: Kernels.triton().block_fp8_matmul(x, w, s, None, fmt), w, s))
     for head, q, scale in cases:
-        full = dequantize_weight(q, scale, DRAFT_HEAD)
+        full = dequantize_weight(q, scale, fmt)
         for rows, tol in ((1, 5e-3), (4, 5e-2)):
             x = torch.randn(rows, q.shape[1], device=dev, generator=gen).bfloat16()
             want = F.linear(x.float(), full)

@@ -1289,7 +1289,7 @@ def test_interp_block_fp8_gemv_equals_the_dequantized_reference(n: int, k: int, 
                                                                 dtype: torch.dtype, bias: bool) -> None:
     """The one-row weight-only GEMV (e4m3 words of four in fp32 registers, the block scale applied to x's columns)
     equals the dequantized model's x @ W^T + b within the output's rounding: a partial last K block, bn != bk, four
-    1024-column steps, a masked last step, an EAGLE3 draft head's blocks (``DRAFT_HEAD``, hidden 576); the fast set
+    1024-column steps, a masked last step, an EAGLE3 draft head's 8 x 64 blocks (hidden 576); the fast set
     routes one row to it (``ROWS`` 1; 0: never), not two rows, not fp32, not a block of rows narrower than the
     kernel's."""
     from fusedserve.models.layers import fp8_block_gemm

@@ -48,11 +48,18 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU interpreter ru
 ROWS = 1
 # Rows a program (K columns a step: ``block_k``; warps: ``warps``).
 BLOCK_N = 8
-# The block format of an EAGLE3 draft's LM head in the fast kernel sets (``Kernels.draft_head``, ``eagle3.py``): a
-# chain step's head is one row, so it comes here; 8 x 64 blocks keep each scale to one program's rows and a
-# narrow K span (SmolLM2's draft: hidden 576 = 9 x 64). None: the head stays in the checkpoint's dtype (the A/B:
-# --set models.layers.fp8_block_gemv_triton.DRAFT_HEAD=None).
-DRAFT_HEAD: BlockFP8 | None = BlockFP8(BLOCK_N, 64)
+# The weight blocks (rows, columns) of an EAGLE3 draft's LM head in block FP8 in the fast kernel sets
+# (``Kernels.draft_head``, ``eagle3.py``): a chain step's head is one row, so it comes here; 8 x 64 blocks keep each
+# scale to one program's rows and a narrow K span (SmolLM2's draft: hidden 576 = 9 x 64). None (the default until
+# a GPU times it): the head stays in the checkpoint's dtype. The A/B: --set
+# models.layers.fp8_block_gemv_triton.DRAFT_HEAD_BLOCK="(8, 64)". On CPU, the acceptance with the head so rounded
+# (SmolLM2's draft, chain-7, 20 + 20 prompts) moved within its noise: 2026-12-07-spec-acceptance-fp8-draft-head-smollm2-cpu.json.
+DRAFT_HEAD_BLOCK: tuple[int, int] | None = None
+
+
+def draft_head() -> BlockFP8 | None:
+    """The draft head's format (``DRAFT_HEAD_BLOCK``), read when a kernel set is made."""
+    return None if DRAFT_HEAD_BLOCK is None else BlockFP8(*DRAFT_HEAD_BLOCK)
 
 
 def warps(block_n: int, block_k: int) -> int:

@@ -26,7 +26,9 @@ flashinfer   ``flashinfer_attention``, planned      as ``triton``
 Block-FP8 models (``fp8_block.py``) also take ``block_fp8_matmul`` (reference: the weight dequantized,
 then ``F.linear``; triton: per-token-group activation quantization + a block-scaled FP8 GEMM, the
 project's Triton one or cuBLASLt's ``scaled_mm`` by shape, ``fp8_block_gemm.py``) and ``fused_moe_fp8`` (torch: dequantize + ``fused_experts_torch``; triton:
-``fused_moe_fp8_triton.py``; reference: the per-expert loop, dequantizing).
+``fused_moe_fp8_triton.py``; reference: the per-expert loop, dequantizing). ``draft_head``: an EAGLE3 draft's LM head
+in block FP8 where the GPU has it (``eagle3.py``; the fast sets' format is ``fp8_block_gemv_triton.draft_head()``,
+none by default).
 
 ``graph_safe`` says whether a forward reads its layout from device tensors (or a plan made before
 it) only, so that the executor may capture it as a CUDA graph (``worker/executor/step_graphs.py``).
@@ -127,7 +129,7 @@ class Kernels:
                        rope=rope_triton, silu_and_mul=silu_and_mul_triton,
                        matmul=decode_linear, qkv_rope=decode_qkv_rope, gate_up_act=decode_gate_up_silu,
                        argmax=argmax_triton, draft_input=draft_input_triton, argmax_to=argmax_to_triton,
-                       draft_head=fp8_block_gemv_triton.DRAFT_HEAD, fused_moe=fused_experts_triton,
+                       draft_head=fp8_block_gemv_triton.draft_head(), fused_moe=fused_experts_triton,
                        block_fp8_matmul=block_fp8_linear_fast, fused_moe_fp8=fused_experts_fp8_triton,
                        select_experts=select_experts_triton, mla_assemble=mla_assemble_triton,
                        embedding=embedding_triton, graph_safe=True)
