@@ -33,13 +33,19 @@ from bench.common import Progress, apply_settings, copy_bandwidth, graph_ms, rec
 
 SHAPES = (("smollm2_draft", 16384, 576), ("llama3_8b_draft", 32000, 4096))
 COPIES = 16
+# --sweep: the FP8 GEMV's launch at each (block rows of the format, rows a program, K columns a step, warps); the
+# format's block columns stay --block's.
+CUTS = tuple((f, bn, bk, w) for f, bn in ((8, 8), (16, 16), (32, 32), (16, 8), (32, 8)) for bk in (1024, 256, 128)
+             for w in (1, 2, 4, 8) if bn * bk // 1024 <= w * 2 and bn * bk // 128 >= w)
 progress = Progress("draft_head_probe")
 
 
-def probe(name: str, n: int, k: int, block: tuple[int, int], reps: int, bw: float) -> dict[str, Any]:
+def probe(name: str, n: int, k: int, block: tuple[int, int], reps: int, bw: float, sweep: bool = False
+          ) -> dict[str, Any]:
     from fusedserve.models.layers.argmax_triton import argmax_to_triton
     from fusedserve.models.layers.fp8_block import BlockFP8, quantize_weight
     from fusedserve.models.layers.fp8_block_gemm import block_fp8_linear_fast
+    from fusedserve.models.layers.fp8_block_gemv_triton import block_fp8_gemv_triton
     from fusedserve.models.layers.linear_triton import decode_linear
 
     dev = torch.device("cuda")
@@ -77,6 +83,28 @@ def probe(name: str, n: int, k: int, block: tuple[int, int], reps: int, bw: floa
                      "of_copy_bw": round(nbytes[kind] / (us * 1e-6) / bw, 3),
                      "rel_err_max": round(max(errs), 5), "argmax_agrees": f"{agree}/{x.shape[0]}"}
     out["fp8_saves_us"] = round(out["bf16"]["with_choice_us"] - out["fp8"]["with_choice_us"], 2)
+    cuts = []
+    for bn_fmt, block_n, block_k, warps in CUTS if sweep else ():
+        cut_fmt = BlockFP8(bn_fmt, block[1])
+        cq = [quantize_weight(w, cut_fmt) for w in ws]
+
+        def one(i: int, row: torch.Tensor, c: Any = (cut_fmt, block_n, block_k, warps), cq: Any = cq) -> Any:
+            return block_fp8_gemv_triton(row, cq[i][0], cq[i][1], None, c[0], c[1], c[2], c[3])
+
+        def calls(one: Any = one) -> None:
+            for i in range(COPIES):
+                one(i, x[:1])
+
+        try:
+            r = graph_ms(calls, reps)
+            cuts.append({"cut": [bn_fmt, block[1], block_n, block_k, warps], "us": round(r["ms"] * 1000 / COPIES, 2),
+                         "spread": r["spread"]})
+        except Exception as e:  # a cut that does not compile: said in the record
+            cuts.append({"cut": [bn_fmt, block[1], block_n, block_k, warps], "error": f"{type(e).__name__}: {e}"[:160]})
+    if cuts:
+        out["fp8_cuts"] = cuts
+        out["fp8_best_cut"] = min((c for c in cuts if "us" in c), key=lambda c: c["us"], default=None)
+        progress(f"{name}: best fp8 cut {out['fp8_best_cut']}")
     progress(f"{name}: bf16 {out['bf16']['us']} us ({out['bf16']['with_choice_us']} with the choice), fp8 "
              f"{out['fp8']['us']} ({out['fp8']['with_choice_us']}); errors {out['bf16']['rel_err_max']} / "
              f"{out['fp8']['rel_err_max']}")
@@ -88,6 +116,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--block", type=int, nargs=2, default=[8, 64], metavar=("ROWS", "COLS"))
+    ap.add_argument("--sweep", action="store_true", help="also the FP8 GEMV at each of CUTS")
     ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE")
     args = ap.parse_args()
     settings = apply_settings(args.set)
@@ -97,7 +126,8 @@ def main() -> None:
     bw = copy_bandwidth(dev, 1 << 30)
     record = {**record_header(), "what": __doc__.splitlines()[0], "settings": settings, "copies": COPIES,
               "copy_bandwidth_TBps": round(bw / 1e12, 3),
-              "shapes": {name: probe(name, n, k, tuple(args.block), args.reps, bw) for name, n, k in SHAPES}}
+              "shapes": {name: probe(name, n, k, tuple(args.block), args.reps, bw, args.sweep and name == SHAPES[0][0])
+                         for name, n, k in SHAPES}}
     if args.out:
         write_record(record, args.out)
     progress(f"wrote {args.out}")

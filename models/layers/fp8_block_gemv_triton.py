@@ -50,10 +50,13 @@ ROWS = 1
 BLOCK_N = 8
 # The weight blocks (rows, columns) of an EAGLE3 draft's LM head in block FP8 in the fast kernel sets
 # (``Kernels.draft_head``, ``eagle3.py``): a chain step's head is one row, so it comes here; 8 x 64 blocks keep each
-# scale to one program's rows and a narrow K span (SmolLM2's draft: hidden 576 = 9 x 64). None (the default until
-# a GPU times it): the head stays in the checkpoint's dtype. The A/B: --set
-# models.layers.fp8_block_gemv_triton.DRAFT_HEAD_BLOCK="(8, 64)". On CPU, the acceptance with the head so rounded
-# (SmolLM2's draft, chain-7, 20 + 20 prompts) moved within its noise: 2026-12-07-spec-acceptance-fp8-draft-head-smollm2-cpu.json.
+# scale to one program's rows and a narrow K span (SmolLM2's draft: hidden 576 = 9 x 64). On CPU the acceptance
+# with the head so rounded (SmolLM2's draft, chain-7, 20 + 20 prompts) moved within its noise
+# (2026-12-07-spec-acceptance-fp8-draft-head-smollm2-cpu.json). Alone on an H100 (bench/draft_head_probe.py,
+# 2026-12-07-draft-head-probe-h100.json) SmolLM2's draft head took 7.75 us against 8.86 in bf16 (both bound by
+# latency at 18.9 MB; ~1 % of a chain-7 round), a Llama-3-8B-sized one [32000, 4096] 50.5 against 84.0. None (the
+# default until an engine A/B times it): the head stays in the checkpoint's dtype. The A/B: --set
+# models.layers.fp8_block_gemv_triton.DRAFT_HEAD_BLOCK="(8, 64)".
 DRAFT_HEAD_BLOCK: tuple[int, int] | None = None
 
 
