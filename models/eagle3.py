@@ -20,7 +20,9 @@ of torch ops was some 60 small kernels), ``fc`` and ``lm_head`` included (they h
 (``worker/spec_decode/draft_model.py``).
 
 The LM head is a chain step's largest matmul (SmolLM2's draft: [16 384, 576], 7.4 of a step's ~27 us on an H100,
-2026-12-06-verify-per-launch-attribution-smollm2-h100.json), bound by its bytes. Where the kernel set names a
+2026-12-06-verify-per-launch-attribution-smollm2-h100.json); a large one is bound by its bytes (a Llama-3-8B-sized
+head [32 000, 4 096]: 84.0 us in bf16, 50.5 in FP8; SmolLM2's, bound by latency, 8.86 against 7.75:
+2026-12-07-draft-head-probe-h100.json). Where the kernel set names a
 block-FP8 format for it (``Kernels.draft_head``) and the GPU has FP8 (compute capability >= 8.9), the head is
 quantized at load (``quantize_head``: e4m3, one scale per block) and runs through the set's ``block_fp8_matmul``
 (one row: the FP8 GEMV), half the bytes (off until a GPU times it: ``fp8_block_gemv_triton.DRAFT_HEAD_BLOCK``).
