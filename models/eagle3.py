@@ -56,6 +56,7 @@ from .layers.norm import RMSNorm
 from .layers.rotary import RotaryEmbedding, rope_parameters
 from .layers.self_attention import SelfAttention
 from .parallel.groups import Group
+from .quantization import FP8_MIN_CAPABILITY
 
 
 def aux_layers(num_target_layers: int, draft_config: Any = None) -> list[int]:
@@ -192,8 +193,9 @@ class Eagle3Draft(nn.Module):
 
 
 def has_fp8(device: torch.device) -> bool:
-    """Whether ``device`` is a GPU with FP8 tensor cores and e4m3 conversions (compute capability >= 8.9)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    """Whether ``device`` is a GPU with FP8 tensor cores and e4m3 conversions (``quantization.FP8_MIN_CAPABILITY``,
+    the bar block-FP8 checkpoints are served natively above)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= FP8_MIN_CAPABILITY
 
 
 def load_eagle3_draft(model_dir: str, target_hidden: int, target_embedding: torch.Tensor | None,
