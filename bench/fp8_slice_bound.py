@@ -19,7 +19,8 @@ are (in-step idle gaps left out, so it is a lower bound). ``ratio_bound`` = that
 step. ``shared_cut_for_goal_us``: how much the format-independent kernels would have to lose in BOTH builds
 (they run in the bf16 step too) for the bound to reach the goal: (bound - goal x bf16) / (1 - goal).
 A read-only stream may beat the copy bandwidth a little (the slice's bf16 LM head ran at 100.5 % of it on an
-H100): ``ratio_bound_fast_streams`` is the same bound with the streams ``FAST_STREAMS`` (1.08) times as fast.
+H100): ``ratio_bound_fast_streams`` is the same bound with the streams ``FAST_STREAMS`` (1.08) times as fast, or
+as fast as the best read-only stream of a ``bench/read_bandwidth_probe.py`` record (``--read-bandwidth``).
 
 ``depth``: the same profiles cut by position instead of by name. The head is what does not grow with the
 model's depth and is bf16 in both builds, as the release ships it: the kernels up to the embedding's, and
@@ -67,8 +68,9 @@ def charged_by_group(sequence: list[list[Any]]) -> dict[str, float]:
     return out
 
 
-def bound(record: dict[str, Any], goal: float = GOAL) -> dict[str, Any]:
-    """Per profiled batch: the measured steps, the FP8 roofline, each build's time by group, the bound."""
+def bound(record: dict[str, Any], goal: float = GOAL, fast: float = FAST_STREAMS) -> dict[str, Any]:
+    """Per profiled batch: the measured steps, the FP8 roofline, each build's time by group, the bound (and the
+    bound with the streams ``fast`` times the copy bandwidth)."""
     fp8 = {r["batch"]: r for r in record["fp8"]["decode"]}
     bf16 = {r["batch"]: r for r in record["bf16"]["decode"]}
     out: dict[str, Any] = {}
@@ -80,7 +82,7 @@ def bound(record: dict[str, Any], goal: float = GOAL) -> dict[str, Any]:
         groups = charged_by_group(seq)
         bf16_seq = record["bf16"].get("profile", {}).get(batch, {}).get("sequence")
         lo = f["roofline_ms"] + groups["shared"] / 1000
-        lo_fast = f["roofline_ms"] / FAST_STREAMS + groups["shared"] / 1000
+        lo_fast = f["roofline_ms"] / fast + groups["shared"] / 1000
         out[batch] = {
             "fp8_ms": round(f["ms_per_step"], 4), "bf16_ms": round(b["ms_per_step"], 4),
             "ratio": round(f["ms_per_step"] / b["ms_per_step"], 4),
@@ -167,7 +169,13 @@ def main() -> None:
     ap.add_argument("--from-top", action="store_true", help="records without a profile sequence: approximate, "
                     "from the profiles' top kernels")
     ap.add_argument("--runs", default=None, help="records holding several slice records under 'runs': this one")
+    ap.add_argument("--read-bandwidth", default=None, help="a bench/read_bandwidth_probe.py record: its best "
+                    f"read-only stream over the copy bandwidth replaces FAST_STREAMS ({FAST_STREAMS})")
     args = ap.parse_args()
+    fast = FAST_STREAMS
+    if args.read_bandwidth:
+        with open(args.read_bandwidth) as f:
+            fast = float(json.load(f)["best_read_over_copy"])
     result = {}
     for path in args.records:
         with open(path) as f:
@@ -177,14 +185,14 @@ def main() -> None:
         if args.from_top:
             rec = with_sequences_from_top(rec)
         layers = rec.get("model_shape", {}).get("num_hidden_layers") or args.layers
-        batches = bound(rec)
+        batches = bound(rec, fast=fast)
         if args.from_top:
             for b in batches.values():
                 b["fp8_kernels"] -= TOP_MARKERS
                 b["summed_over_step"] = round(sum(b["fp8_charged_us"].values()) / 1000 / b["fp8_ms"], 3)
         result[path] = {"machine": rec.get("machine"), "layers": layers, "settings": rec.get("settings"),
                         "batches": batches, "depth": depth(rec, layers) if layers else None,
-                        "from": "top" if args.from_top else "sequence"}
+                        "from": "top" if args.from_top else "sequence", "fast_streams": fast}
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

@@ -74,6 +74,21 @@ def test_the_command_runs(tmp_path: Path) -> None:
     assert json.loads(out.read_text())[str(path)]["batches"]["1"]["ratio_bound"] == pytest.approx(0.5833, abs=1e-4)
 
 
+def test_a_measured_read_bandwidth_replaces_the_assumed_fast_streams(tmp_path: Path) -> None:
+    path = tmp_path / "slice.json"
+    path.write_text(json.dumps(_record()))
+    probe = tmp_path / "read.json"
+    probe.write_text(json.dumps({"best_read": "triton/8192/4/8", "best_read_over_copy": 1.0}))
+    out = tmp_path / "bound.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "fp8_slice_bound.py"), str(path), "--read-bandwidth",
+                    str(probe), "--out", str(out)], check=True, capture_output=True, timeout=60)
+    result = json.loads(out.read_text())[str(path)]
+    assert result["fast_streams"] == 1.0
+    for b in result["batches"].values():  # streams no faster than the copy: the two bounds are one
+        assert b["ratio_bound_fast_streams"] == b["ratio_bound"]
+    assert fb.bound(_record(), fast=1.0) == result["batches"]
+
+
 def _depth_record() -> dict:
     def seq(layer_us: float) -> list:
         return [["Memcpy HtoD (Pinned -> Device)", 1.0, 1.0], ["_embedding_kernel", 1.0, 1.0],
