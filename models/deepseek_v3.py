@@ -82,7 +82,7 @@ class DeepseekV3DecoderLayer(PreNormLayer):
                 h, config.moe_intermediate_size, RouterConfig.from_hf(config), groups,
                 shared_intermediate=config.moe_intermediate_size * (config.n_shared_experts or 0), dtype=dtype,
                 device=device, fused_experts=kernels.fused_moe, fp8=fp8, fused_experts_fp8=kernels.fused_moe_fp8,
-                select_experts=kernels.select_experts, shared_act=kernels.silu_and_mul))
+                select_experts=kernels.select_experts, logits=kernels.router_logits, shared_act=kernels.silu_and_mul))
         else:
             self.mlp = named(f"layers.{layer_id}.mlp", lambda: GatedMLP(
                 h, config.intermediate_size, groups.tp, dtype=dtype, device=device, act=kernels.silu_and_mul, fp8=fp8))

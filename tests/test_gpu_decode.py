@@ -242,6 +242,32 @@ def test_router_choice_and_moe_align_in_one_launch_equal_references() -> None:
                 local = torch.where((got_ids >= offset) & (got_ids < offset + experts), got_ids - offset, -1)
                 assert same_blocks(moe_align_triton(local, experts, 16), moe_align(local, experts, 16)), (n, experts)
 
+
+@needs_gpu
+def test_router_logits_kernel_equals_the_fp32_product_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSeek-V3's gate (256 x 7168, fp32) over bf16 rows: the one-launch logits equal HF's fp32 product but
+    for the order of the sums, at every row count it takes, captured in a CUDA graph too."""
+    from fusedserve.models.layers import router_triton
+    from fusedserve.models.layers.router import router_logits
+    from fusedserve.models.layers.router_triton import router_logits_triton
+
+    LOGITS_ROWS = 16
+    monkeypatch.setattr(router_triton, "LOGITS_ROWS", LOGITS_ROWS)  # on, whatever the default
+    g = torch.Generator(device="cuda").manual_seed(3)
+    weight = torch.randn(256, 7168, device="cuda", generator=g) * 7168 ** -0.5
+    for n in (1, 2, 3, 4, 8, LOGITS_ROWS, LOGITS_ROWS + 1):
+        x = torch.randn(n, 7168, device="cuda", generator=g).bfloat16()
+        torch.testing.assert_close(router_logits_triton(x, weight), router_logits(x, weight), rtol=1e-5, atol=1e-5)
+    x = torch.randn(4, 7168, device="cuda", generator=g).bfloat16()
+    router_logits_triton(x, weight)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = router_logits_triton(x, weight)
+    x.copy_(torch.randn(4, 7168, device="cuda", generator=g))
+    graph.replay()
+    torch.testing.assert_close(y, router_logits(x, weight), rtol=1e-5, atol=1e-5)
+
+
 def _tp2_rank(rank: int, world: int, backend: str, model_dir: str) -> dict[str, Any] | None:
     """A tp=2 engine on two GPUs: CUDA graphs captured on both ranks (the leader announces them), NCCL and
     FlashInfer's fused all-reduce + RMSNorm inside them; planned == executed on every rank."""

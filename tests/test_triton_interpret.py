@@ -1453,6 +1453,33 @@ def test_interp_router_choice_equals_select_experts(case: str) -> None:
 
 
 @inner
+@pytest.mark.parametrize("n,hidden,experts,dtype", [(1, 7168, 256, torch.bfloat16), (3, 7168, 256, torch.bfloat16),
+                                                    (16, 600, 24, torch.float32), (5, 64, 7, torch.bfloat16),
+                                                    (17, 64, 8, torch.bfloat16)])
+def test_interp_router_logits_equal_the_fp32_product(n: int, hidden: int, experts: int, dtype: torch.dtype,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The router's logits in one launch: HF's fp32 product of the rows and the fp32 gate, but for the order of
+    the sums (DeepSeek-V3's 256 x 7168 gate; a K that no step divides; experts that no program count divides;
+    more rows than ``LOGITS_ROWS``: the reference itself)."""
+    from fusedserve.models.layers import router_triton
+    from fusedserve.models.layers.router import router_logits
+    from fusedserve.models.layers.router_triton import router_logits_triton
+
+    LOGITS_ROWS = 16
+    monkeypatch.setattr(router_triton, "LOGITS_ROWS", LOGITS_ROWS)  # on, whatever the default
+    g = torch.Generator().manual_seed(n * hidden + experts)
+    x = torch.randn(n, hidden, generator=g).to(dtype)
+    weight = torch.randn(experts, hidden, generator=g) * hidden ** -0.5
+    want = router_logits(x, weight)
+    got = router_logits_triton(x, weight)
+    assert got.dtype == torch.float32 and got.shape == (n, experts)
+    if n > LOGITS_ROWS:
+        assert torch.equal(got, want)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.argsort(-1, descending=True)[:, :4], want.argsort(-1, descending=True)[:, :4])
+
+
+@inner
 @pytest.mark.parametrize("n,k,experts,block_m", [(1, 8, 256, 16), (64, 8, 256, 16), (5, 3, 4, 2), (7, 2, 3, 4),
                                                  (40, 8, 32, 16), (256, 8, 256, 16)])
 def test_interp_moe_align_in_one_launch_equals_moe_align(n: int, k: int, experts: int, block_m: int) -> None:

@@ -12,7 +12,8 @@ triton       ``paged_decode_attention_triton``      Triton kernels (``*_triton.p
              sequence: the flash kernel of          (2..64 rows: RoPE / SiLU-and-mul in the qkv / gate-up
              ``prefill_attention_triton.py``;       matmul's epilogue); ``fused_experts_triton``;
                                                     greedy sampling's argmax ``argmax_triton``; the
-                                                    MoE router's choice ``router_triton``, MLA's
+                                                    MoE router's logits and choice
+                                                    (``router_triton``, one launch each), MLA's
                                                     query / key rows ``mla_assemble_triton`` and an
                                                     EAGLE3 draft's input row / greedy choice
                                                     (``draft_input_triton``, ``argmax_to_triton``; one
@@ -54,7 +55,7 @@ from .mla import MLAAssembleFn, mla_assemble
 from .mlp import GateUpActFn, silu_and_mul
 from .paged_attention_torch import paged_attention_torch
 from .rotary import RopeKernel
-from .router import SelectExpertsFn, select_experts
+from .router import RouterLogitsFn, SelectExpertsFn, router_logits, select_experts
 from .self_attention import QKVRopeFn
 from .vocab_embedding import EmbeddingFn, embedding_lookup
 
@@ -89,6 +90,9 @@ class Kernels:
     fused_moe_fp8: FusedFP8ExpertsFn | None = None
     # The MoE router's expert choice from its logits (``router.py``; triton: one launch, ``router_triton.py``).
     select_experts: SelectExpertsFn = select_experts
+    # The MoE router's fp32 logits (``router.py``: the rows made fp32, then the GEMM; triton: one launch up to
+    # ``router_triton.LOGITS_ROWS`` rows).
+    router_logits: RouterLogitsFn = router_logits
     # MLA's query / key rows: RoPE, the latent norm, the concatenations (``mla.py``; triton: one launch).
     mla_assemble: MLAAssembleFn = mla_assemble
     # The token embedding's rows from this rank's vocab shard (``vocab_embedding.py``; triton: one launch).
@@ -121,7 +125,7 @@ class Kernels:
         from .mla_assemble_triton import mla_assemble_triton
         from .rms_norm_triton import add_rms_norm_triton, rms_norm_triton
         from .rope_triton import rope_triton
-        from .router_triton import select_experts_triton
+        from .router_triton import router_logits_triton, select_experts_triton
         from .silu_mul_triton import silu_and_mul_triton
 
         return Kernels(name="triton", attention=paged_decode_attention_triton,
@@ -131,7 +135,8 @@ class Kernels:
                        argmax=argmax_triton, draft_input=draft_input_triton, argmax_to=argmax_to_triton,
                        draft_head=fp8_block_gemv_triton.draft_head(), fused_moe=fused_experts_triton,
                        block_fp8_matmul=block_fp8_linear_fast, fused_moe_fp8=fused_experts_fp8_triton,
-                       select_experts=select_experts_triton, mla_assemble=mla_assemble_triton,
+                       select_experts=select_experts_triton, router_logits=router_logits_triton,
+                       mla_assemble=mla_assemble_triton,
                        embedding=embedding_triton, graph_safe=True)
 
     @staticmethod
@@ -148,7 +153,8 @@ class Kernels:
                        gate_up_act=base.gate_up_act, argmax=base.argmax, draft_input=base.draft_input,
                        argmax_to=base.argmax_to, draft_head=base.draft_head, fused_moe=base.fused_moe,
                        block_fp8_matmul=base.block_fp8_matmul, fused_moe_fp8=base.fused_moe_fp8,
-                       select_experts=base.select_experts, mla_assemble=base.mla_assemble,
+                       select_experts=base.select_experts, router_logits=base.router_logits,
+                       mla_assemble=base.mla_assemble,
                        embedding=base.embedding, graph_safe=True, planner=flashinfer_planner)
 
     @staticmethod

@@ -21,7 +21,7 @@ Constructor choices (one class for DeepSeek-V2/V3, Kimi-K2 and Nemotron-H):
   0 = none.
 - ``shared_act``: the gated shared experts' SiLU-and-mul kernel (None = the torch reference).
 - ``select_experts``: the router's expert choice from its logits (``router.py``; on a GPU
-  ``router_triton.py``, one launch).
+  ``router_triton.py``, one launch); ``logits``: the router's fp32 logits (the same files).
 - ``fused_experts``: the routed experts' block computation (``fused_moe.py``, CUDA-graph
   capturable; gated SiLU experts only); None = their per-expert loop.
 - ``fp8``: block-FP8 routed and shared experts (``fp8_block.py``; DeepSeek-V3 / Kimi-K2 releases),
@@ -63,7 +63,7 @@ from .fp8_block import BlockFP8
 from .fused_moe import FusedExpertsFn, FusedFP8ExpertsFn
 from .linear import ReplicatedLinear
 from .mlp import GatedMLP, Relu2MLP
-from .router import RouterConfig, SelectExpertsFn, TopKRouter, select_experts
+from .router import RouterConfig, RouterLogitsFn, SelectExpertsFn, TopKRouter, router_logits, select_experts
 
 
 class MoE(nn.Module):
@@ -73,7 +73,7 @@ class MoE(nn.Module):
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                  fused_experts: FusedExpertsFn | None = None, fp8: BlockFP8 | None = None,
                  fused_experts_fp8: FusedFP8ExpertsFn | None = None,
-                 select_experts: SelectExpertsFn = select_experts,
+                 select_experts: SelectExpertsFn = select_experts, logits: RouterLogitsFn = router_logits,
                  shared_act: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         super().__init__()
         self.tp = groups.tp
@@ -84,7 +84,7 @@ class MoE(nn.Module):
         if fold:
             router = replace(router, shared_experts=1)
             shared_intermediate = 0
-        self.gate = TopKRouter(hidden, router, device, select_experts)
+        self.gate = TopKRouter(hidden, router, device, select_experts, logits)
         expert_dim = latent_size or hidden
         self.fc1_latent_proj: ReplicatedLinear | None = None
         self.fc2_latent_proj: ReplicatedLinear | None = None

@@ -150,6 +150,16 @@ def with_shared(weights: torch.Tensor, ids: torch.Tensor, cfg: RouterConfig) -> 
             torch.cat([ids, shared.to(ids.dtype).expand(n, -1)], 1))
 
 
+# (hidden rows [n, hidden], the gate's weight [E, hidden] fp32) -> logits [n, E] fp32: ``router_logits`` or a kernel
+# that equals it but for the order of its sums (``router_triton.router_logits_triton``).
+RouterLogitsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The gate's logits in fp32, as HF computes them (the rows made fp32, then the product)."""
+    return F.linear(x.float(), weight)
+
+
 # (logits [n, E] fp32, config, correction bias [E] or None) -> (weights [n, slots] fp32, ids [n, slots] int64):
 # ``select_experts`` or a kernel that equals it (``router_triton.py``).
 SelectExpertsFn = Callable[[torch.Tensor, RouterConfig, "torch.Tensor | None"], tuple[torch.Tensor, torch.Tensor]]
@@ -158,13 +168,15 @@ SelectExpertsFn = Callable[[torch.Tensor, RouterConfig, "torch.Tensor | None"], 
 class TopKRouter(nn.Module):
     """The replicated gate: ``weight`` [E, hidden] and, for noaux_tc, ``e_score_correction_bias``
     [E]; both fp32 (HF keeps them in fp32 too). ``select``: how the experts are chosen from the
-    logits (chosen once, at construction: ``Kernels.select_experts``)."""
+    logits, ``logits``: how the logits are made (both chosen once, at construction: ``Kernels.select_experts``,
+    ``Kernels.router_logits``)."""
 
     def __init__(self, hidden: int, cfg: RouterConfig, device: torch.device | str | None = None,
-                 select: SelectExpertsFn = select_experts) -> None:
+                 select: SelectExpertsFn = select_experts, logits: RouterLogitsFn = router_logits) -> None:
         super().__init__()
         self.cfg = cfg
         self.select = select
+        self.logits = logits
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden, dtype=torch.float32, device=device),
                                    requires_grad=False)
         self.e_score_correction_bias: nn.Parameter | None = None
@@ -177,5 +189,4 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [n, hidden] -> weights [n, slots] fp32, ids [n, slots]
-        logits = F.linear(x.float(), self.weight)
-        return self.select(logits, self.cfg, self.e_score_correction_bias)
+        return self.select(self.logits(x, self.weight), self.cfg, self.e_score_correction_bias)

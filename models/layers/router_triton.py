@@ -13,6 +13,11 @@ and does all of it in registers:
 4. weights normalised to sum 1 (``norm_topk_prob``), times ``routed_scaling_factor``;
 5. the folded shared experts' slots after them (``RouterConfig.shared_experts``: ids E.., weight 1).
 
+The logits themselves (``router.router_logits``: the rows made fp32, then cuBLAS's fp32 GEMM, two launches) come
+from ``router_logits_triton`` for up to ``LOGITS_ROWS`` rows: one launch, a program per ``BLOCK_E`` experts reading
+their fp32 gate rows once for all of x's rows, one row after another (bf16 rows converted in registers), the first tile read before the
+PDL wait (``pdl.py``), as sglang's DeepSeek-V3 router GEMM does for small batches.
+
 The experts come out best first (``torch.topk(sorted=False)`` leaves the order open; no consumer
 reads it). Ties between exactly equal choices go to the lower expert id. Group sizes and group
 counts that are not powers of two are padded with -inf. Logits are fp32, as the reference's.
@@ -24,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .router import RouterConfig, select_experts
+from .pdl import pdl_launch, pdl_release, pdl_wait
+from .router import RouterConfig, router_logits, select_experts
 
 
 @triton.jit
@@ -113,3 +119,67 @@ def select_experts_triton(logits: torch.Tensor, cfg: RouterConfig,
                          HAS_BIAS=correction_bias is not None, GROUPED=cfg.grouped and groups > 1,
                          NORM=cfg.norm_topk_prob, num_warps=1 if num_experts <= 512 else 4)
     return weights, ids
+
+
+@triton.jit
+def _logits_kernel(x_ptr, w_ptr, y_ptr, M, E, K, stride_xm, stride_wn, stride_ym,
+                   BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                   PDL: tl.constexpr):
+    """y [M, E] = x [M, K] @ w [E, K]^T in fp32, a program per BLOCK_E experts: each [BLOCK_E, BLOCK_K] tile of w
+    read once and multiplied with x's rows one after another (the next tile loaded meanwhile)."""
+    re = tl.program_id(0).to(tl.int64) * BLOCK_E + tl.arange(0, BLOCK_E)
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + re[:, None] * stride_wn + rk[None, :]
+    live_e = re[:, None] < E
+    if EVEN_K:
+        w = tl.load(w_ptrs, mask=live_e, other=0.0)
+    else:
+        w = tl.load(w_ptrs, mask=live_e & (rk[None, :] < K), other=0.0)
+    pdl_release(PDL)
+    pdl_wait(PDL)
+    acc = tl.zeros((BLOCK_M, BLOCK_E), tl.float32)
+    for k in range(0, K, BLOCK_K):
+        w_now = w
+        if k + BLOCK_K < K:  # the next tile loaded while this one is multiplied
+            if EVEN_K:
+                w = tl.load(w_ptrs + k + BLOCK_K, mask=live_e, other=0.0)
+            else:
+                w = tl.load(w_ptrs + k + BLOCK_K, mask=live_e & (rk[None, :] + k + BLOCK_K < K), other=0.0)
+        for r in tl.static_range(BLOCK_M):
+            x = tl.load(x_ptr + r * stride_xm + k + rk, mask=(rk + k < K) & (rk * 0 + r < M), other=0.0).to(tl.float32)
+            row = tl.sum(w_now * x[None, :], axis=1)  # [BLOCK_E]
+            acc += tl.where(rm[:, None] == r, row[None, :], 0.0)
+    tl.store(y_ptr + rm[:, None] * stride_ym + re[None, :], acc, mask=(rm[:, None] < M) & (re[None, :] < E))
+
+
+# Rows of x up to which the router's logits take ``_logits_kernel`` (more: ``router.router_logits``). 0 until it is
+# timed on a GPU against cuBLAS (bench/router_logits_probe.py, then the slice: bench/fp8_slice.py --set
+# models.layers.router_triton.LOGITS_ROWS=16); checked against the reference by the interpreter and -m gpu tests.
+LOGITS_ROWS = 0
+# (experts a program, K columns a step, warps) of ``_logits_kernel``: DeepSeek-V3's 256 experts over 128 programs.
+# Not yet swept on a GPU (bench/router_logits_probe.py --sweep).
+LOGITS_TILE = (2, 2048, 4)
+
+
+def logits_tile(m: int) -> tuple[int, int, int, int]:
+    """(block_m, block_e, block_k, num_warps) of ``_logits_kernel`` for m rows."""
+    block_e, block_k, warps = LOGITS_TILE
+    return triton.next_power_of_2(max(m, 1)), block_e, block_k, warps
+
+
+def router_logits_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """As ``router.router_logits`` (fp32 logits [n, E] of rows x [n, hidden] and the fp32 gate [E, hidden]) in one
+    launch for up to ``LOGITS_ROWS`` rows; the reference otherwise (more rows, another weight dtype, strided
+    columns)."""
+    n, k = x.shape
+    if not 1 <= n <= LOGITS_ROWS or weight.dtype != torch.float32 or x.stride(-1) != 1 or weight.stride(-1) != 1:
+        return router_logits(x, weight)
+    e = weight.shape[0]
+    block_m, block_e, block_k, warps = logits_tile(n)
+    block_k = min(block_k, triton.next_power_of_2(k))
+    y = torch.empty(n, e, dtype=torch.float32, device=x.device)
+    _logits_kernel[(triton.cdiv(e, block_e),)](
+        x, weight, y, n, e, k, x.stride(0), weight.stride(0), y.stride(0), BLOCK_M=block_m, BLOCK_E=block_e,
+        BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps, **pdl_launch())
+    return y
