@@ -37,6 +37,7 @@ from fusedserve.models.layers import (  # noqa: E402
     prefill_attention_triton,
     rms_norm_triton,
     rope_triton,
+    router_triton,
     silu_mul_triton,
 )
 from fusedserve.worker.engine import sample_triton  # noqa: E402
@@ -66,6 +67,9 @@ KERNELS: dict[str, tuple[Any, dict[str, Any], dict[str, str]]] = {
                                                 "d_index_ptr", "d_ctx_ptr", "d_tables_ptr", "d_drop_ptr")}),
     "rope": (rope_triton._rope_kernel, {"Q_HEADS": 32, "HALF": 64}, {"pos_ptr": "*i64", "inv_ptr": "*fp32"}),
     "silu_mul": (silu_mul_triton._silu_mul_kernel, {"BLOCK": 1024}, {}),
+    # the MoE router's fp32 logits (DeepSeek-V3's fp32 gate, 4 bf16 rows): its first gate tile before the wait
+    "router_logits": (router_triton._logits_kernel, {"BLOCK_M": 4, "BLOCK_E": 2, "BLOCK_K": 2048, "EVEN_K": True},
+                      {"w_ptr": "*fp32", "y_ptr": "*fp32"}),
     "kv_write": (kv_write_triton._write_kv_kernel,
                  {"K_WIDTH": 1024, "V_WIDTH": 1024, "K_PAD": 1024, "V_PAD": 1024, "HAS_V": True}, {"slot_ptr": "*i64"}),
     "decode_attention": (decode_attention_triton._decode_kernel,
@@ -183,7 +187,7 @@ KERNELS: dict[str, tuple[Any, dict[str, Any], dict[str, str]]] = {
                     "rows_ptr": "*i64"}),
 }
 READS_BEFORE_WAIT = {"gemv", "gemv_rope", "gemv_silu", "decode_gemm_one_tile", "decode_gemm_one_tile_sliced",
-                     "draft_input"}  # their (first) weight tile; the norm weights
+                     "draft_input", "router_logits"}  # their (first) weight tile; the norm weights
 
 
 def hopper_ptx(fn: Any, constexprs: dict[str, Any], types: dict[str, str]) -> list[str]:
