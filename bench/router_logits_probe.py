@@ -7,7 +7,8 @@ count (1 ... 16), ``COPIES`` copies of the gate (more bytes than L2 holds, as a 
 after its attention's weights), captured back to back in one CUDA graph:
 
 - ``reference``: ``router.router_logits`` (the rows made fp32, then cuBLAS's fp32 GEMM: two launches);
-- ``triton``: ``router_triton.router_logits_triton`` at ``LOGITS_TILE`` (one launch; PDL where on);
+- ``triton``: ``router_triton.router_logits_triton`` at ``LOGITS_TILE`` (one launch; PDL where on), at every row
+  count here whatever ``LOGITS_ROWS`` says (unless ``--set`` names it);
 - ``--sweep``: the Triton kernel at each of ``CUTS`` (experts a program, K columns a step at one row, warps).
 
 Each in µs per call, the gate's bytes over the copy bandwidth measured in the same run, and the largest
@@ -47,6 +48,8 @@ def main() -> None:
     from fusedserve.models.layers import router_triton
     from fusedserve.models.layers.router import router_logits
 
+    if not any("LOGITS_ROWS" in item for item in args.set):  # the kernel itself, whatever the default
+        router_triton.LOGITS_ROWS = max(ROWS)
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev, 1 << 30)
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -85,7 +88,7 @@ def main() -> None:
         progress(f"{m} rows: reference {row['reference']['us']} us, triton {row['triton']['us']} us"
                  + (f", best cut {row['best_cut']['cut']} {row['best_cut']['us']} us" if cuts else ""))
     record = {**record_header(), "what": __doc__.splitlines()[0], "settings": settings, "copies": COPIES,
-              "shape": [EXPERTS, HIDDEN], "tile": list(default_tile), "copy_bandwidth_TBps": round(bw / 1e12, 3),
+              "shape": [EXPERTS, HIDDEN], "tile": list(default_tile), "logits_rows": router_triton.LOGITS_ROWS, "copy_bandwidth_TBps": round(bw / 1e12, 3),
               "rows": rows}
     if args.out:
         write_record(record, args.out)

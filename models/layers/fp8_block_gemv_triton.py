@@ -179,12 +179,14 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, K, stride_wn, stride_sn,
 
 
 def block_k(k: int) -> int:
-    """K columns a step for an input width k: the largest of 1024, 512, 256 that divides k, else one masked step of
-    up to 1024 (the per-column sums of a [BLOCK_N, BLOCK_K] step stay in registers)."""
+    """K columns a step for an input width k: the largest of 1024, 512, 256 that divides k, else steps of 256, the
+    last one masked (a width below 256: one masked step). At SmolLM2's draft head (K 576) on an H100 three 256-wide
+    steps took 6.0 us against 7.7 for one masked step of 1024 (bench/draft_head_probe.py --sweep,
+    2026-12-07-draft-head-sweep-h100.json); DeepSeek-V3's widths all divide 512 or 1024."""
     for bk in (1024, 512, 256):
         if k % bk == 0:
             return bk
-    return min(1024, triton.next_power_of_2(k))
+    return 256 if k > 256 else triton.next_power_of_2(k)
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None,

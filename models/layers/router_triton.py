@@ -153,13 +153,15 @@ def _logits_kernel(x_ptr, w_ptr, y_ptr, M, E, K, stride_xm, stride_wn, stride_ym
     tl.store(y_ptr + rm[:, None] * stride_ym + re[None, :], acc, mask=(rm[:, None] < M) & (re[None, :] < E))
 
 
-# Rows of x up to which the router's logits take ``_logits_kernel`` (more: ``router.router_logits``). 0 until it is
-# timed on a GPU against cuBLAS (bench/router_logits_probe.py, then the slice: bench/fp8_slice.py --set
-# models.layers.router_triton.LOGITS_ROWS=16); checked against the reference by the interpreter and -m gpu tests.
-LOGITS_ROWS = 0
+# Rows of x up to which the router's logits take ``_logits_kernel`` (more: ``router.router_logits``; 0: never). On an
+# H100 (bench/router_logits_probe.py, DeepSeek-V3's gate, 16 copies back to back in one graph) the kernel at
+# LOGITS_TILE took 4.3 / 5.3 / 7.4 / 12.4 / 21.0 us at 1 / 2 / 4 / 8 / 16 rows against cuBLAS's cast + fp32 GEMM's
+# 9.6 / 19.0 / 18.9 / 24.2 / 23.8 (2026-12-07-router-logits-h100.json).
+LOGITS_ROWS = 16
 # (experts a program, K columns a step, warps) of ``_logits_kernel``: DeepSeek-V3's 256 experts over 128 programs.
-# Not yet swept on a GPU (bench/router_logits_probe.py --sweep).
-LOGITS_TILE = (2, 2048, 4)
+# Of 23 cuts swept on an H100 at 1-16 rows (the same record) this one was within 4 % of each row count's best;
+# (2, 2048, 4) took 5.6 / 7.5 / 10.8 / 18.4 / 33.1 us.
+LOGITS_TILE = (2, 4096, 4)
 
 
 def logits_tile(m: int) -> tuple[int, int, int, int]:
