@@ -19,8 +19,9 @@ are (in-step idle gaps left out, so it is a lower bound). ``ratio_bound`` = that
 step. ``shared_cut_for_goal_us``: how much the format-independent kernels would have to lose in BOTH builds
 (they run in the bf16 step too) for the bound to reach the goal: (bound - goal x bf16) / (1 - goal).
 A read-only stream may beat the copy bandwidth a little (the slice's bf16 LM head ran at 100.5 % of it on an
-H100): ``ratio_bound_fast_streams`` is the same bound with the streams ``FAST_STREAMS`` (1.08) times as fast, or
-as fast as the best read-only stream of a ``bench/read_bandwidth_probe.py`` record (``--read-bandwidth``).
+H100; a plain Triton streaming sum at up to 1.076x on an H100, 2026-12-07-read-bandwidth-h100.json):
+``ratio_bound_fast_streams`` is the same bound with the streams ``FAST_STREAMS`` (1.08) times as fast, or as fast
+as the best read-only stream of a ``bench/read_bandwidth_probe.py`` record (``--read-bandwidth``).
 
 ``depth``: the same profiles cut by position instead of by name. The head is what does not grow with the
 model's depth and is bf16 in both builds, as the release ships it: the kernels up to the embedding's, and
