@@ -25,7 +25,8 @@ Constructor choices (one class for DeepSeek-V2/V3, Kimi-K2 and Nemotron-H):
 - ``fused_experts``: the routed experts' block computation (``fused_moe.py``, CUDA-graph
   capturable; gated SiLU experts only); None = their per-expert loop.
 - ``fp8``: block-FP8 routed and shared experts (``fp8_block.py``; DeepSeek-V3 / Kimi-K2 releases),
-  computed by ``fused_experts_fp8`` (or the per-expert loop, dequantizing); the router stays unquantized (fp32, as HF computes it).
+  computed by ``fused_experts_fp8`` (or the per-expert loop, dequantizing); the router stays unquantized
+  (fp32, as HF computes it).
 - ``latent_size``: Nemotron-H latent MoE (``moe_latent_size``): routed experts work in L dims
   between ``fc1_latent_proj`` (H→L) and ``fc2_latent_proj`` (L→H); shared experts see full H.
   ``latent_bias`` and ``shared_bias`` are Nemotron-H's ``mlp_bias`` (routed experts have no
