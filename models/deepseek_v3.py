@@ -74,7 +74,7 @@ class DeepseekV3DecoderLayer(PreNormLayer):
         self.self_attn = named(f"layers.{layer_id}.self_attn", lambda: MLAttention(
             layer_id, MLADims.from_hf(config), groups.attn_tp, rotary, scale, dtype, device,
             attention_backend=kernels.attention, fp8=fp8, assemble=kernels.mla_assemble,
-            norm_kernel=kernels.norms.rms_norm))
+            norm_kernel=kernels.norms.rms_norm, absorb=kernels.mla_absorb))
         self.post_attention_layernorm = RMSNorm(h, eps, dtype, device)
         self.mlp: MoE | GatedMLP
         if is_moe_layer(config, layer_id):

@@ -377,6 +377,15 @@ def test_dummy_fp8_weights_at_config_shapes(tmp_path: Path) -> None:
     assert plain.quantization.weights == "dequantized"
     assert torch.equal(twin.gate_up_proj, dequantize_weight(experts.gate_up_proj, experts.gate_up_proj_scale_inv,
                                                             BlockFP8(8, 8)))
+    for layer in built.model.layers:  # type: ignore[attr-defined]
+        # MLA keeps kv_b's block-FP8 weight for its absorbed products' FP8 kernels (mla_absorb_triton.py), the
+        # weight whose dequantized halves are W_UK / W_UV; the dequantized twin has none
+        attn, pack = layer.self_attn, layer.self_attn.kv_b_fp8
+        assert pack is not None and pack.weight is attn.kv_b_proj.weight and pack.fmt == BlockFP8(8, 8)
+        halves = dequantize_weight(pack.weight, pack.scale_inv, pack.fmt, attn.w_uk.dtype).view(
+            attn.heads, pack.nope + pack.v, -1)
+        assert torch.equal(halves[:, :pack.nope], attn.w_uk) and torch.equal(halves[:, pack.nope:], attn.w_uv)
+    assert all(layer.self_attn.kv_b_fp8 is None for layer in plain.model.layers)  # type: ignore[attr-defined]
     from fusedserve.verify import _prefill_step
 
     prompts = [[5, 9, 200, 3], [17]]

@@ -268,6 +268,39 @@ def test_router_logits_kernel_equals_the_fp32_product_on_gpu(monkeypatch: pytest
     torch.testing.assert_close(y, router_logits(x, weight), rtol=1e-5, atol=1e-5)
 
 
+@needs_gpu
+def test_mla_absorb_from_fp8_equals_the_dequantized_products_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSeek-V3's kv_b (128 heads, nope = v = 128, rank 512, 128 x 128 blocks): the absorbed products read from
+    the e4m3 weight equal the bmm with the dequantized halves at every row count they take, in a CUDA graph too."""
+    from fusedserve.models.layers import mla_absorb_triton as absorb
+    from fusedserve.models.layers.fp8_block import BlockFP8, dequantize_weight, quantize_weight
+    from fusedserve.models.layers.mla import KVBFP8
+
+    monkeypatch.setattr(absorb, "ROWS", 16)  # on, whatever the default
+    g = torch.Generator(device="cuda").manual_seed(4)
+    fmt = BlockFP8(128, 128)
+    w, s = quantize_weight(torch.randn(128 * 256, 512, device="cuda", generator=g) * 0.05, fmt)
+    fp8 = KVBFP8(w, s, fmt, 128, 128)
+    halves = dequantize_weight(w, s, fmt, torch.float32).view(128, 256, 512)
+    w_uk, w_uv = halves[:, :128].contiguous(), halves[:, 128:].contiguous()
+    for n in (1, 2, 4, 16):
+        q = torch.randn(n, 128, 192, device="cuda", generator=g).bfloat16()
+        o = torch.randn(n, 128, 512, device="cuda", generator=g).bfloat16()
+        want_q = torch.bmm(q[..., :128].float().transpose(0, 1), w_uk).transpose(0, 1)
+        want_v = torch.bmm(o.float().transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        got_q = absorb.absorb_q_triton(q[..., :128], w_uk.bfloat16(), fp8)
+        got_v = absorb.absorb_v_triton(o, w_uv.bfloat16(), fp8)
+        assert _rel(got_q, want_q) < 1e-2 and _rel(got_v, want_v) < 1e-2, (n, _rel(got_q, want_q), _rel(got_v, want_v))
+    o = torch.randn(4, 128, 512, device="cuda", generator=g).bfloat16()
+    absorb.absorb_v_triton(o, w_uv.bfloat16(), fp8)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = absorb.absorb_v_triton(o, w_uv.bfloat16(), fp8)
+    o.copy_(torch.randn(4, 128, 512, device="cuda", generator=g))
+    graph.replay()
+    assert _rel(y, torch.bmm(o.float().transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)) < 1e-2
+
+
 def _tp2_rank(rank: int, world: int, backend: str, model_dir: str) -> dict[str, Any] | None:
     """A tp=2 engine on two GPUs: CUDA graphs captured on both ranks (the leader announces them), NCCL and
     FlashInfer's fused all-reduce + RMSNorm inside them; planned == executed on every rank."""

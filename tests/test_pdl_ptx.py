@@ -34,6 +34,7 @@ from fusedserve.models.layers import (  # noqa: E402
     embedding_triton,
     kv_write_triton,
     linear_triton,
+    mla_absorb_triton,
     prefill_attention_triton,
     rms_norm_triton,
     rope_triton,
@@ -67,6 +68,12 @@ KERNELS: dict[str, tuple[Any, dict[str, Any], dict[str, str]]] = {
                                                 "d_index_ptr", "d_ctx_ptr", "d_tables_ptr", "d_drop_ptr")}),
     "rope": (rope_triton._rope_kernel, {"Q_HEADS": 32, "HALF": 64}, {"pos_ptr": "*i64", "inv_ptr": "*fp32"}),
     "silu_mul": (silu_mul_triton._silu_mul_kernel, {"BLOCK": 1024}, {}),
+    # MLA's absorbed products from kv_b's block-FP8 weight (DeepSeek-V3: 128 x 128 blocks, nope = v = 128, 4 rows):
+    # the first e4m3 tile and its scales before the wait
+    "mla_absorb_q": (mla_absorb_triton._absorb_q_kernel, {"NOPE": 128, "NOPE_PAD": 128, "BLOCK_R": 64, "BN": 128,
+                                                          "BK": 128, "BLOCK_M": 4}, {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32"}),
+    "mla_absorb_v": (mla_absorb_triton._absorb_v_kernel, {"BLOCK_J": 32, "BLOCK_R": 128, "BN": 128, "BK": 128,
+                                                          "BLOCK_M": 4}, {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32"}),
     # the MoE router's fp32 logits (DeepSeek-V3's fp32 gate, 4 bf16 rows): its first gate tile before the wait
     "router_logits": (router_triton._logits_kernel, {"BLOCK_M": 4, "BLOCK_E": 2, "BLOCK_K": 2048, "EVEN_K": True},
                       {"w_ptr": "*fp32", "y_ptr": "*fp32"}),
@@ -187,7 +194,7 @@ KERNELS: dict[str, tuple[Any, dict[str, Any], dict[str, str]]] = {
                     "rows_ptr": "*i64"}),
 }
 READS_BEFORE_WAIT = {"gemv", "gemv_rope", "gemv_silu", "decode_gemm_one_tile", "decode_gemm_one_tile_sliced",
-                     "draft_input", "router_logits"}  # their (first) weight tile; the norm weights
+                     "draft_input", "router_logits", "mla_absorb_q", "mla_absorb_v"}  # their (first) weight tile; the norm weights
 
 
 def hopper_ptx(fn: Any, constexprs: dict[str, Any], types: dict[str, str]) -> list[str]:

@@ -1480,6 +1480,39 @@ def test_interp_router_logits_equal_the_fp32_product(n: int, hidden: int, expert
 
 
 @inner
+@pytest.mark.parametrize("n,heads,nope,v,rank,block,dtype", [
+    (1, 2, 128, 128, 512, (128, 128), torch.bfloat16),  # DeepSeek-V3's per-head shapes and blocks
+    (3, 3, 32, 16, 96, (16, 32), torch.bfloat16),  # v rows a half block, the rank not a multiple of a step
+    (16, 2, 24, 40, 64, (8, 16), torch.float32),  # widths no power of two: masked
+    (17, 2, 32, 16, 64, (16, 32), torch.bfloat16)])  # more rows than ROWS: the reference itself
+def test_interp_mla_absorb_from_fp8_equals_the_dequantized_products(n: int, heads: int, nope: int, v: int, rank: int,
+                                                                    block: tuple[int, int], dtype: torch.dtype,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLA's products with W_UK and W_UV read from kv_b's block-FP8 weight (e4m3 times its block's scale in fp32)
+    equal the bmm with the dequantized halves, within the output's rounding, from strided rows as the layer
+    passes them (q_nope a view of q)."""
+    from fusedserve.models.layers import mla_absorb_triton as absorb
+    from fusedserve.models.layers.fp8_block import BlockFP8, dequantize_weight, quantize_weight
+    from fusedserve.models.layers.mla import KVBFP8, absorb_q, absorb_v
+
+    monkeypatch.setattr(absorb, "ROWS", 16)  # on, whatever the default
+    g = torch.Generator().manual_seed(n * heads + rank)
+    fmt = BlockFP8(*block)
+    w, s = quantize_weight(torch.randn(heads * (nope + v), rank, generator=g) * 0.05, fmt)
+    fp8 = KVBFP8(w, s, fmt, nope, v)
+    halves = dequantize_weight(w, s, fmt, torch.float32).view(heads, nope + v, rank)
+    w_uk, w_uv = halves[:, :nope].contiguous(), halves[:, nope:].contiguous()
+    q = torch.randn(n, heads, nope + 8, generator=g).to(dtype)
+    q_nope = q[..., :nope]
+    o = torch.randn(n, heads, rank, generator=g).to(dtype)
+    want_q, want_v = absorb_q(q_nope.float(), w_uk), absorb_v(o.float(), w_uv)
+    got_q, got_v = absorb.absorb_q_triton(q_nope, w_uk.to(dtype), fp8), absorb.absorb_v_triton(o, w_uv.to(dtype), fp8)
+    assert got_q.shape == (n, heads, rank) and got_v.shape == (n, heads, v) and got_q.dtype == got_v.dtype == dtype
+    _close(got_q, want_q.to(dtype), 1e-2)
+    _close(got_v, want_v.to(dtype), 1e-2)
+
+
+@inner
 @pytest.mark.parametrize("n,k,experts,block_m", [(1, 8, 256, 16), (64, 8, 256, 16), (5, 3, 4, 2), (7, 2, 3, 4),
                                                  (40, 8, 32, 16), (256, 8, 256, 16)])
 def test_interp_moe_align_in_one_launch_equals_moe_align(n: int, k: int, experts: int, block_m: int) -> None:

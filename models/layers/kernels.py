@@ -14,7 +14,9 @@ triton       ``paged_decode_attention_triton``      Triton kernels (``*_triton.p
                                                     greedy sampling's argmax ``argmax_triton``; the
                                                     MoE router's logits and choice
                                                     (``router_triton``, one launch each), MLA's
-                                                    query / key rows ``mla_assemble_triton`` and an
+                                                    query / key rows ``mla_assemble_triton`` (and,
+                                                    off until timed, its absorbed products from
+                                                    block-FP8 kv_b: ``mla_absorb_triton``) and an
                                                     EAGLE3 draft's input row / greedy choice
                                                     (``draft_input_triton``, ``argmax_to_triton``; one
                                                     launch each); the token embedding's rows
@@ -51,7 +53,7 @@ from .draft_input import ArgmaxToFn, DraftInputFn, argmax_to, draft_input
 from .fp8_block import BlockFP8, BlockFP8MatmulFn, block_fp8_linear_reference
 from .fused_moe import FusedExpertsFn, FusedFP8ExpertsFn, fused_experts_fp8_torch, fused_experts_torch
 from .linear import MatmulFn
-from .mla import MLAAssembleFn, mla_assemble
+from .mla import MLAAbsorbFn, MLAAssembleFn, absorb_q, absorb_v, mla_assemble
 from .mlp import GateUpActFn, silu_and_mul
 from .paged_attention_torch import paged_attention_torch
 from .rotary import RopeKernel
@@ -95,6 +97,9 @@ class Kernels:
     router_logits: RouterLogitsFn = router_logits
     # MLA's query / key rows: RoPE, the latent norm, the concatenations (``mla.py``; triton: one launch).
     mla_assemble: MLAAssembleFn = mla_assemble
+    # MLA's absorbed products with W_UK / W_UV (``mla.py``: a bmm with the compute-dtype halves; triton: for a few
+    # rows, from kv_b's block-FP8 weight where the layer keeps one, ``mla_absorb_triton.py``).
+    mla_absorb: tuple[MLAAbsorbFn, MLAAbsorbFn] = (absorb_q, absorb_v)
     # The token embedding's rows from this rank's vocab shard (``vocab_embedding.py``; triton: one launch).
     embedding: EmbeddingFn = embedding_lookup
     graph_safe: bool = False
@@ -122,6 +127,7 @@ class Kernels:
         from .fused_moe_fp8_triton import fused_experts_fp8_triton
         from .fused_moe_triton import fused_experts_triton
         from .linear_triton import decode_gate_up_silu, decode_linear, decode_qkv_rope
+        from .mla_absorb_triton import absorb_q_triton, absorb_v_triton
         from .mla_assemble_triton import mla_assemble_triton
         from .rms_norm_triton import add_rms_norm_triton, rms_norm_triton
         from .rope_triton import rope_triton
@@ -136,7 +142,7 @@ class Kernels:
                        draft_head=fp8_block_gemv_triton.draft_head(), fused_moe=fused_experts_triton,
                        block_fp8_matmul=block_fp8_linear_fast, fused_moe_fp8=fused_experts_fp8_triton,
                        select_experts=select_experts_triton, router_logits=router_logits_triton,
-                       mla_assemble=mla_assemble_triton,
+                       mla_assemble=mla_assemble_triton, mla_absorb=(absorb_q_triton, absorb_v_triton),
                        embedding=embedding_triton, graph_safe=True)
 
     @staticmethod
@@ -154,7 +160,7 @@ class Kernels:
                        argmax_to=base.argmax_to, draft_head=base.draft_head, fused_moe=base.fused_moe,
                        block_fp8_matmul=base.block_fp8_matmul, fused_moe_fp8=base.fused_moe_fp8,
                        select_experts=base.select_experts, router_logits=base.router_logits,
-                       mla_assemble=base.mla_assemble,
+                       mla_assemble=base.mla_assemble, mla_absorb=base.mla_absorb,
                        embedding=base.embedding, graph_safe=True, planner=flashinfer_planner)
 
     @staticmethod

@@ -34,7 +34,8 @@ init once the weights are in) copies its halves into ``w_uk`` / ``w_uv`` in the 
 from block FP8 when the layer keeps FP8 weights (what sglang does). Chosen at construction (see
 ``kernels.py``): ``attention_backend`` attends over the cache; ``assemble`` builds its query and key rows
 (RoPE, the latent norm, the concatenations: ``mla_assemble`` or one Triton launch); ``norm_kernel`` runs
-the latent norms. With ``fp8`` every projection keeps block-FP8 weights (``linear.py``); the latent norms
+the latent norms; ``absorb``: the products with W_UK and W_UV (``absorb_q`` / ``absorb_v``: the bmm with the
+compute-dtype halves; on a GPU, for a few rows, ``mla_absorb_triton.py`` reads kv_b's block-FP8 weight itself). With ``fp8`` every projection keeps block-FP8 weights (``linear.py``); the latent norms
 stay as they are.
 """
 
@@ -82,6 +83,33 @@ MLAAssembleFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
 
 
 @dataclass(frozen=True)
+class KVBFP8:
+    """``kv_b_proj``'s block-FP8 weight as loaded (this rank's heads): e4m3 ``weight`` [heads x (nope + v), rank],
+    its ``scale_inv`` per block of ``fmt``, and each head's split into W_UK's ``nope`` rows and W_UV's ``v`` rows."""
+    weight: torch.Tensor
+    scale_inv: torch.Tensor
+    fmt: BlockFP8
+    nope: int
+    v: int
+
+
+def absorb_q(q_nope: torch.Tensor, w_uk: torch.Tensor, fp8: KVBFP8 | None = None) -> torch.Tensor:
+    """q_abs = q_nope W_UK per head: [n, heads, nope] x [heads, nope, rank] -> [n, heads, rank] (plain reference:
+    the compute-dtype W_UK; ``mla_absorb_triton.py`` reads the block-FP8 weight instead for a few rows)."""
+    return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+
+
+def absorb_v(o: torch.Tensor, w_uv: torch.Tensor, fp8: KVBFP8 | None = None) -> torch.Tensor:
+    """W_UV's product per head: [n, heads, rank] x [heads, v, rank]^T -> [n, heads, v] (plain reference, as
+    ``absorb_q``)."""
+    return torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+
+# (rows [n, heads, d_in], the compute-dtype W_UK / W_UV, kv_b in block FP8 or None) -> [n, heads, d_out]
+MLAAbsorbFn = Callable[[torch.Tensor, torch.Tensor, "KVBFP8 | None"], torch.Tensor]
+
+
+@dataclass(frozen=True)
 class MLADims:
     hidden: int
     num_heads: int
@@ -118,10 +146,12 @@ class MLAttention(nn.Module):
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                  attention_backend: AttentionBackend = paged_attention_reference, fp8: BlockFP8 | None = None,
                  assemble: MLAAssembleFn = mla_assemble,
-                 norm_kernel: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None) -> None:
+                 norm_kernel: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None,
+                 absorb: tuple[MLAAbsorbFn, MLAAbsorbFn] = (absorb_q, absorb_v)) -> None:
         super().__init__()
         self.attention = attention_backend
         self.assemble = assemble
+        self.absorb_q, self.absorb_v = absorb
         if dims.num_heads % group.size:
             raise WeightShapeError(f"num_attention_heads={dims.num_heads} does not split over {group.size} ranks")
         self.layer_id = layer_id
@@ -168,6 +198,9 @@ class MLAttention(nn.Module):
                                                 device=device), persistent=False)
         self.register_buffer("w_uv", torch.full((self.heads, d.v_head_dim, d.kv_lora_rank), nan, dtype=dtype,
                                                 device=device), persistent=False)
+        # kv_b_proj's block-FP8 weight for the absorbed products' FP8 kernels (derive_from_weights; None: bf16 / fp32
+        # weights)
+        self.kv_b_fp8: KVBFP8 | None = None
 
     @torch.no_grad()
     def derive_from_weights(self) -> None:
@@ -176,6 +209,7 @@ class MLAttention(nn.Module):
         w: torch.Tensor = proj.weight
         if proj.weight_scale_inv is not None:
             assert proj.fp8 is not None
+            self.kv_b_fp8 = KVBFP8(proj.weight, proj.weight_scale_inv, proj.fp8, d.qk_nope_head_dim, d.v_head_dim)
             w = dequantize_weight(w, proj.weight_scale_inv, proj.fp8, self.w_uk.dtype)
         w = w.view(self.heads, d.qk_nope_head_dim + d.v_head_dim, d.kv_lora_rank)
         self.w_uk.copy_(w[:, : d.qk_nope_head_dim])
@@ -210,9 +244,9 @@ class MLAttention(nn.Module):
         q, kv = self._projections(x)
         q_nope, q_rope = q.split([d.qk_nope_head_dim, d.qk_rope_head_dim], dim=-1)
         latent, k_rope = kv.split([rank, d.qk_rope_head_dim], dim=-1)
-        q_abs = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [n, heads, rank]
+        q_abs = self.absorb_q(q_nope, self.w_uk, self.kv_b_fp8)  # [n, heads, rank]
         # q [n, heads, rank + rope], k [n, 1, rank + rope]
         q, k = self.assemble(q_abs, q_rope, latent, k_rope, batch.positions, self.rotary, self.kv_a_layernorm)
         o = self.attention(q, k, k[..., :rank], self.layer_id, batch, self.scale)  # [n, heads, rank]
-        o = torch.bmm(o.transpose(0, 1), self.w_uv.transpose(1, 2)).transpose(0, 1)  # [n, heads, v]
+        o = self.absorb_v(o, self.w_uv, self.kv_b_fp8)  # [n, heads, v]
         return Unreduced(self.o_proj(o.reshape(n, self.heads * d.v_head_dim)), self.group.name)
