@@ -14,9 +14,9 @@ triton       ``paged_decode_attention_triton``      Triton kernels (``*_triton.p
                                                     greedy sampling's argmax ``argmax_triton``; the
                                                     MoE router's logits and choice
                                                     (``router_triton``, one launch each), MLA's
-                                                    query / key rows ``mla_assemble_triton`` (and,
-                                                    off until timed, its absorbed products from
-                                                    block-FP8 kv_b: ``mla_absorb_triton``) and an
+                                                    query / key rows ``mla_assemble_triton`` (and, at
+                                                    one row, its absorbed products from block-FP8
+                                                    kv_b: ``mla_absorb_triton``) and an
                                                     EAGLE3 draft's input row / greedy choice
                                                     (``draft_input_triton``, ``argmax_to_triton``; one
                                                     launch each); the token embedding's rows

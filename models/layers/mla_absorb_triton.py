@@ -2,7 +2,7 @@
 
 Plain reference: ``mla.absorb_q`` / ``mla.absorb_v``, a bmm with W_UK / W_UV made once in the compute dtype
 from the block-FP8 checkpoint (what sglang does by default). A decode step then reads those halves in bf16:
-2 x heads x 128 x 512 x 2 bytes (33.5 MB a DeepSeek-V3 layer, both builds alike). Here, for up to ``ROWS`` rows,
+2 x heads x 128 x 512 x 2 bytes (33.5 MB a DeepSeek-V3 layer, both builds alike). Here, for up to ``ROWS`` rows (one),
 each product reads the e4m3 weight and its block scales instead (16.8 MB), converted in registers (exact: the
 e4m3 value times its block's scale in fp32), as sglang's optional FP8 bmm of these halves does:
 
@@ -27,9 +27,12 @@ import triton.language as tl
 from .mla import KVBFP8, absorb_q, absorb_v
 from .pdl import pdl_launch, pdl_release, pdl_wait
 
-# Rows (tokens) up to which the products read the FP8 weight (more: the reference's bmm); 0: never. 0 until timed on
-# a GPU against the bmm (bench/fp8_slice.py --set models.layers.mla_absorb_triton.ROWS=16).
-ROWS = 0
+# Rows (tokens) up to which the products read the FP8 weight (more: the reference's bmm); 0: never. In the H100's
+# 2-layer slice (bench/fp8_slice.py, alternated a b a b; 2026-12-07-mla-absorb-fp8-slice-h100.json) at one row the
+# two kernels took 10.1 + 11.3 us of the step's critical path against 16.2 + 16.2 for the bf16 bmm (the FP8 step
+# -1.0 / -1.9 %), but at 4 rows 35.9 + 20.8 against 19.3 + 16.1 (each row re-reduces the weight tile), and the FP8
+# step at 8 / 16 rows was 1-5 % slower with them: one row only.
+ROWS = 1
 # Rank columns a program of absorb_q; v rows a program of absorb_v and the rank columns of its steps; warps.
 Q_COLS = 64
 V_ROWS = 32
