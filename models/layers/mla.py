@@ -35,8 +35,8 @@ from block FP8 when the layer keeps FP8 weights (what sglang does). Chosen at co
 ``kernels.py``): ``attention_backend`` attends over the cache; ``assemble`` builds its query and key rows
 (RoPE, the latent norm, the concatenations: ``mla_assemble`` or one Triton launch); ``norm_kernel`` runs
 the latent norms; ``absorb``: the products with W_UK and W_UV (``absorb_q`` / ``absorb_v``: the bmm with the
-compute-dtype halves; on a GPU, for a few rows, ``mla_absorb_triton.py`` reads kv_b's block-FP8 weight itself). With ``fp8`` every projection keeps block-FP8 weights (``linear.py``); the latent norms
-stay as they are.
+compute-dtype halves; on a GPU, at one row, ``mla_absorb_triton.py`` reads kv_b's block-FP8 weight itself). With
+``fp8`` every projection keeps block-FP8 weights (``linear.py``); the latent norms stay as they are.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class KVBFP8:
 
 def absorb_q(q_nope: torch.Tensor, w_uk: torch.Tensor, fp8: KVBFP8 | None = None) -> torch.Tensor:
     """q_abs = q_nope W_UK per head: [n, heads, nope] x [heads, nope, rank] -> [n, heads, rank] (plain reference:
-    the compute-dtype W_UK; ``mla_absorb_triton.py`` reads the block-FP8 weight instead for a few rows)."""
+    the compute-dtype W_UK; ``mla_absorb_triton.py`` reads the block-FP8 weight instead at one row)."""
     return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
 
 
