@@ -22,7 +22,6 @@ bandwidth. The record's ``best_read_over_copy`` is the bound's measured ``FAST_S
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ import torch
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
-from bench.common import Progress, copy_bandwidth, cuda_graph, record_header, replay_ms, write_record  # noqa: E402
+from bench.common import Progress, copy_bandwidth, graph_ms, record_header, write_record  # noqa: E402
 
 CUTS = tuple((block, steps, warps) for block in (2048, 4096, 8192) for steps in (1, 4, 16) for warps in (4, 8, 16)
              if block // (32 * warps) >= 8)
@@ -57,13 +56,8 @@ def _kernel():  # type: ignore[no-untyped-def]
 
 
 def timed_us(fn: Any, reps: int) -> float:
-    """Median µs of one call of fn, captured alone in a CUDA graph."""
-    g = cuda_graph(fn, warmup=1)
-    g.replay()
-    torch.cuda.synchronize()
-    ms = statistics.median(replay_ms(g, reps))
-    del g
-    return ms * 1000
+    """Median µs of one call of fn, captured alone in a CUDA graph (``bench.common.graph_ms``)."""
+    return graph_ms(fn, reps)["ms"] * 1000
 
 
 def main() -> None:

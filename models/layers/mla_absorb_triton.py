@@ -136,6 +136,5 @@ def absorb_v_triton(o: torch.Tensor, w_uv: torch.Tensor, fp8: KVBFP8 | None = No
     _absorb_v_kernel[(heads, triton.cdiv(fp8.v, V_ROWS))](
         o, fp8.weight, scale, y, n, rank, fp8.nope + fp8.v, fp8.nope, fp8.v, o.stride(0), o.stride(1), y.stride(0),
         y.stride(1), fp8.weight.stride(0), scale.stride(0), BLOCK_J=V_ROWS, BLOCK_R=min(V_STEP, fp8.fmt.block_k),
-        BN=fp8.fmt.block_n,
-        BK=fp8.fmt.block_k, BLOCK_M=triton.next_power_of_2(n), num_warps=WARPS, **pdl_launch())
+        BN=fp8.fmt.block_n, BK=fp8.fmt.block_k, BLOCK_M=triton.next_power_of_2(n), num_warps=WARPS, **pdl_launch())
     return y
