@@ -3,7 +3,7 @@
     python -P bench/fp8_gemm_tiles_probe.py --out $OUT/fp8-gemm-tiles.json   # the package laid out as bench/device_env.sh does
     python -P bench/fp8_gemm_tiles_probe.py --per-sm 1 2 4 --engine-only --out $OUT/fp8-gemm-per-sm.json
     python -P bench/fp8_gemm_tiles_probe.py --engine-only --w8a16 --out $OUT/fp8-gemm-w8a16.json
-    python -P bench/fp8_gemm_tiles_probe.py --engine-only --gemv --rows 1 2 3 4 --out $OUT/fp8-gemv.json
+    python -P bench/fp8_gemm_tiles_probe.py --engine-only --gemv --rows 1 --out $OUT/fp8-gemv.json
 
 ``block_fp8_linear_triton`` (activation quantization + the GEMM, with its in-kernel split-K combine) as the
 engine calls it, on DeepSeek-V3's attention and shared-expert projections (and q_a_proj with
@@ -18,9 +18,8 @@ is timed beside where it takes the shape. ``--w8a16``: the weight-only decode ke
 (``fp8_block_w8a16_triton``: bf16 activations, no quantization launch) at each of ``W8A16_LAUNCHES`` (columns a
 program, programs a multiprocessor its K splits aim at, stages), keys ``w8a16/<block_n>/<per_sm>/<stages>``, its
 ``rel_diff`` against the dequantized reference (fp32), where the w8a8 launches' is against the engine's result.
-``--gemv``: at 1 .. ``MAX_ROWS`` rows the GEMV too (``fp8_block_gemv_triton``: no tensor cores, no quantization
-launch) at each of ``GEMV_LAUNCHES`` (one row) or ``GEMV_ROWS_LAUNCHES`` (more) (outputs a program, K columns a step,
-warps), keys ``gemv/<block_n>/<block_k>/<warps>``,
+``--gemv``: at one row the GEMV too (``fp8_block_gemv_triton``: no tensor cores, no quantization launch) at
+each of ``GEMV_LAUNCHES`` (outputs a program, K columns a step, warps), keys ``gemv/<block_n>/<block_k>/<warps>``,
 ``rel_diff`` against the dequantized reference. The engine's own launch is ``engine`` still: the w8a8 GEMM (what
 ``block_fp8_linear_triton`` runs), whatever the fast set routes one row to.
 """
@@ -57,9 +56,6 @@ W8A16_LAUNCHES = [(64, 2, 4), (64, 1, 4), (64, 4, 4), (32, 2, 4), (128, 2, 4), (
 # the GEMV's (BLOCK_N, BLOCK_K or None for the kernel's own, warps or None for the kernel's rule)
 GEMV_LAUNCHES: list[tuple[int, int | None, int | None]] = [
     (8, None, None), (4, None, None), (16, None, None), (8, 512, None), (8, 2048, None), (8, None, 4)]
-# ... and at 2 .. MAX_ROWS rows (the first: the kernel's own launch at rows, gemv.ROWS_BLOCK_N x ROWS_BLOCK_K)
-GEMV_ROWS_LAUNCHES: list[tuple[int, int | None, int | None]] = [
-    (16, 512, None), (16, 256, None), (32, 256, None), (8, 512, None), (8, 1024, None), (16, 1024, None)]
 
 
 def main() -> None:
@@ -125,9 +121,9 @@ def main() -> None:
                         "us": round(us, 2), "pct_of_ideal": round(100 * ideal_us / us, 1),
                         "rel_diff": float((y.float() - exact).norm() / exact.norm())}
                 w8a16.BLOCK_N, w8a16.PER_SM, w8a16.STAGES = kept
-            if args.gemv and m <= gemv.MAX_ROWS:
+            if args.gemv and m == 1:
                 exact = block_fp8_linear_reference(x.float(), ws[0][0], ws[0][1], None, fmt)
-                for bn, bk, warps in (GEMV_LAUNCHES if m == 1 else GEMV_ROWS_LAUNCHES):
+                for bn, bk, warps in GEMV_LAUNCHES:
                     if not gemv.supported(x, ws[0][0], ws[0][1], None, fmt, bn):
                         continue
                     y = gemv.block_fp8_gemv_triton(x, ws[0][0], ws[0][1], None, fmt, bn, bk, warps)

@@ -42,7 +42,6 @@ from fusedserve.models.layers import (  # noqa: E402
     router_triton,
     silu_mul_triton,
 )
-from fusedserve.models.layers.fp8_block import BlockFP8  # noqa: E402
 from fusedserve.worker.engine import sample_triton  # noqa: E402
 from fusedserve.worker.executor import chain_layout_triton  # noqa: E402
 from fusedserve.worker.spec_decode import chain_accept_triton, verify_stage_triton  # noqa: E402
@@ -76,12 +75,11 @@ KERNELS: dict[str, tuple[Any, dict[str, Any], dict[str, str]]] = {
                                                           "BK": 128, "BLOCK_M": 4}, {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32"}),
     "mla_absorb_v": (mla_absorb_triton._absorb_v_kernel, {"BLOCK_J": 32, "BLOCK_R": 128, "BN": 128, "BK": 128,
                                                           "BLOCK_M": 4}, {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32"}),
-    # the block-FP8 GEMV (DeepSeek-V3's 128 x 128 blocks, e4m3 read as int32 words): its first weight step before the
-    # wait, at one row and at four
-    **{name: (fp8_block_gemv_triton._fp8_gemv_kernel,
-              {"GROUP_N": 128, "GROUP_K": 128, "BLOCK_N": bn, "BLOCK_K": bk, "EVEN_K": True, "HAS_BIAS": True,
-               "NATIVE": True, "M": m}, {"w_ptr": "*i32", "s_ptr": "*fp32"})
-       for name, m, bn, bk in (("fp8_gemv", 1, 8, 1024), ("fp8_gemv_rows", 4, 16, 512))},
+    # the one-row block-FP8 GEMV (DeepSeek-V3's 128 x 128 blocks, e4m3 read as int32 words): its first weight step
+    # before the wait
+    "fp8_gemv": (fp8_block_gemv_triton._fp8_gemv_kernel,
+                 {"GROUP_N": 128, "GROUP_K": 128, "BLOCK_N": 8, "BLOCK_K": 1024, "EVEN_K": True, "HAS_BIAS": True,
+                  "NATIVE": True}, {"w_ptr": "*i32", "s_ptr": "*fp32"}),
     # the MoE router's fp32 logits (DeepSeek-V3's fp32 gate, 4 bf16 rows): its first gate tile before the wait
     "router_logits": (router_triton._logits_kernel, {"BLOCK_M": 4, "BLOCK_E": 2, "BLOCK_K": 2048, "EVEN_K": True},
                       {"w_ptr": "*fp32", "y_ptr": "*fp32"}),
@@ -202,7 +200,7 @@ KERNELS: dict[str, tuple[Any, dict[str, Any], dict[str, str]]] = {
                     "rows_ptr": "*i64"}),
 }
 READS_BEFORE_WAIT = {"gemv", "gemv_rope", "gemv_silu", "decode_gemm_one_tile", "decode_gemm_one_tile_sliced",
-                     "draft_input", "router_logits", "mla_absorb_q", "mla_absorb_v", "fp8_gemv", "fp8_gemv_rows"}  # their (first) weight tile; the norm weights
+                     "draft_input", "router_logits", "mla_absorb_q", "mla_absorb_v", "fp8_gemv"}  # their (first) weight tile; the norm weights
 
 
 def hopper_ptx(fn: Any, constexprs: dict[str, Any], types: dict[str, str]) -> list[str]:
@@ -282,21 +280,17 @@ def test_late_release_lets_the_next_kernel_launch_only_after_the_sums() -> None:
     assert linear_triton.late_release(8, 3) and not linear_triton.late_release(8, 0)
 
 
-@pytest.mark.parametrize("rows", range(1, fp8_block_gemv_triton.MAX_ROWS + 1))
-def test_fp8_gemv_holds_its_rows_in_registers(rows: int) -> None:
-    """The block-FP8 GEMV at its launch for each row count (DeepSeek-V3's o_proj: K 16 384, 128 x 128 blocks): every
-    row's sums and the converted weight words fit the registers, nothing spilled to local memory (ptxas for
-    sm_90a), so the rows cost FMAs, not memory traffic."""
+def test_fp8_gemv_holds_its_step_in_registers() -> None:
+    """The one-row block-FP8 GEMV at its launch for DeepSeek-V3's o_proj (K 16 384, 128 x 128 blocks): the weight
+    words, their conversion and the sums fit the registers, nothing spilled to local memory (ptxas for sm_90a)."""
     gemv = fp8_block_gemv_triton
-    bn = gemv.BLOCK_N if rows == 1 else gemv.ROWS_BLOCK_N
-    bk = gemv.block_k(16384) if rows == 1 else min(gemv.block_k(16384), gemv.ROWS_BLOCK_K)
-    constexprs = {"GROUP_N": 128, "GROUP_K": 128, "BLOCK_N": bn, "BLOCK_K": bk, "EVEN_K": True, "HAS_BIAS": False,
-                  "NATIVE": True, "PDL": True, "M": rows}
+    bk = gemv.block_k(16384)
+    constexprs = {"GROUP_N": 128, "GROUP_K": 128, "BLOCK_N": gemv.BLOCK_N, "BLOCK_K": bk, "EVEN_K": True,
+                  "HAS_BIAS": False, "NATIVE": True, "PDL": True}
     try:
         ptx = bench_ptx.hopper_ptx(gemv._fp8_gemv_kernel, constexprs, {"w_ptr": "*i32", "s_ptr": "*fp32"},
-                                   gemv.warps(bn, bk))
+                                   gemv.warps(gemv.BLOCK_N, bk))
         use = bench_ptx.register_use(ptx)
     except (RuntimeError, FileNotFoundError) as e:
         pytest.skip(f"Triton cannot compile for sm_90 here: {e}")
     assert use["spill_stores"] == 0 and use["spill_loads"] == 0, use
-    assert gemv.launch_n(rows, 7168, BlockFP8(128, 128)) == bn

@@ -1,5 +1,5 @@
-"""One to four rows of bf16 / fp16 activations times a block-FP8 weight without tensor cores (GPU; CUDA-graph
-capturable): a small decode batch's dense projections in one launch, no activation quantization.
+"""One row of bf16 / fp16 activations times a block-FP8 weight without tensor cores (GPU; CUDA-graph capturable):
+a batch-1 decode step's dense projections in one launch, no activation quantization.
 
 Plain reference: ``fp8_block.block_fp8_linear_reference`` (the dequantized weight times x). e4m3 values are exact
 in fp32, so each product here is the reference's; only the order of the fp32 sums differs.
@@ -24,17 +24,16 @@ as int32 words of four values and converted by one inline-PTX block a word (``e4
 products stay summed per column until the end. On an H100 at one row (2026-12-07-fp8-gemv-words-slice-h100.json,
 each call another copy of the weight): o_proj 44.3 us (87 % of the copy bandwidth) against 51.2 for the w8a8
 GEMM and 56.8 for ``scaled_mm``, q_b_proj 15.2 against 17.9, q_a + kv_a 8.2 against 11.4 (each w8a8 figure with
-its quantization launch); the 2-layer slice's batch-1 step 1.191 against 1.227 ms.
+its quantization launch); the 2-layer slice's batch-1 step 1.191 against 1.227 ms. At 2 and 4 rows the same
+words converted once for every row lost to the w8a8 GEMMs twice: with x's rows reaching the weights' layout
+through shared memory each step (same record), and with each row read as the one-row kernel reads its row and
+one accumulator a row (2026-12-07-fp8-gemv-rows-h100.json: o_proj 76-147 us at 2 rows and 126-278 at 4 against
+the w8a8 GEMM's 51-52; every added row's x loads and multiply-adds cost about what the first row's did, so
+the kernel is bound by instructions, not bytes; the slice's FP8 step at batch 2 / 4 +20 / +32 %). So only one
+row comes here.
 
-Rows 2 .. ``MAX_ROWS``: a first version that converted the words once for 2 and 4 rows lost to the w8a8 GEMMs
-(x's rows reached the weights' layout through shared memory each step). Here each row of x is read as the
-one-row kernel reads its row, a vector along the tile's columns, the words converted once and multiplied into
-one accumulator a row (``add_quad_products``), at 16 outputs x 512 columns a step on 8 warps (``ROWS_BLOCK_N``,
-``ROWS_BLOCK_K``; 104 registers at 4 rows, no spills, sm_90 ptxas). Not yet timed on a GPU.
-
-``ROWS`` (1; 0: never): the fast set's ``block_fp8_matmul`` routes calls of up to ``ROWS`` rows here
-(``fp8_block_gemm``). The A/Bs: ``--set models.layers.fp8_block_gemv_triton.ROWS=0`` (the w8a8 path at one row
-too), ``ROWS=4`` (this kernel up to four rows). The one-row kernel is not yet timed on an H200.
+``ROWS`` (1; 0: never): the fast set's ``block_fp8_matmul`` routes one-row calls here (``fp8_block_gemm``). The
+A/B: ``--set models.layers.fp8_block_gemv_triton.ROWS=0``. Not yet timed on an H200.
 """
 
 from __future__ import annotations
@@ -49,14 +48,8 @@ from .fp8_block import FP8_DTYPE, BlockFP8, block_fp8_linear_reference
 from .pdl import pdl_launch, pdl_release, pdl_wait
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU interpreter runs no inline PTX
-# Rows up to which the fast kernel set takes this kernel (at most MAX_ROWS); 0: never.
+# Rows up to which the fast kernel set takes this kernel (only one row is taken); 0: never.
 ROWS = 1
-# Rows one launch takes: each program converts its weight words once and multiplies them with every row.
-MAX_ROWS = 4
-# Outputs a program and at most how many K columns a step at 2 .. MAX_ROWS rows: 16 x 512 on 8 warps holds four
-# rows' sums in 104 registers a thread without spilling (sm_90 ptxas; 8 x 1024 spills at 4 rows, 128 registers).
-ROWS_BLOCK_N = 16
-ROWS_BLOCK_K = 512
 # Rows a program (K columns a step: ``block_k``; warps: ``warps``).
 BLOCK_N = 8
 # The weight blocks (rows, columns) of an EAGLE3 draft's LM head in block FP8 in the fast kernel sets
@@ -74,13 +67,6 @@ DRAFT_HEAD_BLOCK: tuple[int, int] | None = None
 def draft_head() -> BlockFP8 | None:
     """The draft head's format (``DRAFT_HEAD_BLOCK``), read when a kernel set is made."""
     return None if DRAFT_HEAD_BLOCK is None else BlockFP8(*DRAFT_HEAD_BLOCK)
-
-
-def launch_n(rows: int, n: int, fmt: BlockFP8) -> int:
-    """Outputs a program for this many rows of an N-output weight: ``BLOCK_N`` at one row, ``ROWS_BLOCK_N`` above
-    where it divides N and the format's bn (else ``BLOCK_N``)."""
-    wide = rows > 1 and n % ROWS_BLOCK_N == 0 and fmt.block_n % ROWS_BLOCK_N == 0
-    return ROWS_BLOCK_N if wide else BLOCK_N
 
 
 def warps(block_n: int, block_k: int) -> int:
@@ -123,27 +109,20 @@ def e4m3x4_f32(v, NATIVE: tl.constexpr):
 
 
 @triton.jit
-def column_scales(s_ptr, k0, rq, K, GROUP_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """The weight scale of each quad's K block (``s_ptr``: the program's scale row; a block of GROUP_K >= 4 columns
-    holds each quad whole) for the columns k0 + 4 q, a [BLOCK_K / 4] tensor. Not EVEN_K: 0 from K on."""
+def scaled_quads(x_ptr, s_ptr, k0, rq, K, GROUP_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """x's columns k0 + 4 q + j (j = 0..3: four [BLOCK_K / 4] tensors) in fp32, times the weight scale of their K
+    block (``s_ptr``: the program's scale row; a block of GROUP_K >= 4 columns holds each quad whole). Not EVEN_K:
+    columns from K on read as 0."""
     cols = k0 + 4 * rq
     if EVEN_K:
-        return tl.load(s_ptr + cols // GROUP_K)
-    return tl.load(s_ptr + cols // GROUP_K, mask=cols < K, other=0.0)
-
-
-@triton.jit
-def scaled_quads(x_ptr, s, k0, rq, K, EVEN_K: tl.constexpr):
-    """A row of x's columns k0 + 4 q + j (j = 0..3: four [BLOCK_K / 4] tensors) in fp32, times their block's
-    weight scale ``s`` (``column_scales``). Not EVEN_K: columns from K on read as 0."""
-    cols = k0 + 4 * rq
-    if EVEN_K:
+        s = tl.load(s_ptr + cols // GROUP_K)
         x0 = tl.load(x_ptr + cols).to(tl.float32) * s
         x1 = tl.load(x_ptr + cols + 1).to(tl.float32) * s
         x2 = tl.load(x_ptr + cols + 2).to(tl.float32) * s
         x3 = tl.load(x_ptr + cols + 3).to(tl.float32) * s
     else:
         ok = cols < K
+        s = tl.load(s_ptr + cols // GROUP_K, mask=ok, other=0.0)
         x0 = tl.load(x_ptr + cols, mask=ok, other=0.0).to(tl.float32) * s
         x1 = tl.load(x_ptr + cols + 1, mask=ok, other=0.0).to(tl.float32) * s
         x2 = tl.load(x_ptr + cols + 2, mask=ok, other=0.0).to(tl.float32) * s
@@ -152,10 +131,12 @@ def scaled_quads(x_ptr, s, k0, rq, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def add_row_products(acc, f0, f1, f2, f3, x_ptr, s, k0, rq, K, EVEN_K: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_K / 4] plus, per quad of columns, the products of the converted weights f0..f3 with one
-    row of x's scaled columns k0 + 4 q + j (four fused multiply-adds a word)."""
-    x0, x1, x2, x3 = scaled_quads(x_ptr, s, k0, rq, K, EVEN_K)
+def add_quad_products(acc, v, x_ptr, s_ptr, k0, rq, K, GROUP_K: tl.constexpr, EVEN_K: tl.constexpr,
+                      NATIVE: tl.constexpr):
+    """acc [rows, BLOCK_K / 4] plus, per quad of columns, the products of the packed weight words v with x's
+    scaled columns k0 + 4 q + j (four fused multiply-adds a word)."""
+    f0, f1, f2, f3 = e4m3x4_f32(v, NATIVE)
+    x0, x1, x2, x3 = scaled_quads(x_ptr, s_ptr, k0, rq, K, GROUP_K, EVEN_K)
     acc += f0 * x0[None, :]
     acc += f1 * x1[None, :]
     acc += f2 * x2[None, :]
@@ -164,43 +145,15 @@ def add_row_products(acc, f0, f1, f2, f3, x_ptr, s, k0, rq, K, EVEN_K: tl.conste
 
 
 @triton.jit
-def add_quad_products(acc0, acc1, acc2, acc3, v, x_ptr, stride_xm, s_ptr, k0, rq, K, M: tl.constexpr,
-                      GROUP_K: tl.constexpr, EVEN_K: tl.constexpr, NATIVE: tl.constexpr):
-    """One K step for M (1..4) rows: the packed weight words v converted once, then each row's products added to
-    its own accumulator (acc1..acc3 unused below M). Each row of x is read as the one-row kernel reads its row, a
-    vector along the tile's columns: no layout change between the weights and x."""
-    f0, f1, f2, f3 = e4m3x4_f32(v, NATIVE)
-    s = column_scales(s_ptr, k0, rq, K, GROUP_K, EVEN_K)
-    acc0 = add_row_products(acc0, f0, f1, f2, f3, x_ptr, s, k0, rq, K, EVEN_K)
-    if M > 1:
-        acc1 = add_row_products(acc1, f0, f1, f2, f3, x_ptr + stride_xm, s, k0, rq, K, EVEN_K)
-    if M > 2:
-        acc2 = add_row_products(acc2, f0, f1, f2, f3, x_ptr + 2 * stride_xm, s, k0, rq, K, EVEN_K)
-    if M > 3:
-        acc3 = add_row_products(acc3, f0, f1, f2, f3, x_ptr + 3 * stride_xm, s, k0, rq, K, EVEN_K)
-    return acc0, acc1, acc2, acc3
-
-
-@triton.jit
-def store_row(acc, b_ptr, y_ptr, rn, HAS_BIAS: tl.constexpr):
-    """One row's outputs: the products summed over the program's columns once, plus the bias, in y's dtype."""
-    y = tl.sum(acc, axis=1)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + rn).to(tl.float32)
-    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty))
-
-
-@triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, K, stride_wn, stride_sn, stride_xm, stride_ym,
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, K, stride_wn, stride_sn,
                      GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr,
-                     M: tl.constexpr = 1):
-    """Program n: outputs n * BLOCK_N.. of x's M (1..4) rows, all of K in BLOCK_K steps (EVEN_K: BLOCK_K divides K,
-    else the last step is masked). The weight is read as int32 words of four e4m3 values (``w_ptr`` an int32 view,
+                     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
+    """Program n: outputs n * BLOCK_N.. of the one row, all of K in BLOCK_K steps (EVEN_K: BLOCK_K divides K, else
+    the last step is masked). The weight is read as int32 words of four e4m3 values (``w_ptr`` an int32 view,
     ``stride_wn`` in words), the next step loaded while one is multiplied, the first before the PDL wait (two
-    steps ahead was no faster: 2026-12-07-fp8-gemv-words-slice-h100.json), converted once for all M rows; the
-    products add up per quad of columns in registers and the row sums are taken once, at the end (a reduction over
-    the program's threads each step cost shuffles and a barrier)."""
+    steps ahead was no faster: 2026-12-07-fp8-gemv-words-slice-h100.json); the products add up per quad of columns
+    in registers and the row sums are taken once, at the end (a reduction over the program's threads each step
+    cost shuffles and a barrier)."""
     QUADS: tl.constexpr = BLOCK_K // 4
     first = tl.program_id(0).to(tl.int64) * BLOCK_N
     rn = first + tl.arange(0, BLOCK_N)
@@ -213,27 +166,20 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, K, stride_wn, stride_sn,
         v = tl.load(w_ptrs, mask=4 * rq[None, :] < K, other=0)
     pdl_release(PDL)
     pdl_wait(PDL)
-    acc0 = tl.zeros((BLOCK_N, QUADS), tl.float32)
-    acc1 = tl.zeros((BLOCK_N, QUADS), tl.float32)
-    acc2 = tl.zeros((BLOCK_N, QUADS), tl.float32)
-    acc3 = tl.zeros((BLOCK_N, QUADS), tl.float32)
+    acc = tl.zeros((BLOCK_N, QUADS), tl.float32)
     for k in range(BLOCK_K, K, BLOCK_K):
         if EVEN_K:
             v_next = tl.load(w_ptrs + k // 4)
         else:
             v_next = tl.load(w_ptrs + k // 4, mask=4 * rq[None, :] + k < K, other=0)
-        acc0, acc1, acc2, acc3 = add_quad_products(acc0, acc1, acc2, acc3, v, x_ptr, stride_xm, s_row, k - BLOCK_K,
-                                                   rq, K, M, GROUP_K, EVEN_K, NATIVE)
+        acc = add_quad_products(acc, v, x_ptr, s_row, k - BLOCK_K, rq, K, GROUP_K, EVEN_K, NATIVE)
         v = v_next
-    acc0, acc1, acc2, acc3 = add_quad_products(acc0, acc1, acc2, acc3, v, x_ptr, stride_xm, s_row,
-                                               (tl.cdiv(K, BLOCK_K) - 1) * BLOCK_K, rq, K, M, GROUP_K, EVEN_K, NATIVE)
-    store_row(acc0, b_ptr, y_ptr, rn, HAS_BIAS)
-    if M > 1:
-        store_row(acc1, b_ptr, y_ptr + stride_ym, rn, HAS_BIAS)
-    if M > 2:
-        store_row(acc2, b_ptr, y_ptr + 2 * stride_ym, rn, HAS_BIAS)
-    if M > 3:
-        store_row(acc3, b_ptr, y_ptr + 3 * stride_ym, rn, HAS_BIAS)
+    acc = add_quad_products(acc, v, x_ptr, s_row, (tl.cdiv(K, BLOCK_K) - 1) * BLOCK_K, rq, K, GROUP_K, EVEN_K,
+                            NATIVE)
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rn).to(tl.float32)
+    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty))
 
 
 def block_k(k: int) -> int:
@@ -249,12 +195,11 @@ def block_k(k: int) -> int:
 
 def supported(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None,
               fmt: BlockFP8, block_n: int | None = None) -> bool:
-    """What the kernel takes: 1 .. ``MAX_ROWS`` bf16 / fp16 rows, each contiguous, a contiguous e4m3 weight whose
-    rows split into programs inside one scale row each (``block_n`` divides bn and N), read as words of four (K and
-    bk multiples of 4), fp32 scales, a bias of x's dtype."""
-    bn = launch_n(x.shape[0] if x.dim() == 2 else 1, weight.shape[0], fmt) if block_n is None else block_n
-    return (x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
-            and x.stride(-1) == 1
+    """What the kernel takes: one contiguous bf16 / fp16 row, a contiguous e4m3 weight whose rows split into
+    programs inside one scale row each (``block_n`` divides bn and N), read as words of four (K and bk multiples of 4),
+    fp32 scales, a bias of x's dtype."""
+    bn = BLOCK_N if block_n is None else block_n
+    return (x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1
             and weight.dtype == FP8_DTYPE and weight.is_contiguous() and scale_inv.dtype == torch.float32
             and x.shape[1] == weight.shape[1] and weight.shape[0] % bn == 0 and fmt.block_n % bn == 0
             and weight.shape[1] % 4 == 0 and fmt.block_k % 4 == 0
@@ -264,21 +209,20 @@ def supported(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bi
 def block_fp8_gemv_triton(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None,
                           fmt: BlockFP8, block_n: int | None = None, block_k_: int | None = None,
                           num_warps: int | None = None) -> torch.Tensor:
-    """x [M, K] (M <= ``MAX_ROWS``; bf16 / fp16) @ (weight e4m3 [N, K] with scale_inv [ceil(N/bn), ceil(K/bk)])^T
-    (+ bias) -> [M, N] in x's dtype; what it does not take goes to the dequantized reference. ``block_n`` /
-    ``block_k_`` / ``num_warps``: another launch (bench/fp8_gemm_tiles_probe.py --gemv)."""
-    if not supported(x, weight, scale_inv, bias, fmt, block_n):
+    """x [1, K] (bf16 / fp16) @ (weight e4m3 [N, K] with scale_inv [ceil(N/bn), ceil(K/bk)])^T (+ bias) -> [1, N]
+    in x's dtype; what it does not take goes to the dequantized reference. ``block_n`` / ``block_k_`` /
+    ``num_warps``: another launch (bench/fp8_gemm_tiles_probe.py --gemv)."""
+    bn = BLOCK_N if block_n is None else block_n
+    if not supported(x, weight, scale_inv, bias, fmt, bn):
         return block_fp8_linear_reference(x, weight, scale_inv, bias, fmt)
-    m = x.shape[0]
     n, k = weight.shape
-    bn = launch_n(m, n, fmt) if block_n is None else block_n
-    bk = (block_k(k) if m == 1 else min(block_k(k), ROWS_BLOCK_K)) if block_k_ is None else block_k_
+    bk = block_k(k) if block_k_ is None else block_k_
     scale_inv = scale_inv.contiguous()
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _fp8_gemv_kernel[(n // bn,)](
         x, weight.view(torch.int32), scale_inv, bias if bias is not None else y, y, k, weight.stride(0) // 4,
-        scale_inv.stride(0), x.stride(0), y.stride(0),
+        scale_inv.stride(0),
         GROUP_N=fmt.block_n, GROUP_K=fmt.block_k, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
-        HAS_BIAS=bias is not None, NATIVE=not _INTERPRET, M=m,
+        HAS_BIAS=bias is not None, NATIVE=not _INTERPRET,
         num_warps=warps(bn, bk) if num_warps is None else num_warps, **pdl_launch())
     return y
