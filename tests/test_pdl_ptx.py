@@ -52,7 +52,7 @@ LOADS = ("ld.global", "cp.async.cg", "cp.async.ca", "cp.async.bulk")
 
 DECODE_POINTERS = {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "bt_ptr": "*i32",
                    "ctx_ptr": "*i32", "slot_ptr": "*i64", "cnt_ptr": "*i32", "index_ptr": "*i64",
-                   "qstart_ptr": "*i32"}
+                   "qstart_ptr": "*i32", "tail_ptr": "*i8"}
 # name -> (kernel, compile-time constants, argument types other than bf16 pointers / i32 / fp32 eps and scale)
 KERNELS: dict[str, tuple[Any, dict[str, Any], dict[str, str]]] = {
     "add_rms_norm": (rms_norm_triton._rms_norm_kernel, {"HAS_RESIDUAL": True, "BLOCK": 4096}, {}),
@@ -100,6 +100,13 @@ KERNELS: dict[str, tuple[Any, dict[str, Any], dict[str, str]]] = {
                                "DA_PAD": 64, "DB": 0, "DB_PAD": 16, "VDIM": 64, "VDIM_PAD": 64, "V_IN_K": False,
                                "PAGE": 16, "BLOCK_N": 32, "SPLITS": 32, "COMBINE": True, "DOT_FP32": False,
                                "PREFETCH": True, "ROWS": True, "SPLIT_TILES": 1, "R_PAD": 8, "COMBINE_LOADS": 4}, DECODE_POINTERS),
+    # SmolLM2's tree verify (tree-s6-k4-t16): 16 rows x 3 heads, the tree's tail mask over the last 16 indices
+    "decode_attention_rows_tree": (decode_attention_triton._decode_kernel,
+                                   {"HEADS": 9, "GROUP": 3, "BLOCK_H": 3, "HEAD_BLOCKS": 1, "H_PAD": 64, "DA": 64,
+                                    "DA_PAD": 64, "DB": 0, "DB_PAD": 16, "VDIM": 64, "VDIM_PAD": 64, "V_IN_K": False,
+                                    "PAGE": 16, "BLOCK_N": 32, "SPLITS": 32, "COMBINE": True, "DOT_FP32": False,
+                                    "PREFETCH": True, "ROWS": True, "SPLIT_TILES": 1, "R_PAD": 16, "COMBINE_LOADS": 4,
+                                    "TAIL": 16}, DECODE_POINTERS),
     "decode_attention_combine": (decode_attention_triton._decode_kernel,
                                  {"HEADS": 32, "GROUP": 4, "BLOCK_H": 4, "HEAD_BLOCKS": 1, "H_PAD": 16, "DA": 128,
                                   "DA_PAD": 128, "DB": 0, "DB_PAD": 16, "VDIM": 128, "VDIM_PAD": 128, "V_IN_K": False,

@@ -878,11 +878,11 @@ def test_interp_chain_verify_as_decode_rows_equals_torch(width: int, front: str,
 
 @inner
 @pytest.mark.parametrize("rows", [6, 1])
-def test_interp_tree_tail_masks_in_the_prefill_kernel_equal_torch(rows: int) -> None:
+def test_interp_tree_tail_masks_through_the_decode_entry_point_equal_torch(rows: int) -> None:
     """A captured tree step's layout: the metadata's tail mask ([T, 6]) over each context's last 6 indices.
     Sequence 0: a cached prefix of 94 then its tree (two key tiles); 1: the tree alone (context = tail);
-    2: a padding sequence (every mask bit set, the pad slot). ``rows`` 6: a tree verify; 1: a tree draft
-    step (one new node per sequence, through the decode entry point). Equal to the torch path."""
+    2: a padding sequence (every mask bit set, the pad slot). ``rows`` 6: a tree verify (decode rows); 1: a tree
+    draft step of one new node per sequence (the prefill kernel). Equal to the torch path."""
     from fusedserve.models.forward_batch import ForwardBatch, KVCache, PagedAttentionMetadata
     from fusedserve.models.layers.decode_attention_triton import paged_decode_attention_triton
     from fusedserve.models.layers.paged_attention_torch import paged_attention_torch
@@ -924,6 +924,71 @@ def test_interp_tree_tail_masks_in_the_prefill_kernel_equal_torch(rows: int) -> 
     assert torch.isfinite(got).all()
     _close(got[: 2 * rows], want[: 2 * rows], 1e-2)
     assert torch.equal(kv.k[0][:pad_slot], ref_kv.k[0][:pad_slot])
+
+
+@inner
+@pytest.mark.parametrize(("rows", "tail", "few"), [(6, 6, False), (6, 6, True), (4, 9, False), (16, 16, True)],
+                         ids=["verify", "verify-read-ahead", "draft-step", "verify-16"])
+def test_interp_tree_as_decode_rows_equals_torch(rows: int, tail: int, few: bool,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tree step of a few new nodes per sequence runs as decode rows, as a chain verify does, not through the
+    prefill kernel: each row sees every index before its context's last ``tail`` and, of those, the ones its line
+    of the tail mask names. Contexts 140 / 37 / ``tail`` (the tree alone) over 40-page tables (splits combined in
+    the kernel); ``rows`` new nodes, the last of the tail (a verify: all of it; a draft step: 4 of 9, the earlier
+    nodes cached); ``few``: the loop that reads ahead in registers. Equal to the torch path, the cache as it leaves
+    it, and the same again (the arrival counters reset)."""
+    from fusedserve.models.forward_batch import ForwardBatch, KVCache, PagedAttentionMetadata
+    from fusedserve.models.layers import decode_attention_triton
+    from fusedserve.models.layers.paged_attention_torch import paged_attention_torch
+    from fusedserve.worker.executor.step import ancestor_mask
+
+    def refuse(*args: object) -> None:
+        raise AssertionError("a tree step went to the prefill kernel")
+
+    monkeypatch.setattr(decode_attention_triton, "paged_prefill_attention_triton", refuse)
+    if few:
+        monkeypatch.setattr(decode_attention_triton, "FEW_PROGRAMS", 8)
+    g = torch.Generator().manual_seed(71 + rows + tail)
+    block, width, kv_heads, group, dim = 4, 40, 2, 3, 16
+    ctx = [140, 37, tail]
+    kv = KVCache.allocate({0: (kv_heads, dim)}, 100, block, torch.bfloat16)
+    kv.k[0].copy_(torch.randn(kv.k[0].shape, generator=g))
+    kv.v[0].copy_(torch.randn(kv.v[0].shape, generator=g))
+    perm = torch.randperm(99, generator=g) + 1
+    tables, used = torch.zeros(len(ctx), width, dtype=torch.int32), 0
+    for i, c in enumerate(ctx):
+        pages = -(-c // block)
+        tables[i, :pages] = perm[used:used + pages]
+        used += pages
+    masks = []
+    for _ in ctx:  # a random tree a sequence: each node's parent an earlier node
+        parents = (-1, *(int(torch.randint(0, j, (1,), generator=g)) for j in range(1, tail)))
+        masks.append(torch.tensor(ancestor_mask(parents)).view(tail, tail)[tail - rows:])
+    index = [c - rows + j for c in ctx for j in range(rows)]
+    meta = PagedAttentionMetadata(
+        block_tables=tables, context_lens=torch.tensor(ctx, dtype=torch.int32),
+        token_seq=torch.arange(len(ctx)).repeat_interleave(rows), token_index=torch.tensor(index),
+        query_start=torch.arange(len(ctx) + 1, dtype=torch.int32) * rows, max_query_len=rows,
+        tail_mask=torch.cat(masks))
+    slots = torch.tensor([int(tables[i, p // block]) * block + p % block for i, c in enumerate(ctx)
+                          for p in range(c - rows, c)])
+    t = len(ctx) * rows
+    q = torch.randn(t, kv_heads * group, dim, generator=g).to(torch.bfloat16)
+    k = torch.randn(t, kv_heads, dim, generator=g).to(torch.bfloat16)
+    v = torch.randn(t, kv_heads, dim, generator=g).to(torch.bfloat16)
+
+    def batch(cache: KVCache) -> ForwardBatch:
+        zeros = torch.zeros(t, dtype=torch.long)
+        return ForwardBatch(zeros, zeros, [rows] * len(ctx), ctx, slots, [[0]] * len(ctx), cache, paged=meta)
+
+    ref = KVCache({0: kv.k[0].clone()}, {0: kv.v[0].clone()}, block, 100)
+    got = decode_attention_triton.paged_decode_attention_triton(q, k, v, 0, batch(kv), dim**-0.5)
+    again = decode_attention_triton.paged_decode_attention_triton(q, k, v, 0, batch(kv), dim**-0.5)
+    want = paged_attention_torch(q, k, v, 0, batch(ref), dim**-0.5)
+    assert torch.isfinite(got).all()
+    _close(got, want, 1e-2)
+    assert torch.equal(got, again)
+    assert torch.equal(kv.k[0], ref.k[0]) and torch.equal(kv.v[0], ref.v[0])
 
 
 @inner

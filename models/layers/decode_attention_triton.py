@@ -3,10 +3,12 @@
 Plain reference: ``paged_attention_torch.paged_attention_torch`` (itself checked against
 ``attention.paged_attention_reference``). A step of a few new tokens per sequence (a chain verify, a
 draft's first pass: ``ROWS_AS_DECODE``) runs here too: a program takes all of its sequence's new tokens (rows)
-times its query heads, each row masked at its causal limit, the sequence's new keys read from ``k`` / ``v``. Other steps of several new tokens per
-sequence (prefill, chunked prefill, mixed batches) go to the paged flash attention of
-``prefill_attention_triton.py``, and so do trees given as a metadata ``tail_mask``; trees
-given as ``batch.attn_masks`` (eager) to the torch path. A program per (sequence, KV head, block of its query
+times its query heads, each row masked at its causal limit, the sequence's new keys read from ``k`` / ``v``; so
+does a tree's step of a few new nodes (its verify, a draft step over several leaves: ``TREE_ROWS``), each row
+masked by its line of the metadata's ``tail_mask`` over the context's last indices instead. Other steps of several
+new tokens per sequence (prefill, chunked prefill, mixed batches) go to the paged flash attention of
+``prefill_attention_triton.py``, and so does a tree's step of one new node per sequence; trees given as
+``batch.attn_masks`` (eager) to the torch path. A program per (sequence, KV head, block of its query
 heads, split) handles up to ``heads_per_program`` heads of the KV head's query group (padded to 16
 rows for ``tl.dot``; a large group, e.g. MLA's 128 heads over one latent KV head, is cut into
 blocks of 16 whose programs read the same K/V tiles) with an online softmax over the sequence's
@@ -59,6 +61,13 @@ FUSED_COMBINE = True
 # kernel; the A/B through --set).
 ROWS_AS_DECODE = 16
 ROWS_AS_DECODE_TOTAL = 64
+# A tree's step of a few new nodes per sequence (its verify; a draft step over several leaves) as decode rows too,
+# the tail mask read in place of the causal limit, the same kernel as a chain verify's instead of the prefill
+# kernel's query tiles (which a chain verify left for 671 against 737-740 us of SmolLM2's verify graph, above).
+# Checked against the torch path in Triton's interpreter (tests/test_triton_interpret.py), compiled for sm_90 with
+# no spills (251 registers at SmolLM2's 16-row tree verify, tests/test_pdl_ptx.py); not yet timed on a GPU. False:
+# the prefill kernel (the A/B: --set models.layers.decode_attention_triton.TREE_ROWS=False).
+TREE_ROWS = True
 # Accumulator elements of one program ([heads, V dim] fp32): bounds the heads a program takes.
 ACC_ELEMENTS = 8192
 # Triton's CPU interpreter (TRITON_INTERPRET=1, used by the CPU tests) multiplies bf16 matrices
@@ -155,11 +164,23 @@ def _fresh_rows(kt, kb, vt, k_ptr, v_ptr, rows_new, fresh, h, stride_kt, stride_
 
 
 @triton.jit
-def _visible(n, end, limit, ROWS: tl.constexpr):
+def _visible(n, end, limit, orow, gmask, tail_ptr, tail0, ROWS: tl.constexpr, TAIL: tl.constexpr):
     """Keys ``n`` [BLOCK_N] a tile's query rows see: those before the split's ``end``; ROWS, also at most each
-    row's causal ``limit`` [H_PAD] -> [H_PAD, BLOCK_N] (else [1, BLOCK_N])."""
+    row's causal ``limit`` [H_PAD] -> [H_PAD, BLOCK_N] (else [1, BLOCK_N]). ROWS with a tree (TAIL > 0): instead
+    of the causal rule, every index before the context's last TAIL (from ``tail0`` on) and of those the ones the
+    row's line of the tail mask (``tail_ptr`` [T, TAIL], the step's row ``orow``) names; a lane past the rows
+    (``gmask`` false, never stored) sees the tail's first index, as in the prefill kernel."""
     if ROWS:
-        visible = (n[None, :] < end) & (n[None, :] <= limit[:, None])
+        if TAIL > 0:
+            rel = n - tail0
+            in_tail = (rel >= 0) & (rel < TAIL)
+            bits = tl.load(tail_ptr + orow[:, None] * TAIL + rel[None, :], mask=gmask[:, None] & in_tail[None, :],
+                           other=0)
+            seen = tl.where(in_tail[None, :], (bits != 0) | (~gmask[:, None] & (rel == 0)[None, :]),
+                            (rel < 0)[None, :])
+            visible = (n[None, :] < end) & seen
+        else:
+            visible = (n[None, :] < end) & (n[None, :] <= limit[:, None])
     else:
         visible = (n < end)[None, :]
     return visible
@@ -188,7 +209,7 @@ def _store_new_rows(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, q_start, q_end, h, s
 
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-                   bt_ptr, ctx_ptr, slot_ptr, cnt_ptr, index_ptr, qstart_ptr,
+                   bt_ptr, ctx_ptr, slot_ptr, cnt_ptr, index_ptr, qstart_ptr, tail_ptr,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                    stride_kcs, stride_kch, stride_vcs, stride_vch, stride_ot, stride_oh, stride_bt,
                    scale, HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -197,7 +218,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, p
                    V_IN_K: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
                    COMBINE: tl.constexpr, DOT_FP32: tl.constexpr, PREFETCH: tl.constexpr, ROWS: tl.constexpr,
                    SPLIT_TILES: tl.constexpr, R_PAD: tl.constexpr, COMBINE_LOADS: tl.constexpr,
-                   PDL: tl.constexpr):
+                   PDL: tl.constexpr, TAIL: tl.constexpr = 0):
     pdl_open(PDL)
     # K's columns are part A (0..DA) and part B (DA..DA+DB, none when DB = 0); V_IN_K: V is part A.
     # b: the sequence. ROWS: a program takes all of its sequence's new tokens (rows, a chain verify's few) times
@@ -221,6 +242,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, p
         gmask = (r < q_end - q_start) & (in_group < GROUP)
         orow = (q_start + r).to(tl.int64)
         limit = tl.load(index_ptr + orow, mask=gmask, other=-1)  # the row's causal limit (its own index)
+        tail0 = ctx - TAIL  # a tree's first tail index (TAIL > 0: the tail mask replaces the causal limit there)
         # splits of at least SPLIT_TILES tiles: a short context in few of them (the last combines fewer)
         split_tokens = tl.maximum(tl.cdiv(tl.cdiv(ctx, BLOCK_N), SPLITS), SPLIT_TILES) * BLOCK_N
     else:
@@ -231,6 +253,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, p
         gmask = (g < BLOCK_H) & (in_group < GROUP)
         orow = b + g * 0
         limit = g  # (ROWS only)
+        tail0 = ctx  # (ROWS only)
         # The splits share this sequence's real context (whole tiles each): a captured batch's SPLITS follow its
         # longest possible context, the work the context it has.
         split_tokens = tl.cdiv(tl.cdiv(ctx, BLOCK_N), SPLITS) * BLOCK_N
@@ -302,8 +325,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, p
                                                      (n >= new0) & (n < end), h, stride_kt, stride_kh, stride_vt,
                                                      stride_vh, DA, DA_PAD, DB, DB_PAD, VDIM, VDIM_PAD, V_IN_K)
             m, l_sum, acc = _attend_tile(q_a, q_b, kt_cur, kb_cur, vt_cur, n == own,
-                                         _visible(n, end, limit, ROWS), k_a_new, k_b_new, v_new, m,
-                                         l_sum, acc, scale, DB, V_IN_K, DOT_FP32, ROWS)
+                                         _visible(n, end, limit, orow, gmask, tail_ptr, tail0, ROWS, TAIL), k_a_new,
+                                         k_b_new, v_new, m, l_sum, acc, scale, DB, V_IN_K, DOT_FP32, ROWS)
             kt_cur, kb_cur, vt_cur = kt_nxt, kb_nxt, vt_nxt
     else:  # the block-table lookup one tile ahead, so Triton's pipelined K/V copies wait on no load
         for start in range(first, end, BLOCK_N):
@@ -316,7 +339,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, p
                 kt, kb, vt = _fresh_rows(kt, kb, vt, k_ptr, v_ptr, row_shift + n, (n >= new0) & (n < end), h,
                                          stride_kt, stride_kh, stride_vt, stride_vh, DA, DA_PAD, DB, DB_PAD, VDIM,
                                          VDIM_PAD, V_IN_K)
-            m, l_sum, acc = _attend_tile(q_a, q_b, kt, kb, vt, n == own, _visible(n, end, limit, ROWS),
+            m, l_sum, acc = _attend_tile(q_a, q_b, kt, kb, vt, n == own,
+                                         _visible(n, end, limit, orow, gmask, tail_ptr, tail0, ROWS, TAIL),
                                          k_a_new, k_b_new, v_new, m, l_sum, acc, scale, DB, V_IN_K, DOT_FP32, ROWS)
     do = tl.arange(0, VDIM_PAD)
     if SPLITS == 1:
@@ -455,8 +479,8 @@ def paged_decode_attention_triton(
     scale: float,
 ) -> torch.Tensor:
     """Decode: store each sequence's new K/V and attend over its context; a few new tokens per sequence
-    (``rows_as_decode``: a chain verify) as decode rows, a program per sequence's rows; more, and trees in the metadata
-    (``tail_mask``): ``paged_prefill_attention_triton``; eager trees
+    (``rows_as_decode``: a chain verify; a tree's, masked by the metadata's ``tail_mask``) as decode rows, a program
+    per sequence's rows; more, and a tree's one new node per sequence: ``paged_prefill_attention_triton``; eager trees
     (``batch.attn_masks``): the torch path. A layer whose V is in K
     (``KVCache.v_in_k``) stores K alone and takes V from the K tiles (``v`` must then be K's first
     columns, as MLA passes it).
@@ -471,7 +495,8 @@ def paged_decode_attention_triton(
     kv_heads, vdim = k.shape[1], v.shape[2]
     group = heads // kv_heads
     rows = meta.max_query_len != 1
-    if meta.tail_mask is not None or (rows and not rows_as_decode(meta, n, layer_id in cache.v_in_k, group, vdim)):
+    if (meta.tail_mask is not None and not rows) or (
+            rows and not rows_as_decode(meta, n, layer_id in cache.v_in_k, group, vdim)):
         return paged_prefill_attention_triton(q, k, v, layer_id, batch, scale)
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("decode attention kernel needs unit-stride head dims")
@@ -484,9 +509,9 @@ def paged_decode_attention_triton(
 
 
 def rows_as_decode(meta: PagedAttentionMetadata, rows: int, v_in_k: bool, group: int, vdim: int) -> bool:
-    """Whether a step of several new tokens per sequence runs as decode rows (``ROWS_AS_DECODE``): its rows
-    times the query group fit one program's accumulator."""
-    return (meta.tail_mask is None and not v_in_k and 1 < meta.max_query_len <= ROWS_AS_DECODE
+    """Whether a step of several new tokens per sequence runs as decode rows (``ROWS_AS_DECODE``; a tree's with
+    ``TREE_ROWS``): its rows times the query group fit one program's accumulator."""
+    return ((meta.tail_mask is None or TREE_ROWS) and not v_in_k and 1 < meta.max_query_len <= ROWS_AS_DECODE
             and rows <= ROWS_AS_DECODE_TOTAL and _pad(meta.max_query_len * group) * _pad(vdim) <= ACC_ELEMENTS)
 
 
@@ -511,6 +536,8 @@ def decode_attention_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
         return out
     rows = meta.max_query_len != 1  # a program per sequence takes its rows x its query heads
     programs = meta.context_lens.shape[0] if rows else n
+    tail = meta.tail_mask if rows else None  # a tree: its mask over each context's last indices (else causal)
+    tail_bits = meta.token_index if tail is None else tail.contiguous().view(torch.int8)  # unread when causal
     splits = launch.splits
     counters = None
     if splits > 1:
@@ -521,7 +548,7 @@ def decode_attention_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
         part_acc = part_m = part_l = out  # unused
     _decode_kernel[(programs, kv_heads * head_blocks, splits)](
         q, k, v, kc, vc, out, part_acc, part_m, part_l, meta.block_tables, meta.context_lens, batch.slot_mapping,
-        counters if counters is not None else meta.context_lens, meta.token_index, meta.query_start,
+        counters if counters is not None else meta.context_lens, meta.token_index, meta.query_start, tail_bits,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), out.stride(0), out.stride(1),
         meta.block_tables.stride(0), scale,
@@ -531,7 +558,7 @@ def decode_attention_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
         PAGE=cache.block_size, BLOCK_N=launch.block_n, SPLITS=splits, COMBINE=counters is not None,
         DOT_FP32=_DOT_FP32, PREFETCH=launch.prefetch, ROWS=rows, SPLIT_TILES=ROWS_SPLIT_TILES,
         R_PAD=triton.next_power_of_2(meta.max_query_len) if rows else 1, COMBINE_LOADS=COMBINE_LOADS,
-        num_warps=launch.warps,
+        TAIL=0 if tail is None else int(tail.shape[1]), num_warps=launch.warps,
         num_stages=launch.stages, **pdl_launch())
     if splits > 1 and counters is None:
         combine_splits(part_acc, part_m, part_l, out)
