@@ -926,6 +926,24 @@ def test_interp_tree_tail_masks_through_the_decode_entry_point_equal_torch(rows:
     assert torch.equal(kv.k[0][:pad_slot], ref_kv.k[0][:pad_slot])
 
 
+def _random_paged_cache(ctx: list[int], width: int, num_blocks: int, block: int, kv_heads: int, dim: int,
+                        g: torch.Generator) -> tuple[Any, torch.Tensor]:
+    """A bf16 cache of random K/V (layer 0) and block tables ``width`` wide giving each context its pages from a
+    shuffle of blocks 1 .. num_blocks - 1. -> (cache, tables)"""
+    from fusedserve.models.forward_batch import KVCache
+
+    kv = KVCache.allocate({0: (kv_heads, dim)}, num_blocks, block, torch.bfloat16)
+    kv.k[0].copy_(torch.randn(kv.k[0].shape, generator=g))
+    kv.v[0].copy_(torch.randn(kv.v[0].shape, generator=g))
+    perm = torch.randperm(num_blocks - 1, generator=g) + 1
+    tables, used = torch.zeros(len(ctx), width, dtype=torch.int32), 0
+    for i, c in enumerate(ctx):
+        pages = -(-c // block)
+        tables[i, :pages] = perm[used:used + pages]
+        used += pages
+    return kv, tables
+
+
 @inner
 @pytest.mark.parametrize(("rows", "tail", "few"), [(6, 6, False), (6, 6, True), (4, 9, False), (16, 16, True)],
                          ids=["verify", "verify-read-ahead", "draft-step", "verify-16"])
@@ -951,15 +969,7 @@ def test_interp_tree_as_decode_rows_equals_torch(rows: int, tail: int, few: bool
     g = torch.Generator().manual_seed(71 + rows + tail)
     block, width, kv_heads, group, dim = 4, 40, 2, 3, 16
     ctx = [140, 37, tail]
-    kv = KVCache.allocate({0: (kv_heads, dim)}, 100, block, torch.bfloat16)
-    kv.k[0].copy_(torch.randn(kv.k[0].shape, generator=g))
-    kv.v[0].copy_(torch.randn(kv.v[0].shape, generator=g))
-    perm = torch.randperm(99, generator=g) + 1
-    tables, used = torch.zeros(len(ctx), width, dtype=torch.int32), 0
-    for i, c in enumerate(ctx):
-        pages = -(-c // block)
-        tables[i, :pages] = perm[used:used + pages]
-        used += pages
+    kv, tables = _random_paged_cache(ctx, width, 100, block, kv_heads, dim, g)
     masks = []
     for _ in ctx:  # a random tree a sequence: each node's parent an earlier node
         parents = (-1, *(int(torch.randint(0, j, (1,), generator=g)) for j in range(1, tail)))
@@ -1011,15 +1021,7 @@ def test_interp_few_row_verify_splits_the_context_and_equals_torch(tree: bool, c
     g = torch.Generator().manual_seed(31 + tree)
     block, width, rows, kv_heads, group, dim = 4, 160, 6, 2, 3, 16
     ctx = [300, 37, rows]
-    kv = KVCache.allocate({0: (kv_heads, dim)}, 200, block, torch.bfloat16)
-    kv.k[0].copy_(torch.randn(kv.k[0].shape, generator=g))
-    kv.v[0].copy_(torch.randn(kv.v[0].shape, generator=g))
-    perm = torch.randperm(199, generator=g) + 1
-    tables, used = torch.zeros(len(ctx), width, dtype=torch.int32), 0
-    for i, c in enumerate(ctx):
-        pages = -(-c // block)
-        tables[i, :pages] = perm[used:used + pages]
-        used += pages
+    kv, tables = _random_paged_cache(ctx, width, 200, block, kv_heads, dim, g)
     tail = None
     if tree:
         full = torch.tensor(ancestor_mask((-1, 0, 0, 1, 2, 1))).view(rows, rows)

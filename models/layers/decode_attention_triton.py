@@ -40,7 +40,7 @@ from .arrival_counters import arrival_counters
 from .attention_splits_triton import combine_splits, num_splits, split_partials, store_partial
 from .paged_attention_torch import paged_attention_torch
 from .pdl import pdl_launch, pdl_open
-from .prefill_attention_triton import _load_rows, _store_rows, paged_prefill_attention_triton
+from .prefill_attention_triton import _load_rows, _store_rows, paged_prefill_attention_triton, tail_seen
 
 # A split batch's last split program combines the splits itself (``arrival_counters``) instead of
 # ``_combine_kernel`` after the launch: 8B shape on an H200, batch 16 4.44 vs 4.61 ms a step, batch 2 4.26 vs
@@ -168,17 +168,11 @@ def _visible(n, end, limit, orow, gmask, tail_ptr, tail0, ROWS: tl.constexpr, TA
     """Keys ``n`` [BLOCK_N] a tile's query rows see: those before the split's ``end``; ROWS, also at most each
     row's causal ``limit`` [H_PAD] -> [H_PAD, BLOCK_N] (else [1, BLOCK_N]). ROWS with a tree (TAIL > 0): instead
     of the causal rule, every index before the context's last TAIL (from ``tail0`` on) and of those the ones the
-    row's line of the tail mask (``tail_ptr`` [T, TAIL], the step's row ``orow``) names; a lane past the rows
-    (``gmask`` false, never stored) sees the tail's first index, as in the prefill kernel."""
+    row's line of the tail mask (``tail_ptr`` [T, TAIL], the step's row ``orow``) names (``tail_seen``, the prefill
+    kernel's rule); a lane past the rows (``gmask`` false, never stored) sees the tail's first index."""
     if ROWS:
         if TAIL > 0:
-            rel = n - tail0
-            in_tail = (rel >= 0) & (rel < TAIL)
-            bits = tl.load(tail_ptr + orow[:, None] * TAIL + rel[None, :], mask=gmask[:, None] & in_tail[None, :],
-                           other=0)
-            seen = tl.where(in_tail[None, :], (bits != 0) | (~gmask[:, None] & (rel == 0)[None, :]),
-                            (rel < 0)[None, :])
-            visible = (n[None, :] < end) & seen
+            visible = (n[None, :] < end) & tail_seen(tail_ptr, orow, gmask, n, tail0, TAIL)
         else:
             visible = (n[None, :] < end) & (n[None, :] <= limit[:, None])
     else:

@@ -96,6 +96,18 @@ def _store_rows(ptr, rows, stride_row, col0, vals, ok, WIDTH: tl.constexpr, PAD:
     tl.store(ptr + rows[:, None] * stride_row + col0 + c[None, :], vals, mask=ok[:, None] & (c < WIDTH)[None, :])
 
 
+@triton.jit
+def tail_seen(tail_ptr, rows, ok, n, tail0, TAIL: tl.constexpr):
+    """Which keys ``n`` [BLOCK_N] a tree's query rows see (``rows`` [R], the step's rows; ``ok`` [R], the real ones):
+    every index before the context's last TAIL (from ``tail0`` on) and, of those, the ones each row's line of the
+    tail mask (``tail_ptr``: [T, TAIL] as int8) names; a row not ``ok`` sees the tail's first index (finite,
+    unused). -> [R, BLOCK_N] (this kernel's tiles and the decode kernel's rows alike)"""
+    rel = n - tail0
+    in_tail = (rel >= 0) & (rel < TAIL)
+    bits = tl.load(tail_ptr + rows[:, None] * TAIL + rel[None, :], mask=ok[:, None] & in_tail[None, :], other=0)
+    return tl.where(in_tail[None, :], (bits != 0) | (~ok[:, None] & (rel == 0)[None, :]), (rel < 0)[None, :])
+
+
 @triton.jit(do_not_specialize=["num_seqs", "search_steps", "splits"])  # counts that change call to call: one compile for all
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, bt_ptr,
                     qstart_ptr, index_ptr, ctx_ptr, tail_ptr, slot_ptr, cnt_ptr,
@@ -227,12 +239,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, 
             else:
                 s += tl.dot(q_b, tl.trans(kb))
         if TAIL > 0:
-            rel = n - tail0
-            in_tail = (rel >= 0) & (rel < TAIL)
-            bits = tl.load(tail_ptr + tok[:, None] * TAIL + rel[None, :], mask=rmask[:, None] & in_tail[None, :],
-                           other=0)
-            visible = tl.where(in_tail[None, :], (bits != 0) | (~rmask[:, None] & (rel == 0)[None, :]),
-                               (rel < 0)[None, :])
+            visible = tail_seen(tail_ptr, tok, rmask, n, tail0, TAIL)
         else:
             visible = n[None, :] <= limit[:, None]
         s = tl.where(visible, s * qk_scale, float("-inf"))  # [ROWS, BLOCK_N], log2 units
