@@ -926,6 +926,31 @@ def test_interp_tree_tail_masks_through_the_decode_entry_point_equal_torch(rows:
     assert torch.equal(kv.k[0][:pad_slot], ref_kv.k[0][:pad_slot])
 
 
+def _rows_step(ctx: list[int], rows: int, tables: torch.Tensor, block: int, tail: torch.Tensor | None, kv_heads: int,
+               group: int, dim: int, g: torch.Generator) -> tuple[Any, ...]:
+    """A step of ``rows`` new tokens per sequence, the last indices of each context (a verify; a tree's with its
+    ``tail`` mask), random bf16 q / k / v. -> (q, k, v, batch(cache) -> its ForwardBatch)"""
+    from fusedserve.models.forward_batch import ForwardBatch, PagedAttentionMetadata
+
+    index = [c - rows + j for c in ctx for j in range(rows)]
+    meta = PagedAttentionMetadata(
+        block_tables=tables, context_lens=torch.tensor(ctx, dtype=torch.int32),
+        token_seq=torch.arange(len(ctx)).repeat_interleave(rows), token_index=torch.tensor(index),
+        query_start=torch.arange(len(ctx) + 1, dtype=torch.int32) * rows, max_query_len=rows, tail_mask=tail)
+    slots = torch.tensor([int(tables[i, p // block]) * block + p % block for i, c in enumerate(ctx)
+                          for p in range(c - rows, c)])
+    t = len(ctx) * rows
+    q = torch.randn(t, kv_heads * group, dim, generator=g).to(torch.bfloat16)
+    k = torch.randn(t, kv_heads, dim, generator=g).to(torch.bfloat16)
+    v = torch.randn(t, kv_heads, dim, generator=g).to(torch.bfloat16)
+
+    def batch(cache: Any) -> ForwardBatch:
+        zeros = torch.zeros(t, dtype=torch.long)
+        return ForwardBatch(zeros, zeros, [rows] * len(ctx), ctx, slots, [[0]] * len(ctx), cache, paged=meta)
+
+    return q, k, v, batch
+
+
 def _random_paged_cache(ctx: list[int], width: int, num_blocks: int, block: int, kv_heads: int, dim: int,
                         g: torch.Generator) -> tuple[Any, torch.Tensor]:
     """A bf16 cache of random K/V (layer 0) and block tables ``width`` wide giving each context its pages from a
@@ -955,7 +980,7 @@ def test_interp_tree_as_decode_rows_equals_torch(rows: int, tail: int, few: bool
     the kernel); ``rows`` new nodes, the last of the tail (a verify: all of it; a draft step: 4 of 9, the earlier
     nodes cached); ``few``: the loop that reads ahead in registers. Equal to the torch path, the cache as it leaves
     it, and the same again (the arrival counters reset)."""
-    from fusedserve.models.forward_batch import ForwardBatch, KVCache, PagedAttentionMetadata
+    from fusedserve.models.forward_batch import KVCache
     from fusedserve.models.layers import decode_attention_triton
     from fusedserve.models.layers.paged_attention_torch import paged_attention_torch
     from fusedserve.worker.executor.step import ancestor_mask
@@ -974,23 +999,7 @@ def test_interp_tree_as_decode_rows_equals_torch(rows: int, tail: int, few: bool
     for _ in ctx:  # a random tree a sequence: each node's parent an earlier node
         parents = (-1, *(int(torch.randint(0, j, (1,), generator=g)) for j in range(1, tail)))
         masks.append(torch.tensor(ancestor_mask(parents)).view(tail, tail)[tail - rows:])
-    index = [c - rows + j for c in ctx for j in range(rows)]
-    meta = PagedAttentionMetadata(
-        block_tables=tables, context_lens=torch.tensor(ctx, dtype=torch.int32),
-        token_seq=torch.arange(len(ctx)).repeat_interleave(rows), token_index=torch.tensor(index),
-        query_start=torch.arange(len(ctx) + 1, dtype=torch.int32) * rows, max_query_len=rows,
-        tail_mask=torch.cat(masks))
-    slots = torch.tensor([int(tables[i, p // block]) * block + p % block for i, c in enumerate(ctx)
-                          for p in range(c - rows, c)])
-    t = len(ctx) * rows
-    q = torch.randn(t, kv_heads * group, dim, generator=g).to(torch.bfloat16)
-    k = torch.randn(t, kv_heads, dim, generator=g).to(torch.bfloat16)
-    v = torch.randn(t, kv_heads, dim, generator=g).to(torch.bfloat16)
-
-    def batch(cache: KVCache) -> ForwardBatch:
-        zeros = torch.zeros(t, dtype=torch.long)
-        return ForwardBatch(zeros, zeros, [rows] * len(ctx), ctx, slots, [[0]] * len(ctx), cache, paged=meta)
-
+    q, k, v, batch = _rows_step(ctx, rows, tables, block, torch.cat(masks), kv_heads, group, dim, g)
     ref = KVCache({0: kv.k[0].clone()}, {0: kv.v[0].clone()}, block, 100)
     got = decode_attention_triton.paged_decode_attention_triton(q, k, v, 0, batch(kv), dim**-0.5)
     again = decode_attention_triton.paged_decode_attention_triton(q, k, v, 0, batch(kv), dim**-0.5)
@@ -1011,7 +1020,7 @@ def test_interp_few_row_verify_splits_the_context_and_equals_torch(tree: bool, c
     and 6 (the new tokens alone); causal limits (a chain) or a tail mask (a tree). The splits combined by the
     launch after or in the kernel (``SPLIT_COMBINES``: the last of a tile's active splits; a context one split
     covers written out by that program alone). Equal to the torch path."""
-    from fusedserve.models.forward_batch import ForwardBatch, KVCache, PagedAttentionMetadata
+    from fusedserve.models.forward_batch import KVCache
     from fusedserve.models.layers import prefill_attention_triton
     from fusedserve.models.layers.attention_splits_triton import num_splits
     from fusedserve.models.layers.paged_attention_torch import paged_attention_torch
@@ -1026,22 +1035,8 @@ def test_interp_few_row_verify_splits_the_context_and_equals_torch(tree: bool, c
     if tree:
         full = torch.tensor(ancestor_mask((-1, 0, 0, 1, 2, 1))).view(rows, rows)
         tail = full.repeat(len(ctx), 1)
-    index = [c - rows + j for c in ctx for j in range(rows)]
-    meta = PagedAttentionMetadata(
-        block_tables=tables, context_lens=torch.tensor(ctx, dtype=torch.int32),
-        token_seq=torch.arange(len(ctx)).repeat_interleave(rows), token_index=torch.tensor(index),
-        query_start=torch.arange(len(ctx) + 1, dtype=torch.int32) * rows, max_query_len=rows, tail_mask=tail)
-    slots = torch.tensor([int(tables[i, p // block]) * block + p % block for i, c in enumerate(ctx)
-                          for p in range(c - rows, c)])
+    q, k, v, batch = _rows_step(ctx, rows, tables, block, tail, kv_heads, group, dim, g)
     t = len(ctx) * rows
-    q = torch.randn(t, kv_heads * group, dim, generator=g).to(torch.bfloat16)
-    k = torch.randn(t, kv_heads, dim, generator=g).to(torch.bfloat16)
-    v = torch.randn(t, kv_heads, dim, generator=g).to(torch.bfloat16)
-
-    def batch(cache: KVCache) -> ForwardBatch:
-        zeros = torch.zeros(t, dtype=torch.long)
-        return ForwardBatch(zeros, zeros, [rows] * len(ctx), ctx, slots, [[0]] * len(ctx), cache, paged=meta)
-
     tile_rows, block_h, block_n, _, _ = tile_config(group, 16, rows)
     assert num_splits((t // (tile_rows // block_h) + len(ctx)) * kv_heads, width * block, block_n) == 8
     ref = KVCache({0: kv.k[0].clone()}, {0: kv.v[0].clone()}, block, 200)
