@@ -65,7 +65,7 @@ ROWS_AS_DECODE_TOTAL = 64
 # the tail mask read in place of the causal limit, the same kernel as a chain verify's instead of the prefill
 # kernel's query tiles (which a chain verify left for 671 against 737-740 us of SmolLM2's verify graph, above).
 # Checked against the torch path in Triton's interpreter (tests/test_triton_interpret.py), compiled for sm_90 with
-# no spills (251 registers at SmolLM2's 16-row tree verify, tests/test_pdl_ptx.py); not yet timed on a GPU. False:
+# no spills (251 registers at SmolLM2's 16-row tree verify: 2026-12-07-hopper-ptx-tree-rows-cpu.json); untimed. False:
 # the prefill kernel (the A/B: --set models.layers.decode_attention_triton.TREE_ROWS=False).
 TREE_ROWS = True
 # Accumulator elements of one program ([heads, V dim] fp32): bounds the heads a program takes.
