@@ -229,3 +229,36 @@ def test_draft_top_k_kernel_equals_torch_on_gpu() -> None:
     # bf16 logits tie often: the same set per row, and where torch's order differs only among equal values
     assert torch.equal(indices.sort(dim=1).values, want_indices.sort(dim=1).values) or torch.equal(
         logits.gather(1, indices), logits.gather(1, want_indices))
+
+
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "sibling-ties"])
+def test_greedy_acceptance_on_the_device_equals_the_hosts(ties: bool) -> None:
+    """``accept_greedy_on_device`` over a batch of random trees and target choices (a vocabulary of 3 makes
+    siblings share tokens and long paths common) equals ``accept_greedy`` tree by tree: path, count, bonus and
+    the tokens gained."""
+    from fusedserve.worker.spec_decode.device_tree import accept_greedy_on_device
+    from fusedserve.worker.spec_decode.draft_tree import DraftTree, accept_greedy
+
+    g = torch.Generator().manual_seed(5 + ties)
+    b, n, vocab = 64, 16, 3 if ties else 50
+    parents = torch.full((b, n), -1, dtype=torch.long)
+    for j in range(1, n):
+        parents[:, j] = torch.randint(0, j, (b,), generator=g)
+    tokens = torch.randint(0, vocab, (b, n), generator=g)
+    argmax = torch.randint(0, vocab, (b, n), generator=g)
+    # steer half the trees' choices toward their nodes' tokens (two in three) so some accept deep paths
+    for i in range(0, b, 2):
+        for j in range(1, n):
+            if j % 3:
+                argmax[i, parents[i, j]] = tokens[i, j]
+    depth = max(max(tree_depths(tuple(parents[i].tolist()))) for i in range(b))
+    got = accept_greedy_on_device(tokens, parents, argmax, depth)
+    deepest = 0
+    for i in range(b):
+        want = accept_greedy(DraftTree(tuple(tokens[i].tolist()), tuple(parents[i].tolist())), argmax[i].tolist())
+        c = int(got.count[i])
+        deepest = max(deepest, c)
+        assert c == want.num_accepted
+        assert tuple(got.path[i, :c].tolist()) == want.path and (got.path[i, c:] == -1).all()
+        assert tuple(got.tokens[i, :c + 1].tolist()) == want.tokens and int(got.bonus[i]) == want.tokens[-1]
+    assert deepest >= 3  # the steered trees reach deep paths

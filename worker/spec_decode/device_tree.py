@@ -138,3 +138,41 @@ class TreeGrowth:
         for _ in range(self.num_steps):  # depth <= num_steps: each pass adds one more generation of ancestors
             mask = mask | mask.gather(1, up)
         return DeviceTree(tokens, parents, depths, mask)
+
+
+@dataclass(frozen=True)
+class DeviceAcceptance:
+    """Greedy acceptance of a batch's trees, on the device (``accept_greedy_on_device``)."""
+
+    path: torch.Tensor  # [B, depth] the accepted nodes, root to leaf, then -1
+    count: torch.Tensor  # [B] how many
+    bonus: torch.Tensor  # [B] the target's choice after the last accepted node
+    tokens: torch.Tensor  # [B, depth + 1] the tokens gained: the accepted nodes', then the bonus, then 0
+
+
+def accept_greedy_on_device(tokens: torch.Tensor, parents: torch.Tensor, argmax: torch.Tensor, depth: int
+                            ) -> DeviceAcceptance:
+    """``draft_tree.accept_greedy`` for a batch of trees in fixed-shape tensor ops (CUDA-graph capturable, nothing
+    read back): from the root, a child is accepted while its token is the target's choice at its parent, the
+    first such child (lowest node index) where siblings share a token, at most ``depth`` levels. tokens, parents,
+    argmax: [B, N] (node 0 the root, ``argmax[:, i]`` the target's choice after node i)."""
+    b, n = tokens.shape
+    dev = tokens.device
+    node = torch.zeros(b, dtype=torch.long, device=dev)
+    live = torch.ones(b, dtype=torch.bool, device=dev)
+    ids = torch.arange(n, device=dev).expand(b, n)
+    path = torch.full((b, depth), -1, dtype=torch.long, device=dev)
+    gained = torch.zeros((b, depth + 1), dtype=torch.long, device=dev)
+    count = torch.zeros(b, dtype=torch.long, device=dev)
+    for d in range(depth):
+        choice = argmax.gather(1, node[:, None])  # [B, 1]
+        match = (parents == node[:, None]) & (tokens == choice)
+        nxt = torch.where(match, ids, n).min(dim=1).values  # the first matching child, n for none
+        live = live & (nxt < n)
+        node = torch.where(live, nxt, node)
+        path[:, d] = torch.where(live, nxt, -1)
+        gained[:, d] = torch.where(live, choice[:, 0], 0)
+        count = count + live.long()
+    bonus = argmax.gather(1, node[:, None])[:, 0]
+    gained.scatter_(1, count[:, None], bonus[:, None])
+    return DeviceAcceptance(path, count, bonus, gained)
