@@ -262,3 +262,34 @@ def test_greedy_acceptance_on_the_device_equals_the_hosts(ties: bool) -> None:
         assert tuple(got.path[i, :c].tolist()) == want.path and (got.path[i, c:] == -1).all()
         assert tuple(got.tokens[i, :c + 1].tolist()) == want.tokens and int(got.bonus[i]) == want.tokens[-1]
     assert deepest >= 3  # the steered trees reach deep paths
+
+
+def test_accepted_kv_moves_on_the_device_as_the_hosts_relocation() -> None:
+    """``move_accepted_kv`` leaves a cache as the host's ``relocation`` moves through ``copy_kv``'s read-then-write
+    do, for trees whose accepted nodes sit past their depth (sequence 0: nodes 2, 5, 9 at depths 1-3), on the chain
+    already (1: nodes 1, 2: nothing moves) and none accepted (2); ``accepted_node_rows`` lists the root, then them."""
+    from fusedserve.models.forward_batch import KVCache
+    from fusedserve.worker.spec_decode.device_tree import accepted_node_rows, move_accepted_kv
+    from fusedserve.worker.spec_decode.draft_tree import relocation
+
+    g = torch.Generator().manual_seed(3)
+    block, n, depth = 4, 10, 3
+    kv = KVCache.allocate({0: (2, 8), 1: (2, 8)}, 16, block, torch.float32)
+    for t in kv.stored():
+        t.copy_(torch.randn(t.shape, generator=g))
+    paths = [(2, 5, 9), (1, 2), ()]
+    starts = [5, 17, 40]
+    slots = torch.tensor([[s + i for i in range(n)] for s in starts])  # contiguous pages: slot = index here
+    ref = [t.clone() for t in kv.stored()]
+    src, dst = [], []
+    for s, p in zip(starts, paths):
+        for a, b in relocation(p):
+            src.append(s + a)
+            dst.append(s + b)
+    for t in ref:
+        t[dst] = t[src].clone()
+    path = torch.tensor([[*p, *[-1] * (depth - len(p))] for p in paths])
+    move_accepted_kv(kv.grouped(), slots, path)
+    for got, want in zip(kv.stored(), ref):
+        assert torch.equal(got, want)
+    assert accepted_node_rows(path).tolist() == [[0, 2, 5, 9], [0, 1, 2, 0], [0, 0, 0, 0]]

@@ -176,3 +176,26 @@ def accept_greedy_on_device(tokens: torch.Tensor, parents: torch.Tensor, argmax:
     bonus = argmax.gather(1, node[:, None])[:, 0]
     gained.scatter_(1, count[:, None], bonus[:, None])
     return DeviceAcceptance(path, count, bonus, gained)
+
+
+def accepted_node_rows(path: torch.Tensor) -> torch.Tensor:
+    """Each sequence's accepted nodes as verify rows in root-to-leaf order, the root first: [B, depth] ->
+    [B, depth + 1] node indices (past a sequence's count, the root again: rows a staged first pass drops). Gathering
+    a verify's per-node rows (aux states, argmax) by them makes a tree's accepted rows a prefix, as a chain's are."""
+    root = torch.zeros((path.shape[0], 1), dtype=torch.long, device=path.device)
+    return torch.cat([root, path.clamp(min=0)], dim=1)
+
+
+def move_accepted_kv(groups: list[torch.Tensor], slots: torch.Tensor, path: torch.Tensor) -> None:
+    """The accepted nodes' K/V to their sequence positions, on the device (``draft_tree.relocation``'s moves, as
+    ``copy_kv`` makes them, without a read-back): the node at depth d (``path[:, d - 1]``) from its verify slot to the
+    slot of node index d, the slots the verify gave each node (``slots`` [B, N]); every source read before any
+    destination is written (a node's index is at least its depth, so a move may read a slot another writes).
+    ``groups``: the cache's [tensors, slots, ...] stacks (``KVCache.grouped``). Past a sequence's count nothing moves
+    (each such slot is written with its own value)."""
+    b, depth = path.shape
+    dst = slots[:, 1:depth + 1]
+    src = torch.where(path >= 0, slots.gather(1, path.clamp(min=0)), dst)
+    src, dst = src.reshape(-1), dst.reshape(-1)
+    for group in groups:
+        group.index_copy_(1, dst, group.index_select(1, src))
