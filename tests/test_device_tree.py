@@ -293,3 +293,30 @@ def test_accepted_kv_moves_on_the_device_as_the_hosts_relocation() -> None:
     for got, want in zip(kv.stored(), ref):
         assert torch.equal(got, want)
     assert accepted_node_rows(path).tolist() == [[0, 2, 5, 9], [0, 1, 2, 0], [0, 0, 0, 0]]
+
+
+def test_tree_verdict_reads_parents_off_the_masks_and_accepts_as_the_host() -> None:
+    """A grown batch's masks give back its parents (``parents_from_mask``), and ``tree_verdict`` over the trees'
+    tokens and random target choices holds each tree's ``accept_greedy`` outcome."""
+    from fusedserve.worker.spec_decode.device_tree import parents_from_mask, tree_verdict
+    from fusedserve.worker.spec_decode.draft_tree import DraftTree, accept_greedy
+
+    g = torch.Generator().manual_seed(11)
+    b, k, steps, nodes, vocab = 8, 3, 4, 10, 4
+    growth = TreeGrowth(torch.randint(0, vocab, (b,), generator=g), torch.randint(0, vocab, (b, k), generator=g),
+                        -torch.rand(b, k, generator=g), torch.randn(b, 2, generator=g), steps)
+    for _ in range(1, steps):
+        growth.feed()
+        growth.expand(torch.randint(0, vocab, (b * k, k), generator=g), -torch.rand(b * k, k, generator=g),
+                      torch.randn(b * k, 2, generator=g))
+    tree = growth.build(nodes)
+    assert torch.equal(parents_from_mask(tree.mask), tree.parents)
+    argmax = torch.randint(0, vocab, (b, nodes), generator=g)
+    verdict = tree_verdict(tree.tokens, tree.mask, argmax, steps)
+    for i in range(b):
+        want = accept_greedy(DraftTree(tuple(tree.tokens[i].tolist()), tuple(tree.parents[i].tolist())),
+                             argmax[i].tolist())
+        c = int(verdict[i, -1])
+        assert c == want.num_accepted
+        assert tuple(verdict[i, :c + 1].tolist()) == want.tokens
+        assert tuple(verdict[i, steps + 1:steps + 1 + c].tolist()) == want.path

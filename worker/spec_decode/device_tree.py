@@ -199,3 +199,21 @@ def move_accepted_kv(groups: list[torch.Tensor], slots: torch.Tensor, path: torc
     src, dst = src.reshape(-1), dst.reshape(-1)
     for group in groups:
         group.index_copy_(1, dst, group.index_select(1, src))
+
+
+def parents_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Each node's parent from the trees' ancestor masks (``DeviceTree.mask``, what a tree verify's static inputs
+    hold as its tail mask): the nearest ancestor, the one of highest index below the node's own (-1 for the root).
+    mask: [B, N, N] bool -> [B, N]"""
+    n = mask.shape[-1]
+    j = torch.arange(n, device=mask.device)
+    below = mask & (j[None, None, :] < j[None, :, None])
+    return torch.where(below, j, -1).max(dim=-1).values
+
+
+def tree_verdict(ids: torch.Tensor, mask: torch.Tensor, argmax: torch.Tensor, depth: int) -> torch.Tensor:
+    """What a greedy tree round reads back, made on the device behind its verify: per sequence its ``depth + 1``
+    tokens gained (the accepted nodes', the bonus, then 0), its ``depth`` accepted nodes (-1 past the count) and the
+    count. ids, argmax: [B, N] (the verify's rows: node 0 the root); mask: [B, N, N] -> [B, 2 * depth + 2] int64"""
+    acc = accept_greedy_on_device(ids, parents_from_mask(mask), argmax, depth)
+    return torch.cat([acc.tokens, acc.path, acc.count[:, None]], dim=1)
