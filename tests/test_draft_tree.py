@@ -229,4 +229,6 @@ def test_speculative_config_rules() -> None:
     with pytest.raises(SpeculativeConfigError, match="draft model"):
         SpeculativeConfig("", num_steps=2)
     tree = SpeculativeConfig("d", num_steps=4, topk=4, num_draft_tokens=8)
-    assert tree.verify_tokens == 8 and tree.lookahead_tokens == 11  # draft steps 1..3 hold 4 nodes each
+    # the next tree, drafted behind the verify: its root up to 5 further, its draft steps 1..3 then hold 4 nodes each
+    assert tree.verify_tokens == 8 and tree.lookahead_tokens == 4 + 3 * 4
+    assert tree.in_flight_reach == 2 * 5 + 12 and chain.in_flight_reach == 3 * chain.verify_tokens

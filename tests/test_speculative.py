@@ -146,7 +146,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent() -> None:
 
 def test_engine_config_reserves_lookahead_and_refuses_recurrent_targets(tmp_path: Path) -> None:
     cfg = EngineConfig(num_blocks=8, num_lookahead_tokens=2, speculative=tree("d", 4, 4, 8))
-    assert cfg.lookahead_tokens == 11 and cfg.scheduler_config().num_lookahead_tokens == 11
+    assert cfg.lookahead_tokens == 16 and cfg.scheduler_config().num_lookahead_tokens == 16
     assert EngineConfig(num_lookahead_tokens=2).lookahead_tokens == 2
     nemotron = make_tiny_nemotron_h(tmp_path / "nemotron")
     with pytest.raises(SpeculativeConfigError, match="recurrent"):

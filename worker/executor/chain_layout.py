@@ -60,16 +60,25 @@ def chain_steps(b: int, q: int, chain: int, positions: torch.Tensor, index: torc
 
 def first_pass(ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, index: torch.Tensor,
                context_lens: torch.Tensor, hidden: torch.Tensor, drop: torch.Tensor, tables: torch.Tensor, q: int,
-               chain: int, block_size: int, pad_slot: int, consts: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-               ) -> FirstPass:
+               chain: int, block_size: int, pad_slot: int, consts: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+               leaves: int = 1) -> FirstPass:
     """The packed first pass of ``b`` sequences of ``q`` rows (``ids`` .. ``index`` [b * q], ``context_lens``
     and ``drop`` [b], ``hidden`` [b * q, H]) and its ``chain`` one-row steps (see the module). ``consts``:
-    arange(q), arange(b) and each sequence's last row (arange(b) * q + q - 1), made once outside a capture."""
+    arange(q), arange(b) and each sequence's last row (arange(b) * q + q - 1), made once outside a capture.
+    ``leaves`` > 1: a draft tree's steps after it instead, ``leaves`` rows per sequence, all at the RoPE position
+    after its last row, in the ``leaves`` slots after it (step j's ``(j - 1) * leaves`` further:
+    ``Drafter.tree_on_device``'s layout)."""
     row, seq, last = consts
     b = seq.shape[0]
     src = (seq[:, None] * q + (row[None, :] - drop[:, None]).clamp(min=0)).view(-1)
     positions, slots, index = positions[src], slots[src], index[src]
     context_lens = context_lens - drop
-    steps = chain_steps(b, 1, chain, positions[last] + 1, index[last] + 1, context_lens + 1, slots[last], tables,
-                        block_size, pad_slot)
+    if leaves == 1:
+        steps = chain_steps(b, 1, chain, positions[last] + 1, index[last] + 1, context_lens + 1, slots[last], tables,
+                            block_size, pad_slot)
+    else:
+        on = torch.arange(1, leaves + 1, device=index.device)
+        steps = chain_steps(b, leaves, chain, (positions[last] + 1).repeat_interleave(leaves),
+                            (index[last][:, None] + on).view(-1), context_lens + leaves,
+                            slots[last].repeat_interleave(leaves), tables, block_size, pad_slot)
     return FirstPass(ids[src], positions, slots, index, hidden[src], context_lens, steps)

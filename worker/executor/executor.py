@@ -35,7 +35,7 @@ from ...models.layers.mamba_state import MambaStateCache
 from ...models.parallel.ledger import CollectiveLedger
 from .host_copy import to_device
 from .step import SeqRows, Step
-from .step_graphs import FeedFn, FinishFn, GrowFn, PackedSeq, SampleFn, StaticInputs, StepGraphs
+from .step_graphs import FeedFn, FinishFn, GrowFn, LeavesFn, PackedSeq, SampleFn, StaticInputs, StepGraphs
 from .step_shape import ShapeKey, StepShape
 
 log = logging.getLogger(__name__)
@@ -246,6 +246,13 @@ class StepExecutor:
             return None
         return self.graphs.shape_for(num_seqs, (leaves, chain * leaves, False, hidden, chain, False))
 
+    def tree_first_at(self, num_seqs: int, rows: int, hidden: int, chain: int, leaves: int) -> StepShape | None:
+        """The captured first pass of ``rows`` rows per sequence + a tree's ``chain`` steps of ``leaves`` leaves for
+        ``num_seqs`` sequences (replayed on inputs a verify's program stages: ``replay_staged``), or None."""
+        if self.graphs is None or self.dp:
+            return None
+        return self.graphs.shape_for(num_seqs, (rows, chain * leaves, True, hidden, chain, False))
+
     @torch.inference_mode()
     def run_tree_chain(self, step: Step, hidden: torch.Tensor, first_ids: torch.Tensor, scores: torch.Tensor,
                        chain: int) -> list[torch.Tensor] | None:
@@ -295,17 +302,19 @@ class StepExecutor:
         return self.graphs is not None and bool(self.graphs.extras.get(shape))
 
     @torch.inference_mode()
-    def run_finished(self, step: Step, later_ids: torch.Tensor | None = None, shape: StepShape | None = None
-                     ) -> tuple[ModelOutput, tuple[torch.Tensor, ...]] | None:
+    def run_finished(self, step: Step, later_ids: torch.Tensor | None = None, shape: StepShape | None = None,
+                     input_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                     tail_rows: torch.Tensor | None = None) -> tuple[ModelOutput, tuple[torch.Tensor, ...]] | None:
         """``run`` at a captured shape whose forward has a finish program (``capture``'s ``finish``: the
         speculative verify's) -> the model's output and the program's extra outputs, each at its real rows or
         sequences; None (nothing run) where the step replays no such shape. ``later_ids``: [len(step.seqs),
         rows - 1] on the device, the token ids of every sequence's rows after its first (a verify's drafts; the
-        step's own there only size it); ``shape``: the step's ``graph_shape``, where the caller has it."""
+        step's own there only size it); ``shape``: the step's ``graph_shape``, where the caller has it;
+        ``input_ids``, ``positions``, ``tail_rows``: as ``run``'s (a tree verify's, grown on the device)."""
         shape = shape or self.graph_shape(step)
         if shape is None or not self.finishes(shape):
             return None
-        return self._replay_finished(shape, step, None, later_ids=later_ids)
+        return self._replay_finished(shape, step, None, input_ids, positions, tail_rows, later_ids=later_ids)
 
     def static_inputs(self, shape: StepShape) -> StaticInputs:
         """A captured shape's static inputs, for another graph's program to stage (``replay_staged``)."""
@@ -323,17 +332,19 @@ class StepExecutor:
     # --- start-up and cache moves -------------------------------------------------------------
 
     def capture(self, shapes: Sequence[StepShape], max_blocks: int, feed: FeedFn | None = None,
-                grow: GrowFn | None = None, sample: SampleFn | None = None, finish: FinishFn | None = None) -> None:
+                grow: GrowFn | None = None, sample: SampleFn | None = None, finish: FinishFn | None = None,
+                leaves: LeavesFn | None = None) -> None:
         """Capture the forward at these shapes (once, at start-up); from now on matching steps replay.
         ``feed``: a chained shape's logits -> next tokens; ``sample``: a sampled chain's draw; ``grow``: a
         tree chain's program; ``finish``: a plain forward's program after it (``run_finished``'s extra
-        outputs; ``step_graphs.py``)."""
+        outputs; ``step_graphs.py``); ``leaves``: a tree chain's first leaves picked from its first pass."""
         if not self.graph_ready:
             raise ValueError("this executor was not built for CUDA graphs (graph-safe kernels, a padding block)")
         dtype = next(self.model.parameters()).dtype
         self.graphs = StepGraphs(self.model, self.kv_cache, shapes, max_blocks, dtype, self.ledger,
                                  self.aux_layers, self.dp, use_graphs=self.device.type == "cuda",
-                                 attention=self.attention, feed=feed, grow=grow, sample=sample, finish=finish)
+                                 attention=self.attention, feed=feed, grow=grow, sample=sample, finish=finish,
+                                 leaves=leaves)
         log.info("captured %d step shapes (%s) %s", len(shapes), ", ".join(str(s) for s in sorted(shapes)[:4]),
                  "as CUDA graphs" if self.graphs.use_graphs else "(run eagerly off CUDA)")
 

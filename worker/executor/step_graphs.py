@@ -32,7 +32,11 @@ the drafter's program, which runs the ``chain`` forwards through a hook: before 
 ``tokens`` leaves per sequence take the program's tokens, hidden inputs and mask rows over the
 ``j * tokens`` scratch slots (the tail's earlier columns stay visible: bases), at RoPE one further
 and ``tokens`` slots further on; its inputs are the first leaves' tokens, scores and hidden inputs
-(``run``'s ``input_ids``, ``scores``, ``hidden``), its outputs the built trees (per sequence).
+(``run``'s ``input_ids``, ``scores``, ``hidden``), its outputs the built trees (per sequence). A tree chain with a
+first pass (both ``has_first_pass`` and ``is_tree_chain``) runs the first pass as a chain's does, then the tree's
+steps, ``leaves`` per sequence laid out after each sequence's last real row; its first leaves are ``leaves``'s pick
+from the first pass's logits (the drafter's top-k: tokens and scores) fed its last row's hidden state, so the
+first pass's rows are all it takes (staged by the verify's program of a tree round in flight).
 Every captured forward's attention reads the batch's device metadata alone (a planner's
 ``graph_plan``), so it follows the contexts growing inside the replay.
 
@@ -84,6 +88,8 @@ FeedFn = Callable[[torch.Tensor], torch.Tensor]  # a chained forward's logits [r
 TreeForward = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 # a tree chain's program: (forward, first leaves' tokens [B, k], scores [B, k], hidden [B, k, H]) -> per-sequence outputs
 GrowFn = Callable[[TreeForward, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]
+# a first pass's pick of a tree's first leaves: (its last rows' logits [batch, vocab]) -> (tokens, scores) [batch, leaves]
+LeavesFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 # a sampled chain's draw: (logits [rows, vocab], temperatures [rows] (0: argmax), uniforms [rows]) -> (tokens, q)
 SampleFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -103,6 +109,7 @@ class StaticInputs:
     drop: torch.Tensor | None  # [batch]: a first pass's rows that are not real after all
     pad_slot: int
     block_size: int = 0  # the cache's (0: not given; a program then stages no slots of its own)
+    tail: torch.Tensor | None = None  # [rows, tail] 0/1: a tree's masks over each context's last slots
 
 
 # a plain forward's finish program: (shape, its static inputs, the forward's output) -> extra outputs
@@ -150,6 +157,8 @@ class _Views:
     one_row_seq: torch.Tensor | None  # [batch] constant: the chain's rows after a first pass, one per sequence
     one_row_start: torch.Tensor | None  # [batch + 1] constant (int32)
     pass_rows: torch.Tensor | None  # [tokens] constant: arange(tokens), a first pass's rows of a sequence
+    leaf_seq: torch.Tensor | None  # [batch * leaves] constant: a tree's steps after a first pass, each row's sequence
+    leaf_start: torch.Tensor | None  # [batch + 1] constant (int32): their first rows
 
 
 @dataclass(frozen=True)
@@ -188,7 +197,8 @@ class StepGraphs:
                  hidden_dtype: torch.dtype, ledger: CollectiveLedger | None = None,
                  aux_layers: tuple[int, ...] = (), dp: int = 0, use_graphs: bool | None = None,
                  attention: AttentionPlanner | None = None, feed: FeedFn | None = None,
-                 grow: GrowFn | None = None, sample: SampleFn | None = None, finish: FinishFn | None = None) -> None:
+                 grow: GrowFn | None = None, sample: SampleFn | None = None, finish: FinishFn | None = None,
+                 leaves: LeavesFn | None = None) -> None:
         if not shapes:
             raise ValueError("no step shapes to capture")
         for shape in shapes:
@@ -196,7 +206,10 @@ class StepGraphs:
             if shape.chain and (program is None or dp):
                 raise ValueError(f"{shape}: a chained forward needs a feed (a sampled chain's: a draw; a tree's: a "
                                  f"program) and no DP attention")
+            if shape.is_tree_chain and shape.has_first_pass and leaves is None:
+                raise ValueError(f"{shape}: a tree chain after a first pass needs its first leaves' pick (leaves)")
         self.feed = feed
+        self.leaves = leaves
         self.finish = finish
         self.sample = sample
         self.grow = grow
@@ -253,7 +266,7 @@ class StepGraphs:
         """The captured ``last_only`` key that holds ``max_rows`` rows per sequence, if any (with ``chain``:
         a first pass and that many chained steps, drawn when ``sampled``)."""
         keys = sorted(k for k in self.batch_sizes
-                      if k[2] and k[3] == hidden and k[0] >= max_rows and k[4] == chain and k[5] == sampled)
+                      if k[2] and not k[1] and k[3] == hidden and k[0] >= max_rows and k[4] == chain and k[5] == sampled)
         return keys[0] if keys else None
 
     # --- capture ----------------------------------------------------------------------------
@@ -269,6 +282,7 @@ class StepGraphs:
         parts = self._meta[: self._layout_size(shape)].split([t, t, t, t, t, b, b * m, t * shape.tail, drop, self.dp])
         dev = self.device
         q = shape.tokens
+        tree_first = shape.has_first_pass and shape.is_tree_chain
         return _Views(ids=parts[0], positions=parts[1], slots=parts[2], index=parts[3], dest=parts[4],
                       context_lens=parts[5], tables=parts[6].view(b, m), tail=parts[7].view(t, shape.tail),
                       dp_real=parts[9] if self.dp else None, drop=parts[8] if drop else None,
@@ -282,12 +296,15 @@ class StepGraphs:
                                 else None),
                       one_row_seq=torch.arange(b, device=dev) if shape.has_first_pass else None,
                       one_row_start=torch.arange(b + 1, dtype=torch.int32, device=dev) if shape.has_first_pass else None,
-                      pass_rows=torch.arange(q, device=dev) if shape.has_first_pass else None)
+                      pass_rows=torch.arange(q, device=dev) if shape.has_first_pass else None,
+                      leaf_seq=torch.arange(b, device=dev).repeat_interleave(shape.leaves) if tree_first else None,
+                      leaf_start=(torch.arange(b + 1, dtype=torch.int32, device=dev) * shape.leaves if tree_first
+                                  else None))
 
     def _forward(self, shape: StepShape, v: _Views, attention: Any = None) -> tuple[torch.Tensor, ...]:
         """The padded forward on the static views (captured: everything here is replayed)."""
         b = shape.batch
-        tail = (v.tail != 0) if shape.tail else None
+        tail = (v.tail != 0) if shape.tail and not shape.has_first_pass else None  # (after one: its own)
         meta = PagedAttentionMetadata(block_tables=v.tables, context_lens=v.context_lens, token_seq=v.token_seq,
                                       token_index=v.index, query_start=v.query_start,
                                       max_query_len=shape.tokens, tail_mask=tail)
@@ -305,7 +322,7 @@ class StepGraphs:
             extra = () if self.finish is None else self.finish(shape, self._static(v), out)
             self.extras[shape] = len(extra)
             return (out.logits, *out.hidden, *extra)
-        if shape.is_tree_chain:
+        if shape.is_tree_chain and not shape.has_first_pass:
             assert tail is not None
             return self._tree_chain(shape, v, batch, tail)
         fed: list[torch.Tensor] = []
@@ -328,14 +345,17 @@ class StepGraphs:
             assert v.drop is not None and v.pass_rows is not None
             # each sequence's last ``drop`` rows are not real: its rows shift to the end, its front rows all
             # copies of its first real row (the same K/V to the same slot, outputs dropped)
-            fp = self.first_pass(v.ids, v.positions, v.slots, v.index, v.context_lens, v.hidden, v.drop, v.tables,
-                                 shape.tokens, shape.chain, self.kv_cache.block_size, self.pad_slot,
-                                 (v.pass_rows, v.one_row_seq, v.last_rows))
+            args = (v.ids, v.positions, v.slots, v.index, v.context_lens, v.hidden, v.drop, v.tables, shape.tokens,
+                    shape.chain, self.kv_cache.block_size, self.pad_slot, (v.pass_rows, v.one_row_seq, v.last_rows))
+            # (a tree's steps after it: the torch layout, which lays out several leaves a sequence)
+            fp = first_pass(*args, leaves=shape.leaves) if shape.is_tree_chain else self.first_pass(*args)
             batch = replace(batch, input_ids=fp.ids, positions=fp.positions, slot_mapping=fp.slots,
-                            input_hidden=fp.hidden,
-                            paged=replace(batch.paged, context_lens=fp.context_lens, token_index=fp.index))
+                            input_hidden=fp.hidden, paged=replace(batch.paged, context_lens=fp.context_lens,
+                                                                  token_index=fp.index, tail_mask=None))
             assert batch.paged is not None
             first = self.fn(batch)
+            if shape.is_tree_chain:
+                return self._tree_after_first(shape, v, batch, fp.steps, first)
             ids, hidden = draw(first.logits), first.hidden[0].index_select(0, v.last_rows)
             one_row = replace(batch, query_lens=[1] * b, context_lens=[1] * b, logits_indices=None,
                               paged=replace(batch.paged, token_seq=v.one_row_seq, query_start=v.one_row_start,
@@ -392,6 +412,30 @@ class StepGraphs:
 
         return self.grow(forward, v.ids.view(b, k), v.scores.view(b, k), v.hidden.view(b, k, -1))
 
+    def _tree_after_first(self, shape: StepShape, v: _Views, batch: ForwardBatch, steps: ChainSteps,
+                          first: ModelOutput) -> tuple[torch.Tensor, ...]:
+        """A tree chain after its first pass (``first``: its last rows' logits, every row's hidden output): the
+        first leaves are ``leaves``'s pick from the logits, fed the last row's hidden state; then the program's
+        forwards as ``_tree_chain``'s, ``leaves`` rows per sequence laid out by ``steps``."""
+        b, k, width = shape.batch, shape.leaves, shape.tail
+        assert self.grow is not None and self.leaves is not None and batch.paged is not None
+        assert v.leaf_seq is not None and v.leaf_start is not None
+        tail = torch.ones((b * k, width), dtype=torch.bool, device=self.device)  # the earlier columns: bases
+        leaf_batch = replace(batch, query_lens=[k] * b, context_lens=[k] * b, logits_indices=None,
+                             paged=replace(batch.paged, token_seq=v.leaf_seq, query_start=v.leaf_start, max_query_len=k,
+                                           tail_mask=tail))
+        step = self._steps(steps, leaf_batch)
+
+        def forward(j: int, ids: torch.Tensor, hidden: torch.Tensor, rows: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+            tail[:, width - j * k:].copy_(rows)
+            out = self.fn(step(j, ids, hidden))
+            return out.logits, out.hidden[0]
+
+        tokens, scores = self.leaves(first.logits)
+        hidden = first.hidden[0].index_select(0, v.last_rows)
+        return self.grow(forward, tokens, scores, hidden[:, None, :].expand(b, k, hidden.shape[-1]))
+
     def _capture(self, shape: StepShape) -> _Captured:
         views = self._views(shape)
         packed = self._packed(shape, [], [0] * self.dp)
@@ -427,7 +471,7 @@ class StepGraphs:
 
     def _static(self, v: _Views) -> StaticInputs:
         return StaticInputs(v.ids, v.positions, v.slots, v.index, v.context_lens, v.tables, v.hidden, v.drop,
-                            self.pad_slot, self.kv_cache.block_size)
+                            self.pad_slot, self.kv_cache.block_size, v.tail if v.tail.shape[1] else None)
 
     def static_inputs(self, shape: StepShape) -> StaticInputs:
         """``shape``'s static inputs, for another graph's program to stage a replay of it (``replay_staged``)."""

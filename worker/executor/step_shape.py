@@ -20,6 +20,8 @@ last ``tail = chain * tokens`` slots (a draft tree's steps, grown on the device)
     StepShape(8, 1, hidden=128, chain=2, sampled=True)  the same, each draft drawn from the draft's q
     StepShape(8, 4, last_only=True, hidden=384, chain=2)  the first pass, its draft and the 2 steps, one replay
     StepShape(8, 4, 24, hidden=128, chain=6)     a tree's 6 draft steps of 4 leaves, one replay
+    StepShape(8, 7, 20, last_only=True, hidden=384, chain=5)  the first pass (<= 7 bases), then a tree's 5 steps
+                                                 of 4 leaves (20 / 5) grown from its top-4, one replay
 """
 
 from __future__ import annotations
@@ -42,9 +44,11 @@ class StepShape:
     def __post_init__(self) -> None:
         one_row = (self.tokens, self.tail) == (1, 0) or self.last_only and not self.tail
         tree = not self.last_only and self.tokens >= 2 and self.tail == self.chain * self.tokens
-        if self.chain and (not self.hidden or not (one_row or tree)):
+        first_tree = self.last_only and self.chain > 0 and self.tail % self.chain == 0 and self.tail >= 2 * self.chain
+        if self.chain and (not self.hidden or not (one_row or tree or first_tree)):
             raise ValueError(f"a chained shape feeds a hidden input to one row per sequence (after a first pass: "
-                             f"last_only), or to a tree's leaves with a mask over chain * tokens slots: {self}")
+                             f"last_only), or to a tree's leaves with a mask over chain * leaves slots (after a "
+                             f"first pass: last_only, leaves >= 2): {self}")
         if self.sampled and (not self.chain or self.tail):
             raise ValueError(f"only a chain of one row per sequence draws its drafts: {self}")
 
@@ -63,8 +67,13 @@ class StepShape:
 
     @property
     def is_tree_chain(self) -> bool:
-        """A draft tree's steps chained in one replay."""
+        """A draft tree's steps chained in one replay (after a first pass where ``has_first_pass``)."""
         return self.chain > 0 and self.tail > 0
+
+    @property
+    def leaves(self) -> int:
+        """A tree chain's leaves per sequence and step (``tail / chain``); 1 for a chain of one row each."""
+        return self.tail // self.chain if self.is_tree_chain else 1
 
     @staticmethod
     def of(batch: int, key: ShapeKey) -> StepShape:

@@ -70,6 +70,16 @@ class SpeculativeConfig:
         cache, the nodes of draft steps 1.. in the draft's (same block tables); a chain's also the
         next round's draft steps and verify, run before this round's acceptance is read back
         (``SpecDecoder``: after every draft accepted, the verify's rows reach ``verify_tokens`` slots past
-        this verify's, the draft steps num_steps - 1)."""
+        this verify's, the draft steps num_steps - 1); a tree's also the next round's tree, drafted behind the
+        verify before it is read back (its root at most ``num_steps + 1`` further, then its draft steps' nodes:
+        ``Drafter.tree_reach``)."""
         ahead = max(self.verify_tokens, self.num_steps - 1) if self.is_chain else 0
-        return max(self.verify_tokens - 1 + ahead, (self.num_steps - 1) * self.topk - 1)
+        tree = 0 if self.is_chain else self.num_steps + (self.num_steps - 1) * self.topk
+        return max(self.verify_tokens - 1 + ahead, (self.num_steps - 1) * self.topk - 1, tree)
+
+    @property
+    def in_flight_reach(self) -> int:
+        """Slots past a round's root that the round launched after it (before it is read back) and what that
+        round stages may reach: two roots of at most ``num_steps + 1`` tokens each, then the later one's verify
+        or draft tree (``SpecDecoder._follow`` reserves the blocks)."""
+        return 2 * (self.num_steps + 1) + max(self.verify_tokens, (self.num_steps - 1) * self.topk)

@@ -96,6 +96,7 @@ from ..executor.step import SeqRows, Step
 from ..executor.step_graphs import StaticInputs
 from ..executor.step_shape import StepShape, prefill_shapes
 from .config import SpeculativeConfig, SpeculativeConfigError
+from .device_tree import DeviceTree
 from .draft_model import build_draft, chain_shapes, draft_shapes
 from .draft_tree import Acceptance, DraftTree, accept_greedy, relocation, tree_positions
 from .drafter import Ahead, Drafter, DraftState, DraftWork, Proposal, draft_temperatures, draws
@@ -109,6 +110,7 @@ from .rejection_sampler import (
     verify_tree_sampled,
 )
 from .stats import SpecDecodeCounters, SpecDecodeStats
+from .tree_verify_program import TreeVerifyProgram, apply_moves
 from .verify_program import VerifyProgram, restage_fn, verify_stage_kernel
 
 if TYPE_CHECKING:
@@ -143,6 +145,7 @@ class Verified:
     argmax: list[int] | None = None
     accepted: dict[int, Acceptance] = field(default_factory=dict)
     drafted: dict[int, int] = field(default_factory=dict)
+    moved: bool = False  # the accepted nodes' K/V were moved on the device (a tree round in flight)
 
 
 @dataclass(frozen=True)
@@ -184,11 +187,16 @@ class RoundInFlight:
     tokens: torch.Tensor | None = None  # [B, num_steps + 1]: its accepted drafts, then the token emitted after them
     greedy_counts: torch.Tensor | None = None  # [B]: the greedy rule's counts, which its verify program staged from
     rows: SampledRows | None = None  # its sampled requests on the device
+    next_tree: DeviceTree | None = None  # a tree round's: the trees drafted behind it on the device
 
     @property
     def follows(self) -> bool:
-        """The round after it can be launched before it is read back (its next chain is drafted)."""
+        """The round after it can be launched before it is read back (its next chain or tree is drafted)."""
         return self.next_drafts is not None
+
+    @property
+    def is_tree(self) -> bool:
+        return self.shape.tail > 0
 
 
 class SpecDecoder:
@@ -254,11 +262,14 @@ class SpecDecoder:
         if self.draft.chainable():
             shapes += chain_shapes(self.draft_model, batch_sizes, self.config.num_steps, self.config.topk)
         self.draft.capture(shapes, max_blocks, feed=self.drafter.greedy_tokens, grow=self.drafter.grow_tree,
-                           sample=self.drafter.sample_tokens)
+                           sample=self.drafter.sample_tokens, leaves=self.drafter.first_leaves)
         target = self.target_shapes(batch_sizes) + prefill_shapes(lengths)
         if self.target.single_rank and self.drafter.is_chain:
             program = VerifyProgram(self.sampler.argmax, self._staged, verify_stage_kernel(self.target.local.device))
             self.target.local.capture(target, max_blocks, finish=program)
+        elif self.target.single_rank:
+            tree = TreeVerifyProgram(self.sampler.argmax, self._tree_staged, self.config.num_steps)
+            self.target.local.capture(target, max_blocks, finish=tree)
         else:
             self.target.capture(target, max_blocks)
 
@@ -266,6 +277,12 @@ class SpecDecoder:
         """The draft's greedy first pass + chain for a verify of ``batch`` (padded) sequences to stage, if it
         is captured at that very batch."""
         staged = self.drafter.first_chain_staged(batch)
+        return staged[1] if staged is not None and staged[0].batch == batch else None
+
+    def _tree_staged(self, batch: int) -> StaticInputs | None:
+        """The draft's first pass + tree chain for a tree verify of ``batch`` (padded) sequences to stage, if it is
+        captured at that very batch."""
+        staged = self.drafter.first_tree_staged(batch)
         return staged[1] if staged is not None and staged[0].batch == batch else None
 
     # --- one engine step ----------------------------------------------------------------------
@@ -294,7 +311,7 @@ class SpecDecoder:
                 raise RuntimeError(f"sequence {e.seq_id}: draft state out of step with the target's cache")
         work = [DraftWork(e, s, self._states[e.seq_id], self._draw(state_of(s).generator))
                 for e, s in zip(batch.seqs, seqs) if self._drafts(e, self._states[e.seq_id])]
-        launched = self._greedy_round(batch, work, state_of)
+        launched = self._greedy_round(batch, work, state_of) or self._tree_round(batch, work, state_of)
         if launched is None and overlap:
             launched = self._sampled_round(batch, work, state_of)
         if launched is not None and overlap and launched.follows and all(w.seq.params.logprobs is None
@@ -363,6 +380,49 @@ class SpecDecoder:
         return RoundInFlight(batch, work, shape, out.logits, aux.clone(), read,
                              None if ahead is None else ahead.batch,
                              tuple(len(e.block_table) * bs for e in batch.seqs))
+
+    def _tree_round(self, batch: ScheduledBatch, work: list[DraftWork], state_of: StateOf) -> RoundInFlight | None:
+        """``_greedy_round`` for a tree: every request greedy with nothing adjusting its logits, every sequence
+        drafting, on one rank, at a captured verify with its program (``tree_verify_program.py``). The trees are
+        grown on the device (or were drafted ahead behind the last verify), the verify replays on them, its
+        program accepts, stages the next first pass and its own next inputs and says where the accepted nodes'
+        K/V go, which is applied right behind it (``apply_moves``: the host relocates nothing); the read-back of
+        its verdict is queued and the next trees are drafted behind it on the staged first pass
+        (``Drafter.tree_after_staged``). ``_deferred_tree`` (the host relocates) stays its reference and runs
+        every other tree round on one rank. None (nothing run) where this does not apply."""
+        local = self.target.local
+        if (not work or not self.target.single_rank or self.drafter.is_chain or len(work) != len(batch.seqs)
+                or not all(w.seq.params.greedy and not self.tokens.adjusts(w.seq, state_of(w.seq)) for w in work)):
+            return None
+        step = self._tree_step(work)
+        shape = local.graph_shape(step)
+        if shape is None or not local.finishes(shape):
+            return None
+        tree = self.drafter.tree_on_device(work)
+        if tree is None:
+            return None
+        b, n = len(work), self.config.verify_tokens
+        starts = to_device([w.entry.start for w in work], local.device)
+        ran = local.run_finished(step, shape=shape, input_ids=tree.tokens.reshape(-1),
+                                 positions=(starts[:, None] + tree.depths).reshape(-1),
+                                 tail_rows=tree.mask.reshape(b * n, n))
+        assert ran is not None  # finishes(shape) said so
+        out, (aux, verdict, moves) = ran
+        read = read_later(verdict.reshape(-1))  # queued behind the verify, before the next trees' replay
+        apply_moves(local.kv_cache.grouped, moves)
+        nxt = self.drafter.tree_after_staged(work, shape.batch)
+        bs = local.block_size
+        return RoundInFlight(batch, work, shape, out.logits, aux.clone(), read, None if nxt is None else nxt.tokens,
+                             tuple(len(e.block_table) * bs for e in batch.seqs), next_tree=nxt)
+
+    def _tree_step(self, work: list[DraftWork]) -> Step:
+        """A tree verify's step as the host lays it out where the device supplies its tokens, positions and masks:
+        the root at its position, then placeholders (the size alone matters)."""
+        n = self.config.verify_tokens
+        mask = _layout_mask(n)  # the layout only: the device's masks replace it (nothing built or packed per node)
+        return Step(tuple(SeqRows(tuple(w.entry.block_table), (w.entry.token_ids[0],) + (0,) * (n - 1),
+                                  (w.entry.start,) + (w.entry.start + 1,) * (n - 1), w.entry.start + n, n, mask)
+                          for w in work))
 
     def _chain_verify(self, batch: ScheduledBatch, work: list[DraftWork]) -> tuple[
             StepShape, torch.Tensor, torch.Tensor | None, ModelOutput, torch.Tensor, torch.Tensor] | None:
@@ -463,21 +523,23 @@ class SpecDecoder:
         it would run for nothing: the next request's prefill would wait behind it), its tables reach the slots
         staged, and room is left within ``max_len`` and the free blocks; else None (nothing run). Its entries are made once ``r`` is read back (``_taken``)."""
         q = self.config.verify_tokens
+        emits = self.config.num_steps + 1  # the most tokens a round emits
+        reach = self.config.in_flight_reach
         bs = self.target.local.block_size
         assert r.work is not None
         if r.next_drafts is None or len(scheduler.running) != len(r.work):
             return None
-        if all(w.seq.params.max_tokens - w.seq.num_output_tokens <= q for w in r.work):
-            return None  # r may reach every sequence's max_tokens (it emits up to q): one launched after it would be waste
+        if all(w.seq.params.max_tokens - w.seq.num_output_tokens <= emits for w in r.work):
+            return None  # r may reach every sequence's max_tokens: one launched after it would be waste
         if r.sampled and (r.next_q is None or self.drafter.first_chain_staged(len(r.work), sampled=True) is None):
             return None
         for w, covered in zip(r.work, r.covered):
             start = w.entry.start
-            if not scheduler.is_running(w.entry.seq_id) or covered < start + 2 * q or start + 3 * q > max_len:
+            if not scheduler.is_running(w.entry.seq_id) or covered < start + emits + q or start + reach > max_len:
                 return None
         tables = []
         for w in r.work:
-            table = scheduler.reserve_ahead(w.entry.seq_id, w.entry.start + 3 * q)
+            table = scheduler.reserve_ahead(w.entry.seq_id, w.entry.start + reach)
             if table is None:
                 return None
             tables.append(table)
@@ -488,6 +550,8 @@ class SpecDecoder:
             width = max(len(t) for t in tables)
             flat = [x for t in tables for x in (*t, *[0] * (width - len(t)))]
             inputs.tables[:b, :width].copy_(to_device(flat, local.device).view(b, width))
+        if r.is_tree:
+            return self._follow_tree(r, inputs, tuple(tuple(t) for t in tables))
         if r.sampled:  # the program staged the greedy rule's outcome: move each row to the device's
             assert r.counts is not None and r.tokens is not None and r.greedy_counts is not None
             self._restage(inputs, r.counts, r.greedy_counts, r.tokens, r.next_drafts, b, q)
@@ -510,6 +574,28 @@ class SpecDecoder:
                              tuple(len(t) * bs for t in tables), tuple(tuple(t) for t in tables), r.sampled,
                              None if chain is None else chain[1], None if chain is None else chain[2], counts, tokens,
                              verdict[:, -1].clone(), r.rows)
+
+    def _follow_tree(self, r: RoundInFlight, inputs: StaticInputs, tables: tuple[tuple[int, ...], ...]
+                     ) -> RoundInFlight:
+        """``_follow`` for a tree round: the next verify's inputs (staged by ``r``'s program: roots, rows, slots,
+        context) take the trees drafted behind ``r`` (tokens, RoPE positions = the root's + each node's depth,
+        masks), it replays, its K/V moves are applied and the trees after it drafted on its staged first pass."""
+        assert r.work is not None and r.next_tree is not None and inputs.tail is not None
+        local = self.target.local
+        b, n, pad = len(r.work), self.config.verify_tokens, r.shape.batch
+        tree = r.next_tree
+        inputs.ids.view(pad, n)[:b, 1:].copy_(tree.tokens[:, 1:])
+        positions = inputs.positions.view(pad, n)[:b]
+        positions[:, 1:].copy_(positions[:, :1] + tree.depths[:, 1:])
+        inputs.tail.view(pad, n, n)[:b].copy_(tree.mask)
+        outputs = local.replay_staged(r.shape)
+        logits, aux, verdict, moves = outputs[0][:b * n], outputs[-3][:b * n], outputs[-2][:b], outputs[-1][:b]
+        read = read_later(verdict.reshape(-1))
+        apply_moves(local.kv_cache.grouped, moves)
+        nxt = self.drafter.replay_staged_tree(b, pad)
+        bs = local.block_size
+        return RoundInFlight(None, None, r.shape, logits, aux.clone(), read, None if nxt is None else nxt.tokens,
+                             tuple(len(t) * bs for t in tables), tables, next_tree=nxt)
 
     def _taken(self, nxt: RoundInFlight, r: RoundInFlight, done: SpecStep) -> RoundInFlight:
         """``nxt`` (launched before ``r`` was read) with its entries, now that ``r``'s acceptance is known: each
@@ -536,7 +622,8 @@ class SpecDecoder:
                 sampled = nxt.next_q is not None and not w.seq.params.greedy
                 state.ahead = None if nxt.next_drafts is None else Ahead(
                     nxt.next_drafts[i], nxt.next_q[i] if sampled and nxt.next_q is not None else None,
-                    None if nxt.next_uniforms is None else nxt.next_uniforms[i], batch=nxt.next_drafts, row=i)
+                    None if nxt.next_uniforms is None else nxt.next_uniforms[i], batch=nxt.next_drafts, row=i,
+                    tree=nxt.next_tree)
             entries.append(entry)
             work.append(DraftWork(entry, w.seq, state, w.draw))
         return replace(nxt, batch=ScheduledBatch(seqs=entries), work=work)
@@ -545,6 +632,8 @@ class SpecDecoder:
         """A launched greedy round read back (its one wait: the verify and its verdict, not what was queued
         after it): the drafts, the target's argmax of every row and the device's acceptance counts."""
         assert r.batch is not None and r.work is not None
+        if r.is_tree:
+            return self._verified_tree(r)
         work, batch = r.work, r.batch
         n = self.config.verify_tokens - 1
         flat = r.read()
@@ -562,6 +651,23 @@ class SpecDecoder:
         drafted = dict(zip((wk.entry.seq_id for wk in work), counts)) if r.next_drafts is not None else {}
         return Verified(ScheduledBatch(seqs=entries, preempted=batch.preempted), r.logits, r.aux, proposals,
                         argmax, accepted, drafted)
+
+    def _verified_tree(self, r: RoundInFlight) -> Verified:
+        """A launched tree round read back (its one wait): per sequence the verified tree's tokens and parents, the
+        target's argmax of every node and the device's acceptance count (``tree_verify_program.py``'s verdict); its
+        accepted nodes' K/V were moved on the device."""
+        assert r.batch is not None and r.work is not None
+        n = self.config.verify_tokens
+        w = 3 * n + 1
+        flat = r.read()
+        rows = [flat[i * w:(i + 1) * w] for i in range(len(r.work))]
+        proposals = {wk.entry.seq_id: Proposal(DraftTree(tuple(row[:n]), tuple(row[n:2 * n])))
+                     for wk, row in zip(r.work, rows)}
+        entries = [self._verify_entry(e, proposals[e.seq_id].tree) for e in r.batch.seqs]
+        argmax = [t for row in rows for t in row[2 * n:3 * n]]
+        drafted = {wk.entry.seq_id: row[3 * n] for wk, row in zip(r.work, rows)} if r.next_tree is not None else {}
+        return Verified(ScheduledBatch(seqs=entries, preempted=r.batch.preempted), r.logits, r.aux, proposals, argmax,
+                        drafted=drafted, moved=True)
 
     def _deferred_verify(self, batch: ScheduledBatch, work: list[DraftWork], state_of: StateOf) -> Verified | None:
         """A chain on one rank: the drafts stay on the device, the verify forward is queued right behind
@@ -670,10 +776,7 @@ class SpecDecoder:
                 or len(work) != len(batch.seqs)):
             return None
         n = self.config.verify_tokens
-        mask = _layout_mask(n)  # the layout only: the device's masks replace it (nothing built or packed per node)
-        step = Step(tuple(SeqRows(tuple(w.entry.block_table), (w.entry.token_ids[0],) + (0,) * (n - 1),
-                                  (w.entry.start,) + (w.entry.start + 1,) * (n - 1), w.entry.start + n, n, mask)
-                          for w in work))
+        step = self._tree_step(work)
         local = self.target.local
         if local.graph_shape(step) is None:
             return None
@@ -760,7 +863,7 @@ class SpecDecoder:
                     rows = to_device([tok_row, *(tok_row + k for k in path)], aux.device)
                     state.pending.append(aux.index_select(0, rows))
                 table = e.block_table
-                for a, b in relocation(acc.path):
+                for a, b in () if verified.moved else relocation(acc.path):
                     src.append(table[(e.start + a) // bs] * bs + (e.start + a) % bs)
                     dst.append(table[(e.start + b) // bs] * bs + (e.start + b) % bs)
                 drawn_at = [0, *acc.path]  # the node row each emitted token was drawn at

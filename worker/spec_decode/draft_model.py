@@ -91,14 +91,16 @@ def chain_shapes(model: Eagle3Draft, batch_sizes: list[int], num_steps: int, wid
     """Steps 1 .. num_steps - 1 as one chained replay per batch size (none for one step): a chain's, greedy
     and sampled (its drafts drawn at each request's temperature), alone and after the first pass (the
     first pass's rows, as ``draft_shapes``), or (``width`` > 1) a tree's, ``width`` leaves per step with a
-    mask over the last (num_steps - 1) * width slots."""
+    mask over the last (num_steps - 1) * width slots, alone and after the first pass."""
     h = int(model.config.hidden_size)
     chain = num_steps - 1
     if not chain:
         return []
-    if width > 1:
-        return [StepShape(b, width, chain * width, hidden=h, chain=chain) for b in batch_sizes]
     aux = int(model.fc.in_features)
+    if width > 1:  # alone (after a first pass replayed on its own), and after the first pass (a round in flight)
+        return [shape for b in batch_sizes
+                for shape in (StepShape(b, width, chain * width, hidden=h, chain=chain),
+                              StepShape(b, num_steps + 1, chain * width, last_only=True, hidden=aux, chain=chain))]
     return [shape for b in batch_sizes for s in (False, True)
             for shape in (StepShape(b, 1, hidden=h, chain=chain, sampled=s),
                           StepShape(b, num_steps + 1, last_only=True, hidden=aux, chain=chain, sampled=s))]

@@ -64,6 +64,7 @@ class Ahead:
     start: int | None = None
     batch: torch.Tensor | None = None  # [B, num_steps]: the chains drafted with it (``drafts`` is row ``row``)
     row: int = 0
+    tree: DeviceTree | None = None  # a tree round's: the trees drafted with it (row ``row``; roots left 0)
 
 
 @dataclass
@@ -113,6 +114,7 @@ class Drafter:
         self._hidden = int(model.config.hidden_size)  # the chained steps' hidden input
         self._aux = int(model.fc.in_features)  # the first pass's hidden input: the target's aux states
         self._staged: dict[tuple[int, bool], tuple[StepShape, StaticInputs] | None] = {}  # ``first_chain_staged``
+        self._tree_staged: dict[int, tuple[StepShape, StaticInputs] | None] = {}  # ``first_tree_staged``
         self._expand = tree_expand_kernel(draft.device)  # a device tree's step in one kernel (GPU), or None
         self._top_k_rows = top_k_kernel(draft.device, model.draft_vocab)  # the draft's top-k (GPU), or torch's
 
@@ -382,9 +384,21 @@ class Drafter:
 
     def tree_on_device(self, work: list[DraftWork]) -> DeviceTree | None:
         """Every sequence's verified draft tree grown on the device: the first pass, then one replay of
-        the captured tree chain (``grow_tree``: the ``propose`` tree's rule, nothing read back in between).
-        None (before running anything) when no tree chain fits."""
+        the captured tree chain (``grow_tree``: the ``propose`` tree's rule, nothing read back in between);
+        or the trees drafted ahead behind the last verify (``tree_after_staged``) where every sequence's stands
+        for its root. None (before running anything) when no tree chain fits."""
         k, chain = self.topk, self.num_steps - 1
+        ready = [w.state.ahead for w in work]
+        for w in work:
+            w.state.ahead = None
+        whole = ready[0].tree if ready and ready[0] is not None else None
+        if whole is not None and int(whole.tokens.shape[0]) == len(work) and all(
+                a is not None and a.tree is whole and a.row == i and a.start == w.entry.start
+                for i, (a, w) in enumerate(zip(ready, work))):
+            for w in work:  # the drafted-ahead first pass consumed the pending rows
+                w.state.num_bases, w.state.pending = w.entry.start, []
+            roots = to_device([w.entry.token_ids[0] for w in work], whole.tokens.device)
+            return replace(whole, tokens=torch.cat([roots[:, None], whole.tokens[:, 1:]], dim=1))
         if chain < 1 or self.draft.tree_chain_shape(len(work), self._hidden, chain, k) is None:
             return None
         logits, root_hidden = self._first_pass(work)
@@ -398,6 +412,52 @@ class Drafter:
         tokens, parents, depths, mask = out
         roots = to_device([w.entry.token_ids[0] for w in work], logits.device)
         return DeviceTree(torch.cat([roots[:, None], tokens[:, 1:]], dim=1), parents, depths, mask)
+
+    def first_leaves(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A tree's first leaves from the first pass's root rows (a captured first pass + tree chain's pick):
+        the draft's ``topk`` best as target ids and their log-probabilities, [B, topk] each (``tree_on_device``'s)."""
+        return self._top_k(logits.float())
+
+    def first_tree_staged(self, num_seqs: int) -> tuple[StepShape, StaticInputs] | None:
+        """The first pass + tree chain that ``num_seqs`` sequences replay at and its static inputs, for a tree
+        verify's program to stage (``tree_verify_program.py``): ``num_steps + 1`` rows per sequence (the root and
+        at most ``num_steps`` accepted nodes); None where not captured."""
+        if num_seqs not in self._tree_staged:  # fixed once captured
+            k, chain = self.num_steps, self.num_steps - 1
+            shape = None if chain < 1 or self.is_chain else self.draft.tree_first_at(num_seqs, k + 1, self._aux, chain,
+                                                                                      self.topk)
+            self._tree_staged[num_seqs] = None if shape is None else (shape, self.draft.static_inputs(shape))
+        return self._tree_staged[num_seqs]
+
+    def tree_reach(self) -> int:
+        """Slots past a tree round's root that its staged draft reaches: the next root at most ``num_steps + 1``
+        further, its first pass's bases before it and the tree's ``(num_steps - 1) * topk`` scratch slots after."""
+        return self.num_steps + 1 + (self.num_steps - 1) * self.topk
+
+    def tree_after_staged(self, work: list[DraftWork], batch: int) -> DeviceTree | None:
+        """Each sequence's next tree, drafted now on the device behind a tree verify (at padded ``batch``) whose
+        program staged the first pass (``tree_verify_program.py``): the staged first pass + tree chain replayed,
+        nothing packed or copied; stored in each state's ``ahead`` (for the step whose root follows the accepted
+        nodes: ``settle_ahead``) -> the trees (roots left 0, a copy: the replay's outputs serve the next), or None
+        (nothing run) where the block tables do not reach that far or no such staged shape is captured."""
+        bs = self.draft.block_size
+        if any(len(w.entry.block_table) * bs < w.entry.start + self.tree_reach() for w in work):
+            return None
+        tree = self.replay_staged_tree(len(work), batch)
+        if tree is not None:
+            for i, w in enumerate(work):
+                w.state.ahead = Ahead(tree.tokens[i], None, None, batch=tree.tokens, row=i, tree=tree)
+        return tree
+
+    def replay_staged_tree(self, num_seqs: int, batch: int) -> DeviceTree | None:
+        """The staged first pass + tree chain of ``num_seqs`` sequences replayed as a tree verify at padded ``batch``
+        staged it -> their trees (roots left 0; a copy: the replay's outputs serve the next), or None where no staged
+        shape of that batch is captured. The caller has checked the block tables."""
+        staged = self.first_tree_staged(num_seqs)
+        if staged is None or staged[0].batch != batch:
+            return None
+        tokens, parents, depths, mask = (t[:num_seqs].clone() for t in self.draft.replay_staged(staged[0])[:4])
+        return DeviceTree(tokens, parents, depths, mask)
 
     def grow_tree(self, forward: TreeForward, tokens: torch.Tensor, scores: torch.Tensor, hidden: torch.Tensor
                   ) -> tuple[torch.Tensor, ...]:

@@ -17,7 +17,7 @@ For a captured chain verify (``b`` sequences of ``q = num_steps + 1`` rows: each
   (``StepExecutor.replay_staged``).
 
 The same function runs eagerly off CUDA (``StepGraphs``' eager replays), so the CPU tests check it
-against the host's acceptance. A tree's verify (``tail``) gets nothing here. On a GPU everything after the
+against the host's acceptance. A tree's verify (``tail``) gets nothing here (``tree_verify_program.py``). On a GPU everything after the
 argmax is one Triton launch (``verify_stage_triton.py``; checked against these torch ops in Triton's
 interpreter), where the torch ops were some twenty kernels.
 """
@@ -103,7 +103,7 @@ def restage_sampled(inputs: StaticInputs, counts: torch.Tensor, greedy_counts: t
     ids = inputs.ids.view(-1, q)[:n]
     ids[:, 0].copy_(tokens.gather(1, counts[:, None])[:, 0])
     ids[:, 1:].copy_(next_drafts[:, :q - 1])
-    inputs.slots.view(-1, q)[:n].copy_(_table_slots(inputs, index))
+    inputs.slots.view(-1, q)[:n].copy_(table_slots(inputs, index))
 
 
 def restage_fn(device: torch.device | str) -> RestageFn:
@@ -125,10 +125,10 @@ def stage_next_verify(inputs: StaticInputs, targets: torch.Tensor, counts: torch
     index = inputs.index.view(b, q)
     index.add_(shift[:, None])
     inputs.context_lens[:b].add_(shift)
-    inputs.slots.view(b, q).copy_(torch.where(real[:, None], _table_slots(inputs, index), inputs.slots.view(b, q)))
+    inputs.slots.view(b, q).copy_(torch.where(real[:, None], table_slots(inputs, index), inputs.slots.view(b, q)))
 
 
-def _table_slots(inputs: StaticInputs, index: torch.Tensor) -> torch.Tensor:
+def table_slots(inputs: StaticInputs, index: torch.Tensor) -> torch.Tensor:
     """The cache slots of causal indices ``index`` [n, q] through the first ``n`` sequences' block tables (a column
     past the table clamped: the host replays such inputs only where its table reaches them)."""
     bs = inputs.block_size
