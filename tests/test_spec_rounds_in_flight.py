@@ -1,7 +1,9 @@
 """Speculative rounds in flight (``SpecDecoder.advance``, ``overlap_scheduling`` with speculation): a greedy chain
 round is launched before the one ahead of it is read back, on the inputs that round's verify staged on the device
 (``verify_program.stage_next_verify``), and it gives exactly the tokens, text, stops and acceptance of rounds read
-back one by one. On CPU the captured shapes run eagerly on the same static buffers (``cuda_graphs=True``), so the
+back one by one. So does a greedy tree round (``tree_verify_program.py``: the accepted nodes' K/V moved on the
+device, the next tree drafted behind the verify on its staged first pass), and both equal the host's tree path
+(trees built, accepted and relocated by the host: ``cuda_graphs=False``). On CPU the captured shapes run eagerly on the same static buffers (``cuda_graphs=True``), so the
 staging, the block tables reserved ahead and the rounds dropped after a stop are checked here as on a GPU."""
 
 from __future__ import annotations
@@ -23,12 +25,18 @@ DRAFT = str(ROOT / "examples/checkpoints/tiny-code-eagle3")
 PROMPTS = ["def fib(n):\n    ", "import os\nclass Foo:\n", "for i in range(10):"]
 
 
-def _engine(overlap: bool, steps: int = 3, **config: object) -> Engine:
+# trees as (num_steps, topk, num_draft_tokens): the SmolLM2 defaults' shape (deep, wide, a verify of 16) and small ones
+TREES = [(3, 2, 6), (5, 4, 16), (2, 3, 4)]
+
+
+def _engine(overlap: bool, steps: int = 3, tree: tuple[int, int] | None = None, **config: object) -> Engine:
+    """``tree``: (topk, num_draft_tokens), else a chain of ``steps``."""
     settings: dict[str, object] = {"num_blocks": 48, "block_size": 4, "max_num_seqs": 3,
-                                   "cuda_graph_batch_sizes": (1, 2, 4)}
+                                   "cuda_graph_batch_sizes": (1, 2, 4), "cuda_graphs": True}
     settings.update(config)
-    return Engine(TARGET, EngineConfig(speculative=SpeculativeConfig(DRAFT, num_steps=steps), cuda_graphs=True,
-                                       overlap_scheduling=overlap, **settings))  # type: ignore[arg-type]
+    spec = SpeculativeConfig(DRAFT, num_steps=steps) if tree is None else SpeculativeConfig(
+        DRAFT, num_steps=steps, topk=tree[0], num_draft_tokens=tree[1])
+    return Engine(TARGET, EngineConfig(speculative=spec, overlap_scheduling=overlap, **settings))  # type: ignore[arg-type]
 
 
 def _count_follows(monkeypatch: pytest.MonkeyPatch, sampled_only: bool) -> list[int]:
@@ -105,6 +113,26 @@ def test_rounds_in_flight_equal_rounds_read_one_by_one(monkeypatch: pytest.Monke
             assert runs[True][0][1][0] == greedy
 
 
+@pytest.mark.parametrize("tree", TREES, ids=["-".join(map(str, t)) for t in TREES])
+def test_tree_rounds_in_flight_equal_rounds_read_one_by_one_and_the_host_path(
+        followed: list[int], tree: tuple[int, int, int]) -> None:
+    """Greedy tree rounds (three requests of different lengths, with and without EOS; blocks of 4 slots, so rounds
+    and the next trees cross block boundaries): in flight, read one by one (the device's acceptance and K/V moves,
+    nothing in flight) and on the host's path (trees built, accepted and relocated by the host) give the same
+    tokens, text, finish reasons and acceptance counts, and end with every block free."""
+    steps, topk, nodes = tree
+    runs = {}
+    for name, overlap, graphs in (("in flight", True, True), ("one by one", False, True), ("host", False, False)):
+        followed[0] = 0
+        engine = _engine(overlap, steps, (topk, nodes), num_blocks=64, cuda_graphs=graphs)
+        outs = engine.generate(PROMPTS, GREEDY)
+        runs[name] = ([(c.token_ids, c.text, c.finish_reason) for c in outs], engine.stats().spec)
+        assert (followed[0] > 3) == overlap, (name, followed)
+        assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert runs["in flight"] == runs["one by one"] == runs["host"]
+    assert runs["host"][1].accepted_tokens > 0
+
+
 _GREEDY_24 = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 ARRIVALS = {  # requests added before step k, the request aborted and the step before which it is
     "greedy": ({0: [(PROMPTS[0], _GREEDY_24), (PROMPTS[1], _GREEDY_24)],
@@ -116,17 +144,18 @@ ARRIVALS = {  # requests added before step k, the request aborted and the step b
 }
 
 
-@pytest.mark.parametrize("case", sorted(ARRIVALS))
+@pytest.mark.parametrize("case", [*sorted(ARRIVALS), "tree"])
 def test_rounds_in_flight_with_arrivals_aborts_and_stop_strings(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
     """Requests arriving while rounds are in flight (the round read back, nothing launched after it, the newcomer
-    prefilled), an abort of a request whose round is in flight, and stop strings, greedy and sampled: every request
-    streams what it does when rounds are read one by one, and the engine ends with every block free."""
-    requests, victim, at = ARRIVALS[case]
+    prefilled), an abort of a request whose round is in flight, and stop strings, greedy and sampled, and greedy
+    with trees (a newcomer's first round drafts its tree anew beside the others'): every request streams what it
+    does when rounds are read one by one, and the engine ends with every block free."""
+    requests, victim, at = ARRIVALS["greedy" if case == "tree" else case]
     follows = _count_follows(monkeypatch, sampled_only=case == "sampled")
     runs = {}
     for overlap in (True, False):
         follows[0] = 0
-        engine = _engine(overlap)
+        engine = _engine(overlap, tree=(2, 6), num_blocks=64) if case == "tree" else _engine(overlap)
         runs[overlap] = _drive(engine, requests, abort={at: victim})
         assert (follows[0] > 0) == overlap
         assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
@@ -138,15 +167,18 @@ def test_rounds_in_flight_with_arrivals_aborts_and_stop_strings(monkeypatch: pyt
     assert aborted[2] is FinishReason.ABORT and aborted[0] == whole[0][:len(aborted[0])]  # a prefix: aborted earlier
 
 
-def test_rounds_in_flight_near_the_model_length_and_out_of_blocks(followed: list[int]) -> None:
+@pytest.mark.parametrize("tree", [None, (2, 6)], ids=["chain", "tree"])
+def test_rounds_in_flight_near_the_model_length_and_out_of_blocks(followed: list[int], tree: tuple[int, int] | None
+                                                                   ) -> None:
     """Close to ``max_model_len`` no round is launched past it, and where the free blocks cannot hold a round ahead
-    the rounds are read one by one (the scheduler preempts as it would): the same tokens either way."""
+    the rounds are read one by one (the scheduler preempts as it would): the same tokens either way, chains and
+    trees."""
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-    for config in ({"max_model_len": 40}, {"num_blocks": 18, "max_model_len": 64}):
+    for config in ({"max_model_len": 40}, {"num_blocks": 18 if tree is None else 24, "max_model_len": 64}):
         runs = {}
         for overlap in (True, False):
             followed[0] = 0
-            engine = _engine(overlap, **config)
+            engine = _engine(overlap, tree=tree, **config)
             runs[overlap] = [(c.token_ids, c.finish_reason) for c in engine.generate(PROMPTS, params)]
             assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
             assert (followed[0] > 0) == overlap
