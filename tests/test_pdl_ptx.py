@@ -44,7 +44,7 @@ from fusedserve.models.layers import (  # noqa: E402
 )
 from fusedserve.worker.engine import sample_triton  # noqa: E402
 from fusedserve.worker.executor import chain_layout_triton  # noqa: E402
-from fusedserve.worker.spec_decode import chain_accept_triton, verify_stage_triton  # noqa: E402
+from fusedserve.worker.spec_decode import chain_accept_triton, tree_stage_triton, verify_stage_triton  # noqa: E402
 
 # Triton 3.9 warns, once, that its FP-fusion default will change; nothing here depends on it
 pytestmark = pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION:UserWarning")
@@ -67,6 +67,14 @@ KERNELS: dict[str, tuple[Any, dict[str, Any], dict[str, str]]] = {
                      {name: "*i64" for name in ("argmax_ptr", "ids_ptr", "pos_ptr", "slots_ptr", "index_ptr", "ctx_ptr",
                                                 "tables_ptr", "verdict_ptr", "d_ids_ptr", "d_pos_ptr", "d_slots_ptr",
                                                 "d_index_ptr", "d_ctx_ptr", "d_tables_ptr", "d_drop_ptr")}),
+    # a tree verify's program (SmolLM2's tree-s6-k4-t16: 16 nodes, depth 6)
+    "tree_stage": (tree_stage_triton._tree_stage_kernel,
+                   {"N": 16, "N_PAD": 16, "DEPTH": 6, "MOVES": 6, "D_PAD": 8, "PARTS": 3, "BLOCK_H": 1024,
+                    "BLOCK_W": 512, "STAGE": True, "NEXT": True},
+                   {name: "*i64" for name in ("argmax_ptr", "ids_ptr", "pos_ptr", "slots_ptr", "index_ptr", "ctx_ptr",
+                                              "tables_ptr", "tail_ptr", "verdict_ptr", "moves_ptr", "d_ids_ptr",
+                                              "d_pos_ptr", "d_slots_ptr", "d_index_ptr", "d_ctx_ptr", "d_tables_ptr",
+                                              "d_drop_ptr")}),
     "rope": (rope_triton._rope_kernel, {"Q_HEADS": 32, "HALF": 64}, {"pos_ptr": "*i64", "inv_ptr": "*fp32"}),
     "silu_mul": (silu_mul_triton._silu_mul_kernel, {"BLOCK": 1024}, {}),
     # MLA's absorbed products from kv_b's block-FP8 weight (DeepSeek-V3: 128 x 128 blocks, nope = v = 128, 4 rows):

@@ -260,6 +260,9 @@ def test_tree_chain_shape_masks_every_step_over_its_scratch_slots() -> None:
     assert tree.is_tree_chain and not StepShape(2, 1, hidden=8, chain=2).is_tree_chain
     first = StepShape(2, 4, last_only=True, hidden=24, chain=2)  # a first pass of 4 rows, then 2 one-row steps
     assert first.has_first_pass and not first.is_tree_chain and not tree.has_first_pass
-    for bad in [dict(tokens=3, tail=3), dict(tokens=1, tail=2), dict(tokens=3, tail=6, last_only=True)]:
+    after = StepShape(2, 4, 6, last_only=True, hidden=24, chain=2)  # a first pass of 4 rows, then 2 steps of 3 leaves
+    assert after.has_first_pass and after.is_tree_chain and after.leaves == 3 and tree.leaves == 3 and first.leaves == 1
+    for bad in [dict(tokens=3, tail=3), dict(tokens=1, tail=2), dict(tokens=3, tail=3, last_only=True),
+                dict(tokens=3, tail=2, last_only=True)]:
         with pytest.raises(ValueError, match="chained shape"):
             StepShape(2, hidden=8, chain=2, **bad)  # type: ignore[arg-type]

@@ -438,6 +438,117 @@ def test_interp_verify_stage_equals_the_torch_program(stage: bool, block_size: i
 
 
 @inner
+@pytest.mark.parametrize(("n", "depth", "block_size"), [(16, 6, 4), (8, 3, 4), (4, 6, 4), (16, 6, 0)],
+                         ids=["t16-s6", "t8-s3", "t4-s6-shallow", "t16-this-round"])
+def test_interp_tree_stage_equals_the_torch_program(n: int, depth: int, block_size: int) -> None:
+    """A tree verify's program after its argmax in one launch (``tree_stage_triton``): the aux states, the verdict
+    (tokens, parents read off the masks, argmax, count), the K/V moves, the draft's staged first pass (tokens gained,
+    positions, slots, index, context, tables, the accepted nodes' aux rows, rows to drop) and the verify's own inputs
+    for the next round equal the torch program's (``TreeVerifyProgram``), for a deep path through later siblings
+    (siblings sharing a token: the lowest index wins), none accepted, one level, and a padding sequence; a tree
+    shallower than the draft's depth (4 nodes, depth 6) too."""
+    from dataclasses import replace
+
+    from fusedserve.models.interface import ModelOutput
+    from fusedserve.worker.executor.step import ancestor_mask
+    from fusedserve.worker.executor.step_graphs import StaticInputs
+    from fusedserve.worker.executor.step_shape import StepShape
+    from fusedserve.worker.spec_decode.draft_tree import DraftTree, accept_greedy
+    from fusedserve.worker.spec_decode.tree_stage_triton import tree_stage_triton
+    from fusedserve.worker.spec_decode.tree_verify_program import TreeVerifyProgram
+
+    g = torch.Generator().manual_seed(n * 10 + depth)
+    b, width, blocks, pad = 4, 40, 9, 999
+    rows, q = b * n, depth + 1
+    parents = []
+    for _ in range(b):  # random trees at most ``depth`` deep, parents first
+        par, dep = [-1], [0]
+        for i in range(1, n):
+            p = int(torch.randint(0, i, (1,), generator=g))
+            while dep[p] >= depth:
+                p = par[p]
+            par.append(p)
+            dep.append(dep[p] + 1)
+        parents.append(par)
+    tokens = torch.randint(0, 50, (b, n), generator=g)
+    argmax = torch.randint(50, 100, (b, n), generator=g)  # no child matches unless set below
+    deepest = max(range(n), key=lambda i: (len([a for a in _ancestors(parents[0], i)]), i))
+    for child in _ancestors(parents[0], deepest)[::-1][1:] + [deepest]:  # sequence 0: the path to its deepest node
+        argmax[0, parents[0][child]] = tokens[0, child]
+        for sib in range(1, child):  # an earlier sibling with the same token would win: give it another
+            if parents[0][sib] == parents[0][child]:
+                tokens[0, sib] = tokens[0, child] + 1
+    for later in range(n - 1, 0, -1):  # and a later sibling sharing the accepted token (it loses)
+        if parents[0][later] == 0 and later > (kids := [c for c in range(1, n) if parents[0][c] == 0])[0]:
+            tokens[0, later] = argmax[0, 0]
+            break
+    kids2 = [c for c in range(1, n) if parents[2][c] == 0]
+    argmax[2, 0] = tokens[2, kids2[-1]]  # sequence 2: one level (its last root child)
+    for c in kids2[:-1]:
+        tokens[2, c] = tokens[2, kids2[-1]] + 1
+    mask = torch.tensor([ancestor_mask(p) for p in parents]).view(b, n, n)
+
+    def inputs(fill: bool) -> StaticInputs:
+        size = 4 * rows + b + b * blocks + b
+        meta = torch.randint(0, 500, (size,), generator=g) if fill else torch.full((size,), -1, dtype=torch.long)
+        ids, pos, slots, index, ctx, tables, drop = meta.split([rows, rows, rows, rows, b, b * blocks, b])
+        hidden = torch.randn(rows, 3 * width, generator=g).to(torch.bfloat16) if fill else \
+            torch.zeros(rows, 3 * width, dtype=torch.bfloat16)
+        tail = mask.reshape(rows, n).long() if fill else None
+        return StaticInputs(ids, pos, slots, index, ctx, tables.view(b, blocks), hidden, drop, pad, block_size, tail)
+
+    verify = inputs(True)
+    verify.ids.view(b, n).copy_(tokens)
+    starts = torch.tensor([3, 0, 9, 0])
+    verify.index.view(b, n)[:] = torch.arange(n) + starts[:, None]
+    verify.positions.view(b, n)[:] = starts[:, None] + torch.tensor([[len(_ancestors(p, i)) - 1 for i in range(n)]
+                                                                      for p in parents])
+    verify.context_lens[:] = starts + n
+    verify.tables.copy_(torch.randperm(240, generator=g)[:b * blocks].view(b, blocks))
+    verify.slots.view(b, n)[:] = verify.tables.gather(1, verify.index.view(b, n) // 4) * 4 + verify.index.view(b, n) % 4
+    verify.slots.view(b, n)[3] = pad  # a padding sequence
+    hidden = tuple(torch.randn(rows, width, generator=g).to(torch.bfloat16) for _ in range(3))
+    out = ModelOutput(torch.zeros(rows, 7), hidden)
+    shape = StepShape(batch=b, tokens=n, tail=n)
+    names = ("ids", "positions", "slots", "index", "context_lens")
+    before = {name: getattr(verify, name).clone() for name in names}
+    drafts = [inputs(False), inputs(False)]
+    drafts = [replace(d, ids=torch.full((b * q,), -1), positions=torch.full((b * q,), -1),
+                      slots=torch.full((b * q,), -1), index=torch.full((b * q,), -1),
+                      hidden=torch.zeros(b * q, 3 * width, dtype=torch.bfloat16)) for d in drafts]
+    verifies = [replace(verify, **{name: t.clone() for name, t in before.items()}) for _ in drafts]
+    results = []
+    for kernel, draft, v in zip((None, tree_stage_triton), drafts, verifies, strict=True):
+        program = TreeVerifyProgram(lambda logits: argmax.reshape(-1), lambda batch, d=draft: d, depth, kernel)
+        results.append(program(shape, v, out))
+    want, got = results
+    host = [accept_greedy(DraftTree(tuple(tokens[i].tolist()), tuple(parents[i])), argmax[i].tolist())
+            for i in range(3)]
+    assert want[1][:3, -1].tolist() == [a.num_accepted for a in host]
+    assert host[0].num_accepted == min(depth, len(_ancestors(parents[0], deepest)) - 1) and host[1].num_accepted == 0
+    assert host[2].num_accepted == 1
+    for w, x in zip(want, got, strict=True):
+        assert torch.equal(w, x)
+    for name in ("ids", "positions", "slots", "index", "context_lens", "tables", "hidden", "drop"):
+        assert torch.equal(getattr(drafts[0], name), getattr(drafts[1], name)), name
+    for name, was in before.items():
+        assert torch.equal(getattr(verifies[0], name), getattr(verifies[1], name)), name
+        assert torch.equal(getattr(verifies[0], name), was) == (block_size == 0), name
+    if block_size:
+        assert drafts[0].drop.tolist() == [depth - host[0].num_accepted, depth, depth - 1, 0]
+        assert drafts[0].ids.view(b, q)[0, :host[0].num_accepted + 1].tolist() == list(host[0].tokens)
+    assert tree_stage_triton(argmax.reshape(-1), verify, hidden, b, n, depth, drafts[1]) is not None
+
+
+def _ancestors(parents: list[int], node: int) -> list[int]:
+    """``node`` and its ancestors up to the root, nearest first."""
+    out = [node]
+    while parents[out[-1]] >= 0:
+        out.append(parents[out[-1]])
+    return out
+
+
+@inner
 @pytest.mark.parametrize(("q", "chain"), [(8, 6), (6, 7), (1, 3)])
 def test_interp_first_pass_layout_in_one_launch_equals_the_torch_layout(q: int, chain: int) -> None:
     """``chain_layout_triton.first_pass_triton`` (one launch) equals ``chain_layout.first_pass`` (torch): three

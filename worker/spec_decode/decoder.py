@@ -110,7 +110,7 @@ from .rejection_sampler import (
     verify_tree_sampled,
 )
 from .stats import SpecDecodeCounters, SpecDecodeStats
-from .tree_verify_program import TreeVerifyProgram, apply_moves
+from .tree_verify_program import TreeVerifyProgram, apply_moves, tree_stage_kernel
 from .verify_program import VerifyProgram, restage_fn, verify_stage_kernel
 
 if TYPE_CHECKING:
@@ -268,7 +268,8 @@ class SpecDecoder:
             program = VerifyProgram(self.sampler.argmax, self._staged, verify_stage_kernel(self.target.local.device))
             self.target.local.capture(target, max_blocks, finish=program)
         elif self.target.single_rank:
-            tree = TreeVerifyProgram(self.sampler.argmax, self._tree_staged, self.config.num_steps)
+            tree = TreeVerifyProgram(self.sampler.argmax, self._tree_staged, self.config.num_steps,
+                                     tree_stage_kernel(self.target.local.device))
             self.target.local.capture(target, max_blocks, finish=tree)
         else:
             self.target.capture(target, max_blocks)

@@ -9,7 +9,7 @@ tail mask: ``StepShape(b, n, n)``), after the target's forward (``StepGraphs``' 
 - ``verdict`` [b, 3n + 1]: per sequence the verified tree's tokens (the verify's own input ids) and parents (read
   off its masks), the target's argmax of every row (raw logits) and how many nodes the greedy rule accepts
   (``device_tree.accept_greedy_on_device``: ``draft_tree.accept_greedy``'s rule) — what a greedy round reads back;
-- ``moves`` [b, 2 * depth]: per sequence the cache slots its accepted nodes' K/V go from and to (node at depth d
+- ``moves`` [b, 2 * min(depth, n - 1)]: per sequence the cache slots its accepted nodes' K/V go from and to (node at depth d
   from its verify slot to the root's slot + d; past the count, and for padding sequences, a slot to itself), for
   the caller to apply to the target's cache once the round is its (``apply_moves``): a verify replayed for a
   round read one by one leaves the moves to the host's relocation, which a request's sampled path may need;
@@ -24,37 +24,53 @@ tail mask: ``StepShape(b, n, n)``), after the target's forward (``StepGraphs``' 
   the staged draft grows).
 
 The same function runs eagerly off CUDA (``StepGraphs``' eager replays), so the CPU tests check it against the
-host's acceptance and relocation.
+host's acceptance and relocation. On a GPU everything after the argmax is one Triton launch (``tree_stage_triton``;
+checked against these torch ops in Triton's interpreter).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
 from ...models.interface import ModelOutput
+from ..executor.gpu_kernel import gpu_kernel
 from ..executor.step_graphs import StaticInputs
 from ..executor.step_shape import StepShape
 from .device_tree import accept_greedy_on_device, accepted_node_rows, parents_from_mask
 from .verify_program import ArgmaxFn, Staged, stage_next_verify, table_slots
 
+# (argmax [rows], the verify's static inputs, its aux states, batch, nodes, depth, the draft's inputs to stage or
+# None) -> (aux, verdict, moves), or None where it does not take these inputs (``tree_stage_triton``)
+TreeStageKernel = Callable[[torch.Tensor, StaticInputs, tuple[torch.Tensor, ...], int, int, int, StaticInputs | None],
+                           tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]
+
 
 class TreeVerifyProgram:
     """``argmax``: the sampler's (graph-safe); ``staged``: the draft's first pass + tree chain inputs for a padded
-    batch (None where not captured at it); ``depth``: the draft's steps (the deepest node)."""
+    batch (None where not captured at it); ``depth``: the draft's steps (the deepest node); ``stage_kernel``: all of
+    the program after the argmax in one launch (GPU), else the torch ops below."""
 
-    def __init__(self, argmax: ArgmaxFn, staged: Staged, depth: int) -> None:
+    def __init__(self, argmax: ArgmaxFn, staged: Staged, depth: int, stage_kernel: TreeStageKernel | None = None
+                 ) -> None:
         self.argmax = argmax
         self.staged = staged
         self.depth = depth
+        self.stage_kernel = stage_kernel
 
     def __call__(self, shape: StepShape, inputs: StaticInputs, out: ModelOutput) -> tuple[torch.Tensor, ...]:
         if not shape.tail or shape.tail != shape.tokens or shape.chain or inputs.tail is None:
             return ()  # not a tree's verify
         b, n, depth = shape.batch, shape.tokens, self.depth
         dev = inputs.ids.device
-        argmax = self.argmax(out.logits).view(b, n)
+        flat = self.argmax(out.logits)
+        if self.stage_kernel is not None:
+            done = self.stage_kernel(flat, inputs, out.hidden, b, n, depth, self.staged(b))
+            if done is not None:
+                return done
+        argmax = flat.view(b, n)
         ids = inputs.ids.view(b, n)
         parents = parents_from_mask(inputs.tail.view(b, n, n) != 0)
         acc = accept_greedy_on_device(ids, parents, argmax, depth)
@@ -62,8 +78,9 @@ class TreeVerifyProgram:
         verdict = torch.cat([ids, parents, argmax, acc.count[:, None]], dim=1)
         slots = inputs.slots.view(b, n)
         real = slots[:, -1] != inputs.pad_slot
-        path = torch.where(real[:, None], acc.path, -1)
-        dst = slots[:, 1:depth + 1]
+        moved = min(depth, n - 1)  # the deepest node of a tree of n
+        path = torch.where(real[:, None], acc.path[:, :moved], -1)
+        dst = slots[:, 1:moved + 1]
         moves = torch.cat([torch.where(path >= 0, slots.gather(1, path.clamp(min=0)), dst), dst], dim=1)
         draft = self.staged(b)
         if draft is not None and draft.hidden is not None and draft.drop is not None and inputs.block_size:
@@ -71,7 +88,7 @@ class TreeVerifyProgram:
             rows = b * q
             root_index = inputs.index.view(b, n)[:, :1]
             index = root_index + torch.arange(q, device=dev)  # [b, q]: the root's slot and the ones after it
-            pad = inputs.index.view(b, n)[:, :q]  # a padding sequence's rows: the verify's own (in range)
+            pad = root_index.expand(b, q)  # a padding sequence's rows: its root's index (in range)
             draft.ids[:rows].copy_(acc.tokens.reshape(-1))
             draft.positions[:rows].copy_((inputs.positions.view(b, n)[:, :1] + 1 + torch.arange(q, device=dev)).view(-1))
             draft.index[:rows].copy_(torch.where(real[:, None], index, pad).view(-1))
@@ -81,8 +98,21 @@ class TreeVerifyProgram:
             at = (torch.arange(b, device=dev)[:, None] * n + accepted_node_rows(acc.path)).view(-1)
             draft.hidden[:rows].copy_(aux.index_select(0, at))
             draft.drop[:b].copy_(torch.where(real, depth - acc.count, torch.zeros_like(acc.count)))
-        stage_next_verify(inputs, acc.tokens, acc.count, b, n)
+        if inputs.block_size:
+            stage_next_verify(inputs, acc.tokens, acc.count, b, n)
         return aux, verdict, moves
+
+
+# The program after the argmax as one launch on a GPU, where the torch ops are some 120 kernels at depth 6. Not yet
+# timed on a GPU (the A/B: bench/graph_launch_probe.py --set worker.spec_decode.tree_verify_program.ONE_LAUNCH=False).
+ONE_LAUNCH = True
+
+
+def tree_stage_kernel(device: torch.device) -> TreeStageKernel | None:
+    """The program's one-launch kernel where the hardware runs it (CUDA with Triton), else None (torch ops)."""
+    if not ONE_LAUNCH:
+        return None
+    return cast("TreeStageKernel | None", gpu_kernel(device, f"{__package__}.tree_stage_triton", "tree_stage_triton"))
 
 
 def apply_moves(groups: Callable[[], list[torch.Tensor]], moves: torch.Tensor) -> None:
