@@ -240,6 +240,45 @@ def test_rounds_in_flight_equal_rounds_read_one_by_one_under_graphs(monkeypatch:
 
 
 @needs_gpu
+def test_tree_rounds_in_flight_equal_rounds_read_one_by_one_and_eager_trees(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under CUDA graphs greedy tree rounds in flight (the verify's tree program in one Triton launch: acceptance,
+    K/V moves, the draft's first pass + tree chain staged and replayed behind it) give the tokens and acceptance of
+    tree rounds read one by one, and the eager engine's tokens (trees built, accepted and relocated by the host),
+    at tree-s6-k4-t16 (SmolLM2's) and tree-s3-k2-t6, batch 1 and 3 (padded to 4); and they ran."""
+    from fusedserve.worker.engine.config import EngineConfig
+    from fusedserve.worker.engine.engine import Engine
+    from fusedserve.worker.engine.sequence import SamplingParams
+    from fusedserve.worker.spec_decode.config import SpeculativeConfig
+    from fusedserve.worker.spec_decode.decoder import SpecDecoder
+
+    followed = [0]
+    follow = SpecDecoder._follow
+
+    def counted(self: SpecDecoder, *args: object) -> object:
+        nxt = follow(self, *args)  # type: ignore[arg-type]
+        followed[0] += nxt is not None
+        return nxt
+
+    monkeypatch.setattr(SpecDecoder, "_follow", counted)
+    lengths = (17, 40, 29)
+    for steps, topk, nodes in ((6, 4, 16), (3, 2, 6)):
+        spec = SpeculativeConfig(DRAFT, num_steps=steps, topk=topk, num_draft_tokens=nodes)
+        for n in (1, 3):
+            params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in lengths[:n]]
+            runs = {}
+            for overlap, graphs in ((None, True), (False, True), (False, False)):  # None: the GPU's default
+                followed[0] = 0
+                engine = Engine(TARGET, EngineConfig(num_blocks=64, max_num_seqs=4, device="cuda", cuda_graphs=graphs,
+                                                     overlap_scheduling=overlap, speculative=spec))
+                runs[overlap, graphs] = ([c.token_ids for c in engine.generate(PROMPTS[:n], params)],
+                                         engine.stats().spec)
+                assert (followed[0] > 0) == (overlap is None), (steps, n, followed)
+                assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+            assert runs[None, True] == runs[False, True], (steps, n)
+            assert runs[None, True][0] == runs[False, False][0], (steps, n)
+
+
+@needs_gpu
 def test_first_pass_layout_in_one_launch_keeps_the_chains_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     """``step_graphs.FIRST_PASS_KERNEL``: the draft's first pass and its chain laid out by one Triton launch
     (``chain_layout_triton``) give the greedy tokens of the torch layout, with chain-3 under graphs, and the

@@ -204,16 +204,19 @@ def test_a_one_rank_leader_speculates_in_flight_like_the_engine(followed: list[i
     assert leader.stats().spec == alone.stats().spec
 
 
-def test_rounds_stay_in_flight_while_the_queue_cannot_be_admitted(followed: list[int]) -> None:
+@pytest.mark.parametrize("tree", [None, (4, 16)], ids=["chain", "tree"])
+def test_rounds_stay_in_flight_while_the_queue_cannot_be_admitted(followed: list[int], tree: tuple[int, int] | None
+                                                                  ) -> None:
     """Five requests on two running slots: while both slots are taken the waiting ones cannot be admitted, so the
     rounds stay in flight; each stop frees a slot, the round is read back and the next request admitted — the
-    tokens of rounds read one by one."""
+    tokens of rounds read one by one, chains and trees."""
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (11, 26, 17, 9, 20)]
     prompts = [*PROMPTS, PROMPTS[0] + "return", PROMPTS[2] + " x"]
     runs = {}
     for overlap in (True, False):
         followed[0] = 0
-        engine = _engine(overlap, max_num_seqs=2)
+        engine = _engine(overlap, max_num_seqs=2) if tree is None else _engine(overlap, 5, tree, max_num_seqs=2,
+                                                                                num_blocks=64)
         runs[overlap] = ([(c.token_ids, c.finish_reason) for c in engine.generate(prompts, params)],
                          engine.stats().spec)
         assert (followed[0] > 10) == overlap, followed
@@ -221,7 +224,9 @@ def test_rounds_stay_in_flight_while_the_queue_cannot_be_admitted(followed: list
     assert runs[True] == runs[False]
 
 
-def test_no_round_is_launched_after_one_that_may_reach_max_tokens(followed: list[int]) -> None:
+@pytest.mark.parametrize("tree", [None, (2, 6)], ids=["chain", "tree"])
+def test_no_round_is_launched_after_one_that_may_reach_max_tokens(followed: list[int], tree: tuple[int, int] | None
+                                                                   ) -> None:
     """A round emits up to ``num_steps + 1`` tokens, so once every sequence has no more than that left before its
     ``max_tokens`` the next round is not launched ahead: it would run for nothing after a round that ends them
     (and a next request's prefill would wait behind it). Rounds still follow one another before that, no round is
@@ -230,7 +235,7 @@ def test_no_round_is_launched_after_one_that_may_reach_max_tokens(followed: list
     runs = {}
     for overlap in (True, False):
         followed[0] = 0
-        engine = _engine(overlap)
+        engine = _engine(overlap, tree=tree, num_blocks=64)
         spec = engine.speculator
         assert spec is not None
         for rid, prompt in enumerate(PROMPTS[:1]):

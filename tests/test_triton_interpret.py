@@ -478,9 +478,10 @@ def test_interp_tree_stage_equals_the_torch_program(n: int, depth: int, block_si
         for sib in range(1, child):  # an earlier sibling with the same token would win: give it another
             if parents[0][sib] == parents[0][child]:
                 tokens[0, sib] = tokens[0, child] + 1
-    for later in range(n - 1, 0, -1):  # and a later sibling sharing the accepted token (it loses)
-        if parents[0][later] == 0 and later > (kids := [c for c in range(1, n) if parents[0][c] == 0])[0]:
-            tokens[0, later] = argmax[0, 0]
+    first = _ancestors(parents[0], deepest)[-2]  # the path's root child
+    for later in range(first + 1, n):  # and a later sibling sharing its token (it loses: the lowest index wins)
+        if parents[0][later] == 0:
+            tokens[0, later] = tokens[0, first]
             break
     kids2 = [c for c in range(1, n) if parents[2][c] == 0]
     argmax[2, 0] = tokens[2, kids2[-1]]  # sequence 2: one level (its last root child)
