@@ -201,6 +201,15 @@ KERNELS: dict[str, tuple[Any, dict[str, Any], dict[str, str]]] = {
                                                         "o_slots_ptr", "o_index_ptr", "o_ctx_ptr", "s_pos_ptr",
                                                         "s_index_ptr", "s_ctx_ptr", "s_slots_ptr")},
                            "pad_slot": "i64"}),
+    # the same before a tree's steps (SmolLM2's tree-s6-k4-t16: 7 rows, 5 steps of 4 leaves)
+    "first_pass_tree_layout": (chain_layout_triton._first_pass_kernel,
+                               {"Q": 7, "Q_PAD": 8, "CHAIN": 5, "CHAIN_PAD": 8, "H": 1728, "BLOCK_H": 1024, "PAGE": 16,
+                                "LEAVES": 4, "L_PAD": 4},
+                               {**{name: "*i64" for name in ("ids_ptr", "pos_ptr", "slots_ptr", "index_ptr", "ctx_ptr",
+                                                             "drop_ptr", "tables_ptr", "o_ids_ptr", "o_pos_ptr",
+                                                             "o_slots_ptr", "o_index_ptr", "o_ctx_ptr", "s_pos_ptr",
+                                                             "s_index_ptr", "s_ctx_ptr", "s_slots_ptr")},
+                                "pad_slot": "i64"}),
     # the draw at a temperature: each chunk's statistics, then each chunk's q and the draw (a draft's table)
     "sample_chunk_stats": (sample_triton._chunk_stats_kernel, {"CHUNK": 1024},
                            {"temp_ptr": "*fp32", "stats_ptr": "*fp32"}),

@@ -550,19 +550,19 @@ def _ancestors(parents: list[int], node: int) -> list[int]:
 
 
 @inner
-@pytest.mark.parametrize(("q", "chain"), [(8, 6), (6, 7), (1, 3)])
-def test_interp_first_pass_layout_in_one_launch_equals_the_torch_layout(q: int, chain: int) -> None:
+@pytest.mark.parametrize(("q", "chain", "leaves"), [(8, 6, 1), (6, 7, 1), (1, 3, 1), (7, 5, 4), (4, 2, 3)])
+def test_interp_first_pass_layout_in_one_launch_equals_the_torch_layout(q: int, chain: int, leaves: int) -> None:
     """``chain_layout_triton.first_pass_triton`` (one launch) equals ``chain_layout.first_pass`` (torch): three
     sequences of ``q`` packed rows dropping 0, all but one and some of them (the front rows copies of the first
     real row), a padding sequence on the pad slot, hidden inputs 1 728 wide (two column blocks), and the chain
-    steps after the last rows crossing a page of the block tables."""
+    steps after the last rows crossing a page of the block tables; a tree's steps of ``leaves`` rows too."""
     from fusedserve.worker.executor.chain_layout import first_pass
     from fusedserve.worker.executor.chain_layout_triton import first_pass_triton
 
     g = torch.Generator().manual_seed(q * 10 + chain)
     b, page, width, pad_slot = 4, 4, 11, 191  # block 47 holds the pad slot
     tables = torch.randperm(47, generator=g)[: b * width].view(b, width).long()
-    ctx = torch.tensor([30, 9, 2 + q, 1])
+    ctx = torch.tensor([30 - (leaves - 1) * chain, 9, 2 + q, 1])  # (a tree's steps within the tables too)
     drop = torch.tensor([0, q - 1, min(2, q - 1), 0])
     index = torch.cat([c - q + torch.arange(q) for c in ctx.tolist()[:3]] + [torch.zeros(q, dtype=torch.long)])
     positions = index + 3
@@ -571,13 +571,14 @@ def test_interp_first_pass_layout_in_one_launch_equals_the_torch_layout(q: int, 
     ids = torch.randint(0, 1000, (b * q,), generator=g)
     hidden = torch.randn(b * q, 1728, generator=g).to(torch.bfloat16)
     args = (ids, positions, slots, index, ctx, hidden, drop, tables, q, chain, page, pad_slot)
-    want = first_pass(*args, (torch.arange(q), torch.arange(b), torch.arange(b) * q + q - 1))
-    got = first_pass_triton(*args)
+    want = first_pass(*args, (torch.arange(q), torch.arange(b), torch.arange(b) * q + q - 1), leaves=leaves)
+    got = first_pass_triton(*args, leaves=leaves)
     for name in ("ids", "positions", "slots", "index", "hidden", "context_lens"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     for name in ("positions", "index", "context_lens", "slots"):
         assert torch.equal(getattr(got.steps, name), getattr(want.steps, name)), name
-    assert (want.steps.slots[:, 3] == pad_slot).all() and (want.steps.slots[:, :3] != pad_slot).all()
+    per_seq = want.steps.slots.view(chain, b, leaves)
+    assert (per_seq[:, 3] == pad_slot).all() and (per_seq[:, :3] != pad_slot).all()
 
 
 @inner

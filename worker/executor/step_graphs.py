@@ -347,8 +347,7 @@ class StepGraphs:
             # copies of its first real row (the same K/V to the same slot, outputs dropped)
             args = (v.ids, v.positions, v.slots, v.index, v.context_lens, v.hidden, v.drop, v.tables, shape.tokens,
                     shape.chain, self.kv_cache.block_size, self.pad_slot, (v.pass_rows, v.one_row_seq, v.last_rows))
-            # (a tree's steps after it: the torch layout, which lays out several leaves a sequence)
-            fp = first_pass(*args, leaves=shape.leaves) if shape.is_tree_chain else self.first_pass(*args)
+            fp = self.first_pass(*args, leaves=shape.leaves)  # (a tree's steps after it: several leaves a sequence)
             batch = replace(batch, input_ids=fp.ids, positions=fp.positions, slot_mapping=fp.slots,
                             input_hidden=fp.hidden, paged=replace(batch.paged, context_lens=fp.context_lens,
                                                                   token_index=fp.index, tail_mask=None))
