@@ -57,6 +57,13 @@ is in it, no request asks for logprobs (round N + 1's logits replay over N's), t
 reservation and ``max_len`` leaves room; otherwise the round is read back as it stands and the next step is
 scheduled as usual.
 
+A greedy tree round on one rank (``_tree_round``) goes the same way: its verify's graph accepts on the device,
+says where the accepted nodes' K/V go (applied right behind it: the host relocates nothing) and stages the
+draft's first pass + tree chain, one captured graph, and its own next inputs (``tree_verify_program.py``); the
+round after it copies the tree drafted behind it (tokens, RoPE positions, masks) into those inputs and replays
+(``_follow_tree``). The host's tree path (``_deferred_tree``: the host accepts and relocates) is its reference and
+runs every other tree round (sampled requests, adjusted logits, mixed steps).
+
 Prefill chunks and a prompt's first sample run as without speculation (and capture aux).
 Preempted sequences lose their draft state and rebuild it from the recomputed prefill. A
 verify's drafts are not counted against ``max_batch_tokens``: a step may feed up to
