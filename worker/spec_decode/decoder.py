@@ -125,6 +125,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# A greedy tree round on one rank accepted, its K/V moved and its next tree drafted on the device, in flight where
+# the engine overlaps (``_tree_round``); False: the host's tree path (``_deferred_tree``) as before the thirty-third
+# session, the A/B (bench/spec_decode_real.py --set worker.spec_decode.decoder.TREE_ROUNDS_ON_DEVICE=False).
+TREE_ROUNDS_ON_DEVICE = True
+
 
 @dataclass(frozen=True)
 class SpecStep:
@@ -399,7 +404,8 @@ class SpecDecoder:
         (``Drafter.tree_after_staged``). ``_deferred_tree`` (the host relocates) stays its reference and runs
         every other tree round on one rank. None (nothing run) where this does not apply."""
         local = self.target.local
-        if (not work or not self.target.single_rank or self.drafter.is_chain or len(work) != len(batch.seqs)
+        if (not TREE_ROUNDS_ON_DEVICE or not work or not self.target.single_rank or self.drafter.is_chain
+                or len(work) != len(batch.seqs)
                 or not all(w.seq.params.greedy and not self.tokens.adjusts(w.seq, state_of(w.seq)) for w in work)):
             return None
         step = self._tree_step(work)
