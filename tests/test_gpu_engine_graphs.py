@@ -34,6 +34,22 @@ def _generate(spec: object, graphs: bool) -> tuple[list[list[int]], object]:
     return [c.token_ids for c in engine.generate(PROMPTS, params)], engine
 
 
+def _count_follows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many rounds were launched before the one ahead of them was read back (``SpecDecoder._follow``)."""
+    from fusedserve.worker.spec_decode.decoder import SpecDecoder
+
+    followed = [0]
+    follow = SpecDecoder._follow
+
+    def counted(self: SpecDecoder, *args: object) -> object:
+        nxt = follow(self, *args)  # type: ignore[arg-type]
+        followed[0] += nxt is not None
+        return nxt
+
+    monkeypatch.setattr(SpecDecoder, "_follow", counted)
+    return followed
+
+
 @needs_gpu
 def test_graph_engine_equals_eager_engine() -> None:
     from fusedserve.worker.spec_decode.config import SpeculativeConfig
@@ -209,17 +225,8 @@ def test_rounds_in_flight_equal_rounds_read_one_by_one_under_graphs(monkeypatch:
     from fusedserve.worker.engine.engine import Engine
     from fusedserve.worker.engine.sequence import SamplingParams
     from fusedserve.worker.spec_decode.config import SpeculativeConfig
-    from fusedserve.worker.spec_decode.decoder import SpecDecoder
 
-    followed = [0]
-    follow = SpecDecoder._follow
-
-    def counted(self: SpecDecoder, *args: object) -> object:
-        nxt = follow(self, *args)  # type: ignore[arg-type]
-        followed[0] += nxt is not None
-        return nxt
-
-    monkeypatch.setattr(SpecDecoder, "_follow", counted)
+    followed = _count_follows(monkeypatch)
     lengths = (17, 40, 29)
     for steps in (3, 7):
         for n in (1, 3):
@@ -249,17 +256,8 @@ def test_tree_rounds_in_flight_equal_rounds_read_one_by_one_and_eager_trees(monk
     from fusedserve.worker.engine.engine import Engine
     from fusedserve.worker.engine.sequence import SamplingParams
     from fusedserve.worker.spec_decode.config import SpeculativeConfig
-    from fusedserve.worker.spec_decode.decoder import SpecDecoder
 
-    followed = [0]
-    follow = SpecDecoder._follow
-
-    def counted(self: SpecDecoder, *args: object) -> object:
-        nxt = follow(self, *args)  # type: ignore[arg-type]
-        followed[0] += nxt is not None
-        return nxt
-
-    monkeypatch.setattr(SpecDecoder, "_follow", counted)
+    followed = _count_follows(monkeypatch)
     lengths = (17, 40, 29)
     for steps, topk, nodes in ((6, 4, 16), (3, 2, 6)):
         spec = SpeculativeConfig(DRAFT, num_steps=steps, topk=topk, num_draft_tokens=nodes)

@@ -26,26 +26,7 @@ import triton.language as tl
 
 from ...models.layers.pdl import pdl_launch, pdl_open
 from ..executor.step_graphs import StaticInputs
-
-
-@triton.jit
-def _copy_parts(h0_ptr, stride_h0, h1_ptr, stride_h1, h2_ptr, stride_h2, src, dst_ptr, stride_d, dst, H,
-                PARTS: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Row ``src`` of the aux parts side by side into row ``dst`` of ``dst_ptr`` (each chunk's parts all loaded
-    before any is stored)."""
-    c = tl.arange(0, BLOCK_H)
-    for c0 in range(0, H, BLOCK_H):
-        m = c0 + c < H
-        v0 = tl.load(h0_ptr + src * stride_h0 + c0 + c, mask=m)
-        if PARTS > 1:
-            v1 = tl.load(h1_ptr + src * stride_h1 + c0 + c, mask=m)
-        if PARTS > 2:
-            v2 = tl.load(h2_ptr + src * stride_h2 + c0 + c, mask=m)
-        tl.store(dst_ptr + dst * stride_d + c0 + c, v0, mask=m)
-        if PARTS > 1:
-            tl.store(dst_ptr + dst * stride_d + H + c0 + c, v1, mask=m)
-        if PARTS > 2:
-            tl.store(dst_ptr + dst * stride_d + 2 * H + c0 + c, v2, mask=m)
+from .verify_stage_triton import copy_parts
 
 
 @triton.jit
@@ -59,8 +40,8 @@ def _tree_stage_kernel(argmax_ptr, ids_ptr, pos_ptr, slots_ptr, index_ptr, ctx_p
     s = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     if p < N:
-        _copy_parts(h0_ptr, stride_h0, h1_ptr, stride_h1, h2_ptr, stride_h2, s * N + p, aux_ptr, stride_aux, s * N + p,
-                    H, PARTS, BLOCK_H)
+        copy_parts(h0_ptr, stride_h0, h1_ptr, stride_h1, h2_ptr, stride_h2, s * N + p, aux_ptr, stride_aux, s * N + p,
+                   aux_ptr, stride_aux, 0, H, PARTS, BLOCK_H, False)
     if p > DEPTH:  # a node's aux copy only
         return
     if p > 0 and not STAGE:
@@ -94,8 +75,8 @@ def _tree_stage_kernel(argmax_ptr, ids_ptr, pos_ptr, slots_ptr, index_ptr, ctx_p
     if STAGE:  # the accepted node at depth p (the root at 0; past the count the root again) into the draft's row p
         at = tl.sum(tl.where(d == p - 1, path, 0), axis=0)
         src = tl.where((p > 0) & (at >= 0), at, 0)
-        _copy_parts(h0_ptr, stride_h0, h1_ptr, stride_h1, h2_ptr, stride_h2, s * N + src, d_hidden_ptr, stride_dh,
-                    s * (DEPTH + 1) + p, H, PARTS, BLOCK_H)
+        copy_parts(h0_ptr, stride_h0, h1_ptr, stride_h1, h2_ptr, stride_h2, s * N + src, d_hidden_ptr, stride_dh,
+                   s * (DEPTH + 1) + p, d_hidden_ptr, stride_dh, 0, H, PARTS, BLOCK_H, False)
     if p > 0:
         return
     slots = tl.load(slots_ptr + s * N + j, mask=valid, other=0)

@@ -30,29 +30,30 @@ from ..executor.step_graphs import StaticInputs
 
 
 @triton.jit
-def _copy_row(h0_ptr, stride_h0, h1_ptr, stride_h1, h2_ptr, stride_h2, aux_ptr, stride_a, dst_ptr, stride_d, row, H,
-              PARTS: tl.constexpr, BLOCK_H: tl.constexpr, STAGE: tl.constexpr):
-    """One row's aux parts side by side into ``aux`` (and the draft's hidden input): each chunk's parts all loaded
-    before any is stored, so their reads wait on memory once, not once a part."""
+def copy_parts(h0_ptr, stride_h0, h1_ptr, stride_h1, h2_ptr, stride_h2, src, a_ptr, stride_a, a_row, d_ptr, stride_d,
+               d_row, H, PARTS: tl.constexpr, BLOCK_H: tl.constexpr, SECOND: tl.constexpr):
+    """Row ``src`` of the aux parts side by side into row ``a_row`` of ``a_ptr`` (and, with ``SECOND``, row ``d_row``
+    of ``d_ptr``: the draft's hidden input): each chunk's parts all loaded before any is stored, so their reads wait
+    on memory once, not once a part."""
     c = tl.arange(0, BLOCK_H)
     for c0 in range(0, H, BLOCK_H):
         m = c0 + c < H
-        v0 = tl.load(h0_ptr + row * stride_h0 + c0 + c, mask=m)
+        v0 = tl.load(h0_ptr + src * stride_h0 + c0 + c, mask=m)
         if PARTS > 1:
-            v1 = tl.load(h1_ptr + row * stride_h1 + c0 + c, mask=m)
+            v1 = tl.load(h1_ptr + src * stride_h1 + c0 + c, mask=m)
         if PARTS > 2:
-            v2 = tl.load(h2_ptr + row * stride_h2 + c0 + c, mask=m)
-        tl.store(aux_ptr + row * stride_a + c0 + c, v0, mask=m)
-        if STAGE:
-            tl.store(dst_ptr + row * stride_d + c0 + c, v0, mask=m)
+            v2 = tl.load(h2_ptr + src * stride_h2 + c0 + c, mask=m)
+        tl.store(a_ptr + a_row * stride_a + c0 + c, v0, mask=m)
+        if SECOND:
+            tl.store(d_ptr + d_row * stride_d + c0 + c, v0, mask=m)
         if PARTS > 1:
-            tl.store(aux_ptr + row * stride_a + H + c0 + c, v1, mask=m)
-            if STAGE:
-                tl.store(dst_ptr + row * stride_d + H + c0 + c, v1, mask=m)
+            tl.store(a_ptr + a_row * stride_a + H + c0 + c, v1, mask=m)
+            if SECOND:
+                tl.store(d_ptr + d_row * stride_d + H + c0 + c, v1, mask=m)
         if PARTS > 2:
-            tl.store(aux_ptr + row * stride_a + 2 * H + c0 + c, v2, mask=m)
-            if STAGE:
-                tl.store(dst_ptr + row * stride_d + 2 * H + c0 + c, v2, mask=m)
+            tl.store(a_ptr + a_row * stride_a + 2 * H + c0 + c, v2, mask=m)
+            if SECOND:
+                tl.store(d_ptr + d_row * stride_d + 2 * H + c0 + c, v2, mask=m)
 
 
 @triton.jit
@@ -64,8 +65,9 @@ def _verify_stage_kernel(argmax_ptr, ids_ptr, pos_ptr, slots_ptr, index_ptr, ctx
                          NEXT: tl.constexpr, PDL: tl.constexpr):
     pdl_open(PDL)
     s = tl.program_id(0).to(tl.int64)
-    _copy_row(h0_ptr, stride_h0, h1_ptr, stride_h1, h2_ptr, stride_h2, aux_ptr, stride_aux, d_hidden_ptr, stride_dh,
-              s * Q + tl.program_id(1), H, PARTS, BLOCK_H, STAGE)
+    row = s * Q + tl.program_id(1)
+    copy_parts(h0_ptr, stride_h0, h1_ptr, stride_h1, h2_ptr, stride_h2, row, aux_ptr, stride_aux, row, d_hidden_ptr,
+               stride_dh, row, H, PARTS, BLOCK_H, STAGE)
     if tl.program_id(1) > 0:  # a row's copy only: the verdict and the staging are the sequence's first program's
         return
     j = tl.arange(0, Q_PAD)
