@@ -265,12 +265,13 @@ def test_greedy_acceptance_on_the_device_equals_the_hosts(ties: bool) -> None:
 
 
 def test_accepted_kv_moves_on_the_device_as_the_hosts_relocation() -> None:
-    """``move_accepted_kv`` leaves a cache as the host's ``relocation`` moves through ``copy_kv``'s read-then-write
-    do, for trees whose accepted nodes sit past their depth (sequence 0: nodes 2, 5, 9 at depths 1-3), on the chain
+    """``accepted_moves`` applied by ``apply_moves`` (a tree verify's program's moves) leave a cache as the host's
+    ``relocation`` moves through ``copy_kv``'s read-then-write do, for trees whose accepted nodes sit past their depth (sequence 0: nodes 2, 5, 9 at depths 1-3), on the chain
     already (1: nodes 1, 2: nothing moves) and none accepted (2); ``accepted_node_rows`` lists the root, then them."""
     from fusedserve.models.forward_batch import KVCache
-    from fusedserve.worker.spec_decode.device_tree import accepted_node_rows, move_accepted_kv
+    from fusedserve.worker.spec_decode.device_tree import accepted_moves, accepted_node_rows
     from fusedserve.worker.spec_decode.draft_tree import relocation
+    from fusedserve.worker.spec_decode.tree_verify_program import apply_moves
 
     g = torch.Generator().manual_seed(3)
     block, n, depth = 4, 10, 3
@@ -289,16 +290,17 @@ def test_accepted_kv_moves_on_the_device_as_the_hosts_relocation() -> None:
     for t in ref:
         t[dst] = t[src].clone()
     path = torch.tensor([[*p, *[-1] * (depth - len(p))] for p in paths])
-    move_accepted_kv(kv.grouped(), slots, path)
+    apply_moves(kv.grouped, accepted_moves(slots, path))
     for got, want in zip(kv.stored(), ref):
         assert torch.equal(got, want)
     assert accepted_node_rows(path).tolist() == [[0, 2, 5, 9], [0, 1, 2, 0], [0, 0, 0, 0]]
 
 
-def test_tree_verdict_reads_parents_off_the_masks_and_accepts_as_the_host() -> None:
-    """A grown batch's masks give back its parents (``parents_from_mask``), and ``tree_verdict`` over the trees'
-    tokens and random target choices holds each tree's ``accept_greedy`` outcome."""
-    from fusedserve.worker.spec_decode.device_tree import parents_from_mask, tree_verdict
+def test_parents_read_off_the_masks_accept_as_the_host() -> None:
+    """A grown batch's masks give back its parents (``parents_from_mask``, what a tree verify's program reads), and
+    the greedy walk over the trees' tokens, those parents and random target choices is each tree's
+    ``accept_greedy`` outcome."""
+    from fusedserve.worker.spec_decode.device_tree import accept_greedy_on_device, parents_from_mask
     from fusedserve.worker.spec_decode.draft_tree import DraftTree, accept_greedy
 
     g = torch.Generator().manual_seed(11)
@@ -312,11 +314,11 @@ def test_tree_verdict_reads_parents_off_the_masks_and_accepts_as_the_host() -> N
     tree = growth.build(nodes)
     assert torch.equal(parents_from_mask(tree.mask), tree.parents)
     argmax = torch.randint(0, vocab, (b, nodes), generator=g)
-    verdict = tree_verdict(tree.tokens, tree.mask, argmax, steps)
+    acc = accept_greedy_on_device(tree.tokens, parents_from_mask(tree.mask), argmax, steps)
     for i in range(b):
         want = accept_greedy(DraftTree(tuple(tree.tokens[i].tolist()), tuple(tree.parents[i].tolist())),
                              argmax[i].tolist())
-        c = int(verdict[i, -1])
+        c = int(acc.count[i])
         assert c == want.num_accepted
-        assert tuple(verdict[i, :c + 1].tolist()) == want.tokens
-        assert tuple(verdict[i, steps + 1:steps + 1 + c].tolist()) == want.path
+        assert tuple(acc.tokens[i, :c + 1].tolist()) == want.tokens
+        assert tuple(acc.path[i, :c].tolist()) == want.path

@@ -18,6 +18,11 @@ target's choices together. Per sequence (B of them), ``k`` = topk, ``S`` = draft
 
 "Best" is by score, ties to the earlier candidate (a stable sort), as ``TreeBuilder.best``; a child
 never outranks its parent, so a chosen node's parent is chosen too.
+
+Behind a tree's verify (``tree_verify_program.py``, the torch reference of its one-launch kernel), in the same
+fixed-shape ops: the parents read off the verify's masks (``parents_from_mask``), the greedy walk
+(``accept_greedy_on_device``: ``draft_tree.accept_greedy``), the accepted nodes' rows as a prefix
+(``accepted_node_rows``) and where their K/V go (``accepted_moves``: ``draft_tree.relocation``).
 """
 
 from __future__ import annotations
@@ -186,19 +191,15 @@ def accepted_node_rows(path: torch.Tensor) -> torch.Tensor:
     return torch.cat([root, path.clamp(min=0)], dim=1)
 
 
-def move_accepted_kv(groups: list[torch.Tensor], slots: torch.Tensor, path: torch.Tensor) -> None:
-    """The accepted nodes' K/V to their sequence positions, on the device (``draft_tree.relocation``'s moves, as
-    ``copy_kv`` makes them, without a read-back): the node at depth d (``path[:, d - 1]``) from its verify slot to the
-    slot of node index d, the slots the verify gave each node (``slots`` [B, N]); every source read before any
-    destination is written (a node's index is at least its depth, so a move may read a slot another writes).
-    ``groups``: the cache's [tensors, slots, ...] stacks (``KVCache.grouped``). Past a sequence's count nothing moves
-    (each such slot is written with its own value)."""
-    b, depth = path.shape
+def accepted_moves(slots: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
+    """Where the accepted nodes' K/V go (``draft_tree.relocation``'s moves, without a read-back): the node at depth d
+    (``path[:, d - 1]``, -1 past a sequence's count) from its verify slot to the slot of node index d, the slots the
+    verify gave each node (``slots`` [B, N]); past the count a slot to itself. -> [B, 2 * depth]: sources, then
+    destinations (``tree_verify_program.apply_moves`` reads every source before it writes any destination: a node's
+    index is at least its depth, so a move may read a slot another writes)."""
+    depth = path.shape[1]
     dst = slots[:, 1:depth + 1]
-    src = torch.where(path >= 0, slots.gather(1, path.clamp(min=0)), dst)
-    src, dst = src.reshape(-1), dst.reshape(-1)
-    for group in groups:
-        group.index_copy_(1, dst, group.index_select(1, src))
+    return torch.cat([torch.where(path >= 0, slots.gather(1, path.clamp(min=0)), dst), dst], dim=1)
 
 
 def parents_from_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -210,10 +211,3 @@ def parents_from_mask(mask: torch.Tensor) -> torch.Tensor:
     below = mask & (j[None, None, :] < j[None, :, None])
     return torch.where(below, j, -1).max(dim=-1).values
 
-
-def tree_verdict(ids: torch.Tensor, mask: torch.Tensor, argmax: torch.Tensor, depth: int) -> torch.Tensor:
-    """What a greedy tree round reads back, made on the device behind its verify: per sequence its ``depth + 1``
-    tokens gained (the accepted nodes', the bonus, then 0), its ``depth`` accepted nodes (-1 past the count) and the
-    count. ids, argmax: [B, N] (the verify's rows: node 0 the root); mask: [B, N, N] -> [B, 2 * depth + 2] int64"""
-    acc = accept_greedy_on_device(ids, parents_from_mask(mask), argmax, depth)
-    return torch.cat([acc.tokens, acc.path, acc.count[:, None]], dim=1)

@@ -39,7 +39,7 @@ from ...models.interface import ModelOutput
 from ..executor.gpu_kernel import gpu_kernel
 from ..executor.step_graphs import StaticInputs
 from ..executor.step_shape import StepShape
-from .device_tree import accept_greedy_on_device, accepted_node_rows, parents_from_mask
+from .device_tree import accept_greedy_on_device, accepted_moves, accepted_node_rows, parents_from_mask
 from .verify_program import ArgmaxFn, Staged, stage_next_verify, table_slots
 
 # (argmax [rows], the verify's static inputs, its aux states, batch, nodes, depth, the draft's inputs to stage or
@@ -79,9 +79,7 @@ class TreeVerifyProgram:
         slots = inputs.slots.view(b, n)
         real = slots[:, -1] != inputs.pad_slot
         moved = min(depth, n - 1)  # the deepest node of a tree of n
-        path = torch.where(real[:, None], acc.path[:, :moved], -1)
-        dst = slots[:, 1:moved + 1]
-        moves = torch.cat([torch.where(path >= 0, slots.gather(1, path.clamp(min=0)), dst), dst], dim=1)
+        moves = accepted_moves(slots, torch.where(real[:, None], acc.path[:, :moved], -1))
         draft = self.staged(b)
         if draft is not None and draft.hidden is not None and draft.drop is not None and inputs.block_size:
             q = depth + 1
