@@ -26,7 +26,7 @@ import triton.language as tl
 
 from ...models.layers.pdl import pdl_launch, pdl_open
 from ..executor.step_graphs import StaticInputs
-from .verify_stage_triton import copy_parts
+from .verify_stage_triton import copy_parts, stage_arguments
 
 
 @triton.jit
@@ -137,25 +137,14 @@ def tree_stage_triton(argmax: torch.Tensor, inputs: StaticInputs, hidden: tuple[
     staged inputs of other shapes."""
     rows = batch * n
     q = depth + 1
-    width = hidden[0].shape[-1] if hidden else 0
     tail = inputs.tail
-    meta = (argmax, inputs.ids, inputs.positions, inputs.slots, inputs.index, inputs.context_lens, inputs.tables)
-    if (tail is None or tail.shape != (rows, n) or not 1 <= len(hidden) <= 3
-            or any(h.shape[-1] != width or h.dtype != hidden[0].dtype or h.stride(-1) != 1 or h.shape[0] < rows
-                   for h in hidden)
-            or any(t.dtype != torch.int64 or not t.is_contiguous() for t in (*meta, tail))):
+    if tail is None or tail.shape != (rows, n):
         return None
     stage = draft is not None and draft.hidden is not None and draft.drop is not None and inputs.block_size > 0
-    dummy = argmax  # pointers a launch without staging never touches
-    staged: tuple[torch.Tensor, ...] = (dummy,) * 5 + (inputs.tables, dummy)
-    if stage:
-        assert draft is not None and draft.hidden is not None and draft.drop is not None
-        staged = (draft.ids, draft.positions, draft.slots, draft.index, draft.context_lens, draft.tables, draft.drop)
-        if (any(t.dtype != torch.int64 or not t.is_contiguous() for t in staged)
-                or draft.tables.shape != inputs.tables.shape or draft.context_lens.shape != inputs.context_lens.shape
-                or draft.hidden.dtype != hidden[0].dtype or draft.hidden.shape[-1] != len(hidden) * width
-                or draft.hidden.stride(-1) != 1 or draft.hidden.shape[0] < batch * q or draft.ids.shape[0] < batch * q):
-            return None
+    taken = stage_arguments(argmax, inputs, hidden, rows, batch * q, draft if stage else None, (tail,))
+    if taken is None:
+        return None
+    width, staged = taken
     aux = torch.empty((rows, len(hidden) * width), dtype=hidden[0].dtype, device=argmax.device)
     verdict = torch.empty((batch, 3 * n + 1), dtype=torch.int64, device=argmax.device)
     moved = min(depth, n - 1)  # the deepest node of a tree of n

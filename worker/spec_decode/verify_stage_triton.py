@@ -114,29 +114,42 @@ def _verify_stage_kernel(argmax_ptr, ids_ptr, pos_ptr, slots_ptr, index_ptr, ctx
         tl.store(ctx_ptr + s, ctx + shift)
 
 
+def stage_arguments(argmax: torch.Tensor, inputs: StaticInputs, hidden: tuple[torch.Tensor, ...], rows: int,
+                    staged_rows: int, draft: StaticInputs | None, extra: tuple[torch.Tensor, ...] = ()
+                    ) -> tuple[int, tuple[torch.Tensor, ...]] | None:
+    """What a verify's stage kernel (this one, ``tree_stage_triton``) takes: 1-3 aux parts of one width and dtype with
+    unit-stride rows over ``rows`` rows, int64 contiguous metadata (``extra`` too), and ``draft``'s inputs to stage
+    (``staged_rows`` of them: of the verify's shapes) -> (the aux width, the draft's ids, positions, slots, index,
+    context lengths, tables and drop as the launch's pointers: the argmax and the verify's tables, never touched,
+    without ``draft``), or None where the kernel does not take these inputs (the torch program then runs)."""
+    width = hidden[0].shape[-1] if hidden else 0
+    meta = (argmax, inputs.ids, inputs.positions, inputs.slots, inputs.index, inputs.context_lens, inputs.tables, *extra)
+    if (not 1 <= len(hidden) <= 3 or any(h.shape[-1] != width or h.dtype != hidden[0].dtype or h.stride(-1) != 1
+                                          or h.shape[0] < rows for h in hidden)
+            or any(t.dtype != torch.int64 or not t.is_contiguous() for t in meta)):
+        return None
+    if draft is None or draft.hidden is None or draft.drop is None:
+        return width, (argmax,) * 5 + (inputs.tables, argmax)
+    staged = (draft.ids, draft.positions, draft.slots, draft.index, draft.context_lens, draft.tables, draft.drop)
+    if (any(t.dtype != torch.int64 or not t.is_contiguous() for t in staged)
+            or draft.tables.shape != inputs.tables.shape or draft.context_lens.shape != inputs.context_lens.shape
+            or draft.hidden.dtype != hidden[0].dtype or draft.hidden.shape[-1] != len(hidden) * width
+            or draft.hidden.stride(-1) != 1 or draft.hidden.shape[0] < staged_rows or draft.ids.shape[0] < staged_rows):
+        return None
+    return width, staged
+
+
 def verify_stage_triton(argmax: torch.Tensor, inputs: StaticInputs, hidden: tuple[torch.Tensor, ...], batch: int,
                         q: int, draft: StaticInputs | None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(aux [rows, parts * H], verdict [batch, 2q] int64), the draft's first pass staged into ``draft`` when given;
     None where the kernel does not take the inputs (the torch program then runs): other than 1-3 aux parts of
     one width and dtype with unit-stride rows, int64 contiguous metadata, or staged inputs of other shapes."""
     rows = batch * q
-    width = hidden[0].shape[-1] if hidden else 0
-    meta = (argmax, inputs.ids, inputs.positions, inputs.slots, inputs.index, inputs.context_lens, inputs.tables)
-    if (not 1 <= len(hidden) <= 3 or any(h.shape[-1] != width or h.dtype != hidden[0].dtype or h.stride(-1) != 1
-                                          or h.shape[0] < rows for h in hidden)
-            or any(t.dtype != torch.int64 or not t.is_contiguous() for t in meta)):
-        return None
     stage = draft is not None and draft.hidden is not None and draft.drop is not None
-    dummy = argmax  # pointers a launch without staging never touches
-    staged: tuple[torch.Tensor, ...] = (dummy,) * 5 + (inputs.tables, dummy)
-    if stage:
-        assert draft is not None and draft.hidden is not None and draft.drop is not None
-        staged = (draft.ids, draft.positions, draft.slots, draft.index, draft.context_lens, draft.tables, draft.drop)
-        if (any(t.dtype != torch.int64 or not t.is_contiguous() for t in staged)
-                or draft.tables.shape != inputs.tables.shape or draft.context_lens.shape != inputs.context_lens.shape
-                or draft.hidden.dtype != hidden[0].dtype or draft.hidden.shape[-1] != len(hidden) * width
-                or draft.hidden.stride(-1) != 1 or draft.hidden.shape[0] < rows or draft.ids.shape[0] < rows):
-            return None
+    taken = stage_arguments(argmax, inputs, hidden, rows, rows, draft if stage else None)
+    if taken is None:
+        return None
+    width, staged = taken
     aux = torch.empty((rows, len(hidden) * width), dtype=hidden[0].dtype, device=argmax.device)
     verdict = torch.empty((batch, 2 * q), dtype=torch.int64, device=argmax.device)
     d_hidden = draft.hidden if draft is not None and draft.hidden is not None and stage else aux
