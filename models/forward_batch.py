@@ -103,6 +103,12 @@ class KVCache:
         built from separate tensors)."""
         return list(self.groups) or [t[None] for t in self.stored()]
 
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """The K/V of slots ``src`` copied to slots ``dst`` in every layer, on the device (one gather and one scatter per
+        group of same-shaped layers); every source is read before any destination is written."""
+        for group in self.grouped():
+            group.index_copy_(1, dst, group.index_select(1, src))  # not group[:, d] = ...: its indexing costs the host 2x
+
     def bytes_per_token(self) -> int:
         """Cache bytes one token takes over every layer (what a decode step reads per context token)."""
         return sum(t[0].numel() * t.element_size() for t in self.stored())

@@ -290,7 +290,7 @@ def test_accepted_kv_moves_on_the_device_as_the_hosts_relocation() -> None:
     for t in ref:
         t[dst] = t[src].clone()
     path = torch.tensor([[*p, *[-1] * (depth - len(p))] for p in paths])
-    apply_moves(kv.grouped, accepted_moves(slots, path))
+    apply_moves(kv, accepted_moves(slots, path))
     for got, want in zip(kv.stored(), ref):
         assert torch.equal(got, want)
     assert accepted_node_rows(path).tolist() == [[0, 2, 5, 9], [0, 1, 2, 0], [0, 0, 0, 0]]

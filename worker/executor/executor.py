@@ -357,9 +357,7 @@ class StepExecutor:
         if not src:
             return
         both = to_device(list(src) + list(dst), self.device)  # one host-to-device copy
-        s, d = both[:len(src)], both[len(src):]
-        for group in self.kv_cache.grouped():  # one gather and one scatter per group of same-shaped layers
-            group.index_copy_(1, d, group.index_select(1, s))  # not group[:, d] = ...: its indexing costs the host 2x
+        self.kv_cache.move(both[:len(src)], both[len(src):])
 
 
 def _full_mask(s: SeqRows) -> torch.Tensor:

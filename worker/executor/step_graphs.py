@@ -399,17 +399,25 @@ class StepGraphs:
                     ) -> tuple[torch.Tensor, ...]:
         """A draft tree's ``chain`` steps: the program's forwards (``_chain_steps``), each writing its own
         columns of ``tail``, the attention's mask (bool [rows, shape.tail])."""
-        b, k, width = shape.batch, shape.tokens, shape.tail
+        b, k = shape.batch, shape.tokens
         assert self.grow is not None and v.hidden is not None and v.scores is not None
         step = self._chain_steps(b, k, shape.chain, v.positions, v.index, v.context_lens, v.slots, v.tables, batch)
+        return self.grow(self._tree_forward(step, tail, k), v.ids.view(b, k), v.scores.view(b, k),
+                         v.hidden.view(b, k, -1))
+
+    def _tree_forward(self, step: Callable[[int, torch.Tensor, torch.Tensor], ForwardBatch], tail: torch.Tensor,
+                      leaves: int) -> TreeForward:
+        """The grow program's forward j: its ``leaves`` rows per sequence (``step``'s batch j) with their mask rows
+        written into the last ``j * leaves`` columns of ``tail`` (the earlier columns: bases, visible)."""
+        width = tail.shape[1]
 
         def forward(j: int, ids: torch.Tensor, hidden: torch.Tensor, rows: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-            tail[:, width - j * k:].copy_(rows)  # the earlier columns: bases, visible (packed as 1)
+            tail[:, width - j * leaves:].copy_(rows)
             out = self.fn(step(j, ids, hidden))
             return out.logits, out.hidden[0]
 
-        return self.grow(forward, v.ids.view(b, k), v.scores.view(b, k), v.hidden.view(b, k, -1))
+        return forward
 
     def _tree_after_first(self, shape: StepShape, v: _Views, batch: ForwardBatch, steps: ChainSteps,
                           first: ModelOutput) -> tuple[torch.Tensor, ...]:
@@ -423,17 +431,10 @@ class StepGraphs:
         leaf_batch = replace(batch, query_lens=[k] * b, context_lens=[k] * b, logits_indices=None,
                              paged=replace(batch.paged, token_seq=v.leaf_seq, query_start=v.leaf_start, max_query_len=k,
                                            tail_mask=tail))
-        step = self._steps(steps, leaf_batch)
-
-        def forward(j: int, ids: torch.Tensor, hidden: torch.Tensor, rows: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-            tail[:, width - j * k:].copy_(rows)
-            out = self.fn(step(j, ids, hidden))
-            return out.logits, out.hidden[0]
-
         tokens, scores = self.leaves(first.logits)
         hidden = first.hidden[0].index_select(0, v.last_rows)
-        return self.grow(forward, tokens, scores, hidden[:, None, :].expand(b, k, hidden.shape[-1]))
+        return self.grow(self._tree_forward(self._steps(steps, leaf_batch), tail, k), tokens, scores,
+                         hidden[:, None, :].expand(b, k, hidden.shape[-1]))
 
     def _capture(self, shape: StepShape) -> _Captured:
         views = self._views(shape)

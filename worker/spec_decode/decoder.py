@@ -415,15 +415,11 @@ class SpecDecoder:
         tree = self.drafter.tree_on_device(work)
         if tree is None:
             return None
-        b, n = len(work), self.config.verify_tokens
-        starts = to_device([w.entry.start for w in work], local.device)
-        ran = local.run_finished(step, shape=shape, input_ids=tree.tokens.reshape(-1),
-                                 positions=(starts[:, None] + tree.depths).reshape(-1),
-                                 tail_rows=tree.mask.reshape(b * n, n))
+        ran = local.run_finished(step, shape=shape, **self._tree_inputs(work, tree))
         assert ran is not None  # finishes(shape) said so
         out, (aux, verdict, moves) = ran
         read = read_later(verdict.reshape(-1))  # queued behind the verify, before the next trees' replay
-        apply_moves(local.kv_cache.grouped, moves)
+        apply_moves(local.kv_cache, moves)
         nxt = self.drafter.tree_after_staged(work, shape.batch)
         bs = local.block_size
         return RoundInFlight(batch, work, shape, out.logits, aux.clone(), read, None if nxt is None else nxt.tokens,
@@ -437,6 +433,14 @@ class SpecDecoder:
         return Step(tuple(SeqRows(tuple(w.entry.block_table), (w.entry.token_ids[0],) + (0,) * (n - 1),
                                   (w.entry.start,) + (w.entry.start + 1,) * (n - 1), w.entry.start + n, n, mask)
                           for w in work))
+
+    def _tree_inputs(self, work: list[DraftWork], tree: DeviceTree) -> dict[str, torch.Tensor]:
+        """A tree verify's device inputs (``StepExecutor.run``'s): the trees' tokens, their RoPE positions (each
+        root's plus the node's depth) and their masks."""
+        n = self.config.verify_tokens
+        starts = to_device([w.entry.start for w in work], self.target.local.device)
+        return {"input_ids": tree.tokens.reshape(-1), "positions": (starts[:, None] + tree.depths).reshape(-1),
+                "tail_rows": tree.mask.reshape(len(work) * n, n)}
 
     def _chain_verify(self, batch: ScheduledBatch, work: list[DraftWork]) -> tuple[
             StepShape, torch.Tensor, torch.Tensor | None, ModelOutput, torch.Tensor, torch.Tensor] | None:
@@ -605,7 +609,7 @@ class SpecDecoder:
         outputs = local.replay_staged(r.shape)
         logits, aux, verdict, moves = outputs[0][:b * n], outputs[-3][:b * n], outputs[-2][:b], outputs[-1][:b]
         read = read_later(verdict.reshape(-1))
-        apply_moves(local.kv_cache.grouped, moves)
+        apply_moves(local.kv_cache, moves)
         nxt = self.drafter.replay_staged_tree(b, pad)
         bs = local.block_size
         return RoundInFlight(None, None, r.shape, logits, aux.clone(), read, None if nxt is None else nxt.tokens,
@@ -798,9 +802,7 @@ class SpecDecoder:
         if tree is None:
             return None
         b = len(work)
-        starts = to_device([w.entry.start for w in work], local.device)
-        out = local.run(step, input_ids=tree.tokens.reshape(-1), positions=(starts[:, None] + tree.depths).reshape(-1),
-                        tail_rows=tree.mask.reshape(b * n, n))
+        out = local.run(step, **self._tree_inputs(work, tree))
         # the read-back is queued behind the verify: the step's one wait, for the trees and the verify
         flat = torch.cat([tree.tokens.reshape(-1), tree.parents.reshape(-1),
                           self.tokens.sampler.argmax(out.logits)]).tolist()

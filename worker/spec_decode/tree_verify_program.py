@@ -35,6 +35,7 @@ from typing import cast
 
 import torch
 
+from ...models.forward_batch import KVCache
 from ...models.interface import ModelOutput
 from ..executor.gpu_kernel import gpu_kernel
 from ..executor.step_graphs import StaticInputs
@@ -113,10 +114,8 @@ def tree_stage_kernel(device: torch.device) -> TreeStageKernel | None:
     return cast("TreeStageKernel | None", gpu_kernel(device, f"{__package__}.tree_stage_triton", "tree_stage_triton"))
 
 
-def apply_moves(groups: Callable[[], list[torch.Tensor]], moves: torch.Tensor) -> None:
-    """A tree verify's ``moves`` [b, 2 * depth] (sources, then destinations) applied to the cache's stacks
-    (``KVCache.grouped``): every source read before any destination is written, on the device."""
+def apply_moves(cache: KVCache, moves: torch.Tensor) -> None:
+    """A tree verify's ``moves`` [b, 2 * depth] (sources, then destinations) applied to the cache on the device
+    (``KVCache.move``: every source read before any destination is written)."""
     depth = moves.shape[1] // 2
-    src, dst = moves[:, :depth].reshape(-1), moves[:, depth:].reshape(-1)
-    for group in groups():
-        group.index_copy_(1, dst, group.index_select(1, src))
+    cache.move(moves[:, :depth].reshape(-1), moves[:, depth:].reshape(-1))
