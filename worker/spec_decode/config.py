@@ -12,6 +12,13 @@ class SpeculativeConfigError(ValueError):
     """A speculative-decoding setting that cannot work; the message says which and why."""
 
 
+def tree_reach(num_steps: int, topk: int) -> int:
+    """Slots past a tree round's root that the next tree, drafted behind its verify, reaches: the next root at most
+    ``num_steps + 1`` further, its first pass's bases before it and its draft steps' ``(num_steps - 1) * topk``
+    scratch slots after."""
+    return num_steps + 1 + (num_steps - 1) * topk
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """EAGLE3 drafting (sglang's ``--speculative-*`` meaning).
@@ -71,10 +78,9 @@ class SpeculativeConfig:
         next round's draft steps and verify, run before this round's acceptance is read back
         (``SpecDecoder``: after every draft accepted, the verify's rows reach ``verify_tokens`` slots past
         this verify's, the draft steps num_steps - 1); a tree's also the next round's tree, drafted behind the
-        verify before it is read back (its root at most ``num_steps + 1`` further, then its draft steps' nodes:
-        ``Drafter.tree_reach``)."""
+        verify before it is read back (``tree_reach``)."""
         ahead = max(self.verify_tokens, self.num_steps - 1) if self.is_chain else 0
-        tree = 0 if self.is_chain else self.num_steps + (self.num_steps - 1) * self.topk
+        tree = 0 if self.is_chain else tree_reach(self.num_steps, self.topk) - 1
         return max(self.verify_tokens - 1 + ahead, (self.num_steps - 1) * self.topk - 1, tree)
 
     @property

@@ -47,6 +47,7 @@ from ..executor.host_copy import to_device
 from ..executor.step import SeqRows, Step
 from ..executor.step_graphs import StaticInputs, TreeForward
 from ..executor.step_shape import StepShape
+from .config import tree_reach
 from .device_tree import DeviceTree, ExpandKernel, TreeGrowth
 from .draft_tree import DraftTree, TreeBuilder
 from .rejection_sampler import Uniforms
@@ -429,11 +430,6 @@ class Drafter:
             self._tree_staged[num_seqs] = None if shape is None else (shape, self.draft.static_inputs(shape))
         return self._tree_staged[num_seqs]
 
-    def tree_reach(self) -> int:
-        """Slots past a tree round's root that its staged draft reaches: the next root at most ``num_steps + 1``
-        further, its first pass's bases before it and the tree's ``(num_steps - 1) * topk`` scratch slots after."""
-        return self.num_steps + 1 + (self.num_steps - 1) * self.topk
-
     def tree_after_staged(self, work: list[DraftWork], batch: int) -> DeviceTree | None:
         """Each sequence's next tree, drafted now on the device behind a tree verify (at padded ``batch``) whose
         program staged the first pass (``tree_verify_program.py``): the staged first pass + tree chain replayed,
@@ -441,7 +437,8 @@ class Drafter:
         nodes: ``settle_ahead``) -> the trees (roots left 0, a copy: the replay's outputs serve the next), or None
         (nothing run) where the block tables do not reach that far or no such staged shape is captured."""
         bs = self.draft.block_size
-        if any(len(w.entry.block_table) * bs < w.entry.start + self.tree_reach() for w in work):
+        reach = tree_reach(self.num_steps, self.topk)
+        if any(len(w.entry.block_table) * bs < w.entry.start + reach for w in work):
             return None
         tree = self.replay_staged_tree(len(work), batch)
         if tree is not None:
