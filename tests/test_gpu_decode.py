@@ -163,6 +163,31 @@ def test_a_new_token_count_compiles_no_new_kernel() -> None:
 
 
 @needs_gpu
+def test_kv_move_in_one_launch_equals_kv_cache_move_past_32_bit_offsets() -> None:
+    """``move_kv_triton`` (the executor's ``move_kv`` on a GPU) leaves SmolLM2's cache shape (30 layers of K and V,
+    3 heads of 64, bf16) as ``KVCache.move`` does, on a group of more than 2**31 elements (where torch's
+    ``index_copy_`` splits into a kernel per layer) with slots near its end, one move's source another's
+    destination."""
+    from fusedserve.models.forward_batch import KVCache
+    from fusedserve.worker.executor.kv_move_triton import move_kv_triton
+
+    slots = (1 << 31) // (60 * 192) + 4096  # past 2**31 elements in the one group
+    cache = KVCache.allocate({i: (3, 64) for i in range(30)}, slots // 16, 16, torch.bfloat16, "cuda")
+    (group,) = cache.grouped()
+    assert group.numel() > 1 << 31
+    end = group.shape[1]
+    src = torch.tensor([end - 1, end - 9, 700, end - 30, end - 20], device="cuda")
+    dst = torch.tensor([end - 20, end - 30, 701, 5, end - 1], device="cuda")
+    rows = torch.cat([src, dst])
+    group[:, rows] = torch.randn(group[:, rows].shape, device="cuda").to(torch.bfloat16)
+    want = group[:, rows].clone()
+    want[:, 5:] = group[:, src]  # every source as it was before any move
+    move_kv_triton(cache, src, dst)
+    assert torch.equal(group[:, dst], want[:, 5:])
+    assert torch.equal(group[:, src[1:3]], want[:, 1:3])  # sources no move writes keep their rows
+
+
+@needs_gpu
 def test_mla_decode_attention_and_fused_experts_equal_references() -> None:
     """DeepSeek-V3 shapes: decode attention over MLA's former expanded cache (K 192 padded to 256, V 128,
     one KV head per query head: still a shape the kernel takes; the latent cache MLA keeps now is

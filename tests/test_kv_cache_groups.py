@@ -37,7 +37,7 @@ def test_copy_kv_through_the_groups_equals_layer_by_layer() -> None:
     src, dst = [5, 6, 9, 2], [3, 4, 5, 6]  # overlapping: every source is read before any is written
     for t in want:
         t[torch.tensor(dst)] = t[torch.tensor(src)].clone()
-    executor = StepExecutor.__new__(StepExecutor)  # copy_kv needs only the cache and the device
-    executor.kv_cache, executor.device = kv, torch.device("cpu")
+    executor = StepExecutor.__new__(StepExecutor)  # copy_kv needs only the cache, the device and its move
+    executor.kv_cache, executor.device, executor.move_kv = kv, torch.device("cpu"), KVCache.move
     executor.copy_kv(src, dst)
     assert all(torch.equal(got, w) for got, w in zip(kv.stored(), want))

@@ -1860,3 +1860,45 @@ def test_interp_restage_equals_the_reference() -> None:
         assert torch.equal(getattr(got[0], name), getattr(got[1], name)), name
     assert torch.equal(got[1].ids.view(b, q)[n:], base.ids.view(b, q)[n:])
     assert torch.equal(got[1].ids.view(b, q)[:n, 1:], drafts[:, :q - 1])
+
+
+@inner
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn], ids=["bf16", "fp32", "fp8"])
+def test_interp_kv_move_equals_kv_cache_move(dtype: torch.dtype) -> None:
+    """``move_kv_triton`` leaves a cache as ``KVCache.move`` does: groups of several layers (two head widths: two
+    groups), an MLA-style layer whose V is K's first columns (K alone moves), a cache of separate tensors (no groups),
+    and moves where one node's source is another's destination (every source read before any destination is
+    written), a slot moved to itself and a row wider than one program's columns."""
+    from fusedserve.models.forward_batch import KVCache, KVShape
+    from fusedserve.worker.executor.kv_move_triton import move_kv_triton
+
+    g = torch.Generator().manual_seed(3)
+    shapes = {0: (2, 8), 1: (2, 8), 2: (1, 24), 3: KVShape(1, 24, 16, v_in_k=True), 4: (2, 8)}
+    # slots 6, 8 and 9 are each one move's source and another's destination; slot 10 moves to itself
+    src = torch.tensor([9, 12, 6, 17, 8, 10])
+    dst = torch.tensor([5, 6, 7, 8, 9, 10])
+
+    def filled(cache: KVCache) -> KVCache:
+        for t in cache.stored():
+            t.copy_(torch.randn(t.shape, generator=g).to(dtype))
+        return cache
+
+    def moved_bits(cache: KVCache) -> list[torch.Tensor]:  # KVCache.move on the raw bits (no fp8 index_copy_ on CPU)
+        bits = [t.clone().view(torch.uint8) for t in cache.stored()]
+        KVCache(k=dict(enumerate(bits)), v={}, block_size=4, num_blocks=8).move(src, dst)
+        return bits
+
+    grouped = filled(KVCache.allocate(shapes, 8, 4, dtype))
+    assert len(grouped.groups) == 2
+    k = {i: t.clone() for i, t in grouped.k.items()}
+    separate = KVCache(k=k, v={i: k[i][..., :16] if i in grouped.v_in_k else t.clone() for i, t in grouped.v.items()},
+                       block_size=4, num_blocks=8, v_in_k=grouped.v_in_k)
+    assert len(separate.stored()) == len(grouped.stored()) == 9
+    for cache in (grouped, separate):
+        want = moved_bits(cache)
+        move_kv_triton(cache, src, dst)
+        assert all(torch.equal(t.view(torch.uint8), w) for t, w in zip(cache.stored(), want, strict=True))
+    wide = filled(KVCache.allocate({0: (4, 1024)}, 8, 4, dtype))
+    want = moved_bits(wide)
+    move_kv_triton(wide, src, dst)
+    assert all(torch.equal(t.view(torch.uint8), w) for t, w in zip(wide.stored(), want, strict=True))

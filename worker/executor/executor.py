@@ -23,7 +23,7 @@ attention every DP group must replay the same shape, so only the shape the DP le
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -33,12 +33,15 @@ from ...models.layers.attention_layout import AttentionPlanner
 from ...models.layers.kernels import Kernels
 from ...models.layers.mamba_state import MambaStateCache
 from ...models.parallel.ledger import CollectiveLedger
+from .gpu_kernel import gpu_kernel
 from .host_copy import to_device
 from .step import SeqRows, Step
 from .step_graphs import FeedFn, FinishFn, GrowFn, LeavesFn, PackedSeq, SampleFn, StaticInputs, StepGraphs
 from .step_shape import ShapeKey, StepShape
 
 log = logging.getLogger(__name__)
+
+MoveKV = Callable[[KVCache, torch.Tensor, torch.Tensor], None]  # (cache, src slots, dst slots): ``KVCache.move``
 
 
 class StepExecutor:
@@ -65,6 +68,8 @@ class StepExecutor:
         self.attention = attention  # the attention backend's planner (FlashInfer); None = it needs none
         self.kernels = kernels  # the model's kernel set (the EAGLE3 draft takes the target's)
         self.graphs: StepGraphs | None = None
+        # moves K/V between cache slots (copy_kv, a tree verify's moves): one launch a group on a GPU
+        self.move_kv: MoveKV = gpu_kernel(device, f"{__package__}.kv_move_triton", "move_kv_triton") or KVCache.move
 
     @property
     def local(self) -> StepExecutor:
@@ -357,7 +362,7 @@ class StepExecutor:
         if not src:
             return
         both = to_device(list(src) + list(dst), self.device)  # one host-to-device copy
-        self.kv_cache.move(both[:len(src)], both[len(src):])
+        self.move_kv(self.kv_cache, both[:len(src)], both[len(src):])
 
 
 def _full_mask(s: SeqRows) -> torch.Tensor:

@@ -419,7 +419,7 @@ class SpecDecoder:
         assert ran is not None  # finishes(shape) said so
         out, (aux, verdict, moves) = ran
         read = read_later(verdict.reshape(-1))  # queued behind the verify, before the next trees' replay
-        apply_moves(local.kv_cache, moves)
+        apply_moves(local.kv_cache, moves, local.move_kv)
         nxt = self.drafter.tree_after_staged(work, shape.batch)
         bs = local.block_size
         return RoundInFlight(batch, work, shape, out.logits, aux.clone(), read, None if nxt is None else nxt.tokens,
@@ -609,7 +609,7 @@ class SpecDecoder:
         outputs = local.replay_staged(r.shape)
         logits, aux, verdict, moves = outputs[0][:b * n], outputs[-3][:b * n], outputs[-2][:b], outputs[-1][:b]
         read = read_later(verdict.reshape(-1))
-        apply_moves(local.kv_cache, moves)
+        apply_moves(local.kv_cache, moves, local.move_kv)
         nxt = self.drafter.replay_staged_tree(b, pad)
         bs = local.block_size
         return RoundInFlight(None, None, r.shape, logits, aux.clone(), read, None if nxt is None else nxt.tokens,

@@ -37,6 +37,7 @@ import torch
 
 from ...models.forward_batch import KVCache
 from ...models.interface import ModelOutput
+from ..executor.executor import MoveKV
 from ..executor.gpu_kernel import gpu_kernel
 from ..executor.step_graphs import StaticInputs
 from ..executor.step_shape import StepShape
@@ -114,8 +115,9 @@ def tree_stage_kernel(device: torch.device) -> TreeStageKernel | None:
     return cast("TreeStageKernel | None", gpu_kernel(device, f"{__package__}.tree_stage_triton", "tree_stage_triton"))
 
 
-def apply_moves(cache: KVCache, moves: torch.Tensor) -> None:
-    """A tree verify's ``moves`` [b, 2 * depth] (sources, then destinations) applied to the cache on the device
-    (``KVCache.move``: every source read before any destination is written)."""
+def apply_moves(cache: KVCache, moves: torch.Tensor, move: MoveKV = KVCache.move) -> None:
+    """A tree verify's ``moves`` [b, 2 * depth] (sources, then destinations) applied to the cache on the device by
+    ``move`` (``KVCache.move`` or the executor's ``move_kv``: every source read before any destination is
+    written)."""
     depth = moves.shape[1] // 2
-    cache.move(moves[:, :depth].reshape(-1), moves[:, depth:].reshape(-1))
+    move(cache, moves[:, :depth].reshape(-1), moves[:, depth:].reshape(-1))
