@@ -183,19 +183,20 @@ def test_padded_batch_of_device_trees_equals_host_trees(monkeypatch: pytest.Monk
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_fused_tree_expand_equals_torch_ops_on_gpu() -> None:
-    """On a GPU the drafter grows trees with the fused step (``tree_expand_triton``): the same candidates,
-    leaves, hidden inputs, masks and built trees as the torch ops, ties included, at 7 steps x topK 8."""
-    from fusedserve.worker.spec_decode.drafter import tree_expand_kernel
+    """On a GPU the drafter grows trees with the fused step (``tree_expand_triton``) and builds them in one launch
+    (``tree_build_triton``): the same candidates, leaves, hidden inputs, masks and built trees as the torch ops,
+    ties included, at 7 steps x topK 8."""
+    from fusedserve.worker.spec_decode.drafter import tree_build_kernel, tree_expand_kernel
 
     dev = torch.device("cuda")
-    kernel = tree_expand_kernel(dev)
-    assert kernel is not None
+    kernel, build = tree_expand_kernel(dev), tree_build_kernel(dev)
+    assert kernel is not None and build is not None
     g = torch.Generator(device=dev).manual_seed(0)
     b, k, steps, hidden = 5, 8, 7, 576
     first_lp = -torch.randint(0, 3, (b, k), generator=g, device=dev).float()
     args = (torch.arange(b, device=dev), torch.randint(0, 49152, (b, k), generator=g, device=dev), first_lp,
             torch.randn(b, hidden, generator=g, device=dev, dtype=torch.bfloat16), steps)
-    grown = [TreeGrowth(*args), TreeGrowth(*args, kernel)]
+    grown = [TreeGrowth(*args), TreeGrowth(*args, kernel, build)]
     for _ in range(1, steps):
         tops = torch.randint(0, 49152, (b * k, k), generator=g, device=dev)
         lps = -torch.randint(0, 5, (b * k, k), generator=g, device=dev).float() * 0.25
@@ -206,9 +207,10 @@ def test_fused_tree_expand_equals_torch_ops_on_gpu() -> None:
             t.expand(tops, lps, out)
         for name in ("leaves", "leaf_hidden", "leaf_mask", "tokens", "parents", "depths", "scores"):
             assert torch.equal(getattr(grown[0], name), getattr(grown[1], name)), name
-    trees = [t.build(64) for t in grown]
-    for name in ("tokens", "parents", "depths", "mask"):
-        assert torch.equal(getattr(trees[0], name), getattr(trees[1], name)), name
+    for nodes in (16, 64):
+        trees = [t.build(nodes) for t in grown]
+        for name in ("tokens", "parents", "depths", "mask"):
+            assert torch.equal(getattr(trees[0], name), getattr(trees[1], name)), (nodes, name)
 
 
 @pytest.mark.gpu

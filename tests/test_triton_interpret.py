@@ -1577,6 +1577,35 @@ def test_interp_tree_expand(k: int, steps: int) -> None:
 
 
 @inner
+@pytest.mark.parametrize(("k", "steps", "nodes"), [(4, 6, 16), (2, 6, 10), (8, 7, 60), (3, 2, 13), (1, 5, 6)],
+                         ids=["s6-k4-t16", "s6-k2-t10", "s7-k8-t60", "every-candidate", "chain-like"])
+def test_interp_tree_build_equals_the_torch_build(k: int, steps: int, nodes: int) -> None:
+    """The verified trees in one launch (``tree_build_triton``) equal ``TreeGrowth``'s torch build (tokens, parents,
+    depths, ancestor masks) after a growth with ties everywhere (log-probabilities of a few values), for the served
+    trees' shapes, 392 candidates (several column blocks of the rank count), a tree of every candidate, and k = 1."""
+    from fusedserve.worker.spec_decode.device_tree import TreeGrowth
+    from fusedserve.worker.spec_decode.tree_build_triton import tree_build_triton
+
+    g = torch.Generator().manual_seed(k * 100 + nodes)
+    b, hidden = 3, 8
+    first_tok = torch.randint(0, 999, (b, k), generator=g)
+    first_lp = -torch.randint(0, 3, (b, k), generator=g).float()
+    roots = torch.randint(0, 999, (b,), generator=g)
+    grown = [TreeGrowth(roots, first_tok, first_lp, torch.zeros(b, hidden), steps),
+             TreeGrowth(roots, first_tok, first_lp, torch.zeros(b, hidden), steps, None, tree_build_triton)]
+    for _ in range(1, steps):
+        tops = torch.randint(0, 999, (b * k, k), generator=g)
+        lps = -torch.randint(0, 4, (b * k, k), generator=g).float() * 0.5
+        for t in grown:
+            t.feed()
+            t.expand(tops, lps, torch.zeros(b * k, hidden))
+    want, got = (t.build(nodes) for t in grown)
+    for name in ("tokens", "parents", "depths", "mask"):
+        assert torch.equal(getattr(want, name), getattr(got, name)), name
+    assert int(want.depths.max()) >= 2  # trees, not the root's children alone
+
+
+@inner
 @pytest.mark.parametrize("vocab,k", [(1000, 8), (32000, 4), (257, 1)])
 def test_interp_topk_logprobs(vocab: int, k: int) -> None:
     """The draft's one-kernel top-k: torch's log-softmax top-k (values to fp32 rounding, the same indices;

@@ -35,6 +35,9 @@ import torch
 # (top_tokens, top_logprobs, out_hidden, fed_mask, scores, tokens, parents, depths, leaves, lo, depth)
 #   -> (new leaves, their hidden inputs, their masks): one step's expand on the device (``tree_expand_triton``)
 ExpandKernel = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+# (scores, tokens, parents, depths, roots, num_nodes, steps) -> the verified trees' tokens, parents, depths, masks:
+# ``build`` in one launch (``tree_build_triton``)
+BuildKernel = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -58,12 +61,16 @@ class TreeGrowth:
     """One batch's candidates, grown step by step on the device (``feed``, then ``expand``)."""
 
     def __init__(self, root_tokens: torch.Tensor, top_tokens: torch.Tensor, top_logprobs: torch.Tensor,
-                 root_hidden: torch.Tensor, num_steps: int, kernel: ExpandKernel | None = None) -> None:
+                 root_hidden: torch.Tensor, num_steps: int, kernel: ExpandKernel | None = None,
+                 build_kernel: BuildKernel | None = None) -> None:
         """The root's children. root_tokens: [B]; top_tokens, top_logprobs: [B, k] (the first pass's
         top-k, target ids); root_hidden: [B, H] (what the root's children are fed). ``kernel``: each
-        step's expand in one kernel (``tree_expand_triton``, on a GPU); None = the torch ops here."""
+        step's expand in one kernel (``tree_expand_triton``, on a GPU); ``build_kernel``: ``build`` in one
+        (``tree_build_triton``); None = the torch ops here."""
         self.expand = self._expand_torch if kernel is None else self._expand_fused
         self._kernel = kernel
+        self.build = self._build_torch if build_kernel is None else self._build_fused
+        self._build_kernel = build_kernel
         b, k = top_tokens.shape
         dev = top_tokens.device
         self.k, self.num_steps = k, num_steps
@@ -125,8 +132,14 @@ class TreeGrowth:
         self.leaf_mask = self._fed_mask.gather(1, parent_row[:, :, None].expand(b, k, self._fed_mask.shape[-1]))
         self.step += 1
 
-    def build(self, num_nodes: int) -> DeviceTree:
-        """The verified trees: the root and the ``num_nodes - 1`` best candidates."""
+    def _build_fused(self, num_nodes: int) -> DeviceTree:
+        """``build`` in one kernel: the same trees."""
+        assert self._build_kernel is not None
+        return DeviceTree(*self._build_kernel(self.scores, self.tokens, self.parents, self.depths, self.root_tokens,
+                                              num_nodes, self.num_steps))
+
+    def _build_torch(self, num_nodes: int) -> DeviceTree:
+        """The verified trees (``build``): the root and the ``num_nodes - 1`` best candidates."""
         b, size = self.tokens.shape
         dev = self.tokens.device
         chosen = best(self.scores, num_nodes - 1)  # [B, N - 1], candidate order = parents first

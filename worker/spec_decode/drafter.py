@@ -48,7 +48,7 @@ from ..executor.step import SeqRows, Step
 from ..executor.step_graphs import StaticInputs, TreeForward
 from ..executor.step_shape import StepShape
 from .config import tree_reach
-from .device_tree import DeviceTree, ExpandKernel, TreeGrowth
+from .device_tree import BuildKernel, DeviceTree, ExpandKernel, TreeGrowth
 from .draft_tree import DraftTree, TreeBuilder
 from .rejection_sampler import Uniforms
 
@@ -117,6 +117,7 @@ class Drafter:
         self._staged: dict[tuple[int, bool], tuple[StepShape, StaticInputs] | None] = {}  # ``first_chain_staged``
         self._tree_staged: dict[int, tuple[StepShape, StaticInputs] | None] = {}  # ``first_tree_staged``
         self._expand = tree_expand_kernel(draft.device)  # a device tree's step in one kernel (GPU), or None
+        self._build = tree_build_kernel(draft.device)  # a device tree's build in one kernel (GPU), or None
         self._top_k_rows = top_k_kernel(draft.device, model.draft_vocab)  # the draft's top-k (GPU), or torch's
 
     def propose(self, work: list[DraftWork]) -> list[Proposal]:
@@ -462,7 +463,7 @@ class Drafter:
         root's top-k: tokens, scores [B, k], hidden inputs [B, k, H]) over draft steps 1 .. num_steps - 1
         and built. -> tokens (the root's column left 0), parents, depths, masks of the verified trees."""
         roots = torch.zeros(tokens.shape[0], dtype=torch.long, device=tokens.device)
-        growth = TreeGrowth(roots, tokens, scores, hidden[:, 0], self.num_steps, self._expand)
+        growth = TreeGrowth(roots, tokens, scores, hidden[:, 0], self.num_steps, self._expand, self._build)
         for j in range(1, self.num_steps):
             ids, h, rows = growth.feed()
             logits, out = forward(j, ids, h, rows)
@@ -565,6 +566,11 @@ def draft_temperatures(params: list[SamplingParams], device: torch.device) -> to
 def tree_expand_kernel(device: torch.device) -> ExpandKernel | None:
     """The fused tree-growth step where the hardware runs it (CUDA with Triton), else None (torch ops)."""
     return cast("ExpandKernel | None", gpu_kernel(device, f"{__package__}.tree_expand_triton", "tree_expand_triton"))
+
+
+def tree_build_kernel(device: torch.device) -> BuildKernel | None:
+    """A device tree's build in one kernel where the hardware runs it (CUDA with Triton), else None (torch ops)."""
+    return cast("BuildKernel | None", gpu_kernel(device, f"{__package__}.tree_build_triton", "tree_build_triton"))
 
 
 def top_k_torch(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
