@@ -28,7 +28,12 @@ from bench.common import cuda_graph, record_header, spread, timed, write_record 
 
 def main() -> None:
     from fusedserve.worker.spec_decode.device_tree import TreeGrowth
-    from fusedserve.worker.spec_decode.drafter import top_k_kernel, top_k_torch, tree_expand_kernel
+    from fusedserve.worker.spec_decode.drafter import (
+        top_k_kernel,
+        top_k_torch,
+        tree_build_kernel,
+        tree_expand_kernel,
+    )
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -42,8 +47,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="also list each round's kernels (torch profiler)")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    kernel = tree_expand_kernel(dev)
-    assert kernel is not None, "needs Triton on CUDA"
+    kernel, build = tree_expand_kernel(dev), tree_build_kernel(dev)
+    assert kernel is not None and build is not None, "needs Triton on CUDA"
     fast_top_k = top_k_kernel(dev, args.vocab)
     k, steps = args.topk, args.steps
     results: dict[str, Any] = {}
@@ -55,15 +60,16 @@ def main() -> None:
         roots = torch.zeros(b, dtype=torch.long, device=dev)
         root_hidden = torch.randn(b, args.hidden, device=dev, dtype=torch.bfloat16)
         row: dict[str, Any] = {}
-        variants = (("torch", None, top_k_torch), ("fused expand", kernel, top_k_torch),
-                    ("fused expand + top-k", kernel, fast_top_k))
-        for name, fused, top_k in variants:
+        variants = (("torch", None, None, top_k_torch), ("fused expand", kernel, None, top_k_torch),
+                    ("fused expand + top-k", kernel, None, fast_top_k),
+                    ("fused expand + top-k + build", kernel, build, fast_top_k))
+        for name, fused, built, top_k in variants:
             def round_() -> torch.Tensor:
-                growth = TreeGrowth(roots, d2t[first.indices], first.values, root_hidden, steps, fused)
+                growth = TreeGrowth(roots, d2t[first.indices], first.values, root_hidden, steps, fused, built)
                 for _ in range(1, steps):
                     growth.feed()
-                    top_lp, top_ids = top_k(logits, k)
-                    growth.expand(d2t[top_ids], top_lp, hidden)
+                    top_lp, targets = top_k(logits, k, d2t)  # the indices through d2t (in the launch, fused)
+                    growth.expand(targets, top_lp, hidden)
                 return growth.build(args.nodes).mask
 
             graph = cuda_graph(round_)

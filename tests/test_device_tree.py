@@ -217,7 +217,8 @@ def test_fused_tree_expand_equals_torch_ops_on_gpu() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_draft_top_k_kernel_equals_torch_on_gpu() -> None:
     """On a GPU the drafter's top-k is one kernel (``topk_logprobs_triton``): torch's log-softmax top-k,
-    bf16 logits over the 32000-entry draft vocabulary."""
+    bf16 logits over the 32000-entry draft vocabulary, the indices through the draft's table (d2t) in the same
+    launch."""
     from fusedserve.worker.spec_decode.drafter import top_k_kernel, top_k_torch
     from fusedserve.worker.spec_decode.topk_logprobs_triton import topk_logprobs_triton
 
@@ -226,8 +227,11 @@ def test_draft_top_k_kernel_equals_torch_on_gpu() -> None:
     g = torch.Generator(device=dev).manual_seed(1)
     logits = (torch.randn(64, 32000, generator=g, device=dev) * 3).to(torch.bfloat16)
     values, indices = topk_logprobs_triton(logits, 8)
-    want_values, want_indices = top_k_torch(logits, 8)
+    table = torch.randperm(49152, generator=g, device=dev)[:32000]
+    want_values, want_indices = top_k_torch(logits, 8, torch.arange(32000, device=dev))
     torch.testing.assert_close(values, want_values, rtol=0, atol=1e-5)
+    mapped_values, mapped = topk_logprobs_triton(logits, 8, table)
+    assert torch.equal(mapped_values, values) and torch.equal(mapped, table[indices])
     # bf16 logits tie often: the same set per row, and where torch's order differs only among equal values
     assert torch.equal(indices.sort(dim=1).values, want_indices.sort(dim=1).values) or torch.equal(
         logits.gather(1, indices), logits.gather(1, want_indices))

@@ -1616,6 +1616,9 @@ def test_interp_topk_logprobs(vocab: int, k: int) -> None:
     logits = torch.randn(5, vocab, generator=g) * 4
     logits[3, 7] = logits[3, 11] = logits[3].max() + 1  # a tie at the top: index 7 first
     values, indices = topk_logprobs_triton(logits, k)
+    table = torch.randperm(2 * vocab, generator=g)[:vocab]
+    mapped_values, mapped = topk_logprobs_triton(logits, k, table)  # through a draft vocabulary's table
+    assert torch.equal(mapped_values, values) and torch.equal(mapped, table[indices])
     want = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
     assert torch.equal(indices[[0, 1, 2, 4]], want.indices[[0, 1, 2, 4]])
     assert indices[3, 0] == 7 and (k == 1 or indices[3, 1] == 11)

@@ -473,8 +473,8 @@ class Drafter:
 
     def _top_k(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft's ``topk`` best per row as target ids and their log-probabilities (``_children``'s)."""
-        top_lp, top_ids = self._top_k_rows(logits, self.topk)
-        return self._draft_to_target[top_ids], top_lp
+        top_lp, targets = self._top_k_rows(logits, self.topk, self._draft_to_target)
+        return targets, top_lp
 
     def chain_proposals(self, work: list[DraftWork], rows: list[list[int]], q: torch.Tensor | None
                         ) -> list[Proposal]:
@@ -573,17 +573,21 @@ def tree_build_kernel(device: torch.device) -> BuildKernel | None:
     return cast("BuildKernel | None", gpu_kernel(device, f"{__package__}.tree_build_triton", "tree_build_triton"))
 
 
-def top_k_torch(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's ``k`` best log-probabilities (fp32, descending) and their indices."""
+TopK = Callable[[torch.Tensor, int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # (logits, k, table)
+
+
+def top_k_torch(logits: torch.Tensor, k: int, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's ``k`` best log-probabilities (fp32, descending) and their indices through ``table`` (the draft
+    vocabulary's target ids)."""
     values, indices = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
-    return values, indices
+    return values, table[indices]
 
 
-def top_k_kernel(device: torch.device, vocab: int) -> Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]:
+def top_k_kernel(device: torch.device, vocab: int) -> TopK:
     """The draft's per-row top-k: one Triton kernel where the hardware runs it (CUDA, a vocabulary one
     program holds), else torch's log-softmax and top-k."""
     module = f"{__package__}.topk_logprobs_triton"
     fast, limit = gpu_kernel(device, module, "topk_logprobs_triton"), gpu_kernel(device, module, "MAX_VOCAB")
     if fast is None or limit is None or vocab > limit:
         return top_k_torch
-    return cast(Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]], fast)
+    return cast(TopK, fast)

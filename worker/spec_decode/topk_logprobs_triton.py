@@ -7,6 +7,7 @@ program holds a whole row (the draft vocabulary: at most ``MAX_VOCAB`` entries),
 then the k best, one reduction each, ties to the lower index; values as torch's (x - max) - log(sum).
 
     top_lp, top_ids = topk_logprobs_triton(logits, 8)  # [rows, 8] fp32 log-probabilities, int64 indices
+    top_lp, targets = topk_logprobs_triton(logits, 8, d2t)  # the indices through a table, in the same launch
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ MAX_VOCAB = 65536  # one row in one program's registers (16 warps: at most 128 v
 
 
 @triton.jit
-def _topk_logprobs_kernel(x_ptr, vals_ptr, idx_ptr, V, stride, K: tl.constexpr, BLOCK: tl.constexpr):
+def _topk_logprobs_kernel(x_ptr, vals_ptr, idx_ptr, table_ptr, V, stride, K: tl.constexpr, BLOCK: tl.constexpr,
+                          MAPPED: tl.constexpr):
     r = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     x = tl.load(x_ptr + r * stride + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
@@ -29,13 +31,17 @@ def _topk_logprobs_kernel(x_ptr, vals_ptr, idx_ptr, V, stride, K: tl.constexpr, 
         v = tl.max(x, axis=0)
         i = tl.minimum(tl.min(tl.where(x == v, offs, BLOCK), axis=0), V - 1)  # lowest index; a NaN row: the last
         tl.store(vals_ptr + r * K + t, (v - mx) - log_sum)
-        tl.store(idx_ptr + r * K + t, i.to(tl.int64))
+        if MAPPED:  # the index through the table (a draft vocabulary's target ids)
+            tl.store(idx_ptr + r * K + t, tl.load(table_ptr + i).to(tl.int64))
+        else:
+            tl.store(idx_ptr + r * K + t, i.to(tl.int64))
         x = tl.where(offs == i, float("-inf"), x)
 
 
-def topk_logprobs_triton(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_logprobs_triton(logits: torch.Tensor, k: int, table: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: [rows, V] (V <= MAX_VOCAB, rows contiguous) -> (log-probabilities [rows, k] fp32, descending,
-    indices [rows, k] int64)."""
+    indices [rows, k] int64: ``table[index]`` where a table [V] is given, in the same launch)."""
     rows, vocab = logits.shape
     if vocab > MAX_VOCAB or k > vocab:
         raise ValueError(f"top-{k} of a {vocab}-entry row: at most {MAX_VOCAB} entries and k <= entries")
@@ -45,6 +51,7 @@ def topk_logprobs_triton(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, to
     idx = torch.empty((rows, k), dtype=torch.int64, device=logits.device)
     if rows:
         block = triton.next_power_of_2(vocab)
-        _topk_logprobs_kernel[(rows,)](logits, vals, idx, vocab, logits.stride(0), K=k, BLOCK=block,
+        _topk_logprobs_kernel[(rows,)](logits, vals, idx, idx if table is None else table, vocab, logits.stride(0),
+                                       K=k, BLOCK=block, MAPPED=table is not None,
                                        num_warps=16 if block >= 16384 else 4)
     return vals, idx
