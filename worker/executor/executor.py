@@ -43,6 +43,11 @@ log = logging.getLogger(__name__)
 
 MoveKV = Callable[[KVCache, torch.Tensor, torch.Tensor], None]  # (cache, src slots, dst slots): ``KVCache.move``
 
+# K/V moves between slots in one Triton launch a group on a GPU (``kv_move_triton``: torch's index_copy_ splits into a
+# kernel per layer on a cache past 2**31 elements); False: ``KVCache.move``, the A/B (bench/graph_launch_probe.py
+# --set worker.executor.executor.KV_MOVE_ONE_LAUNCH=False).
+KV_MOVE_ONE_LAUNCH = True
+
 
 class StepExecutor:
     """``ledger``: the rank's collective ledger (graph replays count into it); None for a model
@@ -69,7 +74,8 @@ class StepExecutor:
         self.kernels = kernels  # the model's kernel set (the EAGLE3 draft takes the target's)
         self.graphs: StepGraphs | None = None
         # moves K/V between cache slots (copy_kv, a tree verify's moves): one launch a group on a GPU
-        self.move_kv: MoveKV = gpu_kernel(device, f"{__package__}.kv_move_triton", "move_kv_triton") or KVCache.move
+        fast = gpu_kernel(device, f"{__package__}.kv_move_triton", "move_kv_triton") if KV_MOVE_ONE_LAUNCH else None
+        self.move_kv: MoveKV = fast or KVCache.move
 
     @property
     def local(self) -> StepExecutor:

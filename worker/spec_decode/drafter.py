@@ -568,8 +568,15 @@ def tree_expand_kernel(device: torch.device) -> ExpandKernel | None:
     return cast("ExpandKernel | None", gpu_kernel(device, f"{__package__}.tree_expand_triton", "tree_expand_triton"))
 
 
+# A device tree's build in one Triton launch on a GPU (``tree_build_triton``); False: the torch ops (~35 kernels), the
+# A/B (bench/graph_launch_probe.py --set worker.spec_decode.drafter.TREE_BUILD_ONE_LAUNCH=False).
+TREE_BUILD_ONE_LAUNCH = True
+
+
 def tree_build_kernel(device: torch.device) -> BuildKernel | None:
     """A device tree's build in one kernel where the hardware runs it (CUDA with Triton), else None (torch ops)."""
+    if not TREE_BUILD_ONE_LAUNCH:
+        return None
     return cast("BuildKernel | None", gpu_kernel(device, f"{__package__}.tree_build_triton", "tree_build_triton"))
 
 
