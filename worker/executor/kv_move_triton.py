@@ -1,11 +1,12 @@
 """``KVCache.move`` in one Triton launch per group of same-shaped layers (a GPU's K/V relocation).
 
 A tree round moves its accepted nodes' K/V to the slots after the root (``tree_verify_program.apply_moves``, the
-host's ``StepExecutor.copy_kv``). torch's ``index_copy_`` into a cache group larger than 2**31 elements (SmolLM2's
-30 layers of K and V over a cache that fills an H100: [60, ~2.6M slots, 3, 64]) cannot index in 32 bits, so its
-TensorIterator splits the copy into one kernel per layer slice: some sixty launches of host and GPU time for a few
-rows. On an H100 a tree round in flight left the GPU ~100 us idle between its verify and the next draft, against
-~7 us in a chain round, which moves nothing (bench/results/2026-12-07-tree-in-flight-smollm2-h100.json).
+host's ``StepExecutor.copy_kv``) with torch's ``index_select`` and ``index_copy_``: two launches, but the copy into
+a cache group past 2**31 elements (SmolLM2's 30 layers of K and V in a fifth of an H100: [60, ~690k slots, 3, 64])
+cannot index in 32 bits, so its TensorIterator splits it into several kernels. On an H100 a tree round in flight
+left the GPU ~100 us idle between its verify and the next draft, where the move runs, against ~7 us in a chain
+round, which moves nothing (bench/results/2026-12-07-tree-in-flight-smollm2-h100.json; bench/kv_move_probe.py
+times both moves).
 
 Here each program owns one layer tensor's columns ``[c0, c0 + BLOCK)`` of the slot rows and moves every slot in
 them: it loads all the sources, waits at a barrier for every thread of the program to hold its values, then writes
