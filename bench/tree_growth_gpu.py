@@ -1,6 +1,7 @@
-"""GPU time of one draft tree's growth (``device_tree.TreeGrowth``): the torch ops against the fused step
-(``tree_expand_triton``) and, with it, the one-kernel top-k (``topk_logprobs_triton``), each captured as one
-CUDA graph the way the drafter's tree chain runs it (the draft forwards left out: a fixed [rows, vocab] logits tensor stands in, so the figure is the growth's own cost).
+"""GPU time of one draft tree's growth (``device_tree.TreeGrowth``): the torch ops against the fused start and
+steps (``tree_expand_triton``: each step's expand writes the next feed), with them the one-kernel top-k
+(``topk_logprobs_triton``, target ids in its launch) and then the one-launch build (``tree_build_triton``), each
+captured as one CUDA graph the way the drafter's tree chain runs it (the draft forwards left out: a fixed [rows, vocab] logits tensor stands in, so the figure is the growth's own cost).
 
     bash bench/gpu_real.sh growth [--steps 7 --topk 8 --nodes 64 --profile]   (the GPU machine: -> $OUT/tree-growth.json)
     python bench/tree_growth_gpu.py --out bench/results/tree-growth.json          (where fusedserve is installed)
@@ -28,12 +29,7 @@ from bench.common import cuda_graph, record_header, spread, timed, write_record 
 
 def main() -> None:
     from fusedserve.worker.spec_decode.device_tree import TreeGrowth
-    from fusedserve.worker.spec_decode.drafter import (
-        top_k_kernel,
-        top_k_torch,
-        tree_build_kernel,
-        tree_expand_kernel,
-    )
+    from fusedserve.worker.spec_decode.drafter import top_k_kernel, top_k_torch, tree_kernels
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -47,8 +43,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="also list each round's kernels (torch profiler)")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    kernel, build = tree_expand_kernel(dev), tree_build_kernel(dev)
-    assert kernel is not None and build is not None, "needs Triton on CUDA"
+    kernels = tree_kernels(dev)
+    assert kernels is not None and kernels.build is not None, "needs Triton on CUDA"
+    steps_only = kernels._replace(build=None)
     fast_top_k = top_k_kernel(dev, args.vocab)
     k, steps = args.topk, args.steps
     results: dict[str, Any] = {}
@@ -60,12 +57,12 @@ def main() -> None:
         roots = torch.zeros(b, dtype=torch.long, device=dev)
         root_hidden = torch.randn(b, args.hidden, device=dev, dtype=torch.bfloat16)
         row: dict[str, Any] = {}
-        variants = (("torch", None, None, top_k_torch), ("fused expand", kernel, None, top_k_torch),
-                    ("fused expand + top-k", kernel, None, fast_top_k),
-                    ("fused expand + top-k + build", kernel, build, fast_top_k))
-        for name, fused, built, top_k in variants:
+        variants = (("torch", None, top_k_torch), ("fused start + steps", steps_only, top_k_torch),
+                    ("fused start + steps + top-k", steps_only, fast_top_k),
+                    ("fused start + steps + top-k + build", kernels, fast_top_k))
+        for name, fused, top_k in variants:
             def round_() -> torch.Tensor:
-                growth = TreeGrowth(roots, d2t[first.indices], first.values, root_hidden, steps, fused, built)
+                growth = TreeGrowth(roots, d2t[first.indices], first.values, root_hidden, steps, fused)
                 for _ in range(1, steps):
                     growth.feed()
                     top_lp, targets = top_k(logits, k, d2t)  # the indices through d2t (in the launch, fused)

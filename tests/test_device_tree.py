@@ -183,21 +183,21 @@ def test_padded_batch_of_device_trees_equals_host_trees(monkeypatch: pytest.Monk
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_fused_tree_expand_equals_torch_ops_on_gpu() -> None:
-    """On a GPU the drafter grows trees with the fused step (``tree_expand_triton``) and builds them in one launch
-    (``tree_build_triton``): the same candidates, leaves, hidden inputs, masks and built trees as the torch ops,
-    ties included, at 7 steps x topK 8."""
-    from fusedserve.worker.spec_decode.drafter import tree_build_kernel, tree_expand_kernel
+    """On a GPU the drafter grows trees with the fused start and steps (``tree_expand_triton``: each step's expand
+    writes the next feed) and builds them in one launch (``tree_build_triton``): the same feeds, candidates, leaves,
+    hidden inputs and built trees as the torch ops, ties included, at 7 steps x topK 8."""
+    from fusedserve.worker.spec_decode.drafter import tree_kernels
 
     dev = torch.device("cuda")
-    kernel, build = tree_expand_kernel(dev), tree_build_kernel(dev)
-    assert kernel is not None and build is not None
+    kernels = tree_kernels(dev)
+    assert kernels is not None and kernels.build is not None
     g = torch.Generator(device=dev).manual_seed(0)
     b, k, steps, hidden = 5, 8, 7, 576
     first_lp = -torch.randint(0, 3, (b, k), generator=g, device=dev).float()
     args = (torch.arange(b, device=dev), torch.randint(0, 49152, (b, k), generator=g, device=dev), first_lp,
             torch.randn(b, hidden, generator=g, device=dev, dtype=torch.bfloat16), steps)
-    grown = [TreeGrowth(*args), TreeGrowth(*args, kernel, build)]
-    for _ in range(1, steps):
+    grown = [TreeGrowth(*args), TreeGrowth(*args, kernels)]
+    for j in range(1, steps):
         tops = torch.randint(0, 49152, (b * k, k), generator=g, device=dev)
         lps = -torch.randint(0, 5, (b * k, k), generator=g, device=dev).float() * 0.25
         out = torch.randn(b * k, hidden, generator=g, device=dev, dtype=torch.bfloat16)
@@ -205,8 +205,10 @@ def test_fused_tree_expand_equals_torch_ops_on_gpu() -> None:
             assert torch.equal(x, y)
         for t in grown:
             t.expand(tops, lps, out)
-        for name in ("leaves", "leaf_hidden", "leaf_mask", "tokens", "parents", "depths", "scores"):
-            assert torch.equal(getattr(grown[0], name), getattr(grown[1], name)), name
+        assert torch.equal(grown[0].leaves, grown[1].leaves) and torch.equal(grown[0].leaf_hidden, grown[1].leaf_hidden)
+        written = k + j * k * k  # the fused start leaves the later steps' columns for their expands
+        for name in ("tokens", "parents", "depths", "scores"):
+            assert torch.equal(getattr(grown[0], name)[:, :written], getattr(grown[1], name)[:, :written]), name
     for nodes in (16, 64):
         trees = [t.build(nodes) for t in grown]
         for name in ("tokens", "parents", "depths", "mask"):

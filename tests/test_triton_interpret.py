@@ -1546,10 +1546,11 @@ def test_interp_fp8_fused_experts_w8a16_equal_the_dequantized_experts(dtype: tor
 @inner
 @pytest.mark.parametrize("k,steps", [(3, 4), (8, 7)])
 def test_interp_tree_expand(k: int, steps: int) -> None:
-    """The fused tree-growth step grows the same candidates, leaves, hidden inputs and masks as the torch
-    ops, ties included (log-probabilities rounded to a few values)."""
-    from fusedserve.worker.spec_decode.device_tree import TreeGrowth
-    from fusedserve.worker.spec_decode.tree_expand_triton import tree_expand_triton
+    """The fused tree growth (``tree_start_triton``, then each step's ``tree_expand_triton``, which writes the next
+    feed) feeds the same tokens, hidden inputs and mask rows and grows the same candidates, leaves and hidden inputs
+    as the torch ops, ties included (log-probabilities rounded to a few values); the built trees equal."""
+    from fusedserve.worker.spec_decode.device_tree import TreeGrowth, TreeKernels
+    from fusedserve.worker.spec_decode.tree_expand_triton import tree_expand_triton, tree_start_triton
 
     g = torch.Generator().manual_seed(k)
     b, hidden = 3, 40
@@ -1559,8 +1560,9 @@ def test_interp_tree_expand(k: int, steps: int) -> None:
     roots = torch.arange(b)
     root_hidden = torch.randn(b, hidden, generator=g)
     grown = [TreeGrowth(roots, first_tok, first_lp, root_hidden, steps),
-             TreeGrowth(roots, first_tok, first_lp, root_hidden, steps, tree_expand_triton)]
-    for _ in range(1, steps):
+             TreeGrowth(roots, first_tok, first_lp, root_hidden, steps, TreeKernels(tree_start_triton,
+                                                                                    tree_expand_triton))]
+    for j in range(1, steps):
         tops = torch.randint(0, 999, (b * k, k), generator=g)
         lps = -torch.randint(0, 4, (b * k, k), generator=g).float() * 0.5  # few values: ties everywhere
         out = torch.randn(b * k, hidden, generator=g)
@@ -1569,8 +1571,11 @@ def test_interp_tree_expand(k: int, steps: int) -> None:
             assert torch.equal(x, y)
         for t in grown:
             t.expand(tops, lps, out)
-        for name in ("leaves", "leaf_hidden", "leaf_mask", "tokens", "parents", "depths", "scores"):
+        for name in ("leaves", "leaf_hidden"):
             assert torch.equal(getattr(grown[0], name), getattr(grown[1], name)), name
+        written = k + j * k * k  # the fused start leaves the later steps' columns for their expands
+        for name in ("tokens", "parents", "depths", "scores"):
+            assert torch.equal(getattr(grown[0], name)[:, :written], getattr(grown[1], name)[:, :written]), name
     trees = [t.build(min(1 + k * 2, 1 + k + (steps - 1) * k * k)) for t in grown]
     for name in ("tokens", "parents", "depths", "mask"):
         assert torch.equal(getattr(trees[0], name), getattr(trees[1], name)), name
@@ -1583,8 +1588,9 @@ def test_interp_tree_build_equals_the_torch_build(k: int, steps: int, nodes: int
     """The verified trees in one launch (``tree_build_triton``) equal ``TreeGrowth``'s torch build (tokens, parents,
     depths, ancestor masks) after a growth with ties everywhere (log-probabilities of a few values), for the served
     trees' shapes, 392 candidates (several column blocks of the rank count), a tree of every candidate, and k = 1."""
-    from fusedserve.worker.spec_decode.device_tree import TreeGrowth
+    from fusedserve.worker.spec_decode.device_tree import TreeGrowth, TreeKernels
     from fusedserve.worker.spec_decode.tree_build_triton import tree_build_triton
+    from fusedserve.worker.spec_decode.tree_expand_triton import tree_expand_triton, tree_start_triton
 
     g = torch.Generator().manual_seed(k * 100 + nodes)
     b, hidden = 3, 8
@@ -1592,7 +1598,8 @@ def test_interp_tree_build_equals_the_torch_build(k: int, steps: int, nodes: int
     first_lp = -torch.randint(0, 3, (b, k), generator=g).float()
     roots = torch.randint(0, 999, (b,), generator=g)
     grown = [TreeGrowth(roots, first_tok, first_lp, torch.zeros(b, hidden), steps),
-             TreeGrowth(roots, first_tok, first_lp, torch.zeros(b, hidden), steps, None, tree_build_triton)]
+             TreeGrowth(roots, first_tok, first_lp, torch.zeros(b, hidden), steps,
+                        TreeKernels(tree_start_triton, tree_expand_triton, tree_build_triton))]
     for _ in range(1, steps):
         tops = torch.randint(0, 999, (b * k, k), generator=g)
         lps = -torch.randint(0, 4, (b * k, k), generator=g).float() * 0.5
@@ -1934,3 +1941,52 @@ def test_interp_kv_move_equals_kv_cache_move(dtype: torch.dtype) -> None:
     want = moved_bits(wide)
     move_kv_triton(wide, src, dst)
     assert all(torch.equal(t.view(torch.uint8), w) for t, w in zip(wide.stored(), want, strict=True))
+
+
+@inner
+def test_interp_tree_rounds_in_flight_with_the_fused_kernels_equal_the_torch_ops(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiny pair at tree-s5-k4-t16, greedy rounds in flight under (CPU) graphs, with what a GPU runs in place of
+    the torch ops — the growth's fused start and steps (the feed from each expand), the one-launch build, the tree
+    verify's stage kernel and the one-launch K/V move — gives the same tokens and acceptance as with the torch ops
+    (the kernels run in Triton's interpreter)."""
+    from pathlib import Path
+
+    from fusedserve.worker.engine.config import EngineConfig
+    from fusedserve.worker.engine.engine import Engine
+    from fusedserve.worker.engine.sequence import SamplingParams
+    from fusedserve.worker.executor.kv_move_triton import move_kv_triton
+    from fusedserve.worker.spec_decode import decoder, drafter
+    from fusedserve.worker.spec_decode.config import SpeculativeConfig
+    from fusedserve.worker.spec_decode.device_tree import TreeKernels
+    from fusedserve.worker.spec_decode.tree_build_triton import tree_build_triton
+    from fusedserve.worker.spec_decode.tree_expand_triton import tree_expand_triton, tree_start_triton
+    from fusedserve.worker.spec_decode.tree_stage_triton import tree_stage_triton
+
+    root = Path(__file__).resolve().parents[1] / "examples/checkpoints"
+    prompts = ["def fib(n):\n    ", "import os\nclass Foo:\n"]
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+    calls: dict[str, int] = {}
+
+    def counted(name: str, fn: Any) -> Any:
+        def call(*args: Any) -> Any:
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*args)
+        return call
+
+    def run(fused: bool) -> tuple[list[list[int]], int]:
+        spec = SpeculativeConfig(str(root / "tiny-code-eagle3"), num_steps=5, topk=4, num_draft_tokens=16)
+        engine = Engine(root / "tiny-code", EngineConfig(speculative=spec, num_blocks=64, block_size=4, max_num_seqs=2,
+                                                         cuda_graph_batch_sizes=(1, 2), cuda_graphs=True))
+        if fused:
+            engine.executor.move_kv = counted("move", move_kv_triton)
+        outs = engine.generate(prompts, greedy)
+        return [list(c.token_ids) for c in outs], engine.stats().spec.accepted_tokens
+
+    want = run(False)
+    monkeypatch.setattr(drafter, "tree_kernels", lambda device: TreeKernels(
+        counted("start", tree_start_triton), counted("expand", tree_expand_triton), counted("build", tree_build_triton)))
+    monkeypatch.setattr(decoder, "tree_stage_kernel", lambda device: counted("stage", tree_stage_triton))
+    assert run(True) == want and want[1] > 0
+    assert all(calls.get(k, 0) > 2 for k in ("move", "start", "expand", "build", "stage")), calls

@@ -29,15 +29,28 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
+# (top_tokens, top_logprobs, size, width) -> (tokens, parents, depths, scores, leaves, fed mask): the candidate arrays
+# and the first feed in one launch (``tree_expand_triton.tree_start_triton``)
+StartKernel = Callable[..., tuple[torch.Tensor, ...]]
 # (top_tokens, top_logprobs, out_hidden, fed_mask, scores, tokens, parents, depths, leaves, lo, depth)
-#   -> (new leaves, their hidden inputs, their masks): one step's expand on the device (``tree_expand_triton``)
-ExpandKernel = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+#   -> (new leaves, their hidden inputs, their fed masks, their tokens): one step's expand and the next feed on the
+#   device (``tree_expand_triton``)
+ExpandKernel = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
 # (scores, tokens, parents, depths, roots, num_nodes, steps) -> the verified trees' tokens, parents, depths, masks:
 # ``build`` in one launch (``tree_build_triton``)
 BuildKernel = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+class TreeKernels(NamedTuple):
+    """A growth's fused kernels (GPU): the start and each step's expand, and the build (None: the torch build)."""
+
+    start: StartKernel
+    expand: ExpandKernel
+    build: BuildKernel | None = None
 
 
 @dataclass(frozen=True)
@@ -61,21 +74,28 @@ class TreeGrowth:
     """One batch's candidates, grown step by step on the device (``feed``, then ``expand``)."""
 
     def __init__(self, root_tokens: torch.Tensor, top_tokens: torch.Tensor, top_logprobs: torch.Tensor,
-                 root_hidden: torch.Tensor, num_steps: int, kernel: ExpandKernel | None = None,
-                 build_kernel: BuildKernel | None = None) -> None:
+                 root_hidden: torch.Tensor, num_steps: int, kernels: TreeKernels | None = None) -> None:
         """The root's children. root_tokens: [B]; top_tokens, top_logprobs: [B, k] (the first pass's
-        top-k, target ids); root_hidden: [B, H] (what the root's children are fed). ``kernel``: each
-        step's expand in one kernel (``tree_expand_triton``, on a GPU); ``build_kernel``: ``build`` in one
-        (``tree_build_triton``); None = the torch ops here."""
-        self.expand = self._expand_torch if kernel is None else self._expand_fused
-        self._kernel = kernel
-        self.build = self._build_torch if build_kernel is None else self._build_fused
-        self._build_kernel = build_kernel
+        top-k, target ids); root_hidden: [B, H] (what the root's children are fed). ``kernels``: the start,
+        each step's expand (with the next feed) and the build in a launch each (``tree_expand_triton``,
+        ``tree_build_triton``, on a GPU); None = the torch ops here."""
+        self._kernels = kernels
+        self.build = self._build_torch if kernels is None or kernels.build is None else self._build_fused
         b, k = top_tokens.shape
         dev = top_tokens.device
         self.k, self.num_steps = k, num_steps
         size = k + (num_steps - 1) * k * k
+        width = max(num_steps - 1, 1) * k
         self.root_tokens = root_tokens
+        self.leaf_hidden = root_hidden[:, None, :].expand(b, k, root_hidden.shape[-1]).contiguous()
+        self.step = 1
+        if kernels is not None:  # the fed leaves' tokens and masks (own slot set) come from the start, then each expand
+            self.feed, self.expand = self._feed_fused, self._expand_fused
+            (self.tokens, self.parents, self.depths, self.scores, self.leaves,
+             self._fed_mask) = kernels.start(top_tokens, top_logprobs, size, width)
+            self._fed_tokens = top_tokens
+            return
+        self.feed, self.expand = self._feed_torch, self._expand_torch
         self.tokens = torch.zeros((b, size), dtype=torch.long, device=dev)
         self.parents = torch.full((b, size), -1, dtype=torch.long, device=dev)
         self.depths = torch.ones((b, size), dtype=torch.long, device=dev)
@@ -83,17 +103,14 @@ class TreeGrowth:
         self.tokens[:, :k] = top_tokens
         self.scores[:, :k] = top_logprobs.double().clamp(max=0.0)
         self.leaves = torch.arange(k, device=dev).expand(b, k).contiguous()  # candidate indices, fed next
-        self.leaf_hidden = root_hidden[:, None, :].expand(b, k, root_hidden.shape[-1]).contiguous()
-        width = max(num_steps - 1, 1) * k
         self.leaf_mask = torch.zeros((b, k, width), dtype=torch.bool, device=dev)  # ancestors' scratch slots
         # the slot of the r-th leaf fed at step j, as a mask row [k, width] per step (made once)
         # (made with device ops alone: this also runs inside a CUDA graph capture)
         own_col = torch.arange(max(num_steps - 1, 1), device=dev)[:, None] * k + torch.arange(k, device=dev)
         self._own = own_col[:, :, None] == torch.arange(width, device=dev)  # [steps - 1, k, width]
-        self.step = 1
 
-    def feed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Step ``self.step``'s inputs: tokens [B * k], hidden [B * k, H], mask rows [B * k, step * k]
+    def _feed_torch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Step ``self.step``'s inputs (``feed``): tokens [B * k], hidden [B * k, H], mask rows [B * k, step * k]
         over the scratch slots (ancestors' and its own)."""
         j, k = self.step, self.k
         b = self.leaves.shape[0]
@@ -102,11 +119,20 @@ class TreeGrowth:
         rows = self._fed_mask[:, :, : j * k]
         return tokens.reshape(b * k), self.leaf_hidden.reshape(b * k, -1), rows.reshape(b * k, j * k)
 
-    def _expand_fused(self, top_tokens: torch.Tensor, top_logprobs: torch.Tensor, out_hidden: torch.Tensor) -> None:
-        """``expand`` in one kernel: the same candidates, leaves, hidden inputs and masks."""
+    def _feed_fused(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``feed`` from what the start or the last expand wrote: views, no launch (the mask rows a strided view of
+        the fed masks' first ``step * k`` columns)."""
         j, k = self.step, self.k
-        assert self._kernel is not None
-        self.leaves, self.leaf_hidden, self.leaf_mask = self._kernel(
+        b = self.leaves.shape[0]
+        return (self._fed_tokens.reshape(b * k), self.leaf_hidden.reshape(b * k, -1),
+                self._fed_mask.view(b * k, -1)[:, : j * k])
+
+    def _expand_fused(self, top_tokens: torch.Tensor, top_logprobs: torch.Tensor, out_hidden: torch.Tensor) -> None:
+        """``expand`` in one kernel: the same candidates, leaves and hidden inputs, and the next feed's tokens and
+        masks."""
+        j, k = self.step, self.k
+        assert self._kernels is not None
+        self.leaves, self.leaf_hidden, self._fed_mask, self._fed_tokens = self._kernels.expand(
             top_tokens, top_logprobs, out_hidden, self._fed_mask, self.scores, self.tokens, self.parents,
             self.depths, self.leaves, k + (j - 1) * k * k, j + 1)
         self.step += 1
@@ -134,8 +160,8 @@ class TreeGrowth:
 
     def _build_fused(self, num_nodes: int) -> DeviceTree:
         """``build`` in one kernel: the same trees."""
-        assert self._build_kernel is not None
-        return DeviceTree(*self._build_kernel(self.scores, self.tokens, self.parents, self.depths, self.root_tokens,
+        assert self._kernels is not None and self._kernels.build is not None
+        return DeviceTree(*self._kernels.build(self.scores, self.tokens, self.parents, self.depths, self.root_tokens,
                                               num_nodes, self.num_steps))
 
     def _build_torch(self, num_nodes: int) -> DeviceTree:

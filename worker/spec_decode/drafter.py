@@ -48,7 +48,7 @@ from ..executor.step import SeqRows, Step
 from ..executor.step_graphs import StaticInputs, TreeForward
 from ..executor.step_shape import StepShape
 from .config import tree_reach
-from .device_tree import BuildKernel, DeviceTree, ExpandKernel, TreeGrowth
+from .device_tree import DeviceTree, TreeGrowth, TreeKernels
 from .draft_tree import DraftTree, TreeBuilder
 from .rejection_sampler import Uniforms
 
@@ -116,8 +116,7 @@ class Drafter:
         self._aux = int(model.fc.in_features)  # the first pass's hidden input: the target's aux states
         self._staged: dict[tuple[int, bool], tuple[StepShape, StaticInputs] | None] = {}  # ``first_chain_staged``
         self._tree_staged: dict[int, tuple[StepShape, StaticInputs] | None] = {}  # ``first_tree_staged``
-        self._expand = tree_expand_kernel(draft.device)  # a device tree's step in one kernel (GPU), or None
-        self._build = tree_build_kernel(draft.device)  # a device tree's build in one kernel (GPU), or None
+        self._tree_kernels = tree_kernels(draft.device)  # a device tree's start, steps and build fused (GPU), or None
         self._top_k_rows = top_k_kernel(draft.device, model.draft_vocab)  # the draft's top-k (GPU), or torch's
 
     def propose(self, work: list[DraftWork]) -> list[Proposal]:
@@ -463,7 +462,7 @@ class Drafter:
         root's top-k: tokens, scores [B, k], hidden inputs [B, k, H]) over draft steps 1 .. num_steps - 1
         and built. -> tokens (the root's column left 0), parents, depths, masks of the verified trees."""
         roots = torch.zeros(tokens.shape[0], dtype=torch.long, device=tokens.device)
-        growth = TreeGrowth(roots, tokens, scores, hidden[:, 0], self.num_steps, self._expand, self._build)
+        growth = TreeGrowth(roots, tokens, scores, hidden[:, 0], self.num_steps, self._tree_kernels)
         for j in range(1, self.num_steps):
             ids, h, rows = growth.feed()
             logits, out = forward(j, ids, h, rows)
@@ -563,21 +562,21 @@ def draft_temperatures(params: list[SamplingParams], device: torch.device) -> to
     return to_device([0.0 if p.greedy else p.temperature for p in params], device, torch.float32)
 
 
-def tree_expand_kernel(device: torch.device) -> ExpandKernel | None:
-    """The fused tree-growth step where the hardware runs it (CUDA with Triton), else None (torch ops)."""
-    return cast("ExpandKernel | None", gpu_kernel(device, f"{__package__}.tree_expand_triton", "tree_expand_triton"))
-
-
 # A device tree's build in one Triton launch on a GPU (``tree_build_triton``); False: the torch ops (~35 kernels), the
 # A/B (bench/graph_launch_probe.py --set worker.spec_decode.drafter.TREE_BUILD_ONE_LAUNCH=False).
 TREE_BUILD_ONE_LAUNCH = True
 
 
-def tree_build_kernel(device: torch.device) -> BuildKernel | None:
-    """A device tree's build in one kernel where the hardware runs it (CUDA with Triton), else None (torch ops)."""
-    if not TREE_BUILD_ONE_LAUNCH:
+def tree_kernels(device: torch.device) -> TreeKernels | None:
+    """A device tree's fused kernels where the hardware runs them (CUDA with Triton): the start and each step's expand
+    (``tree_expand_triton``) and the build (``tree_build_triton``; None where ``TREE_BUILD_ONE_LAUNCH`` is off);
+    else None (the torch ops)."""
+    module = f"{__package__}.tree_expand_triton"
+    start, expand = gpu_kernel(device, module, "tree_start_triton"), gpu_kernel(device, module, "tree_expand_triton")
+    if start is None or expand is None:
         return None
-    return cast("BuildKernel | None", gpu_kernel(device, f"{__package__}.tree_build_triton", "tree_build_triton"))
+    build = gpu_kernel(device, f"{__package__}.tree_build_triton", "tree_build_triton") if TREE_BUILD_ONE_LAUNCH else None
+    return TreeKernels(start, expand, build)
 
 
 TopK = Callable[[torch.Tensor, int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # (logits, k, table)

@@ -7,10 +7,13 @@ per sequence: the fed leaves' k x k children get their scores (the parent's plus
 kept at most the parent's, float64), are written as candidates, and the k best (ties to the lower index)
 become the next leaves in candidate order, with their parents' output hidden states and ancestor masks.
 The choice is a rank count over the k x k children (each child: how many others beat it), exactly
-``device_tree.best``'s stable-sort rule for finite scores.
+``device_tree.best``'s stable-sort rule for finite scores. The same launch writes the next step's feed: the new
+leaves' tokens and their masks with their own slot set, so ``TreeGrowth.feed`` launches nothing.
+``tree_start_triton`` makes the candidate arrays and the first feed in one launch (some seventeen torch kernels).
 
-    new_leaves, new_hidden, new_mask = tree_expand_triton(top_tokens, top_logprobs, out_hidden, fed_mask,
-                                                          scores, tokens, parents, depths, leaves, lo, depth)
+    tokens, parents, depths, scores, leaves, fed_mask = tree_start_triton(top_tokens, top_logprobs, size, width)
+    leaves, hidden, fed_mask, fed_tokens = tree_expand_triton(top_tokens, top_logprobs, out_hidden, fed_mask,
+                                                              scores, tokens, parents, depths, leaves, lo, depth)
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import triton.language as tl
 
 @triton.jit(do_not_specialize=["lo", "depth"])  # counts that change call to call: one compile for all
 def _tree_expand_kernel(top_tok_ptr, top_lp_ptr, hid_ptr, fed_ptr, scores_ptr, tokens_ptr, parents_ptr,
-                        depths_ptr, leaves_ptr, new_leaves_ptr, new_hid_ptr, new_mask_ptr,
+                        depths_ptr, leaves_ptr, new_leaves_ptr, new_hid_ptr, new_mask_ptr, new_tok_ptr,
                         C, H, W, lo, depth,
                         K: tl.constexpr, KK: tl.constexpr, KP: tl.constexpr, BLOCK_H: tl.constexpr,
                         BLOCK_W: tl.constexpr):
@@ -57,6 +60,7 @@ def _tree_expand_kernel(top_tok_ptr, top_lp_ptr, hid_ptr, fed_ptr, scores_ptr, t
     parent_row = child // K
     live = r < K
     tl.store(new_leaves_ptr + b * K + r, (lo + child).to(tl.int64), mask=live)
+    tl.store(new_tok_ptr + b * K + r, tl.sum(tl.where(hit, tok[None, :], 0), axis=1).to(tl.int64), mask=live)
     for h0 in range(0, H, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
         m = live[:, None] & (h < H)[None, :]
@@ -65,17 +69,37 @@ def _tree_expand_kernel(top_tok_ptr, top_lp_ptr, hid_ptr, fed_ptr, scores_ptr, t
     w = tl.arange(0, BLOCK_W)
     m = live[:, None] & (w < W)[None, :]
     bits = tl.load(fed_ptr + (b * K + parent_row)[:, None] * W + w[None, :], mask=m, other=0)
-    tl.store(new_mask_ptr + (b * K + r)[:, None] * W + w[None, :], bits, mask=m)
+    own = w[None, :] == (depth - 1) * K + r[:, None]  # the new leaf's own slot at the next step (none past the last)
+    tl.store(new_mask_ptr + (b * K + r)[:, None] * W + w[None, :], tl.where(own, 1, bits).to(tl.int8), mask=m)
+
+
+@triton.jit
+def _tree_start_kernel(top_tok_ptr, top_lp_ptr, tokens_ptr, parents_ptr, depths_ptr, scores_ptr, leaves_ptr,
+                       mask_ptr, C, W, K: tl.constexpr, KP: tl.constexpr, BLOCK_W: tl.constexpr):
+    b = tl.program_id(0)
+    r = tl.arange(0, KP)
+    live = r < K
+    tl.store(tokens_ptr + b * C + r, tl.load(top_tok_ptr + b * K + r, mask=live, other=0).to(tl.int64), mask=live)
+    tl.store(parents_ptr + b * C + r, tl.zeros([KP], dtype=tl.int64) - 1, mask=live)
+    tl.store(depths_ptr + b * C + r, tl.zeros([KP], dtype=tl.int64) + 1, mask=live)
+    lp = tl.load(top_lp_ptr + b * K + r, mask=live, other=0.0).to(tl.float64)
+    tl.store(scores_ptr + b * C + r, tl.minimum(lp, 0.0), mask=live)
+    tl.store(leaves_ptr + b * K + r, r.to(tl.int64), mask=live)
+    w = tl.arange(0, BLOCK_W)
+    tl.store(mask_ptr + (b * K + r)[:, None] * W + w[None, :], (w[None, :] == r[:, None]).to(tl.int8),
+             mask=live[:, None] & (w < W)[None, :])
 
 
 def tree_expand_triton(top_tokens: torch.Tensor, top_logprobs: torch.Tensor, out_hidden: torch.Tensor,
                        fed_mask: torch.Tensor, scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
                        depths: torch.Tensor, leaves: torch.Tensor, lo: int, depth: int
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One draft step's children into the candidate arrays (``scores``, ``tokens``, ``parents``, ``depths``
     [B, C], written at columns lo .. lo + k * k) and the next leaves. top_tokens, top_logprobs: [B * k, k];
-    out_hidden: [B * k, H]; fed_mask: [B, k, W] bool (the fed leaves' masks); leaves: [B, k] (candidate
-    indices of the fed leaves). -> new leaves [B, k], their hidden inputs [B, k, H], masks [B, k, W]."""
+    out_hidden: [B * k, H]; fed_mask: [B, k, W] bool (the fed leaves' masks, each with its own slot); leaves:
+    [B, k] (candidate indices of the fed leaves); ``depth``: the new leaves' (the step that feeds them). -> new
+    leaves [B, k], their hidden inputs [B, k, H], masks [B, k, W] (their ancestors' slots and their own at that
+    step: column (depth - 1) k + r, none past the last step) and tokens [B, k]: the next feed."""
     b, k = leaves.shape
     hidden = out_hidden.shape[-1]
     width = fed_mask.shape[-1]
@@ -88,10 +112,30 @@ def tree_expand_triton(top_tokens: torch.Tensor, top_logprobs: torch.Tensor, out
     new_leaves = torch.empty_like(leaves)
     new_hidden = torch.empty((b, k, hidden), dtype=out_hidden.dtype, device=out_hidden.device)
     new_mask = torch.empty((b, k, width), dtype=torch.bool, device=fed_mask.device)
+    new_tokens = torch.empty_like(leaves)
     kk = triton.next_power_of_2(k * k)
     _tree_expand_kernel[(b,)](top_tokens, top_logprobs, out_hidden, fed_mask.view(torch.int8), scores, tokens,
-                              parents, depths, leaves, new_leaves, new_hidden, new_mask.view(torch.int8),
+                              parents, depths, leaves, new_leaves, new_hidden, new_mask.view(torch.int8), new_tokens,
                               size, hidden, width, lo, depth, K=k, KK=kk, KP=triton.next_power_of_2(k),
                               BLOCK_H=min(triton.next_power_of_2(hidden), 256),
                               BLOCK_W=triton.next_power_of_2(max(width, 1)))
-    return new_leaves, new_hidden, new_mask
+    return new_leaves, new_hidden, new_mask, new_tokens
+
+
+def tree_start_triton(top_tokens: torch.Tensor, top_logprobs: torch.Tensor, size: int, width: int
+                      ) -> tuple[torch.Tensor, ...]:
+    """A growth's candidate arrays and first feed in one launch: the root's children (the first pass's top-k:
+    ``top_tokens``, ``top_logprobs`` [B, k]) as candidates 0 .. k - 1 (parent -1, depth 1, score the log-probability
+    kept at most 0, float64); the later columns are left for the expands to write. -> tokens, parents, depths,
+    scores [B, size], the leaves fed first [B, k] (candidates 0 .. k - 1) and their masks [B, k, width] (each its own
+    slot, column r)."""
+    b, k = top_tokens.shape
+    dev = top_tokens.device
+    tokens, parents, depths = (torch.empty((b, size), dtype=torch.long, device=dev) for _ in range(3))
+    scores = torch.empty((b, size), dtype=torch.float64, device=dev)
+    leaves = torch.empty((b, k), dtype=torch.long, device=dev)
+    mask = torch.empty((b, k, width), dtype=torch.bool, device=dev)
+    _tree_start_kernel[(b,)](top_tokens.contiguous(), top_logprobs.contiguous(), tokens, parents, depths, scores,
+                             leaves, mask.view(torch.int8), size, width, K=k, KP=triton.next_power_of_2(k),
+                             BLOCK_W=triton.next_power_of_2(max(width, 1)))
+    return tokens, parents, depths, scores, leaves, mask
