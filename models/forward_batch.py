@@ -107,7 +107,12 @@ class KVCache:
         """The K/V of slots ``src`` copied to slots ``dst`` in every layer, on the device (one gather and one scatter per
         group of same-shaped layers); every source is read before any destination is written."""
         for group in self.grouped():
-            group.index_copy_(1, dst, group.index_select(1, src))  # not group[:, d] = ...: its indexing costs the host 2x
+            KVCache.move_group(group, src, dst)
+
+    @staticmethod
+    def move_group(group: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """``move`` in one group ([tensors, slots, ...]): a gather of every source, then a scatter."""
+        group.index_copy_(1, dst, group.index_select(1, src))  # not group[:, d] = ...: its indexing costs the host 2x
 
     def bytes_per_token(self) -> int:
         """Cache bytes one token takes over every layer (what a decode step reads per context token)."""

@@ -55,7 +55,7 @@ def move_kv_triton(cache: KVCache, src: torch.Tensor, dst: torch.Tensor) -> None
     for group in cache.grouped():
         row = group[0, 0].numel()
         if not group[0, 0].is_contiguous() or group.stride(1) < row or group.element_size() not in _AS_INT:
-            group.index_copy_(1, dst, group.index_select(1, src))  # KVCache.move's own op
+            KVCache.move_group(group, src, dst)
             continue
         bits = group.view(_AS_INT[group.element_size()])
         block = min(triton.next_power_of_2(row), max(16, 4096 // triton.next_power_of_2(moves)))

@@ -417,7 +417,7 @@ class Drafter:
     def first_leaves(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A tree's first leaves from the first pass's root rows (a captured first pass + tree chain's pick):
         the draft's ``topk`` best as target ids and their log-probabilities, [B, topk] each (``tree_on_device``'s)."""
-        return self._top_k(logits.float())
+        return self._top_k(logits)  # (both top-k paths read the logits as fp32 themselves: no cast launch here)
 
     def first_tree_staged(self, num_seqs: int) -> tuple[StepShape, StaticInputs] | None:
         """The first pass + tree chain that ``num_seqs`` sequences replay at and its static inputs, for a tree
